@@ -1,0 +1,5 @@
+import sys
+
+from dlcp.cli import main
+
+sys.exit(main())

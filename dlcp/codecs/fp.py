@@ -1,0 +1,108 @@
+"""Float codecs: fp32 lanes as they are, fp16 lanes by conversion.
+
+Sums are float32 at aggregators, so decode only divides by the contributors.
+fp16 overflows to inf exactly as torch's fp16 compression hook does (AMP's
+grad scaler then skips the step); such values are counted in `saturated`.
+With a `CodecState`, fp16 feeds its rounding error back into the next round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlcp.codecs.base import (
+    Codec,
+    CodecState,
+    Encoded,
+    Scale,
+    check_per_packet,
+    contributors_per_lane,
+    flat_float,
+    le_bytes,
+    per_packet_view,
+)
+from dlcp.errors import LocalError
+from dlcp.wire.header import Codec as WireCodec
+
+__all__ = ["FloatCodec", "Fp16Codec", "Fp32Codec"]
+
+
+class FloatCodec(Codec):
+    """Lanes are the values in `dtype`, little-endian; no scale, no seed."""
+
+    dtype: torch.dtype
+
+    def n_lanes(self, numel: int, per_packet: int) -> int:
+        check_per_packet(per_packet)
+        return numel
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        *,
+        per_packet: int,
+        seed: int = 0,
+        scale: Scale | None = None,
+        state: CodecState | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Encoded:
+        check_per_packet(per_packet)
+        v = flat_float(x)
+        if state is not None:
+            v = state.take(v)
+        wire = v.to(self.dtype)
+        block_max = (
+            per_packet_view(v.abs(), per_packet).amax(dim=1) if v.numel() else v.new_zeros(0)
+        )
+        saturated = 0
+        if self.dtype != torch.float32:
+            # only a bucket whose max exceeds the half range can overflow (one sync)
+            if block_max.numel() and float(block_max.max()) > torch.finfo(self.dtype).max:
+                saturated = int((torch.isinf(wire) & torch.isfinite(v)).sum())
+            if state is not None:
+                # rounding error only: an overflow or a non-finite input is not carried
+                r = v - wire.to(torch.float32)
+                state.residual = torch.where(torch.isfinite(r), r, 0.0)
+        if state is not None:
+            state.rounds += 1
+            state.saturated += saturated
+        return Encoded(
+            lanes=le_bytes(wire),
+            n_lanes=v.numel(),
+            scale=0.0,
+            block_max=block_max,
+            saturated=saturated,
+        )
+
+    def decode(
+        self,
+        sums: torch.Tensor,
+        contributors: torch.Tensor | int,
+        *,
+        numel: int,
+        per_packet: int,
+        seed: int = 0,
+        scale: Scale | None = None,
+    ) -> torch.Tensor:
+        check_per_packet(per_packet)
+        if sums.numel() != numel:
+            raise LocalError(f"{sums.numel()} summed lanes for a bucket of {numel} values")
+        s = sums.reshape(-1).to(torch.float32)
+        if numel == 0:
+            return s
+        c = contributors_per_lane(contributors, numel, per_packet, s.device)
+        view = per_packet_view(s, per_packet)
+        mean = torch.where(c > 0, view / c.clamp(min=1), 0.0)
+        return mean.reshape(-1)[:numel]
+
+
+class Fp32Codec(FloatCodec):
+    name = "fp32"
+    wire = WireCodec.FP32
+    dtype = torch.float32
+
+
+class Fp16Codec(FloatCodec):
+    name = "fp16"
+    wire = WireCodec.FP16
+    dtype = torch.float16

@@ -1,0 +1,73 @@
+"""Lane arithmetic: what an aggregator does with payloads without decoding them.
+
+Payload lanes are little-endian. A single contribution travels in the codec's
+data lanes (fp32, fp16, 8-bit or packed 4-bit integers); sums travel in summed
+lanes (fp32, fp16, uint16). Aggregators unpack both into the accumulator dtype,
+add, and pack sums for result packets. The integer sums of THC are exact and
+independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dlcp.errors import Reason, RemoteError
+from dlcp.wire.header import Codec, lane_bytes
+
+__all__ = ["MAX_CONTRIBUTORS", "pack", "sum_dtype", "unpack"]
+
+# Contributions whose sum is guaranteed to fit the summed lanes of every codec.
+MAX_CONTRIBUTORS = 257  # 257 * 255 = 65535 for thc8; fp lanes have no such limit
+
+_SUM_DTYPE: dict[int, np.dtype] = {
+    Codec.FP32: np.dtype(np.float32),
+    Codec.FP16: np.dtype(np.float32),
+    Codec.THC8: np.dtype(np.uint16),
+    Codec.THC4: np.dtype(np.uint16),
+}
+_WIRE_SUMMED: dict[int, np.dtype] = {
+    Codec.FP32: np.dtype("<f4"),
+    Codec.FP16: np.dtype("<f2"),
+    Codec.THC8: np.dtype("<u2"),
+    Codec.THC4: np.dtype("<u2"),
+}
+_WIRE_DATA: dict[int, np.dtype] = {
+    Codec.FP32: np.dtype("<f4"),
+    Codec.FP16: np.dtype("<f2"),
+    Codec.THC8: np.dtype("u1"),
+}
+
+
+def sum_dtype(codec: int) -> np.dtype:
+    """dtype in which an aggregator accumulates lanes of `codec`."""
+    return _SUM_DTYPE[codec]
+
+
+def unpack(codec: int, payload: bytes | memoryview, count: int, summed: bool) -> np.ndarray:
+    """Lanes of a payload as a read-only array; dtype of the wire lanes.
+
+    Raises `RemoteError(BAD_LENGTH)` when the payload does not hold `count` lanes.
+    """
+    if len(payload) != lane_bytes(codec, count, summed):
+        raise RemoteError(Reason.BAD_LENGTH, f"{len(payload)} bytes for {count} lanes")
+    if summed:
+        return np.frombuffer(payload, dtype=_WIRE_SUMMED[codec], count=count)
+    if codec == Codec.THC4:
+        packed = np.frombuffer(payload, dtype=np.uint8)
+        out = np.empty(packed.size * 2, dtype=np.uint8)
+        out[0::2] = packed & 0x0F
+        out[1::2] = packed >> 4
+        return out[:count]
+    return np.frombuffer(payload, dtype=_WIRE_DATA[codec], count=count)
+
+
+def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
+    """Serialise lanes (summed lanes for results, data lanes for contributions)."""
+    if summed:
+        return np.ascontiguousarray(values, dtype=_WIRE_SUMMED[codec]).tobytes()
+    if codec == Codec.THC4:
+        v = np.ascontiguousarray(values, dtype=np.uint8)
+        if v.size % 2:
+            v = np.append(v, np.uint8(0))
+        return ((v[0::2] & 0x0F) | (v[1::2] << 4)).astype(np.uint8).tobytes()
+    return np.ascontiguousarray(values, dtype=_WIRE_DATA[codec]).tobytes()

@@ -1,0 +1,1 @@
+"""Sans-IO core: bucket layout, aggregation state machine, loss and rate maths."""

@@ -1,0 +1,418 @@
+"""Per-shard state machines of one all-reduce round (sans-IO).
+
+`ShardAggregator` runs at a shard's owner: it sums the senders' lanes for the
+shard and decides when the shard is complete under the loss bound.
+`ResultCollector` runs at every contributor: it gathers the owners' result
+packets for the whole bucket. Both take `now` and return what to send; the
+`Engine` wires them to packets.
+
+Completion rule (DESIGN.md "Priority, dropping, bounded loss"): a shard is
+complete when every sender's non-droppable packets are in and at least
+(1 - p) of all lanes are in, or when everything is in. A sender's DONE
+manifest says which of its packets were droppable; before it arrives, a
+missing packet of that sender is treated as required.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dlcp.codecs import lanes as lane_ops
+from dlcp.core.layout import Layout
+from dlcp.core.timing import Timing
+from dlcp.errors import Reason, RemoteError
+
+__all__ = ["Nack", "ResultCollector", "ShardAggregator", "ShardResult"]
+
+
+@dataclass(frozen=True)
+class Nack:
+    """Ask `node` again for packets (local indices within the shard)."""
+
+    node: int
+    shard: int
+    packets: tuple[int, ...]
+    need_manifest: bool = False
+
+
+@dataclass
+class ShardResult:
+    """The aggregated sums of one shard."""
+
+    shard: int
+    sums: np.ndarray  # summed lanes of the shard, lane_ops.sum_dtype(codec)
+    contributors: np.ndarray  # per data packet of the shard: contributions summed
+    block_max: np.ndarray  # per data packet: max of the contributors' block maxima
+    lost_lanes: int  # droppable lanes left out of the sum
+    total_lanes: int  # lanes all senders together should have sent
+
+
+@dataclass
+class _Tick:
+    """Earliest time something is due; None when nothing is."""
+
+    at: float | None = None
+
+    def arm(self, t: float) -> None:
+        if self.at is None or t < self.at:
+            self.at = t
+
+
+class ShardAggregator:
+    """Sums one shard of one round from every sender, within a loss bound."""
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        shard: int,
+        senders: Sequence[int],
+        now: float,
+        timing: Timing,
+    ) -> None:
+        self.layout = layout
+        self.shard = shard
+        self.timing = timing
+        self.senders = tuple(senders)
+        self._row = {node: r for r, node in enumerate(self.senders)}
+        pk = layout.shard_packets(shard)
+        self.first_packet = pk.start
+        self.n_packets = len(pk)
+        self.offset, self.lanes = layout.shard_range(shard)
+        self.counts = (
+            layout.packet_counts()[pk.start : pk.stop] if self.n_packets else np.zeros(0, np.int64)
+        )
+        s = len(self.senders)
+        self.slots = np.zeros((s, self.lanes), dtype=lane_ops.sum_dtype(layout.codec))
+        self.received = np.zeros((s, self.n_packets), dtype=bool)
+        self.droppable = np.zeros((s, self.n_packets), dtype=bool)
+        self.manifest = np.zeros(s, dtype=bool)
+        self.weight = np.ones(s, dtype=np.int64)  # contributions summed in each sender's lanes
+        self.block_max = np.zeros((s, self.n_packets), dtype=np.float32)
+        self.bound = 1.0  # min over the senders' manifests
+        self.scale: float | None = None
+        self.created = now
+        self.done_at: float | None = None  # when every required packet and the bound were met
+        self.last_nack = np.full(s, -math.inf)
+        self.last_arrival = now
+        self.result: ShardResult | None = None
+        self.duplicates = 0
+
+    # -- inputs -----------------------------------------------------------
+    def on_data(
+        self,
+        *,
+        sender: int,
+        offset: int,
+        count: int,
+        payload: memoryview | bytes,
+        summed: bool,
+        weight: int,
+        droppable: bool,
+        scale: float,
+        block_max: float,
+        now: float,
+    ) -> bool:
+        """Store one data packet; False if it was a duplicate. Raises RemoteError."""
+        row, local = self._locate(sender, offset, count)
+        if self.scale is None:
+            self.scale = scale
+        elif scale != self.scale:
+            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
+        if self.received[row, local]:
+            self.duplicates += 1
+            return False
+        lanes = lane_ops.unpack(self.layout.codec, payload, count, summed)
+        start = offset - self.offset
+        self.slots[row, start : start + count] = lanes
+        self.received[row, local] = True
+        self.weight[row] = weight
+        self.block_max[row, local] = block_max
+        if droppable and not self.manifest[row]:
+            self.droppable[row, local] = True
+        self.last_arrival = now
+        return True
+
+    def on_manifest(self, *, sender: int, droppable: np.ndarray, bound: float, now: float) -> None:
+        """A sender's DONE: which of its packets were droppable, and its bound."""
+        row = self._row.get(sender)
+        if row is None:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        if droppable.shape != (self.n_packets,):
+            raise RemoteError(Reason.BAD_RANGE, f"manifest of {droppable.size} packets")
+        if not 0.0 <= bound <= 1.0:
+            raise RemoteError(Reason.BAD_RANGE, f"loss bound {bound}")
+        if self.manifest[row]:
+            return
+        self.manifest[row] = True
+        self.droppable[row] = droppable
+        self.bound = min(self.bound, bound)
+        self.last_arrival = now
+
+    def _locate(self, sender: int, offset: int, count: int) -> tuple[int, int]:
+        row = self._row.get(sender)
+        if row is None:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        i = self.layout.packet_of(offset)
+        local = i - self.first_packet
+        if not 0 <= local < self.n_packets or self.layout.packet_range(i) != (offset, count):
+            raise RemoteError(
+                Reason.BAD_RANGE, f"lanes {offset}+{count} are not a packet of shard {self.shard}"
+            )
+        return row, local
+
+    # -- decisions --------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        return self.result is not None
+
+    def _required_missing(self) -> np.ndarray:
+        """Per sender and packet: missing and not known to be droppable."""
+        return ~self.received & ~self.droppable
+
+    def poll(self, now: float) -> tuple[list[Nack], bool]:
+        """Advance timers: NACKs to send, and whether the shard just completed."""
+        if self.result is not None:
+            return [], False
+        if self.received.all():
+            self._finish()
+            return [], True
+        nacks: list[Nack] = []
+        required = self._required_missing()
+        total = int(self.counts.sum()) * len(self.senders)
+        have = int((self.received * self.counts).sum())
+        within = have >= (1.0 - self.bound) * total
+        if self.manifest.all() and not required.any() and within:
+            if self.done_at is None:
+                self.done_at = now
+            if now - self.done_at >= self.timing.linger:
+                self._finish()
+                return [], True
+            return [], False
+        # Something required is missing. Ask for it once it is overdue.
+        for row, node in enumerate(self.senders):
+            if now - self.last_nack[row] < self.timing.nack_interval:
+                continue
+            if self.manifest[row]:
+                if now - self.last_arrival < self.timing.nack_delay:
+                    continue
+                missing = np.flatnonzero(required[row])
+                if missing.size == 0 and self.manifest.all() and not within:
+                    # Required data is in but the bound is not met: ask for the
+                    # droppable packets needed to reach it.
+                    missing = self._to_reach_bound(row, total - have, total)
+                if missing.size:
+                    nacks.append(Nack(node, self.shard, tuple(int(m) for m in missing)))
+                    self.last_nack[row] = now
+            elif now - self.created >= self.timing.grace and (
+                now - self.last_arrival >= self.timing.nack_delay
+            ):
+                nacks.append(Nack(node, self.shard, (), need_manifest=True))
+                self.last_nack[row] = now
+        return nacks, False
+
+    def _to_reach_bound(self, row: int, missing_lanes: int, total: int) -> np.ndarray:
+        allowed = int(self.bound * total)
+        need = missing_lanes - allowed
+        gone = np.flatnonzero(~self.received[row])
+        take = np.searchsorted(np.cumsum(self.counts[gone]), need) + 1
+        return gone[:take]
+
+    def next_timer(self) -> float | None:
+        """When `poll` next has something to do (never a time it would idle at)."""
+        if self.result is not None:
+            return None
+        t = _Tick()
+        t.arm(self.created + self.timing.timeout)
+        if self.done_at is not None:
+            t.arm(self.done_at + self.timing.linger)
+            return t.at
+        required = self._required_missing()
+        short = self.manifest.all() and not required.any()  # only the bound is unmet
+        for row in range(len(self.senders)):
+            again = self.last_nack[row] + self.timing.nack_interval
+            if self.manifest[row]:
+                if required[row].any() or (short and not self.received[row].all()):
+                    t.arm(max(again, self.last_arrival + self.timing.nack_delay))
+            else:
+                t.arm(
+                    max(
+                        again,
+                        self.created + self.timing.grace,
+                        self.last_arrival + self.timing.nack_delay,
+                    )
+                )
+        return t.at
+
+    def timed_out(self, now: float) -> bool:
+        return self.result is None and now - self.created >= self.timing.timeout
+
+    def missing_senders(self) -> list[int]:
+        return [n for r, n in enumerate(self.senders) if not self.received[r].any()]
+
+    def _finish(self) -> None:
+        sdt = self.slots.dtype
+        sums = np.add.reduce(self.slots, axis=0, dtype=sdt) if len(self.senders) else self.slots[0]
+        contributors = (self.received * self.weight[:, None]).sum(axis=0)
+        lost = int(((~self.received) * self.counts).sum())
+        self.result = ShardResult(
+            shard=self.shard,
+            sums=sums,
+            contributors=contributors.astype(np.int64),
+            block_max=self.block_max.max(axis=0) if len(self.senders) else self.block_max[0],
+            lost_lanes=lost,
+            total_lanes=int(self.counts.sum()) * len(self.senders),
+        )
+        self.slots = np.zeros((0, 0), dtype=sdt)  # free the per-sender copies
+
+
+@dataclass
+class _Awaited:
+    """What a result collector still waits for from one owner's shard."""
+
+    owner: int
+    indices: np.ndarray  # global result-packet indices of the shard
+    received: np.ndarray
+    done: bool = False
+    last_arrival: float | None = None
+    last_nack: float = -math.inf
+
+
+@dataclass
+class ResultCollector:
+    """Gathers a round's result packets for the whole bucket at one contributor."""
+
+    layout: Layout
+    owners: Sequence[int]
+    me: int
+    senders: int  # contributing nodes (for the lost-lane share)
+    now: float
+    timing: Timing
+    sums: np.ndarray = field(init=False)
+    contributors: np.ndarray = field(init=False)
+    block_max: np.ndarray = field(init=False)
+    waiting: dict[int, _Awaited] = field(init=False)
+    lost_lanes: int = 0
+    total_lanes: int = 0
+    duplicates: int = 0
+
+    def __post_init__(self) -> None:
+        lay = self.layout
+        self.sums = np.zeros(lay.total, dtype=lane_ops.sum_dtype(lay.codec))
+        self.contributors = np.zeros(lay.packets, dtype=np.int64)
+        self.block_max = np.zeros(lay.packets, dtype=np.float32)
+        self.waiting = {}
+        for shard, owner in enumerate(self.owners):
+            pk = lay.shard_packets(shard)
+            if not pk:
+                continue
+            first = lay.result_index(lay.packet_range(pk.start)[0])
+            n = len(lay.shard_results(shard))
+            self.waiting[shard] = _Awaited(
+                owner=owner,
+                indices=np.arange(first, first + n),
+                received=np.zeros(n, dtype=bool),
+            )
+        self.created = self.now
+
+    @property
+    def complete(self) -> bool:
+        return not self.waiting
+
+    def on_local(self, result: ShardResult) -> None:
+        """The shard this node owns, straight from its aggregator."""
+        off, count = self.layout.shard_range(result.shard)
+        self.sums[off : off + count] = result.sums
+        pk = self.layout.shard_packets(result.shard)
+        self.contributors[pk.start : pk.stop] = result.contributors
+        self.block_max[pk.start : pk.stop] = result.block_max
+        self.lost_lanes += result.lost_lanes
+        self.total_lanes += result.total_lanes
+        self.waiting.pop(result.shard, None)
+
+    def on_result(
+        self,
+        *,
+        shard: int,
+        sender: int,
+        offset: int,
+        count: int,
+        payload: memoryview | bytes,
+        contributors: int,
+        block_max: float,
+        now: float,
+    ) -> bool:
+        """Store one result packet; False if it was a duplicate or late."""
+        w = self.waiting.get(shard)
+        if w is None:
+            self.duplicates += 1
+            return False
+        if sender != w.owner:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not own shard {shard}")
+        lay = self.layout
+        g = lay.result_index(offset)
+        local = g - int(w.indices[0]) if w.indices.size else -1
+        i = lay.packet_of(offset)
+        if not 0 <= local < w.indices.size or (offset, count) not in lay.result_ranges(i):
+            raise RemoteError(Reason.BAD_RANGE, f"lanes {offset}+{count} not a result of {shard}")
+        if w.received[local]:
+            self.duplicates += 1
+            return False
+        self.sums[offset : offset + count] = lane_ops.unpack(lay.codec, payload, count, True)
+        self.contributors[i] = contributors
+        self.block_max[i] = block_max
+        w.received[local] = True
+        w.last_arrival = now
+        if w.received.all():
+            del self.waiting[shard]
+        return True
+
+    def on_done(self, *, shard: int, sender: int, lost_lanes: int, now: float) -> None:
+        """The owner's DONE for a shard: it has sent every result packet."""
+        w = self.waiting.get(shard)
+        if w is None or sender != w.owner or w.done:
+            return
+        w.done = True
+        w.last_arrival = now
+        self.lost_lanes += lost_lanes
+        self.total_lanes += self.layout.shard_range(shard)[1] * self.senders
+
+    def poll(self, now: float) -> list[Nack]:
+        """NACKs for result packets that are overdue (result leg is reliable)."""
+        nacks: list[Nack] = []
+        t = self.timing
+        for shard, w in self.waiting.items():
+            if now - w.last_nack < t.nack_interval:
+                continue
+            if w.done:
+                last = w.last_arrival if w.last_arrival is not None else w.last_nack
+                if now - last >= t.nack_delay:
+                    missing = np.flatnonzero(~w.received)
+                    nacks.append(Nack(w.owner, shard, tuple(int(m) for m in missing)))
+                    w.last_nack = now
+            elif w.last_arrival is not None and now - w.last_arrival >= t.grace:
+                missing = np.flatnonzero(~w.received)
+                nacks.append(
+                    Nack(w.owner, shard, tuple(int(m) for m in missing), need_manifest=True)
+                )
+                w.last_nack = now
+        return nacks
+
+    def next_timer(self) -> float | None:
+        t = _Tick()
+        for w in self.waiting.values():
+            if w.last_arrival is None and not w.done:
+                continue
+            last = w.last_arrival if w.last_arrival is not None else self.created
+            wait = self.timing.nack_delay if w.done else self.timing.grace
+            t.arm(max(last + wait, w.last_nack + self.timing.nack_interval))
+        if self.waiting:
+            t.arm(self.created + self.timing.timeout)
+        return t.at
+
+    def timed_out(self, now: float) -> bool:
+        return bool(self.waiting) and now - self.created >= self.timing.timeout

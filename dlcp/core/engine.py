@@ -1,0 +1,824 @@
+"""The per-node protocol engine: all-reduce rounds over datagrams, without IO.
+
+Driven like aioquic's connection: `submit()` a local contribution,
+`receive()` datagrams, `handle_timer(now)` when `get_timer()` is due; drain
+`datagrams_to_send()` to the network and `next_event()` for finished or failed
+rounds. Nodes are integers; the daemon maps them to paths and addresses.
+
+Roles per round (DESIGN.md "Data path"): every contributor sends each shard's
+packets to the shard's owner and a DONE manifest; owners sum their shard
+(`ShardAggregator`) and send result packets to every contributor; each
+contributor gathers the whole bucket (`ResultCollector`), ACKs the owners and
+reports `RoundComplete`. In "transpose" mode contributors own one shard each;
+in "ps" mode dedicated aggregator nodes do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dlcp.codecs import lanes as lane_ops
+from dlcp.core.aggregate import Nack, ResultCollector, ShardAggregator, ShardResult
+from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
+from dlcp.core.timing import Timing
+from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
+from dlcp.wire.batch import HEADER_DTYPE, encode_batch
+from dlcp.wire.header import Codec, Flags, Header, PacketType, decode, encode, lane_bytes
+
+__all__ = [
+    "Engine",
+    "Event",
+    "JobSpec",
+    "RoundComplete",
+    "RoundFailed",
+    "Send",
+]
+
+OpKey = tuple[int, int, int]  # job, round, bucket
+CONTROL_CLASS = 0
+RETRANSMIT_CLASS = 1  # recovered packets are needed now: top gradient class
+LOWEST_RELIABLE_CLASS = 5
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job's membership as this node sees it."""
+
+    job: int
+    key: bytes
+    me: int
+    contributors: tuple[int, ...]
+    owners: tuple[int, ...]  # owner node of shard s
+    payload: int = DEFAULT_PAYLOAD
+    window: int = 256  # rounds behind the newest that are still accepted
+
+    @classmethod
+    def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: int) -> JobSpec:
+        nodes = tuple(range(hosts))
+        return cls(job=job, key=key, me=me, contributors=nodes, owners=nodes, **kw)
+
+    def __post_init__(self) -> None:
+        if not self.contributors or not self.owners:
+            raise LocalError(f"job {self.job}: no contributors or no owners")
+        if len(set(self.contributors)) != len(self.contributors):
+            raise LocalError(f"job {self.job}: duplicate contributors")
+        if self.me not in self.contributors and self.me not in self.owners:
+            raise LocalError(f"job {self.job}: node {self.me} is not a member")
+        if len(self.contributors) > lane_ops.MAX_CONTRIBUTORS:
+            raise LocalError(f"job {self.job}: more than {lane_ops.MAX_CONTRIBUTORS} contributors")
+        if len(self.key) < 16:
+            raise LocalError(f"job {self.job}: MAC key shorter than 16 bytes")
+
+    @property
+    def members(self) -> frozenset[int]:
+        return frozenset(self.contributors) | frozenset(self.owners)
+
+
+@dataclass(frozen=True)
+class Send:
+    """A datagram for node `node`, in priority class `priority`."""
+
+    node: int
+    datagram: bytes
+    priority: int
+    droppable: bool = False
+    kind: str = "data"  # data | result | control: for metrics
+
+
+@dataclass
+class RoundComplete:
+    job: int
+    round: int
+    bucket: int
+    layout: Layout
+    sums: np.ndarray  # summed lanes of the whole bucket
+    contributors: np.ndarray  # per data packet: contributions in its sums
+    block_max: np.ndarray  # per data packet: max block magnitude (next scale)
+    lost_lanes: int
+    total_lanes: int
+
+
+@dataclass
+class RoundFailed:
+    job: int
+    round: int
+    bucket: int
+    reason: str
+
+
+Event = RoundComplete | RoundFailed
+
+
+@dataclass
+class _Contribution:
+    """What this node sent for a round, kept to answer NACKs."""
+
+    spec: JobSpec
+    layout: Layout
+    round: int
+    bucket: int
+    lanes: memoryview  # data lanes (or summed lanes) of the whole bucket
+    summed: bool
+    weight: int
+    classes: np.ndarray
+    droppable: np.ndarray
+    layers: np.ndarray
+    bound: float
+    scale: float
+    block_max: np.ndarray
+
+
+@dataclass
+class _Finished:
+    """A completed shard that this node owns, kept for result NACKs."""
+
+    spec: JobSpec
+    layout: Layout
+    round: int
+    bucket: int
+    result: ShardResult
+    classes: np.ndarray
+    layers: np.ndarray
+    until: float
+    waiting: set[int] = field(default_factory=set)  # receivers yet to ACK
+
+
+class Engine:
+    """All rounds of all jobs at one node."""
+
+    def __init__(self, *, timing: Timing | None = None) -> None:
+        self.timing = timing or Timing()
+        self.jobs: dict[int, JobSpec] = {}
+        self._keys: dict[int, bytes] = {}
+        self._aggs: dict[tuple[OpKey, int], ShardAggregator] = {}
+        self._agg_meta: dict[tuple[OpKey, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._finished: dict[tuple[OpKey, int], _Finished] = {}
+        self._contribs: dict[OpKey, _Contribution] = {}
+        self._collectors: dict[OpKey, ResultCollector] = {}
+        self._closed: dict[OpKey, float] = {}  # completed or failed rounds, for late packets
+        self._closed_shards: dict[tuple[OpKey, int], float] = {}  # shards aggregated here
+        self._newest: dict[int, int] = {}
+        self._out: list[Send] = []
+        self._events: deque[Event] = deque()
+        self.stats: Counter[str] = Counter()
+        self.rejects: Counter[Reason] = Counter()
+
+    # -- jobs -------------------------------------------------------------
+    def add_job(self, spec: JobSpec) -> None:
+        self.jobs[spec.job] = spec
+        self._keys[spec.job] = spec.key
+
+    def remove_job(self, job: int, now: float) -> None:
+        self.jobs.pop(job, None)
+        self._keys.pop(job, None)
+        for op in [op for op in self._collectors if op[0] == job]:
+            self._fail(op, "job removed", now)
+        for k in [k for k in self._aggs if k[0][0] == job]:
+            del self._aggs[k]
+        for k in [k for k in self._finished if k[0][0] == job]:
+            del self._finished[k]
+
+    @property
+    def keys(self) -> dict[int, bytes]:
+        return self._keys
+
+    # -- outputs ----------------------------------------------------------
+    def datagrams_to_send(self) -> list[Send]:
+        out, self._out = self._out, []
+        return out
+
+    def next_event(self) -> Event | None:
+        return self._events.popleft() if self._events else None
+
+    def pending_rounds(self) -> int:
+        return len(self._collectors)
+
+    # -- local contributions ---------------------------------------------
+    def submit(
+        self,
+        *,
+        job: int,
+        round: int,
+        bucket: int,
+        codec: Codec,
+        total: int,
+        lanes: bytes | memoryview | np.ndarray,
+        now: float,
+        summed: bool = False,
+        weight: int = 1,
+        classes: np.ndarray | None = None,
+        droppable: np.ndarray | None = None,
+        layers: np.ndarray | None = None,
+        bound: float = 0.0,
+        scale: float = 0.0,
+        block_max: np.ndarray | None = None,
+    ) -> None:
+        """Start a round with this node's contribution (`total` lanes of `codec`).
+
+        `classes`, `droppable`, `layers` and `block_max` are per data packet of
+        the bucket (policy decisions made by the caller); `bound` is the loss
+        bound the droppable packets were chosen under.
+        """
+        spec = self.jobs.get(job)
+        if spec is None:
+            raise LocalError(f"unknown job {job}")
+        if spec.me not in spec.contributors:
+            raise LocalError(f"node {spec.me} does not contribute to job {job}")
+        op = (job, round, bucket)
+        if op in self._contribs or op in self._closed:
+            raise LocalError(f"round {round} bucket {bucket} of job {job} was already submitted")
+        if not 0.0 <= bound <= 0.5:
+            raise LocalError(f"loss bound {bound} outside 0..0.5")
+        if not 1 <= weight <= lane_ops.MAX_CONTRIBUTORS:
+            raise LocalError(f"weight {weight} outside 1..{lane_ops.MAX_CONTRIBUTORS}")
+        if not math.isfinite(scale):
+            raise LocalError("scale must be finite")
+        layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        view = memoryview(np.ascontiguousarray(lanes)).cast("B")
+        if len(view) != lane_bytes(codec, total, summed):
+            raise LocalError(
+                f"{len(view)} bytes of lanes, {codec.name} needs "
+                f"{lane_bytes(codec, total, summed)} for {total} lanes"
+            )
+        n = layout.packets
+
+        def per_packet(a: np.ndarray | None, fill: float | int, dtype: type) -> np.ndarray:
+            if a is None:
+                return np.full(n, fill, dtype=dtype)
+            a = np.asarray(a, dtype=dtype)
+            if a.shape != (n,):
+                raise LocalError(f"per-packet array of shape {a.shape}, bucket has {n} packets")
+            return a
+
+        c = _Contribution(
+            spec=spec,
+            layout=layout,
+            round=round,
+            bucket=bucket,
+            lanes=view,
+            summed=summed,
+            weight=weight,
+            classes=per_packet(classes, 1, np.uint8),
+            droppable=per_packet(droppable, False, np.bool_) & (bound > 0),
+            layers=per_packet(layers, 0, np.uint16),
+            bound=bound,
+            scale=scale,
+            block_max=per_packet(block_max, 0.0, np.float32),
+        )
+        if c.classes.max(initial=0) > 7:
+            raise LocalError("priority classes must be 0..7")
+        self._contribs[op] = c
+        self._collectors[op] = ResultCollector(
+            layout=layout,
+            owners=spec.owners,
+            me=spec.me,
+            senders=len(spec.contributors),
+            now=now,
+            timing=self.timing,
+        )
+        self._newest[job] = max(self._newest.get(job, 0), round)
+        for shard, owner in enumerate(spec.owners):
+            pk = layout.shard_packets(shard)
+            if not pk:
+                continue
+            if owner == spec.me:
+                self._local_contribution(op, shard, c, now)
+            else:
+                self._send_data(c, shard, owner, None)
+                self._send_manifest(c, shard, owner, copies=2)
+        self._check_complete(op, now)
+
+    def _local_contribution(self, op: OpKey, shard: int, c: _Contribution, now: float) -> None:
+        agg = self._aggregator(op, shard, c.layout, now)
+        lay = c.layout
+        pk = lay.shard_packets(shard)
+        for i in pk:
+            off, count = lay.packet_range(i)
+            agg.on_data(
+                sender=c.spec.me,
+                offset=off,
+                count=count,
+                payload=self._slice(c, off, count),
+                summed=c.summed,
+                weight=c.weight,
+                droppable=bool(c.droppable[i]),
+                scale=c.scale,
+                block_max=float(c.block_max[i]),
+                now=now,
+            )
+        self._note_meta(op, shard, pk, c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
+        agg.on_manifest(sender=c.spec.me, droppable=np.zeros(len(pk), bool), bound=c.bound, now=now)
+        self._progress(op, shard, now)
+
+    @staticmethod
+    def _slice(c: _Contribution, off: int, count: int) -> memoryview:
+        start = lane_bytes(c.layout.codec, off, c.summed)
+        return c.lanes[start : start + lane_bytes(c.layout.codec, count, c.summed)]
+
+    # -- packet building ---------------------------------------------------
+    def _heads(self, n: int) -> np.ndarray:
+        return np.zeros(n, dtype=HEADER_DTYPE)
+
+    def _send_data(
+        self, c: _Contribution, shard: int, owner: int, only: Sequence[int] | None
+    ) -> None:
+        lay = c.layout
+        pk = lay.shard_packets(shard)
+        idx = np.arange(pk.start, pk.stop) if only is None else pk.start + np.asarray(only, int)
+        if idx.size == 0:
+            return
+        h = self._heads(idx.size)
+        offs = idx * lay.per_packet
+        counts = np.minimum(lay.per_packet, lay.total - offs)
+        drop = c.droppable[idx] if only is None else np.zeros(idx.size, bool)
+        flags = np.where(drop, int(Flags.DROPPABLE), 0) | (int(Flags.SUMMED) if c.summed else 0)
+        if only is None:
+            flags[-1] |= int(Flags.LAST)
+            prio = c.classes[idx]
+        else:
+            flags |= int(Flags.RETRANSMIT)
+            prio = np.minimum(c.classes[idx], RETRANSMIT_CLASS).astype(np.uint8)
+        h["type"] = PacketType.DATA
+        h["flags"] = flags
+        h["priority"] = prio
+        h["codec"] = lay.codec
+        h["job"] = c.spec.job
+        h["round"] = c.round
+        h["bucket"] = c.bucket
+        h["shard"] = shard
+        h["layer"] = c.layers[idx]
+        h["sender"] = c.spec.me
+        h["contributors"] = c.weight
+        h["offset"] = offs
+        h["count"] = counts
+        h["total"] = lay.total
+        h["param"] = c.scale
+        h["aux"] = c.block_max[idx].view(np.uint32)
+        payloads = [self._slice(c, int(o), int(k)) for o, k in zip(offs, counts, strict=True)]
+        for dg, p, d in zip(encode_batch(h, payloads, c.spec.key), prio, drop, strict=True):
+            self._out.append(Send(owner, dg, int(p), bool(d), "data"))
+        self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
+
+    def _send_manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
+        pk = c.layout.shard_packets(shard)
+        bitmap = np.packbits(c.droppable[pk.start : pk.stop], bitorder="little").tobytes()
+        header = Header(
+            type=PacketType.DONE,
+            job=c.spec.job,
+            round=c.round,
+            bucket=c.bucket,
+            flags=Flags.LAST,
+            priority=CONTROL_CLASS,
+            codec=c.layout.codec,
+            shard=shard,
+            sender=c.spec.me,
+            contributors=c.weight,
+            count=len(pk),
+            total=c.layout.total,
+            param=c.bound,
+        )
+        dg = encode(header, bitmap, c.spec.key)
+        for _ in range(copies):
+            self._out.append(Send(owner, dg, CONTROL_CLASS, False, "control"))
+
+    def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
+        lay = f.layout
+        ranges = lay.shard_results(f.result.shard)
+        pick = range(len(ranges)) if only is None else only
+        first_off = lay.shard_range(f.result.shard)[0]
+        first_pk = lay.shard_packets(f.result.shard).start
+        h = self._heads(len(pick))
+        payloads = []
+        for j, r in enumerate(pick):
+            off, count = ranges[r]
+            local = lay.packet_of(off) - first_pk
+            payloads.append(
+                lane_ops.pack(
+                    lay.codec, f.result.sums[off - first_off : off - first_off + count], True
+                )
+            )
+            h[j]["offset"] = off
+            h[j]["count"] = count
+            h[j]["contributors"] = f.result.contributors[local]
+            h[j]["param"] = f.result.block_max[local]
+            h[j]["priority"] = min(int(f.classes[local]), LOWEST_RELIABLE_CLASS)
+            h[j]["layer"] = f.layers[local]
+        h["type"] = PacketType.RESULT
+        h["flags"] = int(Flags.RETRANSMIT) if only is not None else 0
+        h["codec"] = lay.codec
+        h["job"] = f.spec.job
+        h["round"] = f.round
+        h["bucket"] = f.bucket
+        h["shard"] = f.result.shard
+        h["sender"] = f.spec.me
+        h["total"] = lay.total
+        for dg, p in zip(encode_batch(h, payloads, f.spec.key), h["priority"], strict=True):
+            self._out.append(Send(node, dg, int(p), False, "result"))
+        self.stats["result_packets_sent" if only is None else "result_retransmits"] += len(pick)
+
+    def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
+        header = Header(
+            type=PacketType.DONE,
+            job=f.spec.job,
+            round=f.round,
+            bucket=f.bucket,
+            flags=Flags.RESULT_LEG | Flags.LAST,
+            priority=CONTROL_CLASS,
+            codec=f.layout.codec,
+            shard=f.result.shard,
+            sender=f.spec.me,
+            total=f.layout.total,
+            aux=f.result.lost_lanes,
+        )
+        dg = encode(header, b"", f.spec.key)
+        for _ in range(copies):
+            self._out.append(Send(node, dg, CONTROL_CLASS, False, "control"))
+
+    def _send_nack(self, spec: JobSpec, op: OpKey, lay: Layout, nack: Nack, result: bool) -> None:
+        flags = Flags.RESULT_LEG if result else Flags.NONE
+        if nack.need_manifest:
+            flags |= Flags.NEED_MANIFEST
+        header = Header(
+            type=PacketType.NACK,
+            job=op[0],
+            round=op[1],
+            bucket=op[2],
+            flags=flags,
+            priority=CONTROL_CLASS,
+            codec=lay.codec,
+            shard=nack.shard,
+            sender=spec.me,
+            count=len(nack.packets),
+            total=lay.total,
+        )
+        payload = np.asarray(nack.packets, dtype=">u4").tobytes()
+        self._out.append(
+            Send(nack.node, encode(header, payload, spec.key), CONTROL_CLASS, False, "control")
+        )
+        self.stats["result_nacks_sent" if result else "data_nacks_sent"] += 1
+
+    def _send_ack(self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int) -> None:
+        header = Header(
+            type=PacketType.ACK,
+            job=op[0],
+            round=op[1],
+            bucket=op[2],
+            flags=Flags.RESULT_LEG,
+            priority=CONTROL_CLASS,
+            codec=lay.codec,
+            shard=shard,
+            sender=spec.me,
+            total=lay.total,
+        )
+        self._out.append(
+            Send(owner, encode(header, b"", spec.key), CONTROL_CLASS, False, "control")
+        )
+
+    # -- receiving ----------------------------------------------------------
+    def receive(self, datagram: bytes | memoryview, now: float, src: int | None = None) -> None:
+        """Take one datagram from the network; rejects are counted, never raised.
+
+        `src` is the node the datagram's source address belongs to, when the
+        caller knows it; a header claiming another sender is rejected.
+        """
+        try:
+            header, payload = decode(datagram, self._keys)
+        except WireError as exc:
+            self.rejects[exc.reason] += 1
+            return
+        self.receive_packet(header, payload, now, src)
+
+    def receive_packet(
+        self, h: Header, payload: memoryview, now: float, src: int | None = None
+    ) -> None:
+        """Take one authenticated packet (from `decode` or `decode_batch`)."""
+        try:
+            self._dispatch(h, payload, now, src)
+        except RemoteError as exc:
+            self.rejects[exc.reason] += 1
+        except (DlcpError, ValueError) as exc:  # a bug or inconsistency, never fatal here
+            self.rejects[Reason.BAD_RANGE] += 1
+            self.stats["internal_errors"] += 1
+            self.last_error = str(exc)
+
+    def _dispatch(self, h: Header, payload: memoryview, now: float, src: int | None) -> None:
+        spec = self.jobs.get(h.job)
+        if spec is None:
+            raise RemoteError(Reason.UNKNOWN_JOB, str(h.job))
+        if h.sender not in spec.members or (src is not None and src != h.sender):
+            raise RemoteError(Reason.BAD_SENDER, f"node {h.sender} from {src}")
+        if h.sender == spec.me:
+            raise RemoteError(Reason.BAD_SENDER, "a packet claiming to be from this node")
+        if h.round + spec.window < self._newest.get(h.job, 0):
+            raise RemoteError(Reason.STALE_ROUND, f"round {h.round}")
+        if h.shard >= len(spec.owners):
+            raise RemoteError(Reason.BAD_RANGE, f"shard {h.shard} of {len(spec.owners)}")
+        op = (h.job, h.round, h.bucket)
+        result_leg = bool(h.flags & Flags.RESULT_LEG)
+        t = h.type
+        if t == PacketType.DATA:
+            self._on_data(spec, op, h, payload, now)
+        elif t == PacketType.DONE and not result_leg:
+            self._on_manifest(spec, op, h, payload, now)
+        elif t == PacketType.RESULT:
+            self._on_result(spec, op, h, payload, now)
+        elif t == PacketType.DONE:
+            col = self._collectors.get(op)
+            if col is None:
+                self.stats["late_packets"] += 1
+                return
+            self._check_owner(spec, h)
+            col.on_done(shard=h.shard, sender=h.sender, lost_lanes=h.aux, now=now)
+            self._poll_collector(op, col, now)
+        elif t == PacketType.NACK:
+            self._on_nack(spec, op, h, payload, result_leg)
+        elif t == PacketType.ACK:
+            f = self._finished.get((op, h.shard))
+            if f is not None:
+                f.waiting.discard(h.sender)
+                if not f.waiting:
+                    del self._finished[(op, h.shard)]
+        else:
+            self.stats["control_packets"] += 1
+
+    def _check_owner(self, spec: JobSpec, h: Header) -> None:
+        if spec.owners[h.shard] != h.sender:
+            raise RemoteError(Reason.BAD_SENDER, f"node {h.sender} does not own shard {h.shard}")
+
+    def _owned_layout(self, spec: JobSpec, op: OpKey, h: Header) -> Layout | None:
+        """Layout of a shard this node owns; None when the round is closed here."""
+        if spec.owners[h.shard] != spec.me:
+            raise RemoteError(Reason.BAD_RANGE, f"shard {h.shard} is not owned by this node")
+        if h.sender not in spec.contributors:
+            raise RemoteError(Reason.BAD_SENDER, f"node {h.sender} does not contribute")
+        if (
+            (op, h.shard) in self._finished
+            or (op, h.shard) in self._closed_shards
+            or op in self._closed
+        ):
+            self.stats["late_packets"] += 1
+            return None
+        agg = self._aggs.get((op, h.shard))
+        if agg is not None:
+            if agg.layout.total != h.total or agg.layout.codec != h.codec:
+                raise RemoteError(Reason.MISMATCH, "bucket size or codec differs between senders")
+            return agg.layout
+        try:
+            return Layout(
+                total=h.total, codec=h.codec, shards=len(spec.owners), payload=spec.payload
+            )
+        except LocalError as exc:
+            raise RemoteError(Reason.BAD_RANGE, str(exc)) from exc
+
+    def _on_data(
+        self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
+    ) -> None:
+        lay = self._owned_layout(spec, op, h)
+        if lay is None:
+            return
+        key = (op, h.shard)
+        agg = self._aggregator(op, h.shard, lay, now)
+        fresh = agg.on_data(
+            sender=h.sender,
+            offset=h.offset,
+            count=h.count,
+            payload=payload,
+            summed=bool(h.flags & Flags.SUMMED),
+            weight=h.contributors,
+            droppable=bool(h.flags & Flags.DROPPABLE),
+            scale=h.param,
+            block_max=float(np.uint32(h.aux).view(np.float32)),
+            now=now,
+        )
+        if not fresh:
+            self.stats["duplicate_packets"] += 1
+            return
+        self.stats["data_packets_received"] += 1
+        local = lay.packet_of(h.offset) - agg.first_packet
+        classes, layers = self._agg_meta[key]
+        classes[local] = min(int(classes[local]), h.priority)
+        layers[local] = h.layer
+        self._progress(op, h.shard, now)
+
+    def _on_manifest(
+        self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
+    ) -> None:
+        lay = self._owned_layout(spec, op, h)
+        if lay is None:
+            return
+        agg = self._aggregator(op, h.shard, lay, now)
+        if h.count != agg.n_packets:
+            raise RemoteError(
+                Reason.BAD_RANGE, f"manifest of {h.count} packets, shard has {agg.n_packets}"
+            )
+        bits = np.unpackbits(np.frombuffer(payload, np.uint8), bitorder="little")[: h.count]
+        agg.on_manifest(sender=h.sender, droppable=bits.astype(bool), bound=h.param, now=now)
+        self._progress(op, h.shard, now)
+
+    def _on_result(
+        self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
+    ) -> None:
+        col = self._collectors.get(op)
+        if col is None:
+            self.stats["late_packets"] += 1
+            return
+        self._check_owner(spec, h)
+        if col.layout.total != h.total or col.layout.codec != h.codec:
+            raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        fresh = col.on_result(
+            shard=h.shard,
+            sender=h.sender,
+            offset=h.offset,
+            count=h.count,
+            payload=payload,
+            contributors=h.contributors,
+            block_max=h.param,
+            now=now,
+        )
+        self.stats["result_packets_received" if fresh else "duplicate_packets"] += 1
+        self._check_complete(op, now)
+
+    def _on_nack(
+        self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, result_leg: bool
+    ) -> None:
+        idx = np.frombuffer(payload, dtype=">u4").astype(np.int64)
+        if result_leg:
+            f = self._finished.get((op, h.shard))
+            if f is None:
+                self.stats["nacks_ignored"] += 1
+                return
+            n = len(f.layout.shard_results(h.shard))
+            if idx.size and idx.max() >= n:
+                raise RemoteError(Reason.BAD_RANGE, f"NACK for result packet {idx.max()} of {n}")
+            if idx.size:
+                self._send_results(f, h.sender, idx.tolist())
+            if h.flags & Flags.NEED_MANIFEST:
+                self._send_result_done(f, h.sender, copies=1)
+            return
+        self._check_owner(spec, h)
+        c = self._contribs.get(op)
+        if c is None:
+            self.stats["nacks_ignored"] += 1
+            return
+        n = len(c.layout.shard_packets(h.shard))
+        if idx.size and idx.max() >= n:
+            raise RemoteError(Reason.BAD_RANGE, f"NACK for packet {idx.max()} of {n}")
+        if idx.size:
+            self._send_data(c, h.shard, h.sender, idx.tolist())
+        if h.flags & Flags.NEED_MANIFEST:
+            self._send_manifest(c, h.shard, h.sender, copies=1)
+
+    # -- state transitions --------------------------------------------------
+    def _aggregator(self, op: OpKey, shard: int, lay: Layout, now: float) -> ShardAggregator:
+        key = (op, shard)
+        agg = self._aggs.get(key)
+        if agg is None:
+            spec = self.jobs[op[0]]
+            agg = ShardAggregator(
+                layout=lay, shard=shard, senders=spec.contributors, now=now, timing=self.timing
+            )
+            self._aggs[key] = agg
+            n = agg.n_packets
+            self._agg_meta[key] = (np.full(n, 7, np.uint8), np.zeros(n, np.uint16))
+            self._newest[op[0]] = max(self._newest.get(op[0], 0), op[1])
+        return agg
+
+    def _note_meta(
+        self, op: OpKey, shard: int, pk: range, classes: np.ndarray, layers: np.ndarray
+    ) -> None:
+        meta_c, meta_l = self._agg_meta[(op, shard)]
+        np.minimum(meta_c, classes, out=meta_c)
+        meta_l[:] = layers
+
+    def _progress(self, op: OpKey, shard: int, now: float) -> None:
+        agg = self._aggs.get((op, shard))
+        if agg is None:
+            return
+        nacks, finished = agg.poll(now)
+        spec = self.jobs[op[0]]
+        for nack in nacks:
+            self._send_nack(spec, op, agg.layout, nack, result=False)
+        if finished:
+            self._shard_done(op, shard, agg, now)
+
+    def _shard_done(self, op: OpKey, shard: int, agg: ShardAggregator, now: float) -> None:
+        spec = self.jobs[op[0]]
+        del self._aggs[(op, shard)]
+        classes, layers = self._agg_meta.pop((op, shard))
+        assert agg.result is not None
+        receivers = {n for n in spec.contributors if n != spec.me}
+        f = _Finished(
+            spec=spec,
+            layout=agg.layout,
+            round=op[1],
+            bucket=op[2],
+            result=agg.result,
+            classes=classes,
+            layers=layers,
+            until=now + self.timing.retain,
+            waiting=set(receivers),
+        )
+        self._closed_shards[(op, shard)] = now
+        self.stats["shards_aggregated"] += 1
+        self.stats["lanes_lost"] += agg.result.lost_lanes
+        self.stats["lanes_expected"] += agg.result.total_lanes
+        if receivers:
+            self._finished[(op, shard)] = f
+        for node in sorted(receivers):
+            self._send_results(f, node, None)
+            self._send_result_done(f, node, copies=2)
+        col = self._collectors.get(op)
+        if col is not None:
+            col.on_local(agg.result)
+            self._check_complete(op, now)
+
+    def _poll_collector(self, op: OpKey, col: ResultCollector, now: float) -> None:
+        spec = self.jobs[op[0]]
+        for nack in col.poll(now):
+            self._send_nack(spec, op, col.layout, nack, result=True)
+        self._check_complete(op, now)
+
+    def _check_complete(self, op: OpKey, now: float) -> None:
+        col = self._collectors.get(op)
+        if col is None or not col.complete:
+            return
+        spec = self.jobs[op[0]]
+        del self._collectors[op]
+        self._contribs.pop(op, None)
+        self._closed[op] = now
+        for shard, owner in enumerate(spec.owners):
+            if owner != spec.me and col.layout.shard_packets(shard):
+                self._send_ack(spec, op, col.layout, shard, owner)
+        self.stats["rounds_completed"] += 1
+        self._events.append(
+            RoundComplete(
+                job=op[0],
+                round=op[1],
+                bucket=op[2],
+                layout=col.layout,
+                sums=col.sums,
+                contributors=col.contributors,
+                block_max=col.block_max,
+                lost_lanes=col.lost_lanes,
+                total_lanes=col.total_lanes,
+            )
+        )
+
+    def _fail(self, op: OpKey, reason: str, now: float) -> None:
+        self._collectors.pop(op, None)
+        self._contribs.pop(op, None)
+        for k in [k for k in self._aggs if k[0] == op]:
+            del self._aggs[k]
+            self._agg_meta.pop(k, None)
+        self._closed[op] = now
+        self.stats["rounds_failed"] += 1
+        self._events.append(RoundFailed(job=op[0], round=op[1], bucket=op[2], reason=reason))
+
+    # -- timers -------------------------------------------------------------
+    def get_timer(self) -> float | None:
+        times: Iterable[float | None] = (
+            *(a.next_timer() for a in self._aggs.values()),
+            *(c.next_timer() for c in self._collectors.values()),
+            *(f.until for f in self._finished.values()),
+        )
+        due = [t for t in times if t is not None]
+        closed = [*self._closed.values(), *self._closed_shards.values()]
+        if closed:
+            due.append(min(closed) + self.timing.retain)
+        return min(due) if due else None
+
+    def handle_timer(self, now: float) -> None:
+        for (op, shard), agg in list(self._aggs.items()):
+            if (op, shard) not in self._aggs:
+                continue
+            if agg.timed_out(now):
+                lacking = agg.missing_senders()
+                why = f"shard {shard} timed out after {self.timing.timeout:g}s"
+                why += (
+                    f"; nothing from node(s) {lacking}" if lacking else "; required packets missing"
+                )
+                if op in self._collectors:
+                    self._fail(op, why, now)
+                else:
+                    del self._aggs[(op, shard)]
+                    self._agg_meta.pop((op, shard), None)
+                    self.stats["rounds_failed"] += 1
+                continue
+            self._progress(op, shard, now)
+        for op, col in list(self._collectors.items()):
+            if col.timed_out(now):
+                owners = sorted({w.owner for w in col.waiting.values()})
+                self._fail(op, f"results from node(s) {owners} timed out", now)
+                continue
+            self._poll_collector(op, col, now)
+        for key in [k for k, f in self._finished.items() if f.until <= now]:
+            del self._finished[key]
+        for op in [op for op, t in self._closed.items() if t + self.timing.retain <= now]:
+            del self._closed[op]
+        for k in [k for k, t in self._closed_shards.items() if t + self.timing.retain <= now]:
+            del self._closed_shards[k]

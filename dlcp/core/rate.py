@@ -1,0 +1,235 @@
+"""Rate control maths: a per-destination AIMD rate and a token-bucket pacer.
+
+dlcp tolerates loss, so it needs only a minimal rate control (DESIGN.md "Load
+balancing and rate control"): enough to keep UDP from collapsing a congested
+network and to share a bottleneck fairly among dlcp flows. `RateController`
+is AIMD on a sending rate, with a slow-start-like start and an optional delay
+signal; `Pacer` turns the rate into send times. Sans-IO: time comes in as
+`now` (seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dlcp.errors import LocalError
+
+__all__ = ["Pacer", "RateConfig", "RateController"]
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LocalError(f"rate.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise LocalError(f"rate.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True)
+class RateConfig:
+    """Settings of every destination's rate controller and pacer (rates in bit/s).
+
+    The maximum rate is `link_rate_bps` when known, else `ceiling_bps`.
+    Without `initial_rate_bps` a flow starts at 10 packets per `initial_rtt`.
+    Each RTT of acknowledged data adds `increase_packets` packets per RTT to the
+    rate; a loss multiplies it by `beta` (at most once per RTT). With
+    `delay_target` (seconds), an RTT sample more than that above the smallest
+    seen multiplies it by `delay_beta` instead.
+    """
+
+    link_rate_bps: float | None = None
+    ceiling_bps: float = 10e9
+    min_rate_bps: float = 1e6
+    initial_rate_bps: float | None = None
+    initial_rtt: float = 0.001
+    mss_bytes: int = 1500
+    increase_packets: float = 1.0
+    beta: float = 0.5
+    delay_target: float | None = None
+    delay_beta: float = 0.85
+    rtt_gain: float = 0.125
+    burst_bytes: int = 15000
+
+    def __post_init__(self) -> None:
+        for name in ("ceiling_bps", "min_rate_bps", "initial_rtt", "increase_packets"):
+            _positive(name, getattr(self, name))
+        for name in ("link_rate_bps", "initial_rate_bps", "delay_target"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("mss_bytes", "burst_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LocalError(f"rate.{name} must be an integer >= 1, got {value!r}")
+        for name in ("beta", "delay_beta"):
+            _positive(name, getattr(self, name))
+            if not getattr(self, name) < 1:
+                raise LocalError(f"rate.{name} must be in (0, 1), got {getattr(self, name)}")
+        _positive("rtt_gain", self.rtt_gain)
+        if self.rtt_gain > 1:
+            raise LocalError(f"rate.rtt_gain must be in (0, 1], got {self.rtt_gain}")
+        if self.min_rate_bps > self.max_rate_bps:
+            raise LocalError(
+                f"rate.min_rate_bps {self.min_rate_bps} exceeds the maximum {self.max_rate_bps}"
+            )
+
+    @property
+    def max_rate_bps(self) -> float:
+        """The link rate when known, else the configured ceiling."""
+        return self.ceiling_bps if self.link_rate_bps is None else self.link_rate_bps
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> RateConfig:
+        """From a TOML table; unknown keys are a LocalError (dashes read as underscores)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        params = {str(k).replace("-", "_"): v for k, v in cfg.items()}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise LocalError(
+                f"unknown rate settings {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**params)
+
+
+class RateController:
+    """AIMD sending rate towards one destination.
+
+    Starts in slow start (the rate doubles per RTT of acknowledged data) until
+    the first loss or delay signal, then adds `increase_packets` packets per
+    RTT per RTT of acknowledged data and multiplies by `beta` on loss, at most
+    once per smoothed RTT. The rate stays within [min_rate_bps, max_rate_bps].
+    """
+
+    def __init__(self, config: RateConfig | None = None) -> None:
+        self.config = config = config if config is not None else RateConfig()
+        self.max_rate_bps = config.max_rate_bps
+        self.min_rate_bps = config.min_rate_bps
+        start = config.initial_rate_bps
+        if start is None:
+            start = 10 * config.mss_bytes * 8 / config.initial_rtt
+        # internal state
+        self._rate = self._clamp(start)
+        self.srtt = config.initial_rtt
+        self.min_rtt: float | None = None
+        self.slow_start = True
+        self._last_decrease: float | None = None
+        # stats
+        self.decreases = 0
+        self.acked_bytes = 0
+        self.lost_packets = 0
+
+    @property
+    def rate_bps(self) -> float:
+        """The current sending rate, bit/s."""
+        return self._rate
+
+    def set_max_rate(self, max_rate_bps: float) -> None:
+        """A new maximum (the link rate once learnt); the rate is clamped to it."""
+        _positive("max_rate_bps", max_rate_bps)
+        self.max_rate_bps = float(max_rate_bps)
+        self.min_rate_bps = min(self.config.min_rate_bps, self.max_rate_bps)
+        self._rate = self._clamp(self._rate)
+
+    def on_ack(self, nbytes: int, rtt: float | None, now: float) -> None:
+        """`nbytes` were confirmed delivered at `now`; `rtt`, if known, sampled then."""
+        if nbytes < 0:
+            raise LocalError(f"acknowledged bytes must be >= 0, got {nbytes}")
+        self.acked_bytes += nbytes
+        if rtt is not None:
+            if not (math.isfinite(rtt) and rtt > 0):
+                raise LocalError(f"rtt must be > 0 seconds, got {rtt}")
+            self.srtt += self.config.rtt_gain * (rtt - self.srtt)
+            self.min_rtt = rtt if self.min_rtt is None else min(self.min_rtt, rtt)
+            target = self.config.delay_target
+            if target is not None and rtt - self.min_rtt > target:
+                self._decrease(self.config.delay_beta, now)
+                return
+        bits = nbytes * 8.0
+        if self.slow_start:
+            grow = bits / self.srtt
+        else:
+            step = self.config.increase_packets * self.config.mss_bytes * 8.0 / self.srtt
+            grow = step * bits / (self._rate * self.srtt)
+        self._rate = self._clamp(self._rate + grow)
+
+    def on_loss(self, n_lost: int, now: float) -> None:
+        """`n_lost` packets were found lost at `now` (NACKs, missing droppable data)."""
+        if n_lost < 0:
+            raise LocalError(f"lost packets must be >= 0, got {n_lost}")
+        if n_lost == 0:
+            return
+        self.lost_packets += n_lost
+        self._decrease(self.config.beta, now)
+
+    def _decrease(self, factor: float, now: float) -> None:
+        self.slow_start = False
+        last = self._last_decrease
+        if last is not None and now - last < self.srtt:
+            return
+        self._last_decrease = now
+        self._rate = self._clamp(self._rate * factor)
+        self.decreases += 1
+
+    def _clamp(self, rate: float) -> float:
+        return min(self.max_rate_bps, max(self.min_rate_bps, rate))
+
+
+class Pacer:
+    """Token bucket: bytes go out at `rate_bps` with bursts of up to `burst_bytes`.
+
+    `consume` reserves bytes and says how long to wait before sending them;
+    reservations beyond the tokens run into debt that later calls pay off, so a
+    caller that sends each reservation no earlier than told never sends more
+    than max(burst_bytes, largest reservation) + rate * window in any window.
+    A reservation larger than the burst always waits for the difference, so
+    set burst_bytes to at least the largest batch (GSO send) the daemon makes.
+    """
+
+    def __init__(self, *, rate_bps: float, burst_bytes: float = 15000, now: float = 0.0) -> None:
+        _positive("rate_bps", rate_bps)
+        _positive("burst_bytes", burst_bytes)
+        self._rate = float(rate_bps)
+        self.burst_bytes = float(burst_bytes)
+        self._tokens = self.burst_bytes
+        self._updated = now
+
+    @property
+    def rate_bps(self) -> float:
+        """The pacing rate, bit/s."""
+        return self._rate
+
+    def set_rate(self, rate_bps: float, now: float) -> None:
+        """Pace at `rate_bps` from `now` on (tokens earned so far are kept)."""
+        _positive("rate_bps", rate_bps)
+        self._refill(now)
+        self._rate = float(rate_bps)
+
+    def tokens(self, now: float) -> float:
+        """Bytes that may go at `now` without waiting (negative: debt)."""
+        self._refill(now)
+        return self._tokens
+
+    def delay(self, nbytes: float, now: float) -> float:
+        """Seconds from `now` until `nbytes` could go, without reserving them."""
+        short = nbytes - self.tokens(now)
+        return max(0.0, short) * 8.0 / self._rate
+
+    def next_send_time(self, nbytes: float, now: float) -> float:
+        """When `nbytes` could go, without reserving them."""
+        return now + self.delay(nbytes, now)
+
+    def consume(self, nbytes: float, now: float) -> float:
+        """Reserve `nbytes`; the seconds from `now` to wait before sending them."""
+        if nbytes < 0:
+            raise LocalError(f"cannot pace {nbytes} bytes")
+        self._refill(now)
+        self._tokens -= nbytes
+        return max(0.0, -self._tokens) * 8.0 / self._rate
+
+    def _refill(self, now: float) -> None:
+        elapsed = now - self._updated
+        if elapsed > 0:  # a clock that steps back earns nothing
+            self._tokens = min(self.burst_bytes, self._tokens + elapsed * self._rate / 8.0)
+            self._updated = now

@@ -1,0 +1,38 @@
+"""Timer settings of the aggregation state machines, and their adaptation.
+
+All values are seconds. The core never reads a clock: callers pass `now`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlcp.errors import LocalError
+
+__all__ = ["Timing"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    # After a sender's DONE, how long a missing required packet may still be in
+    # flight (reordered behind the top-priority DONE) before it is NACKed.
+    nack_delay: float = 0.005
+    # Between repeated NACKs for the same missing packets.
+    nack_interval: float = 0.03
+    # Once every required packet is in and the bound is met, how long to wait
+    # for droppable stragglers before completing without them.
+    linger: float = 0.002
+    # With data but no DONE from a sender, how long before asking for it.
+    grace: float = 0.05
+    # A round that cannot complete within this time fails with a clear reason.
+    timeout: float = 10.0
+    # How long completed results are kept to answer NACKs from slow receivers.
+    retain: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("nack_delay", "nack_interval", "linger", "grace", "timeout", "retain"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise LocalError(f"timing.{name} must be > 0 seconds, got {value}")
+        if self.timeout <= self.grace:
+            raise LocalError("timing.timeout must exceed timing.grace")

@@ -1,0 +1,821 @@
+"""The emulated cluster: network namespaces, a bridged switch, shaping, loss, traffic.
+
+    with Testbed.up(TestbedSpec(hosts=3, paths=2, rate_bps=10**9)) as tb:
+        tb.exec("h0", ["ip", "addr"])
+        tb.set_loss("h1", 5.0)
+
+`up` records everything it makes in the state directory (see `dlcp.testbed.state`)
+so that `Testbed.attach(name)` and `down(name)` work from other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import dlcp
+from dlcp.testbed import system
+from dlcp.testbed.config import daemon_config, merge_config, to_toml
+from dlcp.testbed.plan import (
+    DEFAULT_NAME,
+    LOSS_DIRECTIONS,
+    PREFIX_LEN,
+    IperfFlow,
+    TestbedError,
+    TestbedSpec,
+    background_flows,
+    bridge_name,
+    format_rate,
+    host_address,
+    host_ifname,
+    host_label,
+    host_mac,
+    host_netns,
+    iperf_client_argv,
+    iperf_server_argv,
+    loss_permille,
+    loss_script,
+    owned_netns,
+    parse_host,
+    switch_netns,
+    switch_port,
+)
+from dlcp.testbed.state import load_state, locked, save_state, state_dir
+
+__all__ = ["DEFAULT_DAEMON_COMMAND", "Host", "Testbed", "down"]
+
+STATE_VERSION = 1
+# "{config}", "{socket}" and "{host}" in these arguments are replaced per host.
+DEFAULT_DAEMON_COMMAND: tuple[str, ...] = (
+    sys.executable,
+    "-m",
+    "dlcp.daemon",
+    "--config",
+    "{config}",
+)
+_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+_BASE_TOOLS = ("ip", "bridge", "nft", "ethtool")
+
+# Run in every namespace before links exist, so no veth ever gets IPv6 (router
+# solicitations and MLD reports would otherwise show up in the switch's queues).
+_NETNS_SYSCTLS = (
+    "for f in /proc/sys/net/ipv6/conf/all/disable_ipv6"
+    " /proc/sys/net/ipv6/conf/default/disable_ipv6; do"
+    ' if [ -e "$f" ]; then echo 1 > "$f" || exit 1; fi; done'
+)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host: its namespace, addresses (one per path) and daemon files."""
+
+    index: int
+    name: str
+    netns: str
+    addresses: tuple[str, ...]
+    interfaces: tuple[str, ...]
+    switch_ports: tuple[str, ...]
+    udp_port: int
+    socket: Path
+    config: Path
+    log: Path
+    metrics_url: str
+
+
+class Testbed:
+    """A built (or attached) testbed. Create it with `up` or `attach`."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self, spec: TestbedSpec, directory: Path, *, progress: Progress | None = None
+    ) -> None:
+        self.spec = spec
+        self.state_dir = directory
+        self.switch_netns = switch_netns(spec.name)
+        self.hosts: tuple[Host, ...] = tuple(self._make_host(i) for i in range(spec.hosts))
+        self._progress = progress
+        self._popens: list[subprocess.Popen[Any]] = []
+
+    # --- construction -------------------------------------------------------------
+
+    @classmethod
+    def up(
+        cls,
+        spec: TestbedSpec,
+        *,
+        state_root: Path | str | None = None,
+        progress: Progress | None = None,
+    ) -> Testbed:
+        """Build the testbed of `spec`, replacing any testbed of the same name.
+
+        If building fails or is interrupted (SIGINT/SIGTERM), everything made so
+        far is removed and the error re-raised.
+        """
+        system.require_root()
+        tools = [*_BASE_TOOLS, *(["iperf3"] if spec.background != "none" else [])]
+        system.require_tools(tools)
+        directory = state_dir(spec.name, state_root)
+        longest = directory / host_label(spec.hosts - 1) / "dlcpd.sock"
+        if len(os.fsencode(longest)) > _SOCKET_PATH_MAX:
+            raise TestbedError(
+                f"state directory {directory} is too long for Unix socket paths; "
+                "set DLCP_TESTBED_DIR to a shorter directory"
+            )
+        if spec.rate_bps is not None:
+            _tc_modules()  # fail before building anything
+        down(spec.name, state_root=state_root)
+        tb = cls(spec, directory, progress=progress)
+        owner = os.getpid()
+        with _interrupt_on_signals():
+            try:
+                tb._build()
+            except BaseException:
+                if os.getpid() != owner:  # never clean up from a forked child
+                    raise
+                with _signals_ignored():
+                    try:
+                        tb.down()
+                    except Exception as cleanup_error:  # report, but raise the cause
+                        print(
+                            f"dlcp testbed: cleanup after failed up: {cleanup_error}",
+                            file=sys.stderr,
+                        )
+                raise
+        return tb
+
+    @classmethod
+    def attach(cls, name: str = DEFAULT_NAME, *, state_root: Path | str | None = None) -> Testbed:
+        """The testbed `name` built earlier (possibly by another process)."""
+        directory = state_dir(name, state_root)
+        data = load_state(directory)
+        if data is None:
+            raise TestbedError(
+                f"no testbed named {name!r} (no {directory / 'state.json'}); "
+                f"start one with: dlcp testbed up --name {name} --hosts N"
+            )
+        return cls(TestbedSpec.from_json(data["spec"]), directory)
+
+    def __enter__(self) -> Testbed:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.down()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.switch_netns, *(h.netns for h in self.hosts)]
+
+    @property
+    def switch_ports(self) -> list[str]:
+        return [port for h in self.hosts for port in h.switch_ports]
+
+    def host(self, host: str | int) -> Host:
+        """'h1', '1' or 1 -> that host."""
+        return self.hosts[parse_host(host, self.spec.hosts)]
+
+    def address(self, host: str | int, path: int = 0) -> str:
+        return self.host(host).addresses[self._path(path)]
+
+    # --- build steps (each its own method, so tests can break one) ---------------
+
+    def _build(self) -> None:
+        self._update(lambda st: None)  # state exists from the start
+        for h in self.hosts:
+            (self.state_dir / h.name).mkdir(parents=True, exist_ok=True)
+        self._say(f"creating {len(self.namespaces)} namespaces")
+        self._create_namespaces()
+        self._say(f"wiring {self.spec.hosts} hosts x {self.spec.paths} path(s) to the switch")
+        self._create_links()
+        self._tune_offloads()
+        self._apply_loss()
+        if self.spec.rate_bps is not None:
+            self._say(f"shaping switch ports to {format_rate(self.spec.rate_bps)}")
+            self._apply_tc()
+        self._update(lambda st: st.update(complete=True))
+        if self.spec.background != "none":
+            self._say(f"starting background traffic ({self.spec.background})")
+            self.start_background(
+                self.spec.background,
+                duration_s=self.spec.background_s,
+                udp_rate_bps=self.spec.udp_rate_bps,
+                pattern=self.spec.background_pattern,
+            )
+        if self.spec.daemons:
+            self._say("starting daemons")
+            self.start_daemons()
+
+    def _create_namespaces(self) -> None:
+        # Recorded before they exist: a crash in between still gets them removed.
+        self._update(lambda st: st["netns"].extend(self.namespaces))
+        for ns in self.namespaces:
+            system.run(["ip", "netns", "add", ns])
+            system.run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            system.run(["sh", "-c", _NETNS_SYSCTLS], netns=ns)
+
+    def _create_links(self) -> None:
+        sw = self.switch_netns
+        commands = []
+        for p in range(self.spec.paths):
+            commands += [
+                f"link add {bridge_name(p)} type bridge stp_state 0 mcast_snooping 0",
+                f"link set {bridge_name(p)} up",
+            ]
+        fdb = []
+        for h in self.hosts:
+            for p, (port, ifname) in enumerate(zip(h.switch_ports, h.interfaces, strict=True)):
+                mac = host_mac(h.index, p)
+                commands += [
+                    f"link add {port} type veth peer name {ifname} address {mac} netns {h.netns}",
+                    f"link set {port} master {bridge_name(p)} up",
+                ]
+                fdb.append(f"fdb replace {mac} dev {port} master static")
+        _batch("ip", sw, commands)
+        _batch("bridge", sw, fdb)
+        for h in self.hosts:
+            commands = []
+            for p, (addr, ifname) in enumerate(zip(h.addresses, h.interfaces, strict=True)):
+                commands += [f"addr add {addr}/{PREFIX_LEN} dev {ifname}", f"link set {ifname} up"]
+                commands += [
+                    f"neigh replace {host_address(other.index, p)} "
+                    f"lladdr {host_mac(other.index, p)} dev {ifname} nud permanent"
+                    for other in self.hosts
+                    if other is not h
+                ]
+            _batch("ip", h.netns, commands)
+
+    def _tune_offloads(self) -> None:
+        """No UDP segmentation offload on host veths, so the switch queues MTU
+        packets; no TSO either unless `spec.tso` (see `TestbedSpec`)."""
+        features = ["tx-udp-segmentation"]
+        tso = self.spec.tso if self.spec.tso is not None else self.spec.rate_bps is None
+        if not tso:
+            features.append("tso")
+        for h in self.hosts:
+            script = "; ".join(
+                f"ethtool -K {ifname} {feature} off 2>/dev/null"
+                for ifname in h.interfaces
+                for feature in features
+            )
+            system.run(["sh", "-c", script + "; true"], netns=h.netns)
+
+    def _apply_loss(self) -> None:
+        n = loss_permille(self.spec.loss_pct)
+        ports = self.switch_ports
+        permille = {(port, "in"): n for port in ports} if n else {}
+        system.run(
+            ["nft", "-f", "-"],
+            netns=self.switch_netns,
+            input=loss_script(ports, permille, create=True),
+        )
+
+        def record(st: dict[str, Any]) -> None:
+            st["loss_permille"] = {
+                f"{port}/{d}": (n if d == "in" else 0) for port in ports for d in LOSS_DIRECTIONS
+            }
+
+        self._update(record)
+
+    def _apply_tc(self, *, force: bool = False, **tc_options: Any) -> None:
+        tc_plan, tc_apply = _tc_modules()
+        rate = tc_options.pop("rate_bps", self.spec.rate_bps)
+        for port in self.switch_ports:
+            plan = tc_plan.build_plan(tc_plan.TcConfig(dev=port, rate_bps=rate, **tc_options))
+            tc_apply.apply_plan(plan, netns=self.switch_netns, force=force)
+
+    # --- runtime controls ------------------------------------------------------
+
+    def apply_tc(self, **tc_options: Any) -> None:
+        """(Re)apply the dlcp.tc plan on every switch port; `tc_options` go to
+        `TcConfig` (e.g. `rate_bps`, `queue_packets`)."""
+        self._apply_tc(force=True, **tc_options)
+
+    def tc_stats(self, host: str | int, path: int = 0) -> Any:
+        """`dlcp.tc.apply.read_stats` of the switch port toward `host` on `path`."""
+        _, tc_apply = _tc_modules()
+        port = self.host(host).switch_ports[self._path(path)]
+        return tc_apply.read_stats(port, netns=self.switch_netns)
+
+    def set_loss(
+        self, host: str | int, pct: float, path: int = 0, *, direction: str = "in"
+    ) -> None:
+        """Random loss on one switch port: `direction="in"` drops traffic coming
+        from `host` (netdev ingress, the default, as `--loss` does); "out" drops
+        traffic toward `host` before the port's queue (netdev egress)."""
+        port = self.host(host).switch_ports[self._path(path)]
+        self._set_loss({(port, direction): loss_permille(pct)})
+
+    def set_loss_all(self, pct: float, *, direction: str = "in") -> None:
+        """The same random loss on every switch port."""
+        n = loss_permille(pct)
+        self._set_loss({(port, direction): n for port in self.switch_ports})
+
+    def _set_loss(self, permille: dict[tuple[str, str], int]) -> None:
+        script = loss_script(self.switch_ports, permille, create=False)
+        system.run(["nft", "-f", "-"], netns=self.switch_netns, input=script)
+
+        def record(st: dict[str, Any]) -> None:
+            for (port, direction), n in permille.items():
+                st["loss_permille"][f"{port}/{direction}"] = n
+
+        self._update(record)
+
+    def loss(self) -> dict[str, dict[str, float]]:
+        """Loss percent per switch port and direction, e.g. {"h0p0": {"in": 5.0, "out": 0.0}}."""
+        recorded = self._state().get("loss_permille", {})
+        return {
+            port: {d: recorded.get(f"{port}/{d}", 0) / 10 for d in LOSS_DIRECTIONS}
+            for port in self.switch_ports
+        }
+
+    # --- processes in hosts -------------------------------------------------------
+
+    def env(self, host: str | int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of commands in `host`: ours plus DLCP_SOCKET."""
+        env = dict(os.environ)
+        env["DLCP_SOCKET"] = str(self.host(host).socket)
+        env.update(extra or {})
+        return env
+
+    def exec(
+        self,
+        host: str | int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        check: bool = False,
+        capture: bool = False,
+        input: str | None = None,
+        timeout: float | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `argv` in `host`'s namespace (DLCP_SOCKET set) and wait for it."""
+        h = self.host(host)
+        return subprocess.run(
+            system.netns_argv(h.netns, argv),
+            env=self.env(h.index, env),
+            check=check,
+            capture_output=capture,
+            text=True,
+            input=input,
+            timeout=timeout,
+        )
+
+    def popen(
+        self,
+        host: str | int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start `argv` in `host`'s namespace; `down` stops it if it still runs."""
+        h = self.host(host)
+        proc = subprocess.Popen(
+            system.netns_argv(h.netns, argv), env=self.env(h.index, env), **kwargs
+        )
+        self._popens.append(proc)
+        return proc
+
+    def _spawn(
+        self,
+        role: str,
+        host: int,
+        argv: Sequence[str],
+        log: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> system.Proc:
+        """Start a detached process (own session, output to `log`) and record it."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                system.netns_argv(self.hosts[host].netns, argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env(host, env),
+            )
+        self._popens.append(proc)
+        start = system.proc_start_time(proc.pid)
+        record = {
+            "role": role,
+            "host": host,
+            "pid": proc.pid,
+            "start": start,
+            "argv": list(argv),
+            "log": str(log),
+        }
+        self._update(lambda st: st["processes"].append(record))
+        return (proc.pid, start)
+
+    def processes(self, role: str | None = None) -> list[dict[str, Any]]:
+        """Recorded processes (optionally of one role), each with "alive"."""
+        procs = [p for p in self._state().get("processes", []) if role in (None, p["role"])]
+        return [{**p, "alive": system.is_alive((p["pid"], p["start"]))} for p in procs]
+
+    def _stop(self, roles: Sequence[str], *, grace_s: float) -> None:
+        recorded = [p for p in self._state().get("processes", []) if p["role"] in roles]
+        system.terminate([(p["pid"], p["start"]) for p in recorded], grace_s=grace_s, group=True)
+        self._reap()
+        pids = {p["pid"] for p in recorded}
+        self._update(
+            lambda st: st.update(processes=[p for p in st["processes"] if p["pid"] not in pids])
+        )
+
+    def _reap(self) -> None:
+        for proc in list(self._popens):
+            if proc.poll() is not None:
+                self._popens.remove(proc)
+
+    # --- background traffic -------------------------------------------------------
+
+    def start_background(
+        self,
+        kind: str = "both",
+        *,
+        duration_s: float | None = None,
+        udp_rate_bps: int | None = None,
+        paths: Sequence[int] | None = None,
+        parallel: int = 1,
+        pattern: str = "all",
+    ) -> list[IperfFlow]:
+        """Unmarked (DSCP 0) iperf3 traffic from every host to every other host
+        (`pattern="all"`, or only to the next, "ring") on `paths` (default: all),
+        so every switch egress port is congested.
+
+        TCP flows use `parallel` streams each; UDP offers `udp_rate_bps` in total
+        to each destination port (default 60 % of the link). Runs `duration_s`
+        seconds, or until `stop_background`/`down`. Replaces running background.
+        Returns the flows; logs are in `<state_dir>/background/`.
+        """
+        system.require_tools(["iperf3"])
+        self.stop_background()
+        chosen = list(range(self.spec.paths)) if paths is None else [self._path(p) for p in paths]
+        flows = background_flows(
+            self.spec.hosts,
+            chosen,
+            kind,
+            link_bps=self.spec.rate_bps,
+            udp_rate_bps=udp_rate_bps,
+            pattern=pattern,
+        )
+        logs = self.state_dir / "background"
+        try:
+            servers = [
+                (
+                    flow,
+                    self._spawn(
+                        "background-server",
+                        flow.dst,
+                        iperf_server_argv(flow),
+                        logs / f"{flow.label}.server.log",
+                    ),
+                )
+                for flow in flows
+            ]
+            for flow, proc in servers:
+                _wait_listening(
+                    proc,
+                    host_address(flow.dst, flow.path),
+                    flow.port,
+                    logs / f"{flow.label}.server.log",
+                )
+            for flow in flows:
+                argv = iperf_client_argv(flow, duration_s=duration_s, parallel=parallel)
+                self._spawn("background-client", flow.src, argv, logs / f"{flow.label}.log")
+        except BaseException:
+            self.stop_background()
+            raise
+        return flows
+
+    def stop_background(self) -> None:
+        self._stop(("background-client", "background-server"), grace_s=2.0)
+
+    # --- daemons ----------------------------------------------------------------------
+
+    def start_daemons(
+        self,
+        extra_config: Mapping[str, Any] | None = None,
+        *,
+        host_config: Mapping[int, Mapping[str, Any]] | None = None,
+        command: Sequence[str] = DEFAULT_DAEMON_COMMAND,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """Write each host's daemon config, start one daemon per host and wait
+        until every daemon has created its socket.
+
+        `extra_config` is merged into every config, `host_config[i]` into host
+        i's. In `command`, "{config}", "{socket}" and "{host}" are replaced per
+        host. Replaces running daemons; on failure stops them and raises an
+        error with the tail of the failing daemon's log.
+        """
+        self.stop_daemons()
+        env = {"PYTHONPATH": _pythonpath(), **(env or {})}
+        started: list[tuple[Host, system.Proc]] = []
+        try:
+            for h in self.hosts:
+                extra = merge_config(extra_config or {}, (host_config or {}).get(h.index, {}))
+                h.config.parent.mkdir(parents=True, exist_ok=True)
+                h.config.write_text(to_toml(daemon_config(self.spec, h.index, h.socket, extra)))
+                with contextlib.suppress(FileNotFoundError):
+                    h.socket.unlink()
+                with contextlib.suppress(FileNotFoundError):
+                    h.log.unlink()
+                argv = [
+                    a.replace("{config}", str(h.config))
+                    .replace("{socket}", str(h.socket))
+                    .replace("{host}", str(h.index))
+                    for a in command
+                ]
+                started.append((h, self._spawn("daemon", h.index, argv, h.log, env)))
+            deadline = time.monotonic() + timeout_s
+            for h, proc in started:
+                _wait_socket(h, proc, deadline, timeout_s)
+        except BaseException:
+            self.stop_daemons()
+            raise
+
+    def stop_daemons(self, *, timeout_s: float = 10.0) -> None:
+        """SIGTERM the daemons (they drain), SIGKILL after `timeout_s`."""
+        self._stop(("daemon",), grace_s=timeout_s)
+        for h in self.hosts:
+            with contextlib.suppress(FileNotFoundError):
+                h.socket.unlink()
+
+    # --- show / down --------------------------------------------------------------------
+
+    def show(self) -> dict[str, Any]:
+        """What the testbed is: `{"hosts": [...], "switches": [...]}` and more."""
+        procs = self.processes()
+        daemons = {p["host"]: p for p in procs if p["role"] == "daemon"}
+        loss = self.loss()
+        return {
+            "name": self.name,
+            "state_dir": str(self.state_dir),
+            "rate_bps": self.spec.rate_bps,
+            "paths": self.spec.paths,
+            "loss_pct": self.spec.loss_pct,
+            "tso": self.spec.tso,
+            "complete": bool(self._state().get("complete")),
+            "hosts": [
+                {
+                    "name": h.name,
+                    "index": h.index,
+                    "netns": h.netns,
+                    "addresses": list(h.addresses),
+                    "interfaces": list(h.interfaces),
+                    "udp_port": h.udp_port,
+                    "socket": str(h.socket),
+                    "metrics_url": h.metrics_url,
+                    "config": str(h.config),
+                    "log": str(h.log),
+                    "daemon_pid": daemons[h.index]["pid"] if h.index in daemons else None,
+                    "daemon_alive": daemons[h.index]["alive"] if h.index in daemons else False,
+                }
+                for h in self.hosts
+            ],
+            "switches": [
+                {
+                    "netns": self.switch_netns,
+                    "ports": self.switch_ports,
+                    "bridges": [bridge_name(p) for p in range(self.spec.paths)],
+                    "loss_pct": loss,
+                }
+            ],
+            "background": [p for p in procs if p["role"].startswith("background")],
+            "processes": procs,
+        }
+
+    def down(self, *, keep_logs: bool = False) -> None:
+        """Remove everything this testbed made; fine if parts are already gone."""
+        down(self.name, state_root=self.state_dir.parent, keep_logs=keep_logs, popens=self._popens)
+        self._popens.clear()
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _make_host(self, index: int) -> Host:
+        spec = self.spec
+        addresses = tuple(host_address(index, p) for p in range(spec.paths))
+        directory = self.state_dir / host_label(index)
+        return Host(
+            index=index,
+            name=host_label(index),
+            netns=host_netns(spec.name, index),
+            addresses=addresses,
+            interfaces=tuple(host_ifname(p) for p in range(spec.paths)),
+            switch_ports=tuple(switch_port(index, p) for p in range(spec.paths)),
+            udp_port=spec.udp_port,
+            socket=directory / "dlcpd.sock",
+            config=directory / "dlcpd.toml",
+            log=directory / "dlcpd.log",
+            metrics_url=f"http://{addresses[0]}:{spec.metrics_port}/metrics",
+        )
+
+    def _path(self, path: int) -> int:
+        if not 0 <= path < self.spec.paths:
+            raise TestbedError(f"no path {path}: the testbed has paths 0..{self.spec.paths - 1}")
+        return path
+
+    def _say(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress(message)
+
+    def _fresh_state(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "name": self.name,
+            "spec": self.spec.to_json(),
+            "created": time.time(),
+            "complete": False,
+            "netns": [],
+            "loss_permille": {},
+            "processes": [],
+        }
+
+    def _state(self) -> dict[str, Any]:
+        return load_state(self.state_dir) or self._fresh_state()
+
+    def _update(self, change: Callable[[dict[str, Any]], object]) -> None:
+        with locked(self.state_dir):
+            data = self._state()
+            change(data)
+            save_state(self.state_dir, data)
+
+
+def down(
+    name: str = DEFAULT_NAME,
+    *,
+    state_root: Path | str | None = None,
+    keep_logs: bool = False,
+    popens: Sequence[subprocess.Popen[Any]] = (),
+) -> bool:
+    """Remove testbed `name`: its processes, namespaces (also ones with its
+    prefix the state does not know, e.g. after a crash) and state directory.
+
+    Succeeds when parts are already gone; returns whether anything was there.
+    """
+    system.require_root()
+    system.require_tools(["ip"])
+    directory = state_dir(name, state_root)
+    try:
+        data = load_state(directory) or {}
+    except TestbedError:
+        data = {}  # corrupt state: the namespace sweep still finds everything
+    recorded = data.get("processes", [])
+    namespaces = sorted(set(data.get("netns", [])) | set(owned_netns(name, system.list_netns())))
+
+    # Processes first: a namespace with processes in it outlives `ip netns del`.
+    grace = 10.0 if any(p.get("role") == "daemon" for p in recorded) else 3.0
+    groups = [(int(p["pid"]), p.get("start")) for p in recorded]
+    for proc in groups:
+        system.signal_process(proc, signal.SIGTERM, group=True)
+    inside = [system.proc_of(pid) for ns in namespaces for pid in system.netns_pids(ns)]
+    ours = [(p.pid, None) for p in popens if p.poll() is None]
+    system.terminate([*inside, *ours], grace_s=grace)
+    for proc in system.wait_gone(groups, 1.0):
+        system.signal_process(proc, signal.SIGKILL, group=True)
+    for p in popens:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=2.0)
+
+    for ns in namespaces:
+        system.run(["ip", "netns", "del", ns], check=False)
+    left = [ns for ns in owned_netns(name, system.list_netns()) if ns in namespaces]
+
+    if keep_logs:
+        with contextlib.suppress(FileNotFoundError):
+            (directory / "state.json").unlink()
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+    if left:
+        raise TestbedError(f"could not remove namespaces: {', '.join(left)}")
+    return bool(data) or bool(namespaces)
+
+
+# --- module helpers -----------------------------------------------------------------------
+
+
+def _tc_modules() -> tuple[Any, Any]:
+    try:
+        from dlcp.tc import apply as tc_apply
+        from dlcp.tc import plan as tc_plan
+    except ImportError as exc:
+        raise TestbedError(
+            f"link shaping needs dlcp.tc, which cannot be imported ({exc}); use --rate none"
+        ) from exc
+    return tc_plan, tc_apply
+
+
+def _batch(tool: str, netns: str, commands: Sequence[str]) -> None:
+    """Run `ip` or `bridge` commands in `netns` in one process."""
+    if commands:
+        system.run([tool, "-n", netns, "-batch", "-"], input="\n".join(commands) + "\n")
+
+
+def _pythonpath() -> str:
+    """PYTHONPATH that finds this dlcp even when it is not installed."""
+    root = str(Path(dlcp.__file__).resolve().parent.parent)
+    existing = os.environ.get("PYTHONPATH")
+    return f"{root}{os.pathsep}{existing}" if existing else root
+
+
+def _listening(pid: int, address: str, port: int) -> bool:
+    """Whether process `pid`'s namespace has a TCP listener on address:port."""
+    want = f"{socket.inet_aton(address)[::-1].hex().upper()}:{port:04X}"
+    try:
+        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(f[1] == want and f[3] == "0A" for f in (line.split() for line in lines))
+
+
+def _wait_listening(proc: system.Proc, address: str, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 10.0
+    while not _listening(proc[0], address, port):
+        if not system.is_alive(proc):
+            tail = system.log_tail(log, 3)
+            raise TestbedError(f"iperf3 server on {address}:{port} exited: {tail}")
+        if time.monotonic() > deadline:
+            raise TestbedError(f"iperf3 server on {address}:{port} did not start listening")
+        time.sleep(0.01)
+
+
+def _wait_socket(h: Host, proc: system.Proc, deadline: float, timeout_s: float) -> None:
+    while not h.socket.exists():
+        if not system.is_alive(proc):
+            raise TestbedError(
+                f"daemon of {h.name} exited before creating {h.socket}; "
+                f"end of {h.log}:\n{system.log_tail(h.log)}"
+            )
+        if time.monotonic() > deadline:
+            raise TestbedError(
+                f"daemon of {h.name} did not create {h.socket} within {timeout_s:g} s; "
+                f"end of {h.log}:\n{system.log_tail(h.log)}"
+            )
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _interrupt_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block (main thread only)."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    with _handlers(interrupt):
+        yield
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM are ignored inside the block, so cleanup runs to its end."""
+    with _handlers(lambda signum, frame: None):
+        yield
+
+
+@contextlib.contextmanager
+def _handlers(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:
+            # A forked child (pyroute2 forks to enter a namespace, then SIGTERMs
+            # the child): die as it expects instead of running our handler.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        handler(signum, frame)
+
+    old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)

@@ -1,0 +1,299 @@
+"""The dlcp packet: a fixed 64-byte header, a payload, and a keyed MAC.
+
+Layout (network byte order; offsets in bytes):
+
+    0  magic u16 (0xD1CF)   2 version u8   3 type u8   4 flags u8   5 priority u8
+    6  codec u8             7 reserved u8 (0)
+    8  job u32             12 round u32   16 bucket u32
+   20  shard u16           22 layer u16   24 sender u16   26 contributors u16
+   28  offset u32          32 count u32   36 total u32
+   40  param f32           44 aux u32
+   48  mac 16 bytes: BLAKE2b-128 keyed with the job key over bytes 0..47 and the payload
+
+Every packet says where its data belongs (job, round, bucket, shard, element
+offset and count in a bucket of `total` lanes), so receivers write it in place
+in any arrival order. `param` and `aux` are per type: data packets carry the
+codec scale in `param` and the block's max magnitude in `aux` (float bits);
+result packets carry the shard's observed max in `param`; DONE packets carry
+the loss bound in `param`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import math
+import struct
+from dataclasses import dataclass, replace
+
+from dlcp.errors import Reason, WireError
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAC_SIZE",
+    "MAGIC",
+    "MAX_DATAGRAM",
+    "MAX_PRIORITY",
+    "VERSION",
+    "Codec",
+    "Flags",
+    "Header",
+    "PacketType",
+    "decode",
+    "encode",
+    "lane_bytes",
+    "mac_key",
+    "payload_length_ok",
+]
+
+MAGIC = 0xD1CF
+VERSION = 1
+HEADER_SIZE = 64
+MAC_OFFSET = 48
+MAC_SIZE = 16
+MAX_PRIORITY = 7
+MAX_DATAGRAM = 65507  # largest UDP payload over IPv4
+MAX_PAYLOAD = MAX_DATAGRAM - HEADER_SIZE
+
+_STRUCT = struct.Struct("!HBBBBBBIIIHHHHIIIfI")
+assert _STRUCT.size == MAC_OFFSET
+
+
+class PacketType(enum.IntEnum):
+    DATA = 1  # a sender's contribution to a shard
+    RESULT = 2  # the shard owner's aggregated sums
+    NACK = 3  # request for missing packets (payload: u32 packet indices)
+    DONE = 4  # end of a sender's packets for a shard (payload: droppable bitmap)
+    ACK = 5  # a result receiver holds the whole shard; the owner may free it
+    CONTROL = 6  # heartbeats and membership (payload: opaque bytes)
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    DROPPABLE = 0x01  # may be lost without recovery, within the loss bound
+    RETRANSMIT = 0x02  # sent again in answer to a NACK
+    LAST = 0x04  # the sender's last data packet of this shard in this round
+    SUMMED = 0x08  # payload lanes are sums (result lane width), not single values
+    RESULT_LEG = 0x10  # NACK/DONE/ACK about result packets, not data packets
+    NEED_MANIFEST = 0x20  # NACK: also resend the DONE manifest
+
+
+ALL_FLAGS = int(
+    Flags.DROPPABLE
+    | Flags.RETRANSMIT
+    | Flags.LAST
+    | Flags.SUMMED
+    | Flags.RESULT_LEG
+    | Flags.NEED_MANIFEST
+)
+
+
+class Codec(enum.IntEnum):
+    FP32 = 0
+    FP16 = 1
+    THC8 = 2
+    THC4 = 3
+
+
+# Bits per element on the wire: (single contribution, summed lanes).
+LANE_BITS: dict[int, tuple[int, int]] = {
+    Codec.FP32: (32, 32),
+    Codec.FP16: (16, 16),
+    Codec.THC8: (8, 16),
+    Codec.THC4: (4, 16),
+}
+
+
+def lane_bytes(codec: int, count: int, summed: bool) -> int:
+    """Payload bytes of `count` lanes of `codec`."""
+    bits = LANE_BITS[codec][1 if summed else 0]
+    return (count * bits + 7) // 8
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    type: PacketType
+    job: int
+    round: int
+    bucket: int
+    flags: Flags = Flags.NONE
+    priority: int = 0
+    codec: Codec = Codec.FP32
+    shard: int = 0
+    layer: int = 0
+    sender: int = 0
+    contributors: int = 1
+    offset: int = 0
+    count: int = 0
+    total: int = 0
+    param: float = 0.0
+    aux: int = 0
+
+    def with_(self, **changes: object) -> Header:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def pack(self) -> bytes:
+        """The first 48 header bytes (everything the MAC covers but the payload)."""
+        try:
+            return _STRUCT.pack(
+                MAGIC,
+                VERSION,
+                int(self.type),
+                int(self.flags),
+                self.priority,
+                int(self.codec),
+                0,
+                self.job,
+                self.round,
+                self.bucket,
+                self.shard,
+                self.layer,
+                self.sender,
+                self.contributors,
+                self.offset,
+                self.count,
+                self.total,
+                self.param,
+                self.aux,
+            )
+        except struct.error as exc:
+            raise ValueError(f"header field out of range: {exc}") from exc
+
+
+def mac_key(secret: bytes | str, job: int) -> bytes:
+    """Derive a job's 32-byte MAC key from a shared secret."""
+    raw = secret.encode() if isinstance(secret, str) else secret
+    salt = job.to_bytes(8, "big")
+    return hashlib.blake2b(raw, digest_size=32, person=b"dlcp-job-key", salt=salt).digest()
+
+
+def compute_mac(key: bytes, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+    h.update(head)
+    h.update(payload)
+    return h.digest()
+
+
+def encode(header: Header, payload: bytes | memoryview, key: bytes) -> bytes:
+    """Serialize one packet; checks the header against the payload first."""
+    head = header.pack()
+    payload = memoryview(payload).cast("B")
+    reason = _check(header, len(payload))
+    if reason is not None:
+        raise ValueError(f"invalid packet: {reason[0].label}: {reason[1]}")
+    return b"".join((head, compute_mac(key, head, payload), payload))
+
+
+def payload_length_ok(ptype: int, codec: int, flags: int, count: int, length: int) -> bool:
+    return length == expected_payload(ptype, codec, flags, count, length)
+
+
+def expected_payload(ptype: int, codec: int, flags: int, count: int, length: int) -> int:
+    if ptype in (PacketType.DATA, PacketType.RESULT):
+        return lane_bytes(codec, count, ptype == PacketType.RESULT or bool(flags & Flags.SUMMED))
+    if ptype == PacketType.NACK:
+        return 4 * count
+    if ptype == PacketType.DONE:
+        return (count + 7) // 8
+    if ptype == PacketType.ACK:
+        return 0
+    return count  # CONTROL: count is the payload length
+
+
+def _check(h: Header, length: int) -> tuple[Reason, str] | None:
+    """Semantic checks of a parsed header; None when valid."""
+    if h.priority > MAX_PRIORITY:
+        return Reason.BAD_PRIORITY, f"priority {h.priority} > {MAX_PRIORITY}"
+    if h.type in (PacketType.DATA, PacketType.RESULT):
+        if h.count == 0:
+            return Reason.BAD_RANGE, "data packet with no elements"
+        if h.offset + h.count > h.total:
+            return Reason.BAD_RANGE, f"elements {h.offset}+{h.count} beyond bucket of {h.total}"
+        if h.contributors == 0 and h.type == PacketType.DATA:
+            return Reason.BAD_RANGE, "data packet with no contributors"
+    if length > MAX_PAYLOAD:
+        return Reason.BAD_LENGTH, f"payload of {length} bytes exceeds {MAX_PAYLOAD}"
+    want = expected_payload(h.type, h.codec, h.flags, h.count, length)
+    if want != length:
+        return Reason.BAD_LENGTH, f"payload is {length} bytes, header says {want}"
+    if not math.isfinite(h.param):
+        return Reason.BAD_RANGE, "non-finite param"
+    return None
+
+
+def decode(datagram: bytes | memoryview, keys: dict[int, bytes]) -> tuple[Header, memoryview]:
+    """Parse and authenticate one datagram; raises `WireError` with a reason.
+
+    `keys` maps job id to MAC key. Returns the header and a view of the payload.
+    """
+    view = memoryview(datagram).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise WireError(Reason.TRUNCATED, f"{len(view)} bytes < header of {HEADER_SIZE}")
+    (
+        magic,
+        version,
+        ptype,
+        flags,
+        priority,
+        codec,
+        reserved,
+        job,
+        rnd,
+        bucket,
+        shard,
+        layer,
+        sender,
+        contributors,
+        offset,
+        count,
+        total,
+        param,
+        aux,
+    ) = _STRUCT.unpack_from(view)
+    if magic != MAGIC:
+        raise WireError(Reason.BAD_MAGIC, f"magic {magic:#06x}")
+    if version != VERSION:
+        raise WireError(Reason.BAD_VERSION, f"version {version}")
+    if ptype not in _TYPES:
+        raise WireError(Reason.BAD_TYPE, f"type {ptype}")
+    if flags & ~ALL_FLAGS:
+        raise WireError(Reason.BAD_FLAGS, f"flags {flags:#04x}")
+    if codec not in _CODECS:
+        raise WireError(Reason.BAD_CODEC, f"codec {codec}")
+    if reserved:
+        raise WireError(Reason.RESERVED, f"reserved byte {reserved}")
+    header = Header(
+        type=PacketType(ptype),
+        job=job,
+        round=rnd,
+        bucket=bucket,
+        flags=Flags(flags),
+        priority=priority,
+        codec=Codec(codec),
+        shard=shard,
+        layer=layer,
+        sender=sender,
+        contributors=contributors,
+        offset=offset,
+        count=count,
+        total=total,
+        param=param,
+        aux=aux,
+    )
+    payload = view[HEADER_SIZE:]
+    problem = _check(header, len(payload))
+    if problem is not None:
+        raise WireError(*problem)
+    key = keys.get(job)
+    if key is None:
+        raise WireError(Reason.UNKNOWN_JOB, f"job {job}")
+    if not hmac.compare_digest(
+        compute_mac(key, view[:MAC_OFFSET], payload), view[MAC_OFFSET:HEADER_SIZE]
+    ):
+        raise WireError(Reason.BAD_MAC, "MAC does not verify")
+    return header, payload
+
+
+_TYPES = frozenset(int(t) for t in PacketType)
+_CODECS = frozenset(int(c) for c in Codec)

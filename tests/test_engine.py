@@ -1,0 +1,327 @@
+"""The aggregation core end to end in memory: several engines, one network."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
+from dlcp.core.layout import Layout
+from dlcp.core.timing import Timing
+from dlcp.errors import LocalError, Reason
+from dlcp.wire import Codec, Flags, decode
+from tests.netsim import Network
+
+KEY = b"k" * 32
+JOB = 7
+
+
+def cluster(hosts: int, *, timing: Timing | None = None, payload: int = 1408) -> dict[int, Engine]:
+    engines = {}
+    for me in range(hosts):
+        e = Engine(timing=timing)
+        e.add_job(JobSpec.transpose(JOB, KEY, me, hosts, payload=payload))
+        engines[me] = e
+    return engines
+
+
+def smallest_norm_droppable(x: np.ndarray, lay: Layout, bound: float) -> np.ndarray:
+    """Mark the smallest-norm packets droppable while their lane share stays <= bound."""
+    counts = lay.packet_counts()
+    norms = np.array([np.linalg.norm(x[o : o + c]) for o, c in map(lay.packet_range, range(lay.packets))])
+    order = np.argsort(norms / np.sqrt(counts))
+    share = np.cumsum(counts[order]) / lay.total
+    drop = np.zeros(lay.packets, dtype=bool)
+    drop[order[share <= bound]] = True
+    return drop
+
+
+def submit_all(net: Network, xs: list[np.ndarray], *, bound: float = 0.0, round: int = 0) -> Layout:
+    lay = Layout(total=xs[0].size, codec=Codec.FP32, shards=len(xs))
+    for me, x in enumerate(xs):
+        drop = smallest_norm_droppable(x, lay, bound) if bound else None
+        net.engines[me].submit(
+            job=JOB,
+            round=round,
+            bucket=0,
+            codec=Codec.FP32,
+            total=x.size,
+            lanes=x.astype("<f4").tobytes(),
+            droppable=drop,
+            bound=bound,
+            now=net.now,
+        )
+    return lay
+
+
+def completions(net: Network) -> dict[int, RoundComplete]:
+    out = {}
+    for n, evs in net.events.items():
+        for ev in evs:
+            assert not isinstance(ev, RoundFailed), ev
+            out[n] = ev
+    return out
+
+
+def test_lossless_fp32_equals_numpy_sum_exactly() -> None:
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(100_003).astype(np.float32) for _ in range(4)]
+    net = Network(cluster(4), seed=1)
+    submit_all(net, xs)
+    net.run()
+    done = completions(net)
+    assert sorted(done) == [0, 1, 2, 3]
+    expected = np.sum(np.stack(xs), axis=0)
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, expected)
+        assert (ev.contributors == 4).all()
+        assert ev.lost_lanes == 0
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3, 5])
+def test_host_counts(hosts: int) -> None:
+    xs = [np.full(5000, h + 1, dtype=np.float32) for h in range(hosts)]
+    net = Network(cluster(hosts), seed=hosts)
+    submit_all(net, xs)
+    net.run()
+    done = completions(net)
+    assert len(done) == hosts
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, np.full(5000, hosts * (hosts + 1) / 2, np.float32))
+
+
+def test_four_hosts_4mb_bucket_with_loss_reordering_duplication() -> None:
+    """The foundation's acceptance scenario: 4 hosts, 4 MB, 5 % loss, bound 10 %."""
+    rng = np.random.default_rng(2)
+    n = 1 << 20  # 4 MB of fp32
+    scale = rng.uniform(0.01, 3.0, size=n).astype(np.float32)  # uneven magnitudes
+    xs = [(rng.standard_normal(n) * scale).astype(np.float32) for _ in range(4)]
+    bound = 0.10
+    dropped: set[tuple[int, int]] = set()
+
+    def record(src: int, s) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    net = Network(cluster(4), seed=3, loss=0.05, duplicate=0.02, drop=record)
+    lay = submit_all(net, xs, bound=bound)
+    droppable = [smallest_norm_droppable(x, lay, bound) for x in xs]
+    net.run()
+    done = completions(net)
+    assert sorted(done) == [0, 1, 2, 3], "every host completes the round"
+    first = done[0]
+    for ev in done.values():  # replicas hold identical bytes
+        assert ev.sums.tobytes() == first.sums.tobytes()
+        np.testing.assert_array_equal(ev.contributors, first.contributors)
+    # Every non-droppable contribution is in: a packet misses only droppable ones.
+    may_miss = np.sum(droppable, axis=0)
+    assert (first.contributors >= 4 - may_miss).all()
+    # Packets with every contribution equal the exact sum in sender order.
+    full = first.contributors == 4
+    expected = np.sum(np.stack(xs), axis=0)
+    for i in np.flatnonzero(full):
+        o, c = lay.packet_range(int(i))
+        np.testing.assert_array_equal(first.sums[o : o + c], expected[o : o + c])
+    # The lost share of droppable lanes stays within the bound.
+    assert first.total_lanes == 4 * n
+    assert first.lost_lanes / first.total_lanes <= bound
+    assert net.lost > 0 and sum(e.stats["data_retransmits"] for e in net.engines.values()) > 0
+    assert first.lost_lanes > 0, "with 5 % loss some droppable data should be left out"
+    del dropped
+
+
+def test_droppable_never_lost_when_bound_zero() -> None:
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal(50_000).astype(np.float32) for _ in range(3)]
+    net = Network(cluster(3), seed=5, loss=0.2)
+    submit_all(net, xs, bound=0.0)
+    net.run()
+    done = completions(net)
+    for ev in done.values():
+        assert (ev.contributors == 3).all()
+        np.testing.assert_array_equal(ev.sums, np.sum(np.stack(xs), axis=0))
+
+
+def test_dropping_every_droppable_packet_still_completes_within_bound() -> None:
+    """The droppable class is starved entirely (a congested scavenger queue)."""
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal(200_000).astype(np.float32) for _ in range(4)]
+
+    def starve(src: int, s) -> bool:  # type: ignore[no-untyped-def]
+        return bool(s.droppable)
+
+    net = Network(cluster(4), seed=6, drop=starve)
+    submit_all(net, xs, bound=0.05)
+    net.run()
+    done = completions(net)
+    assert len(done) == 4
+    ev = done[0]
+    assert 0 < ev.lost_lanes <= 0.05 * ev.total_lanes
+    assert ev.contributors.min() < 4
+
+
+def test_results_survive_heavy_loss_of_result_and_control_packets() -> None:
+    xs = [np.arange(30_000, dtype=np.float32) * (h + 1) for h in range(3)]
+    net = Network(cluster(3), seed=8, loss=0.3, duplicate=0.1)
+    submit_all(net, xs)
+    net.run()
+    done = completions(net)
+    assert len(done) == 3
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
+
+
+def test_peer_that_never_submits_fails_with_reason() -> None:
+    timing = Timing(timeout=0.5, grace=0.05)
+    net = Network(cluster(3, timing=timing), seed=9)
+    x = np.ones(10_000, np.float32)
+    for me in (0, 1):  # host 2 is gone
+        net.engines[me].submit(
+            job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0
+        )
+    net.run(until=5.0)
+    for me in (0, 1):
+        (ev,) = net.events[me]
+        assert isinstance(ev, RoundFailed)
+        assert "2" in ev.reason
+    assert net.now < 2.0, "failure is reported within the timeout, no hang"
+
+
+def test_thc_lanes_sum_exactly_and_wide_result_lanes_split() -> None:
+    hosts = 4
+    lay = Layout(total=8192, codec=Codec.THC8, shards=hosts)
+    assert lay.result_split == 2
+    rng = np.random.default_rng(10)
+    qs = [rng.integers(0, 256, size=lay.total, dtype=np.uint8) for _ in range(hosts)]
+    net = Network(cluster(hosts), seed=10, loss=0.05)
+    for me, q in enumerate(qs):
+        net.engines[me].submit(
+            job=JOB, round=0, bucket=0, codec=Codec.THC8, total=lay.total, lanes=q.tobytes(),
+            scale=1.5, now=0.0,
+        )
+    net.run()
+    done = completions(net)
+    expected = np.sum(np.stack(qs).astype(np.uint16), axis=0)
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, expected)
+
+
+def test_thc4_and_summed_local_contributions() -> None:
+    lay = Layout(total=4096 * 2, codec=Codec.THC4, shards=2)
+    q0 = np.full(lay.total, 15, np.uint8)
+    from dlcp.codecs import lanes
+
+    packed = lanes.pack(Codec.THC4, q0, summed=False)
+    local_sum = np.full(lay.total, 30, np.uint16)  # two local ranks already summed
+    net = Network(cluster(2), seed=11)
+    net.engines[0].submit(job=JOB, round=0, bucket=0, codec=Codec.THC4, total=lay.total, lanes=packed, now=0.0)
+    net.engines[1].submit(
+        job=JOB, round=0, bucket=0, codec=Codec.THC4, total=lay.total,
+        lanes=local_sum.astype("<u2").tobytes(), summed=True, weight=2, now=0.0,
+    )
+    net.run()
+    for ev in completions(net).values():
+        assert (ev.sums == 45).all()
+        assert (ev.contributors == 3).all()
+
+
+def test_scale_mismatch_between_senders_is_rejected() -> None:
+    net = Network(cluster(2), seed=12)
+    q = np.zeros(2048, np.uint8)
+    for me, scale in ((0, 1.0), (1, 2.0)):
+        net.engines[me].submit(
+            job=JOB, round=0, bucket=0, codec=Codec.THC8, total=q.size, lanes=q.tobytes(),
+            scale=scale, now=0.0,
+        )
+    net.run(until=1.0)
+    rejected = sum(e.rejects[Reason.MISMATCH] for e in net.engines.values())
+    assert rejected > 0
+
+
+def test_many_rounds_and_buckets_interleaved_with_late_duplicates() -> None:
+    net = Network(cluster(3), seed=13, loss=0.05, duplicate=0.2, delay=(0.0001, 0.01))
+    rng = np.random.default_rng(13)
+    expected = {}
+    for rnd in range(5):
+        for bucket in range(3):
+            xs = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
+            expected[(rnd, bucket)] = np.sum(np.stack(xs), axis=0)
+            for me, x in enumerate(xs):
+                net.engines[me].submit(
+                    job=JOB, round=rnd, bucket=bucket, codec=Codec.FP32, total=x.size,
+                    lanes=x.tobytes(), now=net.now,
+                )
+        net.run(until=net.now + 0.001)
+    net.run()
+    for n, evs in net.events.items():
+        got = {(e.round, e.bucket): e for e in evs}
+        assert len(got) == 15
+        for k, ev in got.items():
+            assert isinstance(ev, RoundComplete)
+            np.testing.assert_array_equal(ev.sums, expected[k])
+    assert sum(e.stats["late_packets"] + e.stats["duplicate_packets"] for e in net.engines.values())
+
+
+def test_spoofed_sender_and_wrong_key_are_rejected_and_change_nothing() -> None:
+    engines = cluster(2)
+    intruder = Engine()
+    intruder.add_job(JobSpec.transpose(JOB, b"x" * 32, 1, 2))
+    x = np.ones(1000, np.float32)
+    intruder.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=(x * 99).tobytes(), now=0.0)
+    for s in intruder.datagrams_to_send():
+        engines[0].receive(s.datagram, 0.0, src=1)
+    assert engines[0].rejects[Reason.BAD_MAC] > 0
+    # A real member's packet arriving from another member's address.
+    engines[1].submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0)
+    sends = engines[1].datagrams_to_send()
+    engines[0].receive(sends[0].datagram, 0.0, src=5)
+    assert engines[0].rejects[Reason.BAD_SENDER] == 1
+    for s in sends:
+        engines[0].receive(s.datagram, 0.0, src=1)
+    engines[0].submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0)
+    net = Network(engines)
+    net.run()
+    for ev in completions(net).values():
+        np.testing.assert_array_equal(ev.sums, x * 2)
+
+
+def test_stale_rounds_rejected() -> None:
+    engines = cluster(2)
+    e0, e1 = engines[0], engines[1]
+    x = np.ones(100, np.float32)
+    e1.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x.tobytes(), now=0.0)
+    old = [s.datagram for s in e1.datagrams_to_send()]
+    e1.submit(job=JOB, round=1000, bucket=0, codec=Codec.FP32, total=100, lanes=x.tobytes(), now=0.0)
+    for s in e1.datagrams_to_send():
+        e0.receive(s.datagram, 0.0)
+    for dg in old:
+        e0.receive(dg, 0.0)
+    assert e0.rejects[Reason.STALE_ROUND] == len(old)
+
+
+def test_submit_validation() -> None:
+    e = cluster(2)[0]
+    x = np.ones(100, np.float32).tobytes()
+    with pytest.raises(LocalError, match="unknown job"):
+        e.submit(job=1, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, now=0.0)
+    with pytest.raises(LocalError, match="bytes of lanes"):
+        e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=101, lanes=x, now=0.0)
+    with pytest.raises(LocalError, match="loss bound"):
+        e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, bound=0.9, now=0.0)
+    e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, now=0.0)
+    with pytest.raises(LocalError, match="already submitted"):
+        e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, now=0.0)
+
+
+def test_droppable_and_last_flags_on_the_wire() -> None:
+    e = cluster(2)[0]
+    x = np.arange(10_000, dtype=np.float32)
+    lay = Layout(total=x.size, codec=Codec.FP32, shards=2)
+    drop = np.zeros(lay.packets, bool)
+    drop[lay.shard_packets(1).start] = True
+    e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(),
+             droppable=drop, bound=0.1, now=0.0)
+    heads = [decode(s.datagram, {JOB: KEY})[0] for s in e.datagrams_to_send()]
+    data = [h for h in heads if h.type == 1]
+    assert data[0].flags & Flags.DROPPABLE
+    assert data[-1].flags & Flags.LAST
+    assert sum(bool(h.flags & Flags.DROPPABLE) for h in data) == 1

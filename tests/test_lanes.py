@@ -1,0 +1,101 @@
+"""Aggregator lane arithmetic: pack/unpack round trips and exact integer sums."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dlcp.codecs import lanes
+from dlcp.errors import Reason, RemoteError
+from dlcp.wire.header import LANE_BITS, Codec, lane_bytes
+
+THC = [Codec.THC8, Codec.THC4]
+TOP = {Codec.THC8: 255, Codec.THC4: 15}
+
+
+@pytest.mark.parametrize(
+    ("codec", "summed", "dtype"),
+    [
+        (Codec.FP32, False, "<f4"),
+        (Codec.FP32, True, "<f4"),
+        (Codec.FP16, False, "<f2"),
+        (Codec.FP16, True, "<f2"),
+        (Codec.THC8, False, "u1"),
+        (Codec.THC8, True, "<u2"),
+        (Codec.THC4, True, "<u2"),
+    ],
+)
+def test_wire_dtype_is_little_endian(codec: Codec, summed: bool, dtype: str) -> None:
+    values = np.arange(1, 6).astype(dtype)
+    payload = lanes.pack(codec, values, summed)
+    assert payload == values.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    assert len(payload) == lane_bytes(codec, 5, summed)
+    np.testing.assert_array_equal(lanes.unpack(codec, payload, 5, summed), values)
+
+
+@given(st.lists(st.integers(0, 15), min_size=1, max_size=301))
+def test_thc4_pack_unpack_round_trip(values: list[int]) -> None:
+    v = np.array(values, dtype=np.uint8)
+    payload = lanes.pack(Codec.THC4, v, summed=False)
+    assert len(payload) == lane_bytes(Codec.THC4, v.size, summed=False) == (v.size + 1) // 2
+    np.testing.assert_array_equal(lanes.unpack(Codec.THC4, payload, v.size, False), v)
+
+
+def test_thc4_low_nibble_first() -> None:
+    assert lanes.pack(Codec.THC4, np.array([0x1, 0xA, 0x3], dtype=np.uint8), False) == bytes(
+        [0xA1, 0x03]
+    )
+
+
+@given(st.lists(st.floats(-6e4, 6e4, width=16), min_size=1, max_size=200))
+def test_fp16_lanes_round_trip(values: list[float]) -> None:
+    v = np.array(values, dtype=np.float16)
+    payload = lanes.pack(Codec.FP16, v, summed=False)
+    np.testing.assert_array_equal(lanes.unpack(Codec.FP16, payload, v.size, False), v)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_unpack_rejects_wrong_length(codec: Codec) -> None:
+    payload = bytes(lane_bytes(codec, 10, False) + 1)
+    with pytest.raises(RemoteError) as info:
+        lanes.unpack(codec, payload, 10, False)
+    assert info.value.reason == Reason.BAD_LENGTH
+
+
+@pytest.mark.parametrize("codec", THC)
+@pytest.mark.parametrize("workers", [2, 64, lanes.MAX_CONTRIBUTORS])
+def test_integer_sums_are_exact_in_the_worst_case(codec: Codec, workers: int) -> None:
+    """Every worker sends the top level in every lane; the sum must not wrap."""
+    count = 1001
+    top = np.full(count, TOP[codec], dtype=np.uint8)
+    payload = lanes.pack(codec, top, summed=False)
+    rows = np.stack([lanes.unpack(codec, payload, count, False) for _ in range(workers)])
+    sdt = lanes.sum_dtype(codec)
+    # as the aggregator does it: one reduction in the sum dtype ...
+    total = np.add.reduce(rows.astype(sdt), axis=0, dtype=sdt)
+    # ... or packet by packet as they arrive
+    running = np.zeros(count, dtype=sdt)
+    for row in rows:
+        running += row
+    exact = workers * TOP[codec]
+    assert (total == exact).all() and (running == exact).all()
+    # and the sums survive the result lanes
+    back = lanes.unpack(codec, lanes.pack(codec, total, summed=True), count, True)
+    assert (back.astype(np.int64) == exact).all()
+
+
+def test_max_contributors_is_the_bound_of_the_summed_lanes() -> None:
+    for codec in THC:
+        sum_bits = LANE_BITS[codec][1]
+        assert lanes.MAX_CONTRIBUTORS * TOP[codec] < 2**sum_bits
+        assert np.iinfo(lanes.sum_dtype(codec)).max >= lanes.MAX_CONTRIBUTORS * TOP[codec]
+    # thc8 is the binding codec: one more contributor would wrap
+    assert 2 ** LANE_BITS[Codec.THC8][1] <= (lanes.MAX_CONTRIBUTORS + 1) * 255
+    assert lanes.MAX_CONTRIBUTORS >= 64
+
+
+@pytest.mark.parametrize("codec", [Codec.FP32, Codec.FP16])
+def test_float_sums_accumulate_in_fp32(codec: Codec) -> None:
+    assert lanes.sum_dtype(codec) == np.float32
