@@ -178,7 +178,7 @@ def test_peer_that_never_submits_fails_with_reason() -> None:
         net.engines[me].submit(
             job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0
         )
-    net.run(until=5.0)
+    net.run(until=5.0, done=lambda: bool(net.events[0] and net.events[1]))
     for me in (0, 1):
         (ev,) = net.events[me]
         assert isinstance(ev, RoundFailed)

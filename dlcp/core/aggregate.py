@@ -189,16 +189,16 @@ class ShardAggregator:
         if self.manifest.all() and not required.any() and within:
             if self.done_at is None:
                 self.done_at = now
-            if now - self.done_at >= self.timing.linger:
+            if now >= self.done_at + self.timing.linger:
                 self._finish()
                 return [], True
             return [], False
         # Something required is missing. Ask for it once it is overdue.
         for row, node in enumerate(self.senders):
-            if now - self.last_nack[row] < self.timing.nack_interval:
+            if now < self.last_nack[row] + self.timing.nack_interval:
                 continue
             if self.manifest[row]:
-                if now - self.last_arrival < self.timing.nack_delay:
+                if now < self.last_arrival + self.timing.nack_delay:
                     continue
                 missing = np.flatnonzero(required[row])
                 if missing.size == 0 and self.manifest.all() and not within:
@@ -208,8 +208,8 @@ class ShardAggregator:
                 if missing.size:
                     nacks.append(Nack(node, self.shard, tuple(int(m) for m in missing)))
                     self.last_nack[row] = now
-            elif now - self.created >= self.timing.grace and (
-                now - self.last_arrival >= self.timing.nack_delay
+            elif now >= self.created + self.timing.grace and (
+                now >= self.last_arrival + self.timing.nack_delay
             ):
                 nacks.append(Nack(node, self.shard, (), need_manifest=True))
                 self.last_nack[row] = now
@@ -249,7 +249,7 @@ class ShardAggregator:
         return t.at
 
     def timed_out(self, now: float) -> bool:
-        return self.result is None and now - self.created >= self.timing.timeout
+        return self.result is None and now >= self.created + self.timing.timeout
 
     def missing_senders(self) -> list[int]:
         return [n for r, n in enumerate(self.senders) if not self.received[r].any()]
@@ -386,15 +386,15 @@ class ResultCollector:
         nacks: list[Nack] = []
         t = self.timing
         for shard, w in self.waiting.items():
-            if now - w.last_nack < t.nack_interval:
+            if now < w.last_nack + t.nack_interval:
                 continue
             if w.done:
-                last = w.last_arrival if w.last_arrival is not None else w.last_nack
-                if now - last >= t.nack_delay:
+                last = w.last_arrival if w.last_arrival is not None else self.created
+                if now >= last + t.nack_delay:
                     missing = np.flatnonzero(~w.received)
                     nacks.append(Nack(w.owner, shard, tuple(int(m) for m in missing)))
                     w.last_nack = now
-            elif w.last_arrival is not None and now - w.last_arrival >= t.grace:
+            elif w.last_arrival is not None and now >= w.last_arrival + t.grace:
                 missing = np.flatnonzero(~w.received)
                 nacks.append(
                     Nack(w.owner, shard, tuple(int(m) for m in missing), need_manifest=True)
@@ -415,4 +415,4 @@ class ResultCollector:
         return t.at
 
     def timed_out(self, now: float) -> bool:
-        return bool(self.waiting) and now - self.created >= self.timing.timeout
+        return bool(self.waiting) and now >= self.created + self.timing.timeout
