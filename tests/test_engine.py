@@ -28,7 +28,9 @@ def cluster(hosts: int, *, timing: Timing | None = None, payload: int = 1408) ->
 def smallest_norm_droppable(x: np.ndarray, lay: Layout, bound: float) -> np.ndarray:
     """Mark the smallest-norm packets droppable while their lane share stays <= bound."""
     counts = lay.packet_counts()
-    norms = np.array([np.linalg.norm(x[o : o + c]) for o, c in map(lay.packet_range, range(lay.packets))])
+    norms = np.array(
+        [np.linalg.norm(x[o : o + c]) for o, c in map(lay.packet_range, range(lay.packets))]
+    )
     order = np.argsort(norms / np.sqrt(counts))
     share = np.cumsum(counts[order]) / lay.total
     drop = np.zeros(lay.packets, dtype=bool)
@@ -97,12 +99,7 @@ def test_four_hosts_4mb_bucket_with_loss_reordering_duplication() -> None:
     scale = rng.uniform(0.01, 3.0, size=n).astype(np.float32)  # uneven magnitudes
     xs = [(rng.standard_normal(n) * scale).astype(np.float32) for _ in range(4)]
     bound = 0.10
-    dropped: set[tuple[int, int]] = set()
-
-    def record(src: int, s) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    net = Network(cluster(4), seed=3, loss=0.05, duplicate=0.02, drop=record)
+    net = Network(cluster(4), seed=3, loss=0.05, duplicate=0.02)
     lay = submit_all(net, xs, bound=bound)
     droppable = [smallest_norm_droppable(x, lay, bound) for x in xs]
     net.run()
@@ -126,7 +123,6 @@ def test_four_hosts_4mb_bucket_with_loss_reordering_duplication() -> None:
     assert first.lost_lanes / first.total_lanes <= bound
     assert net.lost > 0 and sum(e.stats["data_retransmits"] for e in net.engines.values()) > 0
     assert first.lost_lanes > 0, "with 5 % loss some droppable data should be left out"
-    del dropped
 
 
 def test_droppable_never_lost_when_bound_zero() -> None:
@@ -195,8 +191,14 @@ def test_thc_lanes_sum_exactly_and_wide_result_lanes_split() -> None:
     net = Network(cluster(hosts), seed=10, loss=0.05)
     for me, q in enumerate(qs):
         net.engines[me].submit(
-            job=JOB, round=0, bucket=0, codec=Codec.THC8, total=lay.total, lanes=q.tobytes(),
-            scale=1.5, now=0.0,
+            job=JOB,
+            round=0,
+            bucket=0,
+            codec=Codec.THC8,
+            total=lay.total,
+            lanes=q.tobytes(),
+            scale=1.5,
+            now=0.0,
         )
     net.run()
     done = completions(net)
@@ -213,10 +215,19 @@ def test_thc4_and_summed_local_contributions() -> None:
     packed = lanes.pack(Codec.THC4, q0, summed=False)
     local_sum = np.full(lay.total, 30, np.uint16)  # two local ranks already summed
     net = Network(cluster(2), seed=11)
-    net.engines[0].submit(job=JOB, round=0, bucket=0, codec=Codec.THC4, total=lay.total, lanes=packed, now=0.0)
+    net.engines[0].submit(
+        job=JOB, round=0, bucket=0, codec=Codec.THC4, total=lay.total, lanes=packed, now=0.0
+    )
     net.engines[1].submit(
-        job=JOB, round=0, bucket=0, codec=Codec.THC4, total=lay.total,
-        lanes=local_sum.astype("<u2").tobytes(), summed=True, weight=2, now=0.0,
+        job=JOB,
+        round=0,
+        bucket=0,
+        codec=Codec.THC4,
+        total=lay.total,
+        lanes=local_sum.astype("<u2").tobytes(),
+        summed=True,
+        weight=2,
+        now=0.0,
     )
     net.run()
     for ev in completions(net).values():
@@ -229,8 +240,14 @@ def test_scale_mismatch_between_senders_is_rejected() -> None:
     q = np.zeros(2048, np.uint8)
     for me, scale in ((0, 1.0), (1, 2.0)):
         net.engines[me].submit(
-            job=JOB, round=0, bucket=0, codec=Codec.THC8, total=q.size, lanes=q.tobytes(),
-            scale=scale, now=0.0,
+            job=JOB,
+            round=0,
+            bucket=0,
+            codec=Codec.THC8,
+            total=q.size,
+            lanes=q.tobytes(),
+            scale=scale,
+            now=0.0,
         )
     net.run(until=1.0)
     rejected = sum(e.rejects[Reason.MISMATCH] for e in net.engines.values())
@@ -247,12 +264,17 @@ def test_many_rounds_and_buckets_interleaved_with_late_duplicates() -> None:
             expected[(rnd, bucket)] = np.sum(np.stack(xs), axis=0)
             for me, x in enumerate(xs):
                 net.engines[me].submit(
-                    job=JOB, round=rnd, bucket=bucket, codec=Codec.FP32, total=x.size,
-                    lanes=x.tobytes(), now=net.now,
+                    job=JOB,
+                    round=rnd,
+                    bucket=bucket,
+                    codec=Codec.FP32,
+                    total=x.size,
+                    lanes=x.tobytes(),
+                    now=net.now,
                 )
         net.run(until=net.now + 0.001)
     net.run()
-    for n, evs in net.events.items():
+    for evs in net.events.values():
         got = {(e.round, e.bucket): e for e in evs}
         assert len(got) == 15
         for k, ev in got.items():
@@ -266,18 +288,30 @@ def test_spoofed_sender_and_wrong_key_are_rejected_and_change_nothing() -> None:
     intruder = Engine()
     intruder.add_job(JobSpec.transpose(JOB, b"x" * 32, 1, 2))
     x = np.ones(1000, np.float32)
-    intruder.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=(x * 99).tobytes(), now=0.0)
+    intruder.submit(
+        job=JOB,
+        round=0,
+        bucket=0,
+        codec=Codec.FP32,
+        total=x.size,
+        lanes=(x * 99).tobytes(),
+        now=0.0,
+    )
     for s in intruder.datagrams_to_send():
         engines[0].receive(s.datagram, 0.0, src=1)
     assert engines[0].rejects[Reason.BAD_MAC] > 0
     # A real member's packet arriving from another member's address.
-    engines[1].submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0)
+    engines[1].submit(
+        job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0
+    )
     sends = engines[1].datagrams_to_send()
     engines[0].receive(sends[0].datagram, 0.0, src=5)
     assert engines[0].rejects[Reason.BAD_SENDER] == 1
     for s in sends:
         engines[0].receive(s.datagram, 0.0, src=1)
-    engines[0].submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0)
+    engines[0].submit(
+        job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(), now=0.0
+    )
     net = Network(engines)
     net.run()
     for ev in completions(net).values():
@@ -290,7 +324,9 @@ def test_stale_rounds_rejected() -> None:
     x = np.ones(100, np.float32)
     e1.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x.tobytes(), now=0.0)
     old = [s.datagram for s in e1.datagrams_to_send()]
-    e1.submit(job=JOB, round=1000, bucket=0, codec=Codec.FP32, total=100, lanes=x.tobytes(), now=0.0)
+    e1.submit(
+        job=JOB, round=1000, bucket=0, codec=Codec.FP32, total=100, lanes=x.tobytes(), now=0.0
+    )
     for s in e1.datagrams_to_send():
         e0.receive(s.datagram, 0.0)
     for dg in old:
@@ -306,7 +342,9 @@ def test_submit_validation() -> None:
     with pytest.raises(LocalError, match="bytes of lanes"):
         e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=101, lanes=x, now=0.0)
     with pytest.raises(LocalError, match="loss bound"):
-        e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, bound=0.9, now=0.0)
+        e.submit(
+            job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, bound=0.9, now=0.0
+        )
     e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, now=0.0)
     with pytest.raises(LocalError, match="already submitted"):
         e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=100, lanes=x, now=0.0)
@@ -318,8 +356,17 @@ def test_droppable_and_last_flags_on_the_wire() -> None:
     lay = Layout(total=x.size, codec=Codec.FP32, shards=2)
     drop = np.zeros(lay.packets, bool)
     drop[lay.shard_packets(1).start] = True
-    e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size, lanes=x.tobytes(),
-             droppable=drop, bound=0.1, now=0.0)
+    e.submit(
+        job=JOB,
+        round=0,
+        bucket=0,
+        codec=Codec.FP32,
+        total=x.size,
+        lanes=x.tobytes(),
+        droppable=drop,
+        bound=0.1,
+        now=0.0,
+    )
     heads = [decode(s.datagram, {JOB: KEY})[0] for s in e.datagrams_to_send()]
     data = [h for h in heads if h.type == 1]
     assert data[0].flags & Flags.DROPPABLE

@@ -101,6 +101,9 @@ class ShardAggregator:
         self.last_arrival = now
         self.result: ShardResult | None = None
         self.duplicates = 0
+        self.n_received = 0
+        self.n_manifests = 0
+        self._need: int | None = None
 
     # -- inputs -----------------------------------------------------------
     def on_data(
@@ -130,6 +133,7 @@ class ShardAggregator:
         start = offset - self.offset
         self.slots[row, start : start + count] = lanes
         self.received[row, local] = True
+        self.n_received += 1
         self.weight[row] = weight
         self.block_max[row, local] = block_max
         if droppable and not self.manifest[row]:
@@ -149,6 +153,7 @@ class ShardAggregator:
         if self.manifest[row]:
             return
         self.manifest[row] = True
+        self.n_manifests += 1
         self.droppable[row] = droppable
         self.bound = min(self.bound, bound)
         self.last_arrival = now
@@ -166,6 +171,20 @@ class ShardAggregator:
         return row, local
 
     # -- decisions --------------------------------------------------------
+    def may_complete(self) -> bool:
+        """Cheap check: could `poll` complete the shard now? (else leave it to timers)
+
+        Completion needs every manifest and every non-droppable packet, so at
+        least `received.size - droppable` packets; poll does the exact test.
+        """
+        if self.n_received == self.received.size:
+            return True
+        if self.n_manifests < len(self.senders):
+            return False
+        if self._need is None:
+            self._need = self.received.size - int(self.droppable.sum())
+        return self.n_received >= self._need
+
     @property
     def complete(self) -> bool:
         return self.result is not None

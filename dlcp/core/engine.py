@@ -16,6 +16,7 @@ in "ps" mode dedicated aggregator nodes do.
 from __future__ import annotations
 
 import math
+import struct
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
+_U32 = struct.Struct("!I")
+_F32 = struct.Struct("!f")
 CONTROL_CLASS = 0
 RETRANSMIT_CLASS = 1  # recovered packets are needed now: top gradient class
 LOWEST_RELIABLE_CLASS = 5
@@ -131,6 +134,7 @@ class _Contribution:
     bound: float
     scale: float
     block_max: np.ndarray
+    resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,6 +150,7 @@ class _Finished:
     layers: np.ndarray
     until: float
     waiting: set[int] = field(default_factory=set)  # receivers yet to ACK
+    resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
 
 class Engine:
@@ -167,6 +172,7 @@ class Engine:
         self._events: deque[Event] = deque()
         self.stats: Counter[str] = Counter()
         self.rejects: Counter[Reason] = Counter()
+        self.last_error = ""
 
     # -- jobs -------------------------------------------------------------
     def add_job(self, spec: JobSpec) -> None:
@@ -182,6 +188,13 @@ class Engine:
             del self._aggs[k]
         for k in [k for k in self._finished if k[0][0] == job]:
             del self._finished[k]
+        for op in [op for op in self._contribs if op[0] == job]:
+            del self._contribs[op]
+        for op in [op for op in self._closed if op[0] == job]:
+            del self._closed[op]
+        for k in [k for k in self._closed_shards if k[0][0] == job]:
+            del self._closed_shards[k]
+        self._newest.pop(job, None)
 
     @property
     def keys(self) -> dict[int, bytes]:
@@ -197,6 +210,11 @@ class Engine:
 
     def pending_rounds(self) -> int:
         return len(self._collectors)
+
+    def has_round(self, job: int, round: int, bucket: int) -> bool:
+        """Whether this node submitted (job, round, bucket) and still remembers it."""
+        op = (job, round, bucket)
+        return op in self._contribs or op in self._closed
 
     # -- local contributions ---------------------------------------------
     def submit(
@@ -239,7 +257,7 @@ class Engine:
         if not math.isfinite(scale):
             raise LocalError("scale must be finite")
         layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
-        view = memoryview(np.ascontiguousarray(lanes)).cast("B")
+        view = memoryview(np.ascontiguousarray(lanes)).cast("B")  # type: ignore[arg-type]
         if len(view) != lane_bytes(codec, total, summed):
             raise LocalError(
                 f"{len(view)} bytes of lanes, {codec.name} needs "
@@ -480,31 +498,37 @@ class Engine:
         )
 
     # -- receiving ----------------------------------------------------------
-    def receive(self, datagram: bytes | memoryview, now: float, src: int | None = None) -> None:
+    def receive(
+        self, datagram: bytes | memoryview, now: float, src: int | None = None
+    ) -> Header | None:
         """Take one datagram from the network; rejects are counted, never raised.
 
         `src` is the node the datagram's source address belongs to, when the
         caller knows it; a header claiming another sender is rejected.
+        Returns the header of an accepted packet, None for a rejected one.
         """
         try:
             header, payload = decode(datagram, self._keys)
         except WireError as exc:
             self.rejects[exc.reason] += 1
-            return
-        self.receive_packet(header, payload, now, src)
+            return None
+        return header if self.receive_packet(header, payload, now, src) else None
 
     def receive_packet(
         self, h: Header, payload: memoryview, now: float, src: int | None = None
-    ) -> None:
-        """Take one authenticated packet (from `decode` or `decode_batch`)."""
+    ) -> bool:
+        """Take one authenticated packet (from `decode` or `decode_batch`); False: rejected."""
         try:
             self._dispatch(h, payload, now, src)
         except RemoteError as exc:
             self.rejects[exc.reason] += 1
+            return False
         except (DlcpError, ValueError) as exc:  # a bug or inconsistency, never fatal here
             self.rejects[Reason.BAD_RANGE] += 1
             self.stats["internal_errors"] += 1
             self.last_error = str(exc)
+            return False
+        return True
 
     def _dispatch(self, h: Header, payload: memoryview, now: float, src: int | None) -> None:
         spec = self.jobs.get(h.job)
@@ -536,7 +560,7 @@ class Engine:
             col.on_done(shard=h.shard, sender=h.sender, lost_lanes=h.aux, now=now)
             self._poll_collector(op, col, now)
         elif t == PacketType.NACK:
-            self._on_nack(spec, op, h, payload, result_leg)
+            self._on_nack(spec, op, h, payload, result_leg, now)
         elif t == PacketType.ACK:
             f = self._finished.get((op, h.shard))
             if f is not None:
@@ -592,7 +616,7 @@ class Engine:
             weight=h.contributors,
             droppable=bool(h.flags & Flags.DROPPABLE),
             scale=h.param,
-            block_max=float(np.uint32(h.aux).view(np.float32)),
+            block_max=_F32.unpack(_U32.pack(h.aux))[0],
             now=now,
         )
         if not fresh:
@@ -601,9 +625,11 @@ class Engine:
         self.stats["data_packets_received"] += 1
         local = lay.packet_of(h.offset) - agg.first_packet
         classes, layers = self._agg_meta[key]
-        classes[local] = min(int(classes[local]), h.priority)
+        if h.priority < classes[local]:
+            classes[local] = h.priority
         layers[local] = h.layer
-        self._progress(op, h.shard, now)
+        if agg.may_complete():
+            self._progress(op, h.shard, now)
 
     def _on_manifest(
         self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
@@ -643,8 +669,38 @@ class Engine:
         self.stats["result_packets_received" if fresh else "duplicate_packets"] += 1
         self._check_complete(op, now)
 
+    def _unsent_lately(
+        self,
+        store: dict[tuple[int, int], np.ndarray],
+        key: tuple[int, int],
+        n: int,
+        idx: np.ndarray,
+        now: float,
+    ) -> list[int]:
+        """The NACKed packets not already resent within the last NACK interval.
+
+        A receiver repeats its NACK every `nack_interval` while packets are
+        missing; resending what is still queued or in flight would only feed a
+        retransmission storm.
+        """
+        last = store.get(key)
+        if last is None:
+            last = store[key] = np.full(n, -np.inf)
+        fresh = idx[now >= last[idx] + self.timing.nack_interval]
+        dup = idx.size - fresh.size
+        if dup:
+            self.stats["retransmits_suppressed"] += dup
+        last[fresh] = now
+        return fresh.tolist()
+
     def _on_nack(
-        self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, result_leg: bool
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        h: Header,
+        payload: memoryview,
+        result_leg: bool,
+        now: float,
     ) -> None:
         idx = np.frombuffer(payload, dtype=">u4").astype(np.int64)
         if result_leg:
@@ -656,7 +712,9 @@ class Engine:
             if idx.size and idx.max() >= n:
                 raise RemoteError(Reason.BAD_RANGE, f"NACK for result packet {idx.max()} of {n}")
             if idx.size:
-                self._send_results(f, h.sender, idx.tolist())
+                todo = self._unsent_lately(f.resent, (h.shard, h.sender), n, idx, now)
+                if todo:
+                    self._send_results(f, h.sender, todo)
             if h.flags & Flags.NEED_MANIFEST:
                 self._send_result_done(f, h.sender, copies=1)
             return
@@ -669,7 +727,9 @@ class Engine:
         if idx.size and idx.max() >= n:
             raise RemoteError(Reason.BAD_RANGE, f"NACK for packet {idx.max()} of {n}")
         if idx.size:
-            self._send_data(c, h.shard, h.sender, idx.tolist())
+            todo = self._unsent_lately(c.resent, (h.shard, h.sender), n, idx, now)
+            if todo:
+                self._send_data(c, h.shard, h.sender, todo)
         if h.flags & Flags.NEED_MANIFEST:
             self._send_manifest(c, h.shard, h.sender, copies=1)
 

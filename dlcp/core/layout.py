@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 
 from dlcp.errors import LocalError
-from dlcp.wire.header import LANE_BITS, MAX_PAYLOAD, Codec, lane_bytes
+from dlcp.wire.header import LANE_BITS, MAX_PAYLOAD, Codec
 
 __all__ = ["DEFAULT_PAYLOAD", "Layout", "lanes_per_packet"]
 
@@ -24,6 +24,8 @@ __all__ = ["DEFAULT_PAYLOAD", "Layout", "lanes_per_packet"]
 DEFAULT_PAYLOAD = 1408
 
 _BLOCK_CODECS = frozenset({Codec.THC8, Codec.THC4})
+_MAX_TOTAL = 0xFFFFFFFF  # Header.total is u32
+_MAX_SHARDS = 0x10000  # Header.shard is u16
 
 
 def lanes_per_packet(codec: int, payload: int = DEFAULT_PAYLOAD) -> int:
@@ -34,6 +36,8 @@ def lanes_per_packet(codec: int, payload: int = DEFAULT_PAYLOAD) -> int:
     """
     if not 8 <= payload <= MAX_PAYLOAD:
         raise LocalError(f"payload budget {payload} outside 8..{MAX_PAYLOAD} bytes")
+    if codec not in LANE_BITS:
+        raise LocalError(f"unknown codec {codec}")
     bits = LANE_BITS[codec][0]
     n = payload * 8 // bits
     if codec in _BLOCK_CODECS:
@@ -49,10 +53,11 @@ class Layout:
     payload: int = DEFAULT_PAYLOAD
 
     def __post_init__(self) -> None:
-        if self.total <= 0:
-            raise LocalError(f"bucket of {self.total} lanes")
-        if self.shards <= 0:
-            raise LocalError(f"{self.shards} shards")
+        if not 0 < self.total <= _MAX_TOTAL:
+            raise LocalError(f"bucket of {self.total} lanes (header field is u32)")
+        if not 0 < self.shards <= _MAX_SHARDS:
+            raise LocalError(f"{self.shards} shards (header field is u16)")
+        _ = self.per_packet  # checks the codec and payload budget now, not at first use
         if self.codec in _BLOCK_CODECS and self.total % self.per_packet:
             raise LocalError(
                 f"{self.codec.name} bucket of {self.total} lanes is not a multiple of "
@@ -95,7 +100,9 @@ class Layout:
     @cached_property
     def result_split(self) -> int:
         """Result packets per data packet (summed lanes may be wider)."""
-        return -(-lane_bytes(self.codec, self.per_packet, True) // self.payload)
+        # split by whole summed lanes, so every ceil(per_packet / split) run fits
+        fit = self.payload * 8 // LANE_BITS[self.codec][1]
+        return -(-self.per_packet // fit)
 
     def result_ranges(self, i: int) -> list[tuple[int, int]]:
         """(offset, count) of the result packets for data packet i."""

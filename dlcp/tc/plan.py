@@ -338,9 +338,7 @@ def build_plan(cfg: TcConfig) -> list[Op]:
                (("rate", tiny), ("ceil", link), ("burst", _burst(tiny)),
                 ("cburst", _burst(link)), ("prio", cls)))
         )  # fmt: skip
-        limit = (
-            cfg.short_queue_packets if cls in cfg.droppable_classes else cfg.queue_packets
-        )
+        limit = cfg.short_queue_packets if cls in cfg.droppable_classes else cfg.queue_packets
         plan.append(Op("qdisc", "add", dev, "pfifo", leaf_handle(cls), classid(cls),
                        (("limit", limit),)))  # fmt: skip
     for cls, dscp in enumerate(cfg.dscp):

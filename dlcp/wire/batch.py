@@ -27,6 +27,7 @@ from dlcp.wire.header import (
     MAC_OFFSET,
     MAC_SIZE,
     MAGIC,
+    MAX_PAYLOAD,
     MAX_PRIORITY,
     VERSION,
     Codec,
@@ -153,7 +154,8 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: dict[int, bytes]
     reject(lanes & (count == 0), Reason.BAD_RANGE)
     reject(lanes & (offset + count > total), Reason.BAD_RANGE)
     reject((ptype == PacketType.DATA) & (heads["contributors"] == 0), Reason.BAD_RANGE)
-    reject(~np.isfinite(heads["param"].astype(np.float64)), Reason.BAD_RANGE)
+    # same order as header._check: payload cap, payload length, then param
+    reject(lengths - HEADER_SIZE > MAX_PAYLOAD, Reason.BAD_LENGTH)
 
     summed = (ptype == PacketType.RESULT) | ((flags & Flags.SUMMED) != 0)
     bits = np.where(summed, _SUM_BITS[codec], _DATA_BITS[codec])
@@ -168,6 +170,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: dict[int, bytes]
         default=count,
     )
     reject(want != lengths - HEADER_SIZE, Reason.BAD_LENGTH)
+    reject(~np.isfinite(heads["param"]), Reason.BAD_RANGE)  # no cast: sNaN would warn
 
     candidates = np.flatnonzero(reasons == 0)
     jobs = heads["job"]

@@ -26,6 +26,7 @@ import hmac
 import math
 import struct
 from dataclasses import dataclass, replace
+from typing import Any
 
 from dlcp.errors import Reason, WireError
 
@@ -168,8 +169,16 @@ def mac_key(secret: bytes | str, job: int) -> bytes:
     return hashlib.blake2b(raw, digest_size=32, person=b"dlcp-job-key", salt=salt).digest()
 
 
+_KEYED: dict[bytes, Any] = {}
+
+
 def compute_mac(key: bytes, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+    base = _KEYED.get(key)
+    if base is None:  # keying BLAKE2b costs a compression; copy a keyed state instead
+        if len(_KEYED) > 4096:
+            _KEYED.clear()
+        base = _KEYED[key] = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+    h = base.copy()
     h.update(head)
     h.update(payload)
     return h.digest()
@@ -264,13 +273,13 @@ def decode(datagram: bytes | memoryview, keys: dict[int, bytes]) -> tuple[Header
     if reserved:
         raise WireError(Reason.RESERVED, f"reserved byte {reserved}")
     header = Header(
-        type=PacketType(ptype),
+        type=_TYPE_OF[ptype],
         job=job,
         round=rnd,
         bucket=bucket,
-        flags=Flags(flags),
+        flags=_FLAGS_OF[flags],
         priority=priority,
-        codec=Codec(codec),
+        codec=_CODEC_OF[codec],
         shard=shard,
         layer=layer,
         sender=sender,
@@ -297,3 +306,7 @@ def decode(datagram: bytes | memoryview, keys: dict[int, bytes]) -> tuple[Header
 
 _TYPES = frozenset(int(t) for t in PacketType)
 _CODECS = frozenset(int(c) for c in Codec)
+# enum construction is slow on the per-packet path: look members up instead
+_TYPE_OF = {int(t): t for t in PacketType}
+_CODEC_OF = {int(c): c for c in Codec}
+_FLAGS_OF = {f: Flags(f) for f in range(256) if not f & ~ALL_FLAGS}

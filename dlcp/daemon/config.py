@@ -1,0 +1,271 @@
+"""dlcpd's configuration: a TOML file, every key optional with the default below.
+
+`systemd/dlcpd.toml` is the documented example; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlcp.core.layout import DEFAULT_PAYLOAD
+from dlcp.core.rate import RateConfig
+from dlcp.core.timing import Timing
+from dlcp.errors import LocalError
+from dlcp.ipc import DEFAULT_SOCKET
+from dlcp.policies import DEFAULT_DSCP, check_dscp_table
+
+__all__ = ["Config", "JobConfig", "PeerConfig", "load", "parse"]
+
+# The daemon's defaults for [rate] where they differ from RateConfig's: start at
+# 1 Gbit/s and never pace a peer below 20 Mbit/s (NACK bursts are loss signals
+# that arrive in clumps; the floor keeps recovery traffic moving).
+RATE_DEFAULTS: dict[str, Any] = {"initial_rate_bps": 1e9, "min_rate_bps": 20e6}
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    index: int
+    addresses: tuple[str, ...]
+    udp_port: int
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A job declared in the config (e.g. on dedicated "ps" aggregator hosts)."""
+
+    job: int
+    key: bytes
+    hosts: tuple[PeerConfig, ...]
+    me: int
+    mode: str = "transpose"
+    aggregators: tuple[int, ...] = ()
+    contributors: tuple[int, ...] = ()
+
+
+@dataclass
+class Config:
+    # [daemon]
+    socket: str = DEFAULT_SOCKET
+    socket_mode: int = 0o660
+    metrics_address: str = "0.0.0.0"
+    metrics_port: int = 9464  # 0: no metrics endpoint
+    host_index: int = 0
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    # [network]
+    addresses: tuple[str, ...] = ("127.0.0.1",)
+    udp_port: int = 7400
+    payload: int = DEFAULT_PAYLOAD
+    gso: bool = True
+    gro: bool = True
+    socket_buffer_bytes: int = 32 << 20
+    peers: tuple[PeerConfig, ...] = ()
+    # [policies]
+    priority: dict[str, Any] = field(default_factory=lambda: {"name": "layer_magnitude"})
+    drop: dict[str, Any] = field(default_factory=lambda: {"name": "smallest_norm"})
+    balance: dict[str, Any] = field(default_factory=lambda: {"name": "spray"})
+    dscp: tuple[int, ...] = tuple(DEFAULT_DSCP)
+    # [rate]
+    pacing: bool = True
+    rate: RateConfig = field(default_factory=lambda: RateConfig(**RATE_DEFAULTS))
+    # [timing]
+    timing: Timing = field(default_factory=Timing)
+    # [tc]: read back class stats of these devices for /metrics
+    tc_devices: tuple[str, ...] = ()
+    # [[jobs]]
+    jobs: tuple[JobConfig, ...] = ()
+    path: str | None = None
+
+
+_SECTIONS = {
+    "daemon": {
+        "socket",
+        "socket_mode",
+        "metrics_address",
+        "metrics_port",
+        "host_index",
+        "drain_timeout_s",
+        "log_level",
+    },
+    "network": {"addresses", "udp_port", "payload", "gso", "gro", "socket_buffer_bytes", "peers"},
+    "policies": {"priority", "drop", "balance", "dscp"},
+    "rate": None,  # RateConfig.from_dict checks keys; plus "pacing"
+    "timing": None,
+    "tc": {"devices"},
+    "jobs": None,
+}
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise LocalError(msg)
+
+
+def _int(v: Any, name: str, lo: int, hi: int) -> int:
+    _need(
+        isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+        f"{name} must be an integer in {lo}..{hi}, got {v!r}",
+    )
+    return int(v)
+
+
+def _address(v: Any, name: str) -> str:
+    try:
+        return str(ipaddress.IPv4Address(v))
+    except (ValueError, TypeError):
+        raise LocalError(f"{name}: {v!r} is not an IPv4 address") from None
+
+
+def _addresses(v: Any, name: str) -> tuple[str, ...]:
+    _need(isinstance(v, list) and 1 <= len(v) <= 8, f"{name} must be a list of 1..8 addresses")
+    return tuple(_address(a, name) for a in v)
+
+
+def _policy(v: Any, name: str) -> dict[str, Any]:
+    if isinstance(v, str):
+        return {"name": v}
+    _need(isinstance(v, dict) and isinstance(v.get("name"), str), f"{name} needs a name")
+    return dict(v)
+
+
+def _peer(v: Any, name: str, default_port: int) -> PeerConfig:
+    _need(isinstance(v, dict), f"{name} must be a table")
+    unknown = set(v) - {"index", "addresses", "udp_port"}
+    _need(not unknown, f"{name}: unknown keys {sorted(unknown)}")
+    return PeerConfig(
+        index=_int(v.get("index", 0), f"{name}.index", 0, 65535),
+        addresses=_addresses(v.get("addresses"), f"{name}.addresses"),
+        udp_port=_int(v.get("udp_port", default_port), f"{name}.udp_port", 1, 65535),
+    )
+
+
+def _job(v: Any, i: int, default_port: int) -> JobConfig:
+    name = f"jobs[{i}]"
+    _need(isinstance(v, dict), f"{name} must be a table")
+    unknown = set(v) - {"job", "key", "hosts", "me", "mode", "aggregators", "contributors"}
+    _need(not unknown, f"{name}: unknown keys {sorted(unknown)}")
+    try:
+        key = bytes.fromhex(str(v.get("key", "")))
+    except ValueError:
+        raise LocalError(f"{name}.key must be hex") from None
+    _need(16 <= len(key) <= 64, f"{name}.key must be 16..64 bytes")
+    hosts = v.get("hosts")
+    _need(isinstance(hosts, list) and bool(hosts), f"{name}.hosts must be a non-empty list")
+    mode = v.get("mode", "transpose")
+    _need(mode in ("transpose", "ps"), f"{name}.mode must be transpose or ps")
+    return JobConfig(
+        job=_int(v.get("job"), f"{name}.job", 0, 2**32 - 1),
+        key=key,
+        hosts=tuple(
+            _peer({"index": k, **h}, f"{name}.hosts[{k}]", default_port)
+            for k, h in enumerate(hosts)
+        ),
+        me=_int(v.get("me"), f"{name}.me", 0, len(hosts) - 1),
+        mode=mode,
+        aggregators=tuple(
+            _int(a, f"{name}.aggregators", 0, 65535) for a in v.get("aggregators", [])
+        ),
+        contributors=tuple(
+            _int(a, f"{name}.contributors", 0, 65535) for a in v.get("contributors", [])
+        ),
+    )
+
+
+def parse(data: dict[str, Any], path: str | None = None) -> Config:
+    """A validated Config from parsed TOML; LocalError names the bad key."""
+    for section, value in data.items():
+        _need(section in _SECTIONS, f"unknown section [{section}]")
+        keys = _SECTIONS[section]
+        if keys is not None:
+            _need(isinstance(value, dict), f"[{section}] must be a table")
+            unknown = set(value) - keys
+            _need(not unknown, f"[{section}]: unknown keys {sorted(unknown)}")
+    d = data.get("daemon", {})
+    n = data.get("network", {})
+    p = data.get("policies", {})
+    r = dict(data.get("rate", {}))
+    t = data.get("timing", {})
+    cfg = Config(path=path)
+    if "socket" in d:
+        _need(isinstance(d["socket"], str) and bool(d["socket"]), "daemon.socket must be a path")
+        cfg.socket = d["socket"]
+    if "socket_mode" in d:
+        mode = d["socket_mode"]
+        if isinstance(mode, str):
+            try:
+                mode = int(mode, 8)
+            except ValueError:
+                raise LocalError(f"daemon.socket_mode {mode!r} is not octal") from None
+        cfg.socket_mode = _int(mode, "daemon.socket_mode", 0, 0o777)
+    if "metrics_address" in d:
+        cfg.metrics_address = _address(d["metrics_address"], "daemon.metrics_address")
+    cfg.metrics_port = _int(
+        d.get("metrics_port", cfg.metrics_port), "daemon.metrics_port", 0, 65535
+    )
+    cfg.host_index = _int(d.get("host_index", 0), "daemon.host_index", 0, 65535)
+    drain = d.get("drain_timeout_s", cfg.drain_timeout_s)
+    _need(isinstance(drain, int | float) and drain >= 0, "daemon.drain_timeout_s must be >= 0")
+    cfg.drain_timeout_s = float(drain)
+    level = d.get("log_level", cfg.log_level)
+    _need(level in ("debug", "info", "warning", "error"), f"daemon.log_level {level!r}")
+    cfg.log_level = level
+    if "addresses" in n:
+        cfg.addresses = _addresses(n["addresses"], "network.addresses")
+    cfg.udp_port = _int(n.get("udp_port", cfg.udp_port), "network.udp_port", 1, 65535)
+    cfg.payload = _int(n.get("payload", cfg.payload), "network.payload", 64, 65443)
+    for flag in ("gso", "gro"):
+        if flag in n:
+            _need(isinstance(n[flag], bool), f"network.{flag} must be true or false")
+            setattr(cfg, flag, n[flag])
+    cfg.socket_buffer_bytes = _int(
+        n.get("socket_buffer_bytes", cfg.socket_buffer_bytes),
+        "network.socket_buffer_bytes",
+        1 << 16,
+        1 << 30,
+    )
+    peers = n.get("peers", [])
+    _need(isinstance(peers, list), "network.peers must be a list of tables")
+    cfg.peers = tuple(_peer(v, f"network.peers[{i}]", cfg.udp_port) for i, v in enumerate(peers))
+    for kind in ("priority", "drop", "balance"):
+        if kind in p:
+            setattr(cfg, kind, _policy(p[kind], f"policies.{kind}"))
+    if "dscp" in p:
+        cfg.dscp = tuple(check_dscp_table(p["dscp"]))
+    if "pacing" in r:
+        _need(isinstance(r["pacing"], bool), "rate.pacing must be true or false")
+        cfg.pacing = r.pop("pacing")
+    cfg.rate = RateConfig.from_dict({**RATE_DEFAULTS, **r})
+    known = set(Timing.__dataclass_fields__)
+    unknown = set(t) - known
+    _need(not unknown, f"[timing]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    for k, v in t.items():
+        _need(isinstance(v, int | float) and v > 0, f"timing.{k} must be a positive number")
+    cfg.timing = Timing(**{k: float(v) for k, v in t.items()})
+    devs = data.get("tc", {}).get("devices", [])
+    _need(isinstance(devs, list) and all(isinstance(x, str) for x in devs), "tc.devices: names")
+    cfg.tc_devices = tuple(devs)
+    jobs = data.get("jobs", [])
+    _need(isinstance(jobs, list), "[[jobs]] must be an array of tables")
+    cfg.jobs = tuple(_job(v, i, cfg.udp_port) for i, v in enumerate(jobs))
+    # validate the policies now, so a typo fails at start and not at the first round
+    from dlcp.policies import from_config
+
+    for kind in ("priority", "drop", "balance"):
+        from_config(kind, getattr(cfg, kind))
+    return cfg
+
+
+def load(path: str | Path) -> Config:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise LocalError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise LocalError(f"{path}: {exc}") from None
+    return parse(data, str(path))

@@ -1,0 +1,218 @@
+"""Per-destination send queues: strict priority between classes, paced, sprayed over paths.
+
+The engine hands datagrams with a priority class; they wait here per peer in
+one FIFO per class. `flush` sends the highest class first, in GSO-sized
+batches, as fast as the peer's pacer allows, choosing a path per packet with
+the load balancer; what the pacer or a full socket holds back waits for the
+next `flush` (the daemon calls it again at `next_wake`, or when the socket is
+writable).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dlcp.core.rate import Pacer, RateConfig, RateController
+from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
+from dlcp.policies import LoadBalancer, PathState
+
+__all__ = ["Outbox", "Peer"]
+
+N_CLASSES = 8
+_DONE = 4  # PacketType.DONE, byte 3 of the header
+BURST_BYTES = 256 * 1024  # at least one GSO batch
+
+
+@dataclass(eq=False)
+class Peer:
+    """A remote daemon: its path addresses, pacing and path statistics."""
+
+    addresses: tuple[str, ...]
+    port: int
+    local: Sequence[UdpPath]
+    rate: RateController
+    pacer: Pacer | None
+    balancer: LoadBalancer
+    paths: list[PathState] = field(default_factory=list)
+    queues: list[deque[bytes]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
+    queued: int = 0
+    pending: set[bytes] = field(default_factory=set)  # queued datagrams, to drop repeats
+    pushed: int = 0  # packets queued so far (not counting held DONEs)
+    sent: int = 0
+    held: deque[tuple[int, bytes, int]] = field(default_factory=deque)  # (barrier, dg, class)
+    last_loss: float = float("-inf")
+    sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
+    sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        n = min(len(self.addresses), len(self.local))
+        self.paths = [PathState(key=(self.local[p].address, self.addresses[p])) for p in range(n)]
+
+    @property
+    def name(self) -> str:
+        return f"{self.addresses[0]}:{self.port}"
+
+    def dest(self, path: int) -> tuple[str, int]:
+        return self.addresses[path], self.port
+
+
+class Outbox:
+    def __init__(
+        self,
+        paths: Sequence[UdpPath],
+        *,
+        dscp: Sequence[int],
+        rate: RateConfig,
+        pacing: bool,
+        balancer_factory: object,
+    ) -> None:
+        self.paths = paths
+        self.tos = [int(d) << 2 for d in dscp]
+        self.rate_config = rate
+        self.pacing = pacing
+        self._balancer_factory = balancer_factory
+        self.peers: dict[tuple[tuple[str, ...], int], Peer] = {}
+        self.backlog: set[Peer] = set()
+        self.blocked = False  # a socket was full: wait for writability
+        self.next_wake: float | None = None
+        self.repeats = 0
+        self.loss_interval = 0.05
+
+    def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
+        key = (addresses, port)
+        p = self.peers.get(key)
+        if p is None:
+            rate = RateController(self.rate_config)
+            pacer = (
+                Pacer(rate_bps=rate.rate_bps, burst_bytes=BURST_BYTES, now=now)
+                if self.pacing
+                else None
+            )
+            balancer = self._balancer_factory()  # type: ignore[operator]
+            p = Peer(addresses, port, self.paths, rate, pacer, balancer)
+            self.peers[key] = p
+        return p
+
+    def set_balancer_factory(self, factory: object) -> None:
+        self._balancer_factory = factory
+        for p in self.peers.values():
+            p.balancer = factory()  # type: ignore[operator]
+
+    def push(self, peer: Peer, datagram: bytes, priority: int) -> bool:
+        """Queue a datagram; False when the same bytes are already waiting (a repeat)."""
+        if datagram in peer.pending:
+            self.repeats += 1
+            return False
+        peer.pending.add(datagram)
+        peer.queued += 1
+        self.backlog.add(peer)
+        if datagram[3] == _DONE:
+            # A DONE says "my data for this shard is out": hold it until the
+            # packets queued before it have left, or it overtakes them in the
+            # top class and the receiver NACKs data that is merely queued.
+            peer.held.append((peer.pushed, datagram, priority))
+            return True
+        peer.pushed += 1
+        peer.queues[min(max(priority, 0), N_CLASSES - 1)].append(datagram)
+        return True
+
+    @staticmethod
+    def _release(peer: Peer) -> None:
+        held = peer.held
+        while held and held[0][0] <= peer.sent:
+            _, dg, cls = held.popleft()
+            peer.queues[min(max(cls, 0), N_CLASSES - 1)].append(dg)
+
+    def on_loss(self, peer: Peer, n: int, now: float) -> None:
+        """A peer reported `n` packets missing: at most one rate decrease per interval."""
+        if now >= peer.last_loss + self.loss_interval:
+            peer.last_loss = now
+            peer.rate.on_loss(n, now)
+
+    def queued(self) -> int:
+        return sum(p.queued for p in self.peers.values())
+
+    def flush(self, now: float) -> None:
+        """Send what pacing and the sockets allow; sets `next_wake` and `blocked`."""
+        self.next_wake = None
+        self.blocked = False
+        for peer in list(self.backlog):
+            wake = self._flush_peer(peer, now)
+            if peer.queued == 0:
+                self.backlog.discard(peer)
+            elif wake is not None and (self.next_wake is None or wake < self.next_wake):
+                self.next_wake = wake
+            if self.blocked:
+                return
+
+    def _flush_peer(self, peer: Peer, now: float) -> float | None:
+        pacer = peer.pacer
+        if pacer is not None:
+            pacer.set_rate(peer.rate.rate_bps, now)
+        self._release(peer)
+        for cls in range(N_CLASSES):
+            q = peer.queues[cls]
+            while q:
+                k = min(len(q), MAX_GSO_SEGMENTS)
+                batch = [q[i] for i in range(k)]
+                size = sum(len(d) for d in batch)
+                if pacer is not None:
+                    wait = pacer.delay(size, now)
+                    if wait > 0:
+                        return now + wait
+                sent = self._send(peer, batch, cls)
+                for _ in range(sent):
+                    peer.pending.discard(q.popleft())
+                peer.sent += sent
+                if peer.held and peer.held[0][0] <= peer.sent:
+                    self._release(peer)
+                peer.queued -= sent
+                if pacer is not None and sent:
+                    pacer.consume(sum(len(d) for d in batch[:sent]), now)
+                if sent < k:
+                    self.blocked = True
+                    return None
+        return None
+
+    def _send(self, peer: Peer, batch: list[bytes], cls: int) -> int:
+        paths = peer.paths
+        tos = self.tos[cls]
+        if len(paths) == 1:
+            n = peer.local[0].send(batch, peer.dest(0), tos)
+            if n:
+                peer.balancer.on_sent(paths[0], n)
+                peer.sent_packets[(cls, 0)] += n
+                peer.sent_bytes[(cls, 0)] += sum(len(d) for d in batch[:n])
+            return n
+        assign = peer.balancer.assign(n=len(batch), paths=paths)
+        # send per path in order; a partial send on any path stops the batch there
+        order = np.argsort(assign, kind="stable")
+        done = 0
+        sent_mask = np.zeros(len(batch), dtype=bool)
+        for p in np.unique(assign).tolist():
+            idx = order[assign[order] == p]
+            dgs = [batch[i] for i in idx.tolist()]
+            n = peer.local[p].send(dgs, peer.dest(p), tos)
+            sent_mask[idx[:n]] = True
+            if n:
+                peer.balancer.on_sent(paths[p], n)
+                peer.sent_packets[(cls, p)] += n
+                peer.sent_bytes[(cls, p)] += sum(len(d) for d in dgs[:n])
+            done += n
+            if n < len(dgs):
+                break
+        if done == len(batch):
+            return done
+        # keep the unsent ones at the head of the queue, in their order
+        prefix = int(np.argmin(sent_mask)) if not sent_mask.all() else len(batch)
+        q = peer.queues[cls]
+        for i in range(len(batch) - 1, prefix - 1, -1):
+            if sent_mask[i]:
+                peer.pending.discard(q[i])
+                del q[i]  # sent out of order on another path
+                peer.queued -= 1
+        return prefix

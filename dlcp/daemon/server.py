@@ -1,0 +1,908 @@
+"""dlcpd: moves bytes between the shim, the protocol engine and the network.
+
+Everything that decides (what to send, when a round is complete, which class
+and path a packet takes) lives in the sans-IO core and the policies; this
+module owns the sockets, the timers and the shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dlcp import ipc
+from dlcp.codecs import lanes as lane_ops
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, Send
+from dlcp.core.layout import Layout
+from dlcp.daemon import notify
+from dlcp.daemon.config import Config
+from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
+from dlcp.daemon.outbox import Outbox
+from dlcp.daemon.shm import MappedSegment
+from dlcp.daemon.transport import UdpPath
+from dlcp.errors import DlcpError, LocalError, Reason
+from dlcp.policies import apply_droppable, from_config
+from dlcp.wire.header import HEADER_SIZE, Codec, PacketType, lane_bytes
+
+__all__ = ["Daemon", "RequestError"]
+
+log = logging.getLogger("dlcpd")
+
+_JOB = struct.Struct("!I")
+_NACK_COUNT = struct.Struct("!I")
+_RX_BUDGET = 256  # recvmsg calls per readable event before yielding to the loop
+OpKey = tuple[int, int, int]
+
+
+class RequestError(DlcpError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _bad(msg: str) -> RequestError:
+    return RequestError("bad_request", msg)
+
+
+def _int_field(req: dict[str, Any], name: str, lo: int, hi: int) -> int:
+    v = req.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _bad(f"{name} must be an integer in {lo}..{hi}")
+    return v
+
+
+def _float_field(req: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
+    v = req.get(name, default)
+    if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _bad(f"{name} must be a number in {lo}..{hi}")
+    return float(v)
+
+
+class Client:
+    """One connection from a rank."""
+
+    def __init__(self, daemon: Daemon, writer: asyncio.StreamWriter) -> None:
+        self.daemon = daemon
+        self.writer = writer
+        self.segment: MappedSegment | None = None
+        self.jobs: set[int] = set()
+        self.pending = 0
+        self.closed = False
+
+    def reply(self, rid: Any, **fields: Any) -> None:
+        if self.closed:
+            return
+        try:
+            self.writer.write(ipc.encode({"id": rid, "ok": True, **fields}))
+        except (OSError, RuntimeError):
+            self.closed = True
+
+    def error(self, rid: Any, code: str, message: str) -> None:
+        if self.closed:
+            return
+        try:
+            self.writer.write(
+                ipc.encode({"id": rid, "ok": False, "code": code, "error": message[:2000]})
+            )
+        except (OSError, RuntimeError):
+            self.closed = True
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.id = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.engine = Engine(timing=config.timing)
+        self.paths: list[UdpPath] = []
+        self.jobs: dict[int, JobState] = {}
+        self.clients: set[Client] = set()
+        self.rounds: dict[OpKey, LocalRound] = {}
+        self.counters: Counter[str] = Counter()
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self.daemon_rejects: Counter[str] = Counter()
+        self._load_policies()
+        self.outbox = Outbox(
+            self.paths,
+            dscp=config.dscp,
+            rate=config.rate,
+            pacing=config.pacing,
+            balancer_factory=self._balancer_factory,
+        )
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._writers: set[int] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._metrics_server: Any = None
+        self._round_hist: Any = None
+        self._tc_cache: list[dict[str, Any]] = []
+        self.draining = False
+        self.stopped = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- policies -----------------------------------------------------------
+    def _load_policies(self) -> None:
+        cfg = self.config
+        self.priority = from_config("priority", {**cfg.priority, "dscp": list(cfg.dscp)})
+        self.drop = from_config("drop", cfg.drop)
+        self._balance_cfg = dict(cfg.balance)
+
+    def _balancer_factory(self) -> Any:
+        return from_config("balance", self._balance_cfg)
+
+    def reload(self, config: Config) -> None:
+        """SIGHUP: new policies, DSCP table and timing; sockets and jobs stay."""
+        self.config.priority, self.config.drop = config.priority, config.drop
+        self.config.balance, self.config.dscp = config.balance, config.dscp
+        self._load_policies()
+        self.outbox.tos = [int(d) << 2 for d in config.dscp]
+        self.outbox.set_balancer_factory(self._balancer_factory)
+        self.engine.timing = config.timing
+        log.info("reloaded policies: %s %s %s", config.priority, config.drop, config.balance)
+
+    # -- lifecycle ----------------------------------------------------------
+    @property
+    def now(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    async def start(self) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        cfg = self.config
+        for addr in cfg.addresses:
+            path = UdpPath(
+                addr, cfg.udp_port, gso=cfg.gso, gro=cfg.gro, buffer_bytes=cfg.socket_buffer_bytes
+            )
+            self.paths.append(path)
+            loop.add_reader(path.fileno(), self._on_readable, path)
+        for job in cfg.jobs:
+            self._add_static_job(job)
+        sock_dir = os.path.dirname(cfg.socket)
+        if sock_dir:
+            os.makedirs(sock_dir, exist_ok=True)
+        if os.path.exists(cfg.socket):
+            os.unlink(cfg.socket)
+        self._server = await asyncio.start_unix_server(
+            self._serve_client, path=cfg.socket, limit=ipc.MAX_MESSAGE + 4
+        )
+        os.chmod(cfg.socket, cfg.socket_mode)
+        if cfg.metrics_port:
+            from dlcp.daemon.metrics import make_registry, serve_metrics
+
+            registry, self._round_hist = make_registry(self)
+            self._metrics_server = await serve_metrics(
+                registry, cfg.metrics_address, cfg.metrics_port
+            )
+            loop.create_task(self._refresh_tc())
+        log.info(
+            "dlcpd %s serving %s on %s udp/%d, metrics %s",
+            self.id,
+            cfg.socket,
+            ",".join(cfg.addresses),
+            cfg.udp_port,
+            cfg.metrics_port or "off",
+        )
+
+    async def serve(self) -> None:
+        """Run until SIGTERM/SIGINT (drain) ; SIGHUP reloads policies."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
+        loop.add_signal_handler(signal.SIGINT, self.begin_drain)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        notify.notify("READY=1", f"STATUS=serving {self.config.socket}")
+        watchdog = notify.watchdog_interval()
+        dog = loop.create_task(self._watchdog(watchdog)) if watchdog else None
+        try:
+            await self.stopped.wait()
+        finally:
+            if dog is not None:
+                dog.cancel()
+            await self.close()
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            notify.notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    def _on_sighup(self) -> None:
+        from dlcp.daemon.config import load
+
+        if self.config.path is None:
+            return
+        try:
+            self.reload(load(self.config.path))
+        except DlcpError as exc:
+            log.error("reload failed, keeping the old policies: %s", exc)
+
+    def begin_drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        notify.notify("STOPPING=1", "STATUS=draining")
+        log.info("draining %d rounds in flight", self.engine.pending_rounds())
+        assert self._loop is not None
+        self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = self.now + self.config.drain_timeout_s
+        while self.now < deadline and (
+            self.engine.pending_rounds() or any(r.submitted for r in self.rounds.values())
+        ):
+            await asyncio.sleep(0.01)
+        # let the last results and ACKs leave
+        for _ in range(100):
+            if not self.outbox.queued():
+                break
+            await asyncio.sleep(0.01)
+        self.stopped.set()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for c in list(self.clients):
+            c.closed = True
+            c.writer.close()
+            self._drop_client(c)
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        for p in self.paths:
+            loop.remove_reader(p.fileno())
+            if p.fileno() in self._writers:
+                loop.remove_writer(p.fileno())
+            p.close()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        try:
+            os.unlink(self.config.socket)
+        except OSError:
+            pass
+        log.info("stopped")
+
+    # -- network in -----------------------------------------------------------
+    def _on_readable(self, path: UdpPath) -> None:
+        now = self.now
+        engine = self.engine
+        jobs = self.jobs
+        rx = 0
+        rx_bytes = 0
+        for dg, src in path.receive(_RX_BUDGET):
+            rx += 1
+            rx_bytes += len(dg)
+            node = None
+            job = None
+            if len(dg) >= HEADER_SIZE:
+                job = jobs.get(_JOB.unpack_from(dg, 8)[0])
+                if job is not None:
+                    node = job.node_of.get(src)
+                    if node is None:
+                        self.daemon_rejects["bad_address"] += 1
+                        continue
+            h = engine.receive(dg, now, src=node)
+            if h is not None and job is not None and node is not None:
+                peer = job.peers.get(node)
+                if peer is not None:
+                    if h.type == PacketType.NACK:
+                        self.outbox.on_loss(peer, max(1, h.count), now)
+                    elif h.type in (PacketType.RESULT, PacketType.ACK, PacketType.DONE):
+                        peer.rate.on_ack(len(dg), None, now)
+        self.counters["rx_packets"] += rx
+        self.counters["rx_bytes"] += rx_bytes
+        self._pump()
+
+    # -- engine out -----------------------------------------------------------
+    def _pump(self) -> None:
+        """Move the engine's output to the network and the ranks; re-arm timers."""
+        now = self.now
+        engine = self.engine
+        sends = engine.datagrams_to_send()
+        if sends:
+            self._enqueue(sends, now)
+        while (ev := engine.next_event()) is not None:
+            if isinstance(ev, RoundComplete):
+                self._complete(ev)
+            else:
+                self._failed(ev)
+        if self.outbox.backlog and not self.outbox.blocked:
+            self.outbox.flush(now)
+            if self.outbox.blocked:
+                self._wait_writable()
+        self._arm(now)
+
+    def _enqueue(self, sends: list[Send], now: float) -> None:
+        jobs = self.jobs
+        push = self.outbox.push
+        for s in sends:
+            job = jobs.get(_JOB.unpack_from(s.datagram, 8)[0])
+            if job is None:
+                continue
+            peer = job.peers.get(s.node)
+            if peer is None:
+                continue
+            push(peer, s.datagram, s.priority)
+
+    def _wait_writable(self) -> None:
+        assert self._loop is not None
+        for p in self.paths:
+            if p.fileno() not in self._writers:
+                self._writers.add(p.fileno())
+                self._loop.add_writer(p.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        assert self._loop is not None
+        for fd in self._writers:
+            self._loop.remove_writer(fd)
+        self._writers.clear()
+        self.outbox.blocked = False
+        self._pump()
+
+    def _arm(self, now: float) -> None:
+        t = self.engine.get_timer()
+        wake = self.outbox.next_wake
+        if wake is not None and not self.outbox.blocked and (t is None or wake < t):
+            t = wake
+        if t == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = t
+        if t is not None:
+            assert self._loop is not None
+            self._timer = self._loop.call_at(max(t, now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        now = self.now
+        t = self.engine.get_timer()
+        if t is not None and t <= now:
+            self.engine.handle_timer(now)
+        self._pump()
+
+    # -- rounds -----------------------------------------------------------
+    def _complete(self, ev: RoundComplete) -> None:
+        op = (ev.job, ev.round, ev.bucket)
+        job = self.jobs.get(ev.job)
+        if job is not None:
+            job.rounds_completed += 1
+        self.counters["rounds_completed"] += 1
+        if ev.lost_lanes:
+            self.counters["rounds_lossy"] += 1
+        lr = self.rounds.pop(op, None)
+        if lr is None:
+            return
+        elapsed = self.now - lr.started
+        if self._round_hist is not None:
+            self._round_hist.observe(elapsed)
+        lay = ev.layout
+        sums = np.ascontiguousarray(ev.sums)
+        sums_b = memoryview(sums).cast("B")  # type: ignore[arg-type]
+        contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
+        bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
+        counts = lay.packet_counts()
+        expected = len(job.spec.contributors) * job.local_ranks if job else 0
+        self.counters["result_lanes"] += lay.total * len(lr.parts)
+        self.counters["result_lanes_lost"] += int(counts[contrib < expected].sum()) * len(lr.parts)
+        for part in lr.parts:
+            c = part.client
+            if c.closed or c.segment is None:
+                continue
+            off, _n = part.out
+            buf = c.segment.buf
+            end = off + len(sums_b)
+            buf[off:end] = sums_b
+            buf[end : end + 2 * lay.packets] = contrib.tobytes()
+            end += 2 * lay.packets
+            buf[end : end + 4 * lay.packets] = bmax.tobytes()
+            c.pending -= 1
+            self.requests[("submit", "ok")] += 1
+            c.reply(
+                part.rid,
+                lost_lanes=int(ev.lost_lanes),
+                total_lanes=int(ev.total_lanes),
+                packets=lay.packets,
+                contributors_min=int(contrib.min()) if contrib.size else 0,
+                elapsed_s=round(elapsed, 6),
+            )
+
+    def _failed(self, ev: RoundFailed) -> None:
+        op = (ev.job, ev.round, ev.bucket)
+        job = self.jobs.get(ev.job)
+        if job is not None:
+            job.rounds_failed += 1
+        self.counters["rounds_failed"] += 1
+        log.warning("job %d round %d bucket %d failed: %s", *op, ev.reason)
+        lr = self.rounds.pop(op, None)
+        if lr is None:
+            return
+        for part in lr.parts:
+            part.client.pending -= 1
+            self.requests[("submit", "round_failed")] += 1
+            part.client.error(part.rid, "round_failed", ev.reason)
+
+    def _start_round(self, lr: LocalRound, job: JobState) -> None:
+        """All local ranks are in: sum them and hand the contribution to the engine."""
+        codec = Codec(lr.codec)
+        spec = job.spec
+        layout = Layout(total=lr.total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        parts = lr.parts
+        if len(parts) == 1:
+            lanes: Any = parts[0].data
+            summed = False
+        else:
+            acc = None
+            for p in parts:
+                v = lane_ops.unpack(codec, p.data.tobytes(), lr.total, False).astype(
+                    lane_ops.sum_dtype(codec)
+                )
+                acc = v if acc is None else acc + v
+            lanes = lane_ops.pack(codec, acc, True)  # type: ignore[arg-type]
+            summed = True
+        n = layout.packets
+        counts = layout.packet_counts()
+        layers = next((p.layers for p in parts if p.layers is not None), None)
+        norms_list = [p.norms for p in parts if p.norms is not None]
+        if layers is None:
+            layers = np.zeros(n, dtype=np.int64)
+        norms = np.sum(norms_list, axis=0) if norms_list else np.zeros(n)
+        bmaxes = [p.block_max for p in parts if p.block_max is not None]
+        block_max = np.max(bmaxes, axis=0) if bmaxes else None
+        classes = self.priority.classify(
+            layers=layers.astype(np.int64),
+            n_layers=int(layers.max()) + 1 if n else 1,
+            norms=norms,
+            counts=counts,
+        )
+        droppable = np.zeros(n, dtype=bool)
+        if lr.bound > 0:
+            for s in range(layout.shards):
+                r = layout.shard_packets(s)
+                if len(r):
+                    droppable[r.start : r.stop] = self.drop.droppable(
+                        norms=norms[r.start : r.stop],
+                        counts=counts[r.start : r.stop],
+                        bound=lr.bound,
+                    )
+        classes = apply_droppable(classes, droppable)
+        self.engine.submit(
+            job=lr.job,
+            round=lr.round,
+            bucket=lr.bucket,
+            codec=codec,
+            total=lr.total,
+            lanes=lanes,
+            now=self.now,
+            summed=summed,
+            weight=len(parts),
+            classes=classes,
+            droppable=droppable,
+            layers=layers,
+            bound=lr.bound,
+            scale=lr.scale,
+            block_max=block_max,
+        )
+        lr.submitted = True
+        self._pump()
+
+    # -- jobs -------------------------------------------------------------
+    def _make_job(
+        self,
+        *,
+        job: int,
+        key: bytes,
+        hosts: tuple[HostAddr, ...],
+        me: int,
+        local_ranks: int,
+        mode: str,
+        payload: int,
+        aggregators: tuple[int, ...] = (),
+        contributors: tuple[int, ...] = (),
+        static: bool = False,
+    ) -> JobState:
+        H = len(hosts)
+        if not 0 <= me < H:
+            raise _bad(f"me={me} is not an index of hosts")
+        mine = hosts[me]
+        if mine.udp_port != self.config.udp_port or not set(mine.addresses) & set(
+            self.config.addresses
+        ):
+            raise RequestError(
+                "conflict",
+                f"hosts[{me}] {list(mine.addresses)}:{mine.udp_port} is not this daemon "
+                f"({list(self.config.addresses)}:{self.config.udp_port})",
+            )
+        if mode == "transpose":
+            spec = JobSpec.transpose(job, key, me, H, payload=payload)
+        elif mode == "ps":
+            aggs = aggregators or (0,)
+            contr = contributors or tuple(i for i in range(H) if i not in aggs)
+            for i in (*aggs, *contr):
+                if not 0 <= i < H:
+                    raise _bad(f"host index {i} out of range")
+            spec = JobSpec(
+                job=job, key=key, me=me, contributors=contr, owners=aggs, payload=payload
+            )
+        else:
+            raise _bad(f"mode must be transpose or ps, not {mode!r}")
+        state = JobState(spec=spec, hosts=hosts, local_ranks=local_ranks, mode=mode, static=static)
+        now = self.now
+        for node, h in enumerate(hosts):
+            if node == me:
+                continue
+            state.peers[node] = self.outbox.peer(h.addresses, h.udp_port, now)
+            for a in h.addresses:
+                state.node_of[a] = node
+        return state
+
+    def _add_static_job(self, jc: Any) -> None:
+        hosts = tuple(HostAddr(h.addresses, h.udp_port) for h in jc.hosts)
+        state = self._make_job(
+            job=jc.job,
+            key=jc.key,
+            hosts=hosts,
+            me=jc.me,
+            local_ranks=1,
+            mode=jc.mode,
+            payload=self.config.payload,
+            aggregators=jc.aggregators,
+            contributors=jc.contributors,
+            static=True,
+        )
+        self.jobs[jc.job] = state
+        self.engine.add_job(state.spec)
+
+    def _leave(self, client: Client, job_id: int) -> None:
+        client.jobs.discard(job_id)
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        job.clients.discard(client)
+        if not job.clients and not job.static:
+            del self.jobs[job_id]
+            self.engine.remove_job(job_id, self.now)
+            for op in [op for op in self.rounds if op[0] == job_id]:
+                del self.rounds[op]
+            log.info("job %d left", job_id)
+            self._pump()
+
+    # -- shim requests -------------------------------------------------------
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        client = Client(self, writer)
+        self.clients.add(client)
+        try:
+            while True:
+                try:
+                    prefix = await reader.readexactly(4)
+                    body = await reader.readexactly(ipc.decode_length(prefix))
+                    req = ipc.decode_body(body)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                except ipc.ProtocolError as exc:
+                    client.error(None, "bad_request", str(exc))
+                    self.requests[("framing", "bad_request")] += 1
+                    break
+                self._handle(client, req)
+                if client.closed:
+                    break
+                await writer.drain()
+        finally:
+            self._drop_client(client)
+            client.closed = True
+            writer.close()
+
+    def _drop_client(self, client: Client) -> None:
+        if client not in self.clients:
+            return
+        self.clients.discard(client)
+        for lr in self.rounds.values():
+            lr.parts = [p for p in lr.parts if p.client is not client]
+        for job_id in list(client.jobs):
+            self._leave(client, job_id)
+        if client.segment is not None:
+            client.segment.close()
+            client.segment = None
+
+    _OPS = ("hello", "segment", "join", "submit", "leave", "status")
+
+    def _handle(self, client: Client, req: dict[str, Any]) -> None:
+        rid = req.get("id")
+        op = req.get("op")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            client.error(rid, "bad_request", "id must be an integer")
+            self.requests[(str(op)[:20], "bad_request")] += 1
+            return
+        if op not in self._OPS:
+            client.error(rid, "unknown_op", f"unknown op {str(op)[:50]!r}")
+            self.requests[("unknown", "unknown_op")] += 1
+            return
+        handler: Callable[[Client, int, dict[str, Any]], None] = getattr(self, f"_op_{op}")
+        try:
+            handler(client, rid, req)
+        except RequestError as exc:
+            self.requests[(op, exc.code)] += 1
+            client.error(rid, exc.code, str(exc))
+        except LocalError as exc:
+            self.requests[(op, "bad_request")] += 1
+            client.error(rid, "bad_request", str(exc))
+        except Exception as exc:  # never let one request take the daemon down
+            log.exception("internal error serving %s", op)
+            self.requests[(op, "internal")] += 1
+            client.error(rid, "internal", f"{type(exc).__name__}: {exc}")
+        else:
+            if op != "submit":
+                self.requests[(op, "ok")] += 1
+
+    def _op_hello(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        version = req.get("version", ipc.PROTOCOL_VERSION)
+        if version != ipc.PROTOCOL_VERSION:
+            raise RequestError("bad_request", f"protocol version {version!r}; this daemon speaks 1")
+        fb = req.get("fallbacks", 0)
+        if isinstance(fb, int) and not isinstance(fb, bool) and 0 <= fb < 2**40:
+            self.counters["fallbacks"] += fb
+        client.reply(rid, version=ipc.PROTOCOL_VERSION, daemon=self.describe())
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "id": self.id,
+            "host_index": cfg.host_index,
+            "addresses": list(cfg.addresses),
+            "udp_port": cfg.udp_port,
+            "payload": cfg.payload,
+            "metrics_port": cfg.metrics_port,
+            "peers": [
+                {"index": p.index, "addresses": list(p.addresses), "udp_port": p.udp_port}
+                for p in cfg.peers
+            ],
+        }
+
+    def _op_segment(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        if client.pending:
+            raise RequestError("conflict", "cannot replace the segment with submits outstanding")
+        seg = MappedSegment(req.get("name"), req.get("size"))  # type: ignore[arg-type]
+        if client.segment is not None:
+            client.segment.close()
+        client.segment = seg
+        client.reply(rid)
+
+    def _op_join(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        if self.draining:
+            raise RequestError("shutting_down", "the daemon is stopping")
+        job_id = _int_field(req, "job", 0, 2**32 - 1)
+        key_hex = req.get("key")
+        try:
+            key = bytes.fromhex(key_hex) if isinstance(key_hex, str) else b""
+        except ValueError:
+            key = b""
+        if not 16 <= len(key) <= 64:
+            raise _bad("key must be 16..64 bytes in hex")
+        if "hosts" in req:
+            hosts = parse_hosts(req["hosts"])
+            me = _int_field(req, "me", 0, len(hosts) - 1)
+        else:  # membership from the config's peers
+            cfg = self.config
+            table = {p.index: HostAddr(p.addresses, p.udp_port) for p in cfg.peers}
+            table[cfg.host_index] = HostAddr(cfg.addresses, cfg.udp_port)
+            if sorted(table) != list(range(len(table))):
+                raise _bad("config peers do not form indices 0..H-1; pass hosts")
+            hosts = tuple(table[i] for i in range(len(table)))
+            me = cfg.host_index
+        local = _int_field(req, "local_ranks", 1, 256) if "local_ranks" in req else 1
+        mode = req.get("mode", "transpose")
+        payload = _int_field(req, "payload", 64, 65443) if "payload" in req else self.config.payload
+        aggs = tuple(req.get("aggregators", ()))
+        contr = tuple(req.get("contributors", ()))
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*aggs, *contr)):
+            raise _bad("aggregators and contributors must list host indices")
+        state = self._make_job(
+            job=job_id,
+            key=key,
+            hosts=hosts,
+            me=me,
+            local_ranks=local,
+            mode=str(mode),
+            payload=payload,
+            aggregators=aggs,
+            contributors=contr,
+        )
+        existing = self.jobs.get(job_id)
+        if existing is not None:
+            if existing.signature() != state.signature():
+                raise RequestError(
+                    "conflict", f"job {job_id} is already here with other members, key or ranks"
+                )
+            state = existing
+        else:
+            self.jobs[job_id] = state
+            self.engine.add_job(state.spec)
+            log.info(
+                "job %d joined: %d hosts, me=%d, %d local ranks", job_id, len(hosts), me, local
+            )
+        state.clients.add(client)
+        client.jobs.add(job_id)
+        client.reply(rid)
+
+    def _op_leave(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        job_id = _int_field(req, "job", 0, 2**32 - 1)
+        if job_id not in client.jobs:
+            raise RequestError("unknown_job", f"this client has not joined job {job_id}")
+        self._leave(client, job_id)
+        client.reply(rid)
+
+    def _op_status(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        client.reply(rid, status=self.status())
+
+    def _op_submit(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        if self.draining:
+            raise RequestError("shutting_down", "the daemon is stopping")
+        job_id = _int_field(req, "job", 0, 2**32 - 1)
+        job = self.jobs.get(job_id)
+        if job is None or job_id not in client.jobs:
+            raise RequestError("unknown_job", f"job {job_id} was not joined on this connection")
+        seg = client.segment
+        if seg is None:
+            raise _bad("no segment: send 'segment' first")
+        rnd = _int_field(req, "round", 0, 2**32 - 1)
+        bucket = _int_field(req, "bucket", 0, 2**32 - 1)
+        codec_name = req.get("codec")
+        if codec_name not in ipc.CODEC_BY_NAME:
+            raise _bad(f"codec must be one of {', '.join(ipc.CODEC_BY_NAME)}")
+        codec = Codec(ipc.CODEC_BY_NAME[codec_name])
+        total = _int_field(req, "total", 1, 2**32 - 1)
+        bound = _float_field(req, "bound", 0.0, 0.5, 0.0)
+        scale = _float_field(req, "scale", -3.4e38, 3.4e38, 0.0)
+        spec = job.spec
+        layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        n = layout.packets
+        d_off, d_len = seg.region(req.get("data"), "data")
+        if d_len != lane_bytes(codec, total, False):
+            raise _bad(
+                f"data holds {d_len} bytes; {total} {codec_name} lanes need "
+                f"{lane_bytes(codec, total, False)}"
+            )
+        o_off, o_len = seg.region(req.get("out"), "out")
+        need = lane_bytes(codec, total, True) + 6 * n
+        if o_len < need:
+            raise _bad(f"out holds {o_len} bytes; the result needs {need}")
+        regions = [(d_off, d_len)]
+        layers = norms = bmax = None
+        if req.get("meta") is not None:
+            m_off, m_len = seg.region(req.get("meta"), "meta")
+            if m_len not in (6 * n, 10 * n):
+                raise _bad(f"meta must hold {6 * n} or {10 * n} bytes for {n} packets")
+            regions.append((m_off, m_len))
+            mv = seg.buf[m_off : m_off + m_len]
+            layers = np.frombuffer(mv, "<u2", n, 0).astype(np.int64)
+            norms = np.frombuffer(mv, "<f4", n, 2 * n).astype(np.float64)
+            if not np.isfinite(norms).all() or (norms < 0).any():
+                raise _bad("norms must be finite and >= 0")
+            if m_len == 10 * n:
+                bmax = np.frombuffer(mv, "<f4", n, 6 * n).copy()
+        for off, ln in regions:
+            if off < o_off + o_len and o_off < off + ln:
+                raise _bad("out overlaps data or meta")
+        op = (job_id, rnd, bucket)
+        lr = self.rounds.get(op)
+        if lr is None:
+            if self.engine.has_round(*op):
+                raise RequestError("conflict", f"round {rnd} bucket {bucket} was already run")
+            lr = LocalRound(
+                job_id,
+                rnd,
+                bucket,
+                int(codec),
+                total,
+                bound,
+                scale,
+                expected=job.local_ranks,
+                started=self.now,
+            )
+            self.rounds[op] = lr
+        elif lr.submitted:
+            raise RequestError("conflict", f"round {rnd} bucket {bucket} already started")
+        elif not lr.same(int(codec), total, bound, scale):
+            raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
+        elif any(p.client is client for p in lr.parts):
+            raise RequestError("conflict", "this client already submitted the bucket")
+        data = np.frombuffer(seg.buf, np.uint8, d_len, d_off).copy()
+        lr.parts.append(LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax))
+        client.pending += 1
+        if len(lr.parts) >= lr.expected:
+            try:
+                self._start_round(lr, job)
+            except LocalError as exc:
+                self.rounds.pop(op, None)
+                for p in lr.parts:
+                    p.client.pending -= 1
+                    if p.client is not client:
+                        p.client.error(p.rid, "bad_request", str(exc))
+                raise
+
+    # -- status -------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {
+            "daemon": self.describe(),
+            "draining": self.draining,
+            "uptime_s": round(time.monotonic() - _STARTED, 3),
+            "jobs": [j.describe() for j in self.jobs.values()],
+            "clients": len(self.clients),
+            "rounds_in_flight": self.engine.pending_rounds(),
+            "paths": [
+                {
+                    "address": p.address,
+                    "port": p.port,
+                    "gso": p.gso,
+                    "gro": p.gro,
+                    "sendmsg_calls": p.sendmsg_calls,
+                    "recvmsg_calls": p.recvmsg_calls,
+                }
+                for p in self.paths
+            ],
+            "peers": [
+                {
+                    "peer": peer.name,
+                    "rate_bps": peer.rate.rate_bps,
+                    "queued": peer.queued,
+                    "lost_packets": peer.rate.lost_packets,
+                    "sent_packets": sum(peer.sent_packets.values()),
+                    "sent_bytes": sum(peer.sent_bytes.values()),
+                    "paths": [
+                        {"weight": ps.weight, "loss_rate": ps.loss_rate, "sent": ps.sent}
+                        for ps in peer.paths
+                    ],
+                }
+                for peer in self.outbox.peers.values()
+            ],
+            "counters": {**dict(self.engine.stats), **dict(self.counters)},
+            "rejects": {r: self.rejected(r) for r in self.reject_reasons()},
+        }
+
+    def reject_reasons(self) -> list[str]:
+        names = {r.label for r in self.engine.rejects} | set(self.daemon_rejects)
+        return sorted(names)
+
+    def rejected(self, reason: str) -> int:
+        n = self.daemon_rejects.get(reason, 0)
+        for r, c in self.engine.rejects.items():
+            if r.label == reason:
+                n += c
+        return n
+
+    def tc_samples(self) -> list[dict[str, Any]]:
+        return self._tc_cache
+
+    async def _refresh_tc(self) -> None:
+        """Read tc class stats once a second (netlink in a thread: it blocks)."""
+        if not self.config.tc_devices:
+            return
+        from dlcp.tc import read_stats, stats_as_samples
+
+        def read() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            for dev in self.config.tc_devices:
+                try:
+                    out += stats_as_samples(read_stats(dev), dev)
+                except (DlcpError, OSError) as exc:
+                    log.debug("tc stats of %s: %s", dev, exc)
+            return out
+
+        while not self.stopped.is_set():
+            self._tc_cache = await asyncio.to_thread(read)
+            await asyncio.sleep(1.0)
+
+
+_STARTED = time.monotonic()
+_ = Reason  # re-exported name used by metrics labels

@@ -1,0 +1,143 @@
+"""UDP sockets of the daemon: one per local path address.
+
+Sends take a list of equal-sized datagrams for one destination and TOS byte
+and hand them to the kernel as one UDP_SEGMENT (GSO) super-datagram where the
+kernel allows it, else one sendmsg each. Receives use UDP_GRO: one recvmsg can
+return many coalesced datagrams plus their segment size. IP_TOS travels as
+ancillary data per sendmsg, so one socket serves every priority class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+import struct
+from collections.abc import Iterator, Sequence
+
+__all__ = ["MAX_GSO_SEGMENTS", "UdpPath"]
+
+SOL_UDP = 17
+UDP_SEGMENT = 103
+UDP_GRO = 104
+MAX_GSO_SEGMENTS = 64
+MAX_GSO_BYTES = 65000
+_INT = struct.Struct("@i")
+_U16 = struct.Struct("@H")
+_RECV_SIZE = 65535
+_CMSG_SPACE = socket.CMSG_SPACE(_INT.size)
+
+
+class UdpPath:
+    """A non-blocking UDP socket bound to one local path address."""
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        *,
+        gso: bool = True,
+        gro: bool = True,
+        buffer_bytes: int = 8 << 20,
+    ) -> None:
+        self.address = address
+        self.port = port
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            for force, opt in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):
+                try:  # SO_RCVBUFFORCE/SO_SNDBUFFORCE pass net.core.*mem_max with CAP_NET_ADMIN
+                    self.sock.setsockopt(socket.SOL_SOCKET, force, buffer_bytes)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        self.sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+            self.sock.bind((address, port))
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+        self.gso = gso
+        self.gro = False
+        if gro:
+            try:
+                self.sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self.gro = True
+            except OSError:
+                pass
+        self.sendmsg_calls = 0
+        self.recvmsg_calls = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # -- send ---------------------------------------------------------------
+    def send(self, datagrams: Sequence[bytes], dest: tuple[str, int], tos: int) -> int:
+        """Send as many of `datagrams` as the socket takes now; returns how many.
+
+        Stops early (returning the count sent) when the socket buffer is full.
+        """
+        sent = 0
+        n = len(datagrams)
+        tos_cmsg = (socket.IPPROTO_IP, socket.IP_TOS, _INT.pack(tos))
+        while sent < n:
+            size = len(datagrams[sent])
+            k = 1
+            if self.gso:
+                limit = min(MAX_GSO_SEGMENTS, max(1, MAX_GSO_BYTES // size))
+                while k < limit and sent + k < n and len(datagrams[sent + k]) == size:
+                    k += 1
+                # a shorter last segment is allowed
+                if k < limit and sent + k < n and len(datagrams[sent + k]) < size:
+                    k += 1
+            try:
+                if k > 1:
+                    self.sock.sendmsg(
+                        [b"".join(datagrams[sent : sent + k])],
+                        [tos_cmsg, (SOL_UDP, UDP_SEGMENT, _U16.pack(size))],
+                        0,
+                        dest,
+                    )
+                else:
+                    self.sock.sendmsg([datagrams[sent]], [tos_cmsg], 0, dest)
+            except BlockingIOError:
+                return sent
+            except OSError as exc:
+                if k > 1 and exc.errno in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT):
+                    self.gso = False  # the kernel or device cannot segment: plain sends
+                    continue
+                if exc.errno in (errno.ENOBUFS, errno.EAGAIN):
+                    return sent
+                if exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
+                    sent += k  # the peer is not there (yet): the datagrams are lost
+                    continue
+                raise
+            self.sendmsg_calls += 1
+            sent += k
+        return sent
+
+    # -- receive ------------------------------------------------------------
+    def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
+        """Datagrams waiting on the socket (GRO super-datagrams split), with source IP."""
+        sock = self.sock
+        for _ in range(budget):
+            try:
+                data, ancdata, _flags, addr = sock.recvmsg(_RECV_SIZE, _CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionRefusedError:  # ICMP from an earlier send
+                continue
+            self.recvmsg_calls += 1
+            seg = 0
+            for level, kind, value in ancdata:
+                if level == SOL_UDP and kind == UDP_GRO:
+                    seg = _INT.unpack_from(value.ljust(_INT.size, b"\0"))[0]
+            view = memoryview(data)
+            src = addr[0]
+            if seg <= 0 or seg >= len(data):
+                yield view, src
+            else:
+                for off in range(0, len(data), seg):
+                    yield view[off : off + seg], src

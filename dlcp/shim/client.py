@@ -1,0 +1,164 @@
+"""A blocking client of the local daemon (docs/shim-protocol.md).
+
+Thread-safe: requests may be issued from any thread; a reader thread matches
+replies to requests by id and completes `concurrent.futures.Future`s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from dlcp import ipc
+from dlcp.errors import DlcpError
+
+__all__ = ["DaemonClient", "DaemonError", "Segment", "default_socket"]
+
+
+class DaemonError(DlcpError):
+    """The daemon answered a request with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+def default_socket() -> str:
+    return os.environ.get("DLCP_SOCKET", ipc.DEFAULT_SOCKET)
+
+
+class Segment:
+    """A POSIX shared-memory segment (/dev/shm/NAME) this process creates and owns."""
+
+    def __init__(self, name: str, size: int) -> None:
+        if not ipc.SEGMENT_NAME.fullmatch(name):
+            raise DlcpError(f"bad segment name {name!r}")
+        self.name = name
+        self.size = size
+        self.path = f"/dev/shm/{name}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
+        try:
+            os.ftruncate(fd, size)
+            self.mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self.mmap)
+
+    def close(self) -> None:
+        try:
+            self.buf.release()
+            self.mmap.close()
+        except BufferError:  # someone still holds a view; the mapping goes with the process
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class DaemonClient:
+    def __init__(self, path: str | None = None, *, timeout: float = 5.0) -> None:
+        self.path = path or default_socket()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(self.path)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.settimeout(None)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.error: BaseException | None = None
+        self._reader = threading.Thread(target=self._read, name="dlcp-client", daemon=True)
+        self._reader.start()
+
+    # -- plumbing ---------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = ipc.recv_message(self.sock)
+                with self._lock:
+                    fut = self._pending.pop(msg.get("id", -1), None)
+                if fut is None:
+                    continue
+                if msg.get("ok"):
+                    fut.set_result(msg)
+                else:
+                    fut.set_exception(
+                        DaemonError(str(msg.get("code", "error")), str(msg.get("error", "")))
+                    )
+        except (OSError, ipc.ProtocolError, ConnectionError) as exc:
+            self.error = exc
+        finally:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                self._closed = True
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"lost the daemon: {self.error}"))
+
+    def request(self, op: str, **fields: Any) -> Future[dict[str, Any]]:
+        fut: Future[dict[str, Any]] = Future()
+        with self._lock:
+            if self._closed:
+                raise ConnectionError(f"lost the daemon: {self.error}")
+            rid = next(self._ids)
+            self._pending[rid] = fut
+            try:
+                ipc.send_message(self.sock, {"op": op, "id": rid, **fields})
+            except OSError:
+                self._pending.pop(rid, None)
+                raise
+        return fut
+
+    def call(self, op: str, timeout: float | None = 30.0, **fields: Any) -> dict[str, Any]:
+        return self.request(op, **fields).result(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._reader.join(timeout=2)
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests ---------------------------------------------------------
+    def hello(self, fallbacks: int = 0) -> dict[str, Any]:
+        return self.call(
+            "hello", version=ipc.PROTOCOL_VERSION, pid=os.getpid(), fallbacks=fallbacks
+        )["daemon"]
+
+    def segment(self, seg: Segment) -> None:
+        self.call("segment", name=seg.name, size=seg.size)
+
+    def join(self, **fields: Any) -> dict[str, Any]:
+        if isinstance(fields.get("key"), bytes | bytearray):
+            fields["key"] = bytes(fields["key"]).hex()
+        return self.call("join", **fields)
+
+    def submit(self, **fields: Any) -> Future[dict[str, Any]]:
+        return self.request("submit", **fields)
+
+    def leave(self, job: int) -> None:
+        self.call("leave", job=job)
+
+    def status(self) -> dict[str, Any]:
+        return self.call("status")["status"]

@@ -1,0 +1,170 @@
+"""One bucket through the daemon: encode, write data and metadata, submit; then
+read the out region and decode the average.
+
+Everything a round needs that must be equal on every rank (layout, rotation
+seed, THC scale) is in `RoundPlan`, computed from values all ranks share.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dlcp.codecs import Codec, CodecState, block_norms
+from dlcp.core.layout import Layout
+from dlcp.shim.arena import Region
+from dlcp.shim.client import DaemonClient
+from dlcp.shim.regions import read_out, region_sizes, write_meta
+from dlcp.shim.staging import Staging
+
+__all__ = ["Decoded", "RoundPlan", "Submitted", "decode_round", "round_seed", "submit_round"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def round_seed(round_: int, bucket: int) -> int:
+    """The rotation seed of (round, bucket): splitmix64 of both, the same on every rank."""
+    z = ((round_ & 0xFFFFFFFF) << 32 | (bucket & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One bucket's round as every rank sees it."""
+
+    codec: Codec
+    numel: int
+    layout: Layout
+    round: int
+    bucket: int
+    seed: int
+    scale: float  # THC quantisation range (0.0 for float codecs)
+
+    @classmethod
+    def make(
+        cls,
+        codec: Codec,
+        numel: int,
+        *,
+        shards: int,
+        payload: int,
+        round_: int,
+        bucket: int,
+        scale: float = 0.0,
+    ) -> RoundPlan:
+        per_packet = codec.per_packet(payload)
+        layout = Layout(codec.n_lanes(numel, per_packet), codec.wire, shards, payload)
+        return cls(
+            codec=codec,
+            numel=numel,
+            layout=layout,
+            round=round_ & 0xFFFFFFFF,
+            bucket=bucket,
+            seed=round_seed(round_, bucket),
+            scale=scale,
+        )
+
+    @property
+    def codec_scale(self) -> float | None:
+        """The scale to give the codec: THC's range, None for float codecs."""
+        return self.scale if self.codec.name.startswith("thc") else None
+
+    @property
+    def per_packet(self) -> int:
+        return self.layout.per_packet
+
+    @property
+    def packets(self) -> int:
+        return self.layout.packets
+
+
+@dataclass
+class Submitted:
+    """A submit in flight: where its result will land and what the encode saw."""
+
+    plan: RoundPlan
+    region: Region
+    reply: Future[dict[str, Any]]
+    block_max: float  # this rank's max |value| as encoded (THC: rotated, with feedback)
+    saturated: int
+
+
+def submit_round(
+    client: DaemonClient,
+    region: Region,
+    plan: RoundPlan,
+    x: torch.Tensor,
+    *,
+    job: int,
+    bound: float,
+    layers: npt.NDArray[np.uint16],
+    state: CodecState | None,
+    generator: torch.Generator | None,
+    staging: Staging,
+) -> Submitted:
+    """Encode the flat bucket `x` (left unchanged), write it and its metadata into
+    `region`, and submit it. The reply future completes when the round ends."""
+    if region.sizes != region_sizes(plan.layout):
+        raise ValueError("region was cut for another layout")
+    norms = block_norms(x, plan.per_packet).cpu().numpy()
+    enc = plan.codec.encode(
+        x,
+        per_packet=plan.per_packet,
+        seed=plan.seed,
+        scale=plan.codec_scale,
+        state=state,
+        generator=generator,
+    )
+    staging.write(region.data_view(), enc.lanes)
+    write_meta(region.meta_view(), layers, norms)
+    block_max = float(enc.block_max.max()) if enc.block_max.numel() else 0.0
+    reply = client.submit(
+        job=job,
+        round=plan.round,
+        bucket=plan.bucket,
+        codec=plan.codec.name,
+        total=plan.layout.total,
+        bound=bound,
+        scale=plan.scale,
+        **region.submit_fields(),
+    )
+    return Submitted(plan, region, reply, block_max, enc.saturated)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """The averaged bucket (float32, `numel` values, on the bucket's device) and
+    what the round reported."""
+
+    mean: torch.Tensor
+    counts: npt.NDArray[np.uint16]
+    maxima: npt.NDArray[np.float32]
+
+
+def decode_round(
+    plan: RoundPlan, region: Region, device: torch.device, staging: Staging
+) -> Decoded:
+    """Read the out region of a finished round and average each packet's sums by
+    its contributor count (packets nobody contributed to decode to 0)."""
+    out = read_out(region.out_view(), plan.layout)
+    sums = staging.to_device(out.sums, device)
+    counts = torch.from_numpy(out.counts.astype(np.int32)).to(device)
+    mean = plan.codec.decode(
+        sums,
+        counts,
+        numel=plan.numel,
+        per_packet=plan.per_packet,
+        seed=plan.seed,
+        scale=plan.codec_scale,
+    )
+    if mean.data_ptr() == sums.data_ptr():  # never hand out memory of the segment
+        mean = mean.clone()
+    return Decoded(mean=mean, counts=out.counts, maxima=out.maxima)

@@ -1,0 +1,122 @@
+"""Attaching a rank to its local daemon: hello, rendezvous, join, segment.
+
+`attach` is collective over the job's ranks (through the store): every rank
+calls it at the same point and all of them come out attached, or none does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from dlcp.shim.arena import Arena
+from dlcp.shim.client import DaemonClient
+from dlcp.shim.rendezvous import Membership, Store, all_gather, first_failure, job_secret
+from dlcp.shim.rendezvous import plan_membership as plan
+
+__all__ = ["AttachFailed", "Link", "attach"]
+
+
+@dataclass
+class Link:
+    """A rank attached to a job on its daemon."""
+
+    client: DaemonClient
+    daemon: dict[str, Any]
+    membership: Membership
+    arena: Arena
+    mode: str = "transpose"
+
+    @property
+    def alive(self) -> bool:
+        return self.client.alive
+
+    def close(self, *, leave: bool = True) -> None:
+        """Leave the job (best effort) and drop the connection and segments."""
+        if leave and self.client.alive:
+            with contextlib.suppress(Exception):
+                self.client.call("leave", timeout=2.0, job=self.membership.job)
+        self.client.close()
+        self.arena.close()
+
+
+@dataclass(frozen=True)
+class AttachFailed:
+    """Why the job is not attached (the same reason on every rank)."""
+
+    reason: str
+
+
+def _hello(socket: str, fallbacks: int, timeout: float) -> tuple[DaemonClient, dict[str, Any]]:
+    client = DaemonClient(socket, timeout=timeout)
+    try:
+        daemon = client.call(
+            "hello", timeout=timeout, version=1, pid=os.getpid(), fallbacks=fallbacks
+        )["daemon"]
+        for key in ("id", "addresses", "udp_port", "payload"):
+            if key not in daemon:
+                raise KeyError(f"daemon descriptor lacks {key!r}")
+    except BaseException:
+        client.close()
+        raise
+    return client, dict(daemon)
+
+
+def attach(
+    *,
+    socket: str,
+    store: Store,
+    rank: int,
+    world: int,
+    prefix: str,
+    segment_name: str,
+    segment_bytes: int,
+    fallbacks: int = 0,
+    mode: str = "transpose",
+    timeout: float = 10.0,
+    store_timeout: float = 300.0,
+) -> Link | AttachFailed:
+    """Attach every rank of the job, or none.
+
+    Any failure on any rank (daemon unreachable, refused join, segment not
+    mapped) makes every rank return the same `AttachFailed`. `prefix` must be
+    new for every attempt and the same on every rank.
+    """
+    client: DaemonClient | None = None
+    entry: dict[str, Any]
+    try:
+        client, daemon = _hello(socket, fallbacks, timeout)
+        entry = {"ok": True, "daemon": daemon}
+    except Exception as exc:
+        entry = {"ok": False, "error": f"{socket}: {type(exc).__name__}: {exc}"}
+    if rank == 0:
+        entry["secret"] = job_secret()
+    entries = all_gather(store, f"{prefix}/hello", rank, world, entry, store_timeout)
+    failed = first_failure(entries)
+    if failed is not None:
+        if client is not None:
+            client.close()
+        return AttachFailed(f"daemon unavailable ({failed})")
+    assert client is not None
+
+    link: Link | None = None
+    try:
+        membership = plan([e["daemon"] for e in entries], rank, entries[0]["secret"])
+        client.call("join", timeout=timeout, **membership.join_fields(mode))
+        arena = Arena(client, segment_name, segment_bytes)
+        link = Link(client, daemon, membership, arena, mode)
+        result: dict[str, Any] = {"ok": True}
+    except Exception as exc:
+        result = {"ok": False, "error": f"join: {type(exc).__name__}: {exc}"}
+    results = all_gather(store, f"{prefix}/join", rank, world, result, store_timeout)
+    failed = first_failure(results)
+    if failed is not None:
+        if link is not None:
+            link.close()
+        else:
+            client.close()
+        return AttachFailed(f"could not join ({failed})")
+    assert link is not None
+    return link

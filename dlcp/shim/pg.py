@@ -1,0 +1,64 @@
+"""What the shim asks of the process group: agreement, a shared max, the fallback.
+
+These are collectives, so every rank must call them in the same order; the
+shim calls them only at points all ranks reach in the same state (see
+`dlcp.shim.state` for the agreement rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["agree", "fallback_all_reduce", "global_max", "group_rank", "group_size"]
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group)
+
+
+def _device(group: Group) -> torch.device:
+    """Where small control tensors live: CUDA for NCCL groups, the CPU otherwise."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(failed: bool, maxima: Sequence[float], group: Group) -> tuple[bool, list[float]]:
+    """One all-reduce (MAX) of [failed, *maxima]: whether any rank failed, and the
+    maxima over all ranks. Every rank gets identical answers."""
+    t = torch.tensor([1.0 if failed else 0.0, *maxima], dtype=torch.float32, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    values = t.cpu().tolist()
+    return bool(values[0] > 0.0), [float(v) for v in values[1:]]
+
+
+def global_max(value: float, group: Group) -> float:
+    """The max of `value` over all ranks (float32)."""
+    t = torch.tensor([value], dtype=torch.float32, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def fallback_all_reduce(
+    tensor: torch.Tensor, group: Group, *, async_op: bool = False
+) -> torch.futures.Future[torch.Tensor] | None:
+    """Average `tensor` in place over the group exactly as PyTorch's default hook
+    does (divide by the group size first, then sum). With `async_op`, returns a
+    future holding the tensor; otherwise waits."""
+    tensor.div_(group_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=async_op)
+    if not async_op:
+        return None
+    assert work is not None
+    fut: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda f: f.value()[0])
+    return fut
