@@ -194,11 +194,13 @@ class Daemon:
 
     async def serve(self) -> None:
         """Run until SIGTERM/SIGINT (drain) ; SIGHUP reloads policies."""
-        await self.start()
         loop = asyncio.get_running_loop()
+        self._loop = loop
+        # before the socket exists: whoever sees it may signal us at once
         loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
         loop.add_signal_handler(signal.SIGINT, self.begin_drain)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        await self.start()
         notify.notify("READY=1", f"STATUS=serving {self.config.socket}")
         watchdog = notify.watchdog_interval()
         dog = loop.create_task(self._watchdog(watchdog)) if watchdog else None
@@ -386,8 +388,7 @@ class Daemon:
         if self._round_hist is not None:
             self._round_hist.observe(elapsed)
         lay = ev.layout
-        sums = np.ascontiguousarray(ev.sums)
-        sums_b = memoryview(sums).cast("B")  # type: ignore[arg-type]
+        sums_b = lane_ops.pack(lay.codec, ev.sums, True)  # the wire's summed lanes
         contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
         bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
         counts = lay.packet_counts()

@@ -6,6 +6,7 @@ replies to requests by id and completes `concurrent.futures.Future`s.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -55,10 +56,8 @@ class Segment:
             self.mmap.close()
         except BufferError:  # someone still holds a view; the mapping goes with the process
             pass
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class DaemonClient:
@@ -127,10 +126,8 @@ class DaemonClient:
         return not self._closed
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
         self._reader.join(timeout=2)
 

@@ -36,7 +36,7 @@ def round_seed(round_: int, bucket: int) -> int:
     return z ^ (z >> 31)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RoundPlan:
     """One bucket's round as every rank sees it."""
 
@@ -46,7 +46,7 @@ class RoundPlan:
     round: int
     bucket: int
     seed: int
-    scale: float  # THC quantisation range (0.0 for float codecs)
+    scale: torch.Tensor | None  # THC: per-packet quantisation range (float32, CPU)
 
     @classmethod
     def make(
@@ -58,7 +58,7 @@ class RoundPlan:
         payload: int,
         round_: int,
         bucket: int,
-        scale: float = 0.0,
+        scale: torch.Tensor | None = None,
     ) -> RoundPlan:
         per_packet = codec.per_packet(payload)
         layout = Layout(codec.n_lanes(numel, per_packet), codec.wire, shards, payload)
@@ -73,9 +73,14 @@ class RoundPlan:
         )
 
     @property
-    def codec_scale(self) -> float | None:
-        """The scale to give the codec: THC's range, None for float codecs."""
-        return self.scale if self.codec.name.startswith("thc") else None
+    def scaled(self) -> bool:
+        """Whether the codec quantises to a shared scale (THC)."""
+        return self.codec.name.startswith("thc")
+
+    @property
+    def header_scale(self) -> float:
+        """The `scale` field of the submit: the largest per-packet scale (0 for fp)."""
+        return float(self.scale.max()) if self.scale is not None and self.scale.numel() else 0.0
 
     @property
     def per_packet(self) -> int:
@@ -93,7 +98,7 @@ class Submitted:
     plan: RoundPlan
     region: Region
     reply: Future[dict[str, Any]]
-    block_max: float  # this rank's max |value| as encoded (THC: rotated, with feedback)
+    block_max: torch.Tensor  # per packet, this rank's max |value| as encoded (CPU float32)
     saturated: int
 
 
@@ -114,18 +119,20 @@ def submit_round(
     `region`, and submit it. The reply future completes when the round ends."""
     if region.sizes != region_sizes(plan.layout):
         raise ValueError("region was cut for another layout")
+    if plan.scaled and plan.scale is None:
+        raise ValueError(f"{plan.codec.name} needs the agreed per-packet scale")
     norms = block_norms(x, plan.per_packet).cpu().numpy()
     enc = plan.codec.encode(
         x,
         per_packet=plan.per_packet,
         seed=plan.seed,
-        scale=plan.codec_scale,
+        scale=plan.scale,
         state=state,
         generator=generator,
     )
     staging.write(region.data_view(), enc.lanes)
     write_meta(region.meta_view(), layers, norms)
-    block_max = float(enc.block_max.max()) if enc.block_max.numel() else 0.0
+    block_max = enc.block_max.detach().to("cpu", torch.float32)
     reply = client.submit(
         job=job,
         round=plan.round,
@@ -133,7 +140,7 @@ def submit_round(
         codec=plan.codec.name,
         total=plan.layout.total,
         bound=bound,
-        scale=plan.scale,
+        scale=plan.header_scale,
         **region.submit_fields(),
     )
     return Submitted(plan, region, reply, block_max, enc.saturated)
@@ -163,7 +170,7 @@ def decode_round(
         numel=plan.numel,
         per_packet=plan.per_packet,
         seed=plan.seed,
-        scale=plan.codec_scale,
+        scale=plan.scale,
     )
     if mean.data_ptr() == sums.data_ptr():  # never hand out memory of the segment
         mean = mean.clone()

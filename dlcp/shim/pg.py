@@ -7,8 +7,6 @@ shim calls them only at points all ranks reach in the same state (see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
@@ -33,20 +31,25 @@ def _device(group: Group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(failed: bool, maxima: Sequence[float], group: Group) -> tuple[bool, list[float]]:
+def agree(
+    failed: bool, maxima: torch.Tensor | None, group: Group
+) -> tuple[bool, torch.Tensor]:
     """One all-reduce (MAX) of [failed, *maxima]: whether any rank failed, and the
-    maxima over all ranks. Every rank gets identical answers."""
-    t = torch.tensor([1.0 if failed else 0.0, *maxima], dtype=torch.float32, device=_device(group))
+    element-wise maxima over all ranks (float32, CPU). Every rank gets identical
+    answers; every rank must pass maxima of the same length."""
+    flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32)
+    parts = [flag] if maxima is None else [flag, maxima.reshape(-1).to("cpu", torch.float32)]
+    t = torch.cat(parts).to(_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    values = t.cpu().tolist()
-    return bool(values[0] > 0.0), [float(v) for v in values[1:]]
+    out = t.cpu()
+    return bool(out[0] > 0.0), out[1:]
 
 
-def global_max(value: float, group: Group) -> float:
-    """The max of `value` over all ranks (float32)."""
-    t = torch.tensor([value], dtype=torch.float32, device=_device(group))
+def global_max(values: torch.Tensor, group: Group) -> torch.Tensor:
+    """The element-wise max of `values` over all ranks (float32, CPU)."""
+    t = values.reshape(-1).to(_device(group), torch.float32, copy=True)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return t.cpu()
 
 
 def fallback_all_reduce(

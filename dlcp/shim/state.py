@@ -1,0 +1,636 @@
+"""`DlcpState`: the shim's per-job state, and how a step goes through the daemon.
+
+How all ranks stay on the same path (the process group's collectives hang if
+one rank takes the fallback and another does not):
+
+* Attaching is collective through the store (`dlcp.shim.link.attach`): every
+  rank publishes its hello and join outcome and reads everyone's, so either
+  all ranks are attached or none is.
+* While attached, a step submits every bucket to the daemon without waiting
+  (communication overlaps the backward pass). In the hook of the step's last
+  bucket each rank waits for its replies, then all ranks run ONE small
+  all-reduce (MAX) over the process group of [this rank failed, the bucket
+  maxima]. If no rank failed every rank decodes its results; if any rank
+  failed, every rank restores its error-feedback state, detaches and
+  all-reduces the step's untouched buckets over the process group. The same
+  collective carries each bucket's max |value| as encoded, which sets the
+  next round's THC scale identically everywhere. `all_reduce` does the same
+  per call.
+* While detached, buckets go over the process group (as PyTorch's default
+  hook does). Reattaching is tried at step ends that all ranks agree on:
+  every `retry_steps` steps (a step count every rank shares), or, with
+  `retry_s`, when any rank's clock says so (one more tiny all-reduce per
+  step while detached).
+* A bucket's first THC round agrees its scale with one all-reduce (MAX) of
+  the ranks' encoded maxima; it is decided from shared state only, so every
+  rank issues it, failed or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import secrets
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.distributed as dist
+
+from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec, next_scale
+from dlcp.errors import DlcpError, LocalError
+from dlcp.shim import pg
+from dlcp.shim.client import default_socket
+from dlcp.shim.exchange import RoundPlan, Submitted, decode_round, submit_round
+from dlcp.shim.layers import LayerMap, packet_layers, param_offsets
+from dlcp.shim.link import AttachFailed, Link, attach
+from dlcp.shim.regions import region_sizes
+from dlcp.shim.rendezvous import Store
+from dlcp.shim.staging import Staging
+
+__all__ = ["DlcpState", "ShimError"]
+
+log = logging.getLogger("dlcp.shim")
+
+_INSTANCES = itertools.count()
+_MODES = ("transpose", "ps")
+
+# Fields that survive pickling (the rest is rebuilt or reconnected lazily).
+_CONFIG = (
+    "codec",
+    "codec_options",
+    "loss_bound",
+    "socket",
+    "strict",
+    "retry_steps",
+    "retry_s",
+    "round_timeout_s",
+    "connect_timeout_s",
+    "rendezvous_timeout_s",
+    "scale_margin",
+    "mode",
+    "segment_bytes",
+)
+_PERSISTENT = (
+    "round",
+    "fallbacks",
+    "rounds",
+    "attaches",
+    "failures",
+    "lost_lanes",
+    "total_lanes",
+    "saturated",
+    "last_error",
+    "_unreported",
+    "_ef",
+    "_scales",
+    "_detached_round",
+)
+_RUNTIME = (
+    "_group",
+    "_store",
+    "_layers",
+    "_link",
+    "_finalizer",
+    "_staging",
+    "_generators",
+    "_codecs",
+    "_pending",
+    "_layer_cache",
+    "_attach_due",
+    "_instance",
+    "_attempts",
+    "_last_attempt",
+    "_warned",
+    "__weakref__",
+)
+
+Key = tuple[Any, ...]
+
+
+class ShimError(DlcpError):
+    """The daemon could not all-reduce and `strict=True` forbids the fallback."""
+
+
+@dataclass
+class _Pending:
+    """One bucket of the current step."""
+
+    bucket: int
+    buffer: torch.Tensor  # flat; left untouched until the step is agreed
+    key: Key
+    keep: bool  # key names the bucket across steps: keep its scale
+    future: torch.futures.Future[torch.Tensor] | None = None
+    sub: Submitted | None = None
+    error: str | None = None
+    ef: CodecState | None = None
+    snapshot: tuple[torch.Tensor | None, int, int] | None = None
+    reply: dict[str, Any] | None = None
+
+
+def _check_fraction(name: str, value: float, hi: float) -> float:
+    v = float(value)
+    if not (math.isfinite(v) and 0.0 <= v <= hi):
+        raise LocalError(f"{name} must be in 0..{hi}, got {value!r}")
+    return v
+
+
+class DlcpState:
+    """The state a DDP communication hook gets (`register_comm_hook(state, hook)`).
+
+    Hyperparameters: codec, codec_options, loss_bound, socket, strict,
+    retry_steps, retry_s, round_timeout_s, connect_timeout_s,
+    rendezvous_timeout_s, scale_margin, mode, segment_bytes.
+    Stats: round (all-reduce steps so far), rounds (bucket rounds the daemon
+    completed), fallbacks (buckets sent over the process group), attaches,
+    failures, lost_lanes / total_lanes, saturated (THC values clamped),
+    last_error. Pickles without sockets, segments or the process group (like
+    `PowerSGDState`); a restored state reattaches on its next use.
+    """
+
+    __slots__ = _CONFIG + _PERSISTENT + _RUNTIME
+
+    def __init__(
+        self,
+        *,
+        codec: str = "fp32",
+        loss_bound: float = 0.0,
+        socket: str | None = None,
+        strict: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        store: Store | None = None,
+        model: torch.nn.Module | None = None,
+        retry_steps: int | None = 50,
+        retry_s: float | None = None,
+        round_timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        rendezvous_timeout_s: float = 300.0,
+        scale_margin: float = 1.25,
+        mode: str = "transpose",
+        segment_bytes: int | None = None,
+        codec_options: dict[str, Any] | None = None,
+    ) -> None:
+        if codec not in CODEC_NAMES:
+            raise LocalError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
+        if mode not in _MODES:
+            raise LocalError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
+        if retry_steps is not None and (not isinstance(retry_steps, int) or retry_steps < 1):
+            raise LocalError(f"retry_steps must be a positive int or None, got {retry_steps!r}")
+        if retry_s is not None and not (math.isfinite(retry_s) and retry_s >= 0):
+            raise LocalError(f"retry_s must be >= 0 or None, got {retry_s!r}")
+        for name, value in (
+            ("round_timeout_s", round_timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("rendezvous_timeout_s", rendezvous_timeout_s),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise LocalError(f"{name} must be > 0, got {value!r}")
+        if not (math.isfinite(scale_margin) and scale_margin >= 1.0):
+            raise LocalError(f"scale_margin must be >= 1, got {scale_margin!r}")
+        self.codec = codec
+        self.codec_options = dict(codec_options or {})
+        get_codec(codec, **self.codec_options)  # fail early on bad options
+        self.loss_bound = _check_fraction("loss_bound", loss_bound, 0.5)
+        self.socket = socket
+        self.strict = bool(strict)
+        self.retry_steps = retry_steps
+        self.retry_s = retry_s
+        self.round_timeout_s = float(round_timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.rendezvous_timeout_s = float(rendezvous_timeout_s)
+        self.scale_margin = float(scale_margin)
+        self.mode = mode
+        self.segment_bytes = segment_bytes
+        if segment_bytes is None and model is not None:
+            numel = sum(p.numel() for p in model.parameters())
+            self.segment_bytes = int(numel * 8.5) + (1 << 20)  # fp32 data + sums + meta
+
+        self.round = 0
+        self.fallbacks = 0
+        self.rounds = 0
+        self.attaches = 0
+        self.failures = 0
+        self.lost_lanes = 0
+        self.total_lanes = 0
+        self.saturated = 0
+        self.last_error: str | None = None
+        self._unreported = 0
+        self._ef: dict[Key, CodecState] = {}
+        self._scales: dict[Key, float] = {}
+        self._detached_round: int | None = None
+        self._init_runtime(process_group, store, model)
+
+    def _init_runtime(
+        self,
+        group: dist.ProcessGroup | None,
+        store: Store | None,
+        model: torch.nn.Module | None,
+    ) -> None:
+        self._group = group
+        self._store = store
+        self._layers = LayerMap(model)
+        self._link: Link | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._staging = Staging()
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._codecs: dict[str, Codec] = {}
+        self._pending: list[_Pending] = []
+        self._layer_cache: dict[Key, npt.NDArray[np.uint16]] = {}
+        self._attach_due = True
+        self._instance = next(_INSTANCES)
+        self._attempts = 0
+        self._last_attempt = -math.inf
+        self._warned = False
+
+    # -- pickling (checkpoints) -------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        if self._pending:
+            raise LocalError("cannot pickle a DlcpState in the middle of a step")
+        return {name: getattr(self, name) for name in _CONFIG + _PERSISTENT}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in _CONFIG + _PERSISTENT:
+            setattr(self, name, state[name])
+        self._init_runtime(None, None, None)
+
+    # -- public -----------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        return self._link is not None
+
+    @property
+    def world_size(self) -> int:
+        return pg.group_size(self._group)
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        """Take layer indices from `model`'s parameter order (e.g. after unpickling)."""
+        self._layers = LayerMap(model)
+        self._layer_cache.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, for logs and tests."""
+        return {
+            "attached": self.attached,
+            "round": self.round,
+            "rounds": self.rounds,
+            "fallbacks": self.fallbacks,
+            "attaches": self.attaches,
+            "failures": self.failures,
+            "lost_lanes": self.lost_lanes,
+            "total_lanes": self.total_lanes,
+            "saturated": self.saturated,
+            "last_error": self.last_error,
+        }
+
+    def attach(self) -> bool:
+        """Collective: (re)attach every rank to its daemon. Returns whether attached.
+
+        On failure: raises `ShimError` when strict, else warns and stays on the
+        fallback.
+        """
+        if self._pending:
+            raise LocalError("cannot attach in the middle of a step")
+        self._attach_due = False
+        self._close_link()
+        if not dist.is_initialized():
+            raise LocalError("dlcp.shim needs torch.distributed: call init_process_group first")
+        self._attempts += 1
+        self._last_attempt = time.monotonic()
+        rank, world = pg.group_rank(self._group), pg.group_size(self._group)
+        prefix = f"dlcp/{self._instance}/{self._attempts}"
+        result = attach(
+            socket=self.socket or default_socket(),
+            store=self._get_store(),
+            rank=rank,
+            world=world,
+            prefix=prefix,
+            segment_name=f"dlcp-{os.getpid()}-{self._instance}-{self._attempts}",
+            segment_bytes=self.segment_bytes or 0,
+            fallbacks=self._unreported,
+            mode=self.mode,
+            timeout=self.connect_timeout_s,
+            store_timeout=self.rendezvous_timeout_s,
+        )
+        if isinstance(result, AttachFailed):
+            self._fail(result.reason)
+            return False
+        self._unreported = 0
+        self._link = result
+        self._finalizer = weakref.finalize(self, result.close)
+        self._detached_round = None
+        self.attaches += 1
+        log.info(
+            "dlcp: attached job %d as host %d of %d (%d local ranks)",
+            result.membership.job,
+            result.membership.me,
+            len(result.membership.hosts),
+            result.membership.local_ranks,
+        )
+        return True
+
+    def close(self) -> None:
+        """Leave the job and drop the connection (not collective)."""
+        self._close_link()
+        self._attach_due = False
+
+    # -- the hook and all_reduce ---------------------------------------------------
+    def run_bucket(
+        self, bucket: dist.GradBucket, codec: str | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
+        """What `dlcp.shim.hook` does with one DDP bucket."""
+        if self._attach_due and not self._pending:
+            self.attach()
+        buf = bucket.buffer()
+        last = bucket.is_last()
+        if self._link is None:
+            self._require_fallback()
+            fut = pg.fallback_all_reduce(buf, self._group, async_op=True)
+            assert fut is not None
+            self._count_fallbacks(1)
+            if last:
+                self._end_step()
+            return fut
+        name = codec or self.codec
+        params = bucket.parameters()
+        self._layers.observe(params)
+        flat = buf.reshape(-1)
+        p = self._launch(
+            flat,
+            bucket.index(),
+            name,
+            ("ddp", name, bucket.index()),
+            lambda plan: self._packet_layers(bucket, flat, plan),
+        )
+        p.future = torch.futures.Future()
+        if last:
+            self._finish_step()
+        return p.future
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, codec: str | None = None, key: object | None = None
+    ) -> torch.Tensor:
+        """Average `tensor` over the ranks in place (blocking); returns it.
+
+        `key` names the tensor across calls, so THC keeps its error feedback and
+        scale for it; without a key every call agrees a fresh scale.
+        """
+        if self._pending:
+            raise LocalError("dlcp all_reduce called while a DDP step is in flight")
+        if self._attach_due:
+            self.attach()
+        if tensor.numel() == 0:
+            return tensor
+        if self._link is None:
+            self._require_fallback()
+            pg.fallback_all_reduce(tensor, self._group)
+            self._count_fallbacks(1)
+            self._end_step()
+            return tensor
+        name = codec or self.codec
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        ef_key: Key | None = ("all_reduce", name, key) if key is not None else None
+        self._launch(flat, 0, name, ef_key, lambda plan: np.zeros(plan.packets, np.uint16))
+        self._finish_step()
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    # -- one bucket -------------------------------------------------------------
+    def _launch(
+        self,
+        flat: torch.Tensor,
+        bucket: int,
+        name: str,
+        key: Key | None,
+        layers: Callable[[RoundPlan], npt.NDArray[np.uint16]],
+    ) -> _Pending:
+        """Plan, encode and submit one bucket; failures are recorded, not raised.
+
+        `key` names the bucket across steps (error feedback, THC scale); None
+        for a one-off tensor.
+        """
+        link = self._link
+        assert link is not None
+        codec = self._codec(name)
+        numel = flat.numel()
+        state_key: Key = (*(key or ("once", name, bucket)), numel)
+        p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None)
+        self._pending.append(p)
+        m = link.membership
+        plan = RoundPlan.make(
+            codec, numel, shards=len(m.hosts), payload=m.payload, round_=self.round, bucket=bucket
+        )
+        ef = self._ef.get(state_key) if key is not None else None
+        if ef is None and key is not None and name != "fp32":
+            ef = self._ef.setdefault(state_key, CodecState())
+        p.ef = ef
+        if name.startswith("thc"):
+            scale = self._scales.get(state_key) if key is not None else None
+            if scale is None:  # first round of this bucket: agree a scale (collective)
+                scale = self._first_scale(codec, flat, plan, ef)
+            plan = dataclasses.replace(plan, scale=scale)
+        if any(q.error for q in self._pending) or not link.alive:
+            p.error = p.error or "skipped after an earlier failure in this step"
+            if not link.alive:
+                p.error = f"lost the daemon: {link.client.error}"
+            return p
+        try:
+            sizes = region_sizes(plan.layout)
+            if not link.arena.fits(sizes):
+                self._wait_replies(time.monotonic() + self.round_timeout_s)
+                link.arena.grow(sizes.total)
+            region = link.arena.take(sizes)
+            if ef is not None:
+                p.snapshot = (ef.residual, ef.rounds, ef.saturated)
+            p.sub = submit_round(
+                link.client,
+                region,
+                plan,
+                flat,
+                job=m.job,
+                bound=self.loss_bound,
+                layers=layers(plan),
+                state=ef,
+                generator=self._generator(flat.device),
+                staging=self._staging,
+            )
+        except Exception as exc:
+            p.error = f"submit: {type(exc).__name__}: {exc}"
+        return p
+
+    def _first_scale(
+        self, codec: Codec, flat: torch.Tensor, plan: RoundPlan, ef: CodecState | None
+    ) -> float:
+        probe = codec.encode(
+            ef.take(flat) if ef is not None else flat,
+            per_packet=plan.per_packet,
+            seed=plan.seed,
+            scale=None,
+        )
+        local = float(probe.block_max.max()) if probe.block_max.numel() else 0.0
+        if not math.isfinite(local):
+            local = 0.0  # the encode proper reports the bad values
+        return next_scale(pg.global_max(local, self._group), self.scale_margin)
+
+    # -- the end of a step -----------------------------------------------------------
+    def _wait_replies(self, deadline: float) -> None:
+        for p in self._pending:
+            if p.sub is None or p.error is not None or p.reply is not None:
+                continue
+            try:
+                p.reply = p.sub.reply.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                p.error = f"no reply within {self.round_timeout_s:g} s"
+            except Exception as exc:
+                p.error = f"{type(exc).__name__}: {exc}"
+
+    def _finish_step(self) -> None:
+        pending = self._pending
+        try:
+            self._wait_replies(time.monotonic() + self.round_timeout_s)
+            local = next((p.error for p in pending if p.error), None)
+            maxima = [p.sub.block_max if p.sub is not None else 0.0 for p in pending]
+            failed, global_maxima = pg.agree(local is not None, maxima, self._group)
+            if failed:
+                self._step_failed(local or "the daemon failed on another rank")
+            else:
+                self._step_done(global_maxima)
+        finally:
+            self._pending = []
+            if self._link is not None:
+                self._link.arena.reset()
+            self._end_step()
+
+    def _step_done(self, maxima: list[float]) -> None:
+        for p, gmax in zip(self._pending, maxima, strict=True):
+            assert p.sub is not None and p.reply is not None
+            dec = decode_round(p.sub.plan, p.sub.region, p.buffer.device, self._staging)
+            p.buffer.copy_(dec.mean.to(p.buffer.dtype))
+            self.rounds += 1
+            self.lost_lanes += int(p.reply.get("lost_lanes", 0))
+            self.total_lanes += int(p.reply.get("total_lanes", 0))
+            self.saturated += p.sub.saturated
+            thc = p.sub.plan.codec.name.startswith("thc")
+            if thc and p.keep and math.isfinite(gmax) and gmax > 0:
+                self._scales[p.key] = next_scale(gmax, self.scale_margin)
+            if p.future is not None:
+                p.future.set_result(p.buffer)
+
+    def _step_failed(self, reason: str) -> None:
+        for p in self._pending:
+            if p.ef is not None and p.snapshot is not None:
+                p.ef.residual, p.ef.rounds, p.ef.saturated = p.snapshot
+        self._fail(reason)
+        if self.strict:
+            err = ShimError(f"dlcp all-reduce failed: {reason}")
+            for p in self._pending:
+                if p.future is not None:
+                    p.future.set_exception(err)  # type: ignore[arg-type]
+            if not any(p.future is not None for p in self._pending):
+                raise err
+            return
+        for p in self._pending:
+            pg.fallback_all_reduce(p.buffer, self._group)
+            self._count_fallbacks(1)
+            if p.future is not None:
+                p.future.set_result(p.buffer)
+
+    def _end_step(self) -> None:
+        self.round += 1
+        self._layers.end_step()
+        if self._link is not None or self._detached_round is None:
+            return
+        since = self.round - self._detached_round
+        due = self.retry_steps is not None and since % self.retry_steps == 0
+        if self.retry_s is not None:
+            mine = time.monotonic() - self._last_attempt >= self.retry_s
+            any_due, _ = pg.agree(mine, [], self._group)
+            due = due or any_due
+        if due:
+            self._attach_due = True
+
+    # -- helpers ----------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        """Every rank decided to leave the daemon: detach, warn once, or raise."""
+        self._close_link()
+        self.failures += 1
+        self.last_error = reason
+        self._detached_round = self.round
+        if self.strict:
+            self._attach_due = True
+            raise_now = not self._pending
+            if raise_now:
+                raise ShimError(f"dlcp is unavailable: {reason}")
+            return
+        message = f"dlcp: {reason}; using the process group's all-reduce until it is back"
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        log.warning(message)
+
+    def _require_fallback(self) -> None:
+        if self.strict:
+            raise ShimError(f"dlcp is unavailable: {self.last_error or 'not attached'}")
+
+    def _count_fallbacks(self, n: int) -> None:
+        self.fallbacks += n
+        self._unreported += n
+
+    def _close_link(self) -> None:
+        link, self._link = self._link, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if link is not None:
+            link.close()
+
+    def _get_store(self) -> Store:
+        if self._store is None:
+            self._store = dist.distributed_c10d._get_default_store()
+        return self._store
+
+    def _codec(self, name: str) -> Codec:
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = self._codecs[name] = get_codec(name, **self.codec_options)
+        return codec
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(secrets.randbits(63))
+            self._generators[device] = gen
+        return gen
+
+    def _packet_layers(
+        self, bucket: dist.GradBucket, buf: torch.Tensor, plan: RoundPlan
+    ) -> npt.NDArray[np.uint16]:
+        params = bucket.parameters()
+        key: Key = (
+            bucket.index(),
+            buf.numel(),
+            plan.per_packet,
+            self._layers.version,
+            tuple(id(p) for p in params),
+        )
+        cached = self._layer_cache.get(key)
+        if cached is None:
+            grads = bucket.gradients()
+            offsets = param_offsets(buf, grads)
+            layers = self._layers.layers_of(params)
+            spans = [(o, g.numel(), lay) for o, g, lay in zip(offsets, grads, layers, strict=True)]
+            cached = packet_layers(spans, buf.numel(), plan.per_packet, plan.packets)
+            if len(self._layer_cache) > 1024:
+                self._layer_cache.clear()
+            self._layer_cache[key] = cached
+        return cached

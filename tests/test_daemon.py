@@ -1,0 +1,386 @@
+"""dlcpd end to end on loopback: real daemons, real UDP sockets, the shim protocol.
+
+No root needed (127.0.0.0/8 is all loopback); the namespace variant with rate
+limits and nftables loss is in test_daemon_netns.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlcp import ipc
+from dlcp.shim.client import DaemonClient, DaemonError
+from dlcp.wire.header import Header, PacketType, encode
+from tests.daemons import ROOT, Rank, hosts_of, loopback_daemons, packet_norms, submit
+
+KEY = bytes(range(32))
+JOB = 4242
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:  # type: ignore[type-arg]
+    tmp = tmp_path_factory.mktemp("trio")
+    with loopback_daemons(tmp, 3, {"timing": {"timeout": 5.0}}) as ds:
+        yield ds
+
+
+@pytest.fixture(scope="module")
+def ranks(trio: list) -> Iterator[list[Rank]]:  # type: ignore[type-arg]
+    rs = [Rank(d, f"dlcp-t{os.getpid()}-{i}", 8 << 20) for i, d in enumerate(trio)]
+    for i, r in enumerate(rs):
+        r.join(JOB, KEY, hosts_of(trio), i)
+    yield rs
+    for r in rs:
+        r.close()
+
+
+_round = iter(range(10_000))
+
+
+def allreduce(ranks: list[Rank], xs: list[np.ndarray], **kw: object) -> list:  # type: ignore[type-arg]
+    rnd = next(_round)
+    waits = [
+        submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=len(ranks), **kw)  # type: ignore[arg-type]
+        for r, x in zip(ranks, xs, strict=True)
+    ]
+    return [w() for w in waits]
+
+
+def test_fp32_sums_are_exact_over_three_daemons(ranks: list[Rank]) -> None:
+    rng = np.random.default_rng(0)
+    for n in (1, 351, 352, 100_003):
+        xs = [rng.standard_normal(n).astype(np.float32) for _ in ranks]
+        expected = xs[0] + xs[1] + xs[2]  # the aggregator sums in sender order
+        for res in allreduce(ranks, xs):
+            np.testing.assert_array_equal(res.sums, expected)
+            assert (res.contributors == 3).all()
+            assert res.reply["lost_lanes"] == 0
+
+
+def test_two_buckets_in_flight_at_once(ranks: list[Rank]) -> None:
+    rng = np.random.default_rng(1)
+    a = [rng.standard_normal(50_000).astype(np.float32) for _ in ranks]
+    b = [rng.standard_normal(20_000).astype(np.float32) for _ in ranks]
+    rnd = next(_round)
+    wa = [submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=3) for r, x in zip(ranks, a)]
+    wb = [
+        submit(r, job=JOB, round=rnd, bucket=1, lanes=x, shards=3, base=4 << 20)
+        for r, x in zip(ranks, b)
+    ]
+    for w in wa:
+        np.testing.assert_array_equal(w().sums, a[0] + a[1] + a[2])
+    for w in wb:
+        np.testing.assert_array_equal(w().sums, b[0] + b[1] + b[2])
+
+
+def test_fp16_and_thc_lanes(ranks: list[Rank]) -> None:
+    rng = np.random.default_rng(2)
+    h = [rng.standard_normal(4096).astype(np.float16) for _ in ranks]
+    for res in allreduce(ranks, h, codec="fp16"):
+        assert res.sums.dtype == np.float16
+        expected = sum(x.astype(np.float32) for x in h).astype(np.float16)  # f32 sums
+        np.testing.assert_array_equal(res.sums, expected)
+    q = [rng.integers(0, 256, 8192, dtype=np.uint8) for _ in ranks]
+    for res in allreduce(ranks, q, codec="thc8"):
+        np.testing.assert_array_equal(res.sums, sum(x.astype(np.uint16) for x in q))
+
+
+def test_bounded_loss_metadata_is_accepted_and_lossless_without_loss(ranks: list[Rank]) -> None:
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(60_000).astype(np.float32) for _ in ranks]
+    norms = [packet_norms(x, 3) for x in xs]
+    layers = np.arange(len(norms[0])) // 10
+    waits = []
+    rnd = next(_round)
+    for r, x, nm in zip(ranks, xs, norms):
+        waits.append(
+            submit(
+                r,
+                job=JOB,
+                round=rnd,
+                bucket=0,
+                lanes=x,
+                shards=3,
+                bound=0.1,
+                layers=layers,
+                norms=nm,
+            )
+        )
+    results = [w() for w in waits]
+    for res in results:  # replicas are bitwise identical
+        assert res.sums.tobytes() == results[0].sums.tobytes()
+        assert res.reply["lost_lanes"] <= 0.1 * res.reply["total_lanes"]
+
+
+def _datagram(**kw: object) -> Header:
+    base = dict(type=PacketType.DATA, job=JOB, round=0, bucket=0, count=1, total=1)
+    base.update(kw)
+    return Header(**base)  # type: ignore[arg-type]
+
+
+def test_malformed_and_spoofed_datagrams_are_counted_and_change_nothing(
+    trio: list,
+    ranks: list[Rank],  # type: ignore[type-arg]
+) -> None:
+    target = trio[0]
+    before = ranks[0].client.status()["rejects"]
+    good = encode(_datagram(sender=1, round=10**6), b"\0\0\0\0", KEY)
+    from_outsider = {
+        "truncated": [b"", b"\xd1", good[:63]],
+        "bad_magic": [b"\0\0" + good[2:]],
+        "unknown_job": [encode(_datagram(job=JOB + 1, sender=1), b"\0" * 4, KEY)],
+        "bad_address": [good],  # a valid packet from an address outside the job
+    }
+    from_member = [  # sent from host 2's address
+        good[:-1] + bytes([good[-1] ^ 1]),  # bad_mac: corrupted payload
+        encode(_datagram(sender=2), b"\0" * 4, b"w" * 32),  # bad_mac: wrong key
+        encode(_datagram(sender=1), b"\0" * 4, KEY),  # bad_sender: claims to be host 1
+    ]
+    rng = np.random.default_rng(4)
+    garbage = [rng.bytes(int(n)) for n in rng.integers(0, 1500, 300)]
+    sent = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.9", 0))  # not a member of the job
+        for dg in [*(d for v in from_outsider.values() for d in v), *garbage]:
+            s.sendto(dg, (target.address, target.port))
+            sent += 1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((trio[2].address, 0))
+        for dg in from_member:
+            s.sendto(dg, (target.address, target.port))
+            sent += 1
+    deadline = time.monotonic() + 10
+    while True:
+        after = ranks[0].client.status()["rejects"]
+        grew = {r: after.get(r, 0) - before.get(r, 0) for r in after}
+        if sum(grew.values()) >= sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for reason in ("truncated", "bad_magic", "bad_mac", "unknown_job", "bad_address", "bad_sender"):
+        assert grew.get(reason, 0) >= 1, (reason, grew)
+    assert sum(grew.values()) == sent, grew  # every datagram is counted under one reason
+    # and the job still all-reduces exactly
+    xs = [np.full(10_000, i + 1, np.float32) for i in range(3)]
+    for res in allreduce(ranks, xs):
+        np.testing.assert_array_equal(res.sums, np.full(10_000, 6, np.float32))
+
+
+def test_bad_requests_get_error_replies_and_the_daemon_keeps_serving(
+    trio: list,
+    ranks: list[Rank],  # type: ignore[type-arg]
+) -> None:
+    d = trio[1]
+    c = DaemonClient(d.socket)
+    try:
+
+        def err(op: str, **kw: object) -> str:
+            with pytest.raises(DaemonError) as e:
+                c.call(op, **kw)
+            return e.value.code
+
+        assert err("bogus") == "unknown_op"
+        assert err("hello", version=99) == "bad_request"
+        assert err("segment", name="../etc/passwd", size=10) == "bad_request"
+        assert err("segment", name="dlcp-does-not-exist", size=10) == "bad_request"
+        assert err("join", job=-1, key="00" * 32, hosts=[]) == "bad_request"
+        assert err("join", job=1, key="zz", hosts=hosts_of(trio), me=1) == "bad_request"
+        assert err("join", job=1, key="00" * 32, hosts=hosts_of(trio), me=0) == "conflict"
+        assert err("submit", job=JOB) == "unknown_job"
+        r = Rank(d, f"dlcp-bad{os.getpid()}", 4096)
+        try:
+            r.join(JOB + 7, KEY, hosts_of(trio), 1)
+            base = dict(job=JOB + 7, round=0, bucket=0, codec="fp32", total=10)
+
+            def rerr(**kw: object) -> str:
+                with pytest.raises(DaemonError) as e:
+                    r.client.call("submit", **{**base, **kw})
+                return e.value.code
+
+            assert rerr(data=[0, 40], out=[4000, 1000]) == "bad_request"  # out past the end
+            assert rerr(data=[-4, 40], out=[100, 100]) == "bad_request"
+            assert rerr(data=[0, 41], out=[100, 100]) == "bad_request"
+            assert rerr(data=[0, 40], out=[20, 100]) == "bad_request"  # overlap
+            assert rerr(data=[0, 40], out=[100, 100], codec="int8") == "bad_request"
+            assert rerr(data=[0, 40], out=[100, 100], total=0) == "bad_request"
+            assert rerr(data=[0, 40], out=[100, 100], bound=0.9) == "bad_request"
+            assert rerr(data=[0, 40], out=[100, 100], meta=[200, 3]) == "bad_request"
+            assert rerr(data=[0, 40], out=[100, 100], round="x") == "bad_request"
+        finally:
+            r.close()
+        # broken framing closes only that connection
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(d.socket)
+        raw.sendall(struct.pack("!I", 5) + b"nope!")
+        reply = ipc.recv_message(raw)
+        assert reply["ok"] is False and reply["code"] == "bad_request"
+        raw.close()
+    finally:
+        c.close()
+    xs = [np.full(1000, 2.0, np.float32) for _ in range(3)]
+    for res in allreduce(ranks, xs):
+        np.testing.assert_array_equal(res.sums, np.full(1000, 6.0, np.float32))
+
+
+def test_metrics_endpoint_and_status_cli(trio: list, ranks: list[Rank]) -> None:  # type: ignore[type-arg]
+    allreduce(ranks, [np.ones(5000, np.float32)] * 3)
+    d = trio[0]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).read()
+    body = text.decode()
+    for name in (
+        "dlcp_up 1.0",
+        'dlcp_rounds_total{outcome="completed"}',
+        "dlcp_sent_packets_total{",
+        "dlcp_rejected_packets_total{reason=",
+        "dlcp_round_duration_seconds_bucket",
+        "dlcp_peer_rate_bps{",
+    ):
+        assert name in body, name
+    out = subprocess.run(
+        [sys.executable, "-m", "dlcp", "status", "--socket", d.socket, "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    ).stdout
+    st = json.loads(out)
+    assert any(j["job"] == JOB for j in st["jobs"])
+    human = subprocess.run(
+        [sys.executable, "-m", "dlcp", "status", "--socket", d.socket],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    ).stdout
+    assert str(JOB) in human and "peer" in human
+
+
+def test_status_cli_without_daemon_is_one_clear_error(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "dlcp", "status", "--socket", str(tmp_path / "none.sock")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.returncode == 1
+    assert p.stderr.startswith("dlcp: error:") and "none.sock" in p.stderr
+
+
+def test_peer_that_disappears_fails_rounds_with_a_reason(tmp_path: Path) -> None:
+    with loopback_daemons(tmp_path, 2, {"timing": {"timeout": 1.0}}) as ds:
+        a = Rank(ds[0], f"dlcp-gone{os.getpid()}", 1 << 20)
+        try:
+            a.join(9, KEY, hosts_of(ds), 0)
+            ds[1].stop(signal.SIGKILL)
+            t = time.monotonic()
+            wait = submit(a, job=9, round=0, bucket=0, lanes=np.ones(10_000, np.float32), shards=2)
+            with pytest.raises(DaemonError) as e:
+                wait()
+            assert e.value.code == "round_failed"
+            assert "timed out" in str(e.value)
+            assert time.monotonic() - t < 30
+        finally:
+            a.close()
+
+
+def test_sigterm_drains_and_notifies_systemd(tmp_path: Path) -> None:
+    notify_path = str(tmp_path / "notify.sock")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(notify_path)
+    ns.settimeout(20)
+    try:
+        with loopback_daemons(tmp_path, 1, start=False) as (d,):
+            d.env = {"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "200000"}
+            d.start()
+            msgs: list[str] = []
+            while not any("READY=1" in m for m in msgs):
+                msgs.append(ns.recv(4096).decode())
+            while sum("WATCHDOG=1" in m for m in msgs) < 3:
+                msgs.append(ns.recv(4096).decode())
+            assert d.stop(signal.SIGTERM) == 0
+            ns.settimeout(1)
+            try:
+                while True:
+                    msgs.append(ns.recv(4096).decode())
+            except TimeoutError:
+                pass
+            assert any("STOPPING=1" in m for m in msgs)
+            assert not os.path.exists(d.socket)
+    finally:
+        ns.close()
+
+
+def test_sighup_reloads_policies(tmp_path: Path) -> None:
+    with loopback_daemons(tmp_path, 1) as (d,):
+        text = d.config.read_text() + '\n[policies]\npriority = "flow"\n'
+        d.config.write_text(text)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reloaded policies" not in d.log.read_text():
+            assert time.monotonic() < deadline, d.log.read_text()
+            time.sleep(0.05)
+        with DaemonClient(d.socket) as c:
+            assert c.hello()["udp_port"] == d.port
+
+
+def test_bad_config_is_one_clear_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[network]\nudp_port = 70000\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "dlcp.daemon", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.returncode == 2
+    assert "udp_port" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_example_config_is_valid_and_documents_every_key() -> None:
+    from dlcp.daemon.config import load
+
+    example = ROOT / "systemd" / "dlcpd.toml"
+    cfg = load(example)
+    assert cfg.socket == "/run/dlcp/dlcpd.sock"
+    text = example.read_text()
+    for key in (
+        "socket",
+        "socket_mode",
+        "metrics_port",
+        "metrics_address",
+        "host_index",
+        "drain_timeout_s",
+        "log_level",
+        "addresses",
+        "udp_port",
+        "payload",
+        "gso",
+        "gro",
+        "socket_buffer_bytes",
+        "peers",
+        "priority",
+        "drop",
+        "balance",
+        "dscp",
+        "pacing",
+        "initial_rate_bps",
+        "min_rate_bps",
+        "nack_delay",
+        "timeout",
+        "devices",
+        "jobs",
+    ):
+        assert key in text, key
