@@ -31,9 +31,7 @@ def _device(group: Group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(
-    failed: bool, maxima: torch.Tensor | None, group: Group
-) -> tuple[bool, torch.Tensor]:
+def agree(failed: bool, maxima: torch.Tensor | None, group: Group) -> tuple[bool, torch.Tensor]:
     """One all-reduce (MAX) of [failed, *maxima]: whether any rank failed, and the
     element-wise maxima over all ranks (float32, CPU). Every rank gets identical
     answers; every rank must pass maxima of the same length."""

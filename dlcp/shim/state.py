@@ -129,6 +129,7 @@ class _Pending:
     buffer: torch.Tensor  # flat; left untouched until the step is agreed
     key: Key
     keep: bool  # key names the bucket across steps: keep its scale
+    plan: RoundPlan | None = None
     future: torch.futures.Future[torch.Tensor] | None = None
     sub: Submitted | None = None
     error: str | None = None
@@ -225,7 +226,7 @@ class DlcpState:
         self.last_error: str | None = None
         self._unreported = 0
         self._ef: dict[Key, CodecState] = {}
-        self._scales: dict[Key, float] = {}
+        self._scales: dict[Key, torch.Tensor] = {}
         self._detached_round: int | None = None
         self._init_runtime(process_group, store, model)
 
@@ -433,11 +434,13 @@ class DlcpState:
         if ef is None and key is not None and name != "fp32":
             ef = self._ef.setdefault(state_key, CodecState())
         p.ef = ef
-        if name.startswith("thc"):
+        if plan.scaled:
             scale = self._scales.get(state_key) if key is not None else None
-            if scale is None:  # first round of this bucket: agree a scale (collective)
+            if scale is None or scale.numel() != plan.packets:
+                # first round of this bucket: agree a scale (collective)
                 scale = self._first_scale(codec, flat, plan, ef)
             plan = dataclasses.replace(plan, scale=scale)
+        p.plan = plan
         if any(q.error for q in self._pending) or not link.alive:
             p.error = p.error or "skipped after an earlier failure in this step"
             if not link.alive:
@@ -469,17 +472,21 @@ class DlcpState:
 
     def _first_scale(
         self, codec: Codec, flat: torch.Tensor, plan: RoundPlan, ef: CodecState | None
-    ) -> float:
+    ) -> torch.Tensor:
+        """Per-packet scales from every rank's encoded maxima (one all-reduce)."""
         probe = codec.encode(
             ef.take(flat) if ef is not None else flat,
             per_packet=plan.per_packet,
             seed=plan.seed,
             scale=None,
         )
-        local = float(probe.block_max.max()) if probe.block_max.numel() else 0.0
-        if not math.isfinite(local):
-            local = 0.0  # the encode proper reports the bad values
-        return next_scale(pg.global_max(local, self._group), self.scale_margin)
+        local = probe.block_max.detach().to("cpu", torch.float32)
+        local = torch.nan_to_num(local, nan=0.0, posinf=0.0)  # the encode proper reports them
+        return self._scale_from(pg.global_max(local, self._group))
+
+    def _scale_from(self, maxima: torch.Tensor) -> torch.Tensor:
+        clean = torch.nan_to_num(maxima.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
+        return next_scale(clean.clamp(min=0.0), self.scale_margin)
 
     # -- the end of a step -----------------------------------------------------------
     def _wait_replies(self, deadline: float) -> None:
@@ -498,30 +505,46 @@ class DlcpState:
         try:
             self._wait_replies(time.monotonic() + self.round_timeout_s)
             local = next((p.error for p in pending if p.error), None)
-            maxima = [p.sub.block_max if p.sub is not None else 0.0 for p in pending]
-            failed, global_maxima = pg.agree(local is not None, maxima, self._group)
+            failed, maxima = pg.agree(local is not None, self._maxima(pending), self._group)
             if failed:
                 self._step_failed(local or "the daemon failed on another rank")
             else:
-                self._step_done(global_maxima)
+                self._step_done(maxima)
         finally:
             self._pending = []
             if self._link is not None:
                 self._link.arena.reset()
             self._end_step()
 
-    def _step_done(self, maxima: list[float]) -> None:
-        for p, gmax in zip(self._pending, maxima, strict=True):
+    @staticmethod
+    def _maxima(pending: list[_Pending]) -> torch.Tensor | None:
+        """The THC buckets' per-packet maxima, zeros where this rank has none (the
+        length must be the same on every rank)."""
+        parts = []
+        for p in pending:
+            if p.plan is None or not p.plan.scaled:
+                continue
+            if p.sub is not None:
+                parts.append(p.sub.block_max)
+            else:
+                parts.append(torch.zeros(p.plan.packets))
+        return torch.cat(parts) if parts else None
+
+    def _step_done(self, maxima: torch.Tensor) -> None:
+        at = 0
+        for p in self._pending:
             assert p.sub is not None and p.reply is not None
-            dec = decode_round(p.sub.plan, p.sub.region, p.buffer.device, self._staging)
+            plan = p.sub.plan
+            dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging)
             p.buffer.copy_(dec.mean.to(p.buffer.dtype))
             self.rounds += 1
             self.lost_lanes += int(p.reply.get("lost_lanes", 0))
             self.total_lanes += int(p.reply.get("total_lanes", 0))
             self.saturated += p.sub.saturated
-            thc = p.sub.plan.codec.name.startswith("thc")
-            if thc and p.keep and math.isfinite(gmax) and gmax > 0:
-                self._scales[p.key] = next_scale(gmax, self.scale_margin)
+            if plan.scaled:
+                if p.keep:
+                    self._scales[p.key] = self._scale_from(maxima[at : at + plan.packets])
+                at += plan.packets
             if p.future is not None:
                 p.future.set_result(p.buffer)
 
