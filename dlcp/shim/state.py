@@ -576,7 +576,7 @@ class DlcpState:
         due = self.retry_steps is not None and since % self.retry_steps == 0
         if self.retry_s is not None:
             mine = time.monotonic() - self._last_attempt >= self.retry_s
-            any_due, _ = pg.agree(mine, [], self._group)
+            any_due, _ = pg.agree(mine, None, self._group)
             due = due or any_due
         if due:
             self._attach_due = True
