@@ -24,7 +24,8 @@ __all__ = ["Outbox", "Peer"]
 
 N_CLASSES = 8
 _DONE = 4  # PacketType.DONE, byte 3 of the header
-BURST_BYTES = 256 * 1024  # at least one GSO batch
+BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
+BURST_BYTES = 256 * 1024  # pacer burst: several batches
 
 
 @dataclass(eq=False)
@@ -157,9 +158,15 @@ class Outbox:
         for cls in range(N_CLASSES):
             q = peer.queues[cls]
             while q:
-                k = min(len(q), MAX_GSO_SEGMENTS)
-                batch = [q[i] for i in range(k)]
-                size = sum(len(d) for d in batch)
+                # one batch: at most a GSO super-datagram's worth (and always
+                # less than the pacer's burst, or it would wait forever)
+                batch = [q[0]]
+                size = len(q[0])
+                limit = min(len(q), MAX_GSO_SEGMENTS)
+                while len(batch) < limit and size + len(q[len(batch)]) <= BATCH_BYTES:
+                    size += len(q[len(batch)])
+                    batch.append(q[len(batch)])
+                k = len(batch)
                 if pacer is not None:
                     wait = pacer.delay(size, now)
                     if wait > 0:

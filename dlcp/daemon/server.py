@@ -273,6 +273,10 @@ class Daemon:
 
     # -- network in -----------------------------------------------------------
     def _on_readable(self, path: UdpPath) -> None:
+        self._receive(path)
+        self._pump()
+
+    def _receive(self, path: UdpPath) -> None:
         now = self.now
         engine = self.engine
         jobs = self.jobs
@@ -300,7 +304,6 @@ class Daemon:
                         peer.rate.on_ack(len(dg), None, now)
         self.counters["rx_packets"] += rx
         self.counters["rx_bytes"] += rx_bytes
-        self._pump()
 
     # -- engine out -----------------------------------------------------------
     def _pump(self) -> None:
@@ -366,6 +369,11 @@ class Daemon:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
+        # Datagrams may be waiting in the sockets (the loop runs timers before
+        # IO callbacks): take them first, or a NACK timer fires for packets
+        # that have already arrived.
+        for path in self.paths:
+            self._receive(path)
         now = self.now
         t = self.engine.get_timer()
         if t is not None and t <= now:

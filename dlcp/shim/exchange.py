@@ -130,9 +130,9 @@ def submit_round(
         state=state,
         generator=generator,
     )
-    staging.write(region.data_view(), enc.lanes)
-    write_meta(region.meta_view(), layers, norms)
     block_max = enc.block_max.detach().to("cpu", torch.float32)
+    staging.write(region.data_view(), enc.lanes)
+    write_meta(region.meta_view(), layers, norms, block_max.numpy())
     reply = client.submit(
         job=job,
         round=plan.round,

@@ -1,6 +1,8 @@
 """What one submit puts in the segment, byte for byte (docs/shim-protocol.md).
 
-data: the encoded lanes; meta: P u16 layers then P f32 norms; out: the summed
+data: the encoded lanes; meta: P u16 layers, P f32 norms, then P f32 block
+maxima (max |lane value| before quantisation; the daemon carries them in its
+headers and returns the maxima over all contributors); out: the summed
 lanes, then P u16 contributor counts, then P f32 block maxima (all
 little-endian, packed). `read_out` parses an out region; `write_meta` fills a
 meta region.
@@ -49,7 +51,7 @@ def align(n: int) -> int:
 
 
 def meta_size(packets: int) -> int:
-    return packets * (_LAYER.itemsize + _NORM.itemsize)
+    return packets * (_LAYER.itemsize + _NORM.itemsize + _MAX.itemsize)
 
 
 @dataclass(frozen=True)
@@ -78,19 +80,24 @@ def region_sizes(layout: Layout) -> RegionSizes:
     )
 
 
-def write_meta(dst: memoryview, layers: npt.ArrayLike, norms: npt.ArrayLike) -> None:
-    """Fill a meta region: the P layers (u16) then the P norms (f32), little-endian."""
+def write_meta(
+    dst: memoryview, layers: npt.ArrayLike, norms: npt.ArrayLike, maxima: npt.ArrayLike
+) -> None:
+    """Fill a meta region: P layers (u16), P norms (f32), P block maxima (f32)."""
     lay = np.asarray(layers).astype(_LAYER, copy=False).reshape(-1)
     nrm = np.asarray(norms).astype(_NORM, copy=False).reshape(-1)
-    if lay.size != nrm.size:
-        raise LocalError(f"{lay.size} layers for {nrm.size} norms")
+    mxs = np.asarray(maxima).astype(_MAX, copy=False).reshape(-1)
+    if not lay.size == nrm.size == mxs.size:
+        raise LocalError(f"{lay.size} layers, {nrm.size} norms and {mxs.size} maxima")
     need = meta_size(lay.size)
     if len(dst) < need:
         raise LocalError(f"meta region of {len(dst)} bytes, need {need}")
     view = np.frombuffer(dst, dtype=np.uint8, count=need)
-    split = lay.size * _LAYER.itemsize
-    view[:split] = lay.view(np.uint8)
-    view[split:] = nrm.view(np.uint8)
+    a = lay.size * _LAYER.itemsize
+    b = a + nrm.size * _NORM.itemsize
+    view[:a] = lay.view(np.uint8)
+    view[a:b] = nrm.view(np.uint8)
+    view[b:] = mxs.view(np.uint8)
 
 
 @dataclass(frozen=True)

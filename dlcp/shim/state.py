@@ -9,21 +9,25 @@ one rank takes the fallback and another does not):
 * While attached, a step submits every bucket to the daemon without waiting
   (communication overlaps the backward pass). In the hook of the step's last
   bucket each rank waits for its replies, then all ranks run ONE small
-  all-reduce (MAX) over the process group of [this rank failed, the bucket
-  maxima]. If no rank failed every rank decodes its results; if any rank
-  failed, every rank restores its error-feedback state, detaches and
-  all-reduces the step's untouched buckets over the process group. The same
-  collective carries each bucket's max |value| as encoded, which sets the
-  next round's THC scale identically everywhere. `all_reduce` does the same
-  per call.
+  all-reduce (MAX) over the process group of [this rank failed, ...]. If no
+  rank failed every rank decodes its results; if any rank failed, every rank
+  restores its error-feedback state, detaches and all-reduces the step's
+  untouched buckets over the process group. `all_reduce` does the same per
+  call.
 * While detached, buckets go over the process group (as PyTorch's default
   hook does). Reattaching is tried at step ends that all ranks agree on:
   every `retry_steps` steps (a step count every rank shares), or, with
   `retry_s`, when any rank's clock says so (one more tiny all-reduce per
   step while detached).
-* A bucket's first THC round agrees its scale with one all-reduce (MAX) of
-  the ranks' encoded maxima; it is decided from shared state only, so every
-  rank issues it, failed or not.
+
+THC needs one scale per packet that every rank shares (`scale_mode`):
+"exact" (default) agrees this round's per-packet maxima before encoding, with
+one all-reduce (MAX) per bucket, so nothing saturates; "bucket" and "packet"
+reuse the previous round's maxima (of the bucket, or of each packet) times
+`scale_margin`, carried by the step's agreement all-reduce, and clamp what
+exceeds them (error feedback resends it). A bucket's first round always
+agrees exactly. The decision to run these collectives depends only on state
+every rank shares, so every rank issues them, failed or not.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ log = logging.getLogger("dlcp.shim")
 
 _INSTANCES = itertools.count()
 _MODES = ("transpose", "ps")
+# THC scale: this round's exact per-packet maxima, or the previous round's
+# bucket max / per-packet maxima times the margin (see the module docstring).
+_SCALE_MODES = ("exact", "bucket", "packet")
 
 # Fields that survive pickling (the rest is rebuilt or reconnected lazily).
 _CONFIG = (
@@ -77,6 +84,7 @@ _CONFIG = (
     "connect_timeout_s",
     "rendezvous_timeout_s",
     "scale_margin",
+    "scale_mode",
     "mode",
     "segment_bytes",
 )
@@ -150,7 +158,7 @@ class DlcpState:
 
     Hyperparameters: codec, codec_options, loss_bound, socket, strict,
     retry_steps, retry_s, round_timeout_s, connect_timeout_s,
-    rendezvous_timeout_s, scale_margin, mode, segment_bytes.
+    rendezvous_timeout_s, scale_margin, scale_mode, mode, segment_bytes.
     Stats: round (all-reduce steps so far), rounds (bucket rounds the daemon
     completed), fallbacks (buckets sent over the process group), attaches,
     failures, lost_lanes / total_lanes, saturated (THC values clamped),
@@ -176,6 +184,7 @@ class DlcpState:
         connect_timeout_s: float = 10.0,
         rendezvous_timeout_s: float = 300.0,
         scale_margin: float = 1.25,
+        scale_mode: str = "exact",
         mode: str = "transpose",
         segment_bytes: int | None = None,
         codec_options: dict[str, Any] | None = None,
@@ -197,6 +206,10 @@ class DlcpState:
                 raise LocalError(f"{name} must be > 0, got {value!r}")
         if not (math.isfinite(scale_margin) and scale_margin >= 1.0):
             raise LocalError(f"scale_margin must be >= 1, got {scale_margin!r}")
+        if scale_mode not in _SCALE_MODES:
+            raise LocalError(
+                f"scale_mode must be one of {', '.join(_SCALE_MODES)}, not {scale_mode!r}"
+            )
         self.codec = codec
         self.codec_options = dict(codec_options or {})
         get_codec(codec, **self.codec_options)  # fail early on bad options
@@ -209,6 +222,7 @@ class DlcpState:
         self.connect_timeout_s = float(connect_timeout_s)
         self.rendezvous_timeout_s = float(rendezvous_timeout_s)
         self.scale_margin = float(scale_margin)
+        self.scale_mode = scale_mode
         self.mode = mode
         self.segment_bytes = segment_bytes
         if segment_bytes is None and model is not None:
@@ -436,8 +450,8 @@ class DlcpState:
         p.ef = ef
         if plan.scaled:
             scale = self._scales.get(state_key) if key is not None else None
-            if scale is None or scale.numel() != plan.packets:
-                # first round of this bucket: agree a scale (collective)
+            if scale is None or scale.numel() != plan.packets or self.scale_mode == "exact":
+                # first round of this bucket (or exact mode): agree a scale (collective)
                 scale = self._first_scale(codec, flat, plan, ef)
             plan = dataclasses.replace(plan, scale=scale)
         p.plan = plan
@@ -486,7 +500,11 @@ class DlcpState:
 
     def _scale_from(self, maxima: torch.Tensor) -> torch.Tensor:
         clean = torch.nan_to_num(maxima.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        return next_scale(clean.clamp(min=0.0), self.scale_margin)
+        clean = clean.clamp(min=0.0)
+        if self.scale_mode == "bucket" and clean.numel():
+            clean = clean.max().expand(clean.numel())
+        margin = float(os.environ.get("EXM", "1.0")) if self.scale_mode == "exact" else self.scale_margin
+        return next_scale(clean, margin)
 
     # -- the end of a step -----------------------------------------------------------
     def _wait_replies(self, deadline: float) -> None:
@@ -516,18 +534,23 @@ class DlcpState:
                 self._link.arena.reset()
             self._end_step()
 
-    @staticmethod
-    def _maxima(pending: list[_Pending]) -> torch.Tensor | None:
-        """The THC buckets' per-packet maxima, zeros where this rank has none (the
-        length must be the same on every rank)."""
+    def _maxima(self, pending: list[_Pending]) -> torch.Tensor | None:
+        """What the agreement carries for the next THC scales: per bucket its max
+        ("bucket") or its per-packet maxima ("packet"); nothing for "exact".
+        Zeros where this rank has none: the length is the same on every rank."""
+        if self.scale_mode == "exact":
+            return None
         parts = []
         for p in pending:
             if p.plan is None or not p.plan.scaled:
                 continue
-            if p.sub is not None:
-                parts.append(p.sub.block_max)
+            n = p.plan.packets if self.scale_mode == "packet" else 1
+            if p.sub is None:
+                parts.append(torch.zeros(n))
+            elif n == 1:
+                parts.append(p.sub.block_max.max().reshape(1))
             else:
-                parts.append(torch.zeros(p.plan.packets))
+                parts.append(p.sub.block_max)
         return torch.cat(parts) if parts else None
 
     def _step_done(self, maxima: torch.Tensor) -> None:
@@ -541,10 +564,12 @@ class DlcpState:
             self.lost_lanes += int(p.reply.get("lost_lanes", 0))
             self.total_lanes += int(p.reply.get("total_lanes", 0))
             self.saturated += p.sub.saturated
-            if plan.scaled:
+            if plan.scaled and self.scale_mode != "exact":
+                n = plan.packets if self.scale_mode == "packet" else 1
                 if p.keep:
-                    self._scales[p.key] = self._scale_from(maxima[at : at + plan.packets])
-                at += plan.packets
+                    seen = maxima[at : at + n].expand(plan.packets)
+                    self._scales[p.key] = self._scale_from(seen)
+                at += n
             if p.future is not None:
                 p.future.set_result(p.buffer)
 

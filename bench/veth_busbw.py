@@ -1,0 +1,215 @@
+"""All-reduce bus bandwidth of dlcp and Gloo between two namespaces on one veth.
+
+    sudo python bench/veth_busbw.py --size 100MB --iters 5 [--mtu 1500] [--json out.json]
+
+Both backends run in the same invocation on the same unthrottled veth pair
+(no switch, no rate limit). Reports per backend: median time, bus bandwidth
+(2(n-1)/n * size / time; = size / time for 2 ranks) and CPU seconds per GB
+moved (all processes of the backend: Gloo's two ranks; dlcp's two daemons and
+the two client ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+
+def parse_size(text: str) -> int:
+    """'100MB', '32MiB', '4096' -> bytes (MB = 10**6, MiB = 2**20)."""
+    t = text.strip().upper()
+    for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
+                       ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+NS = ("dlcpbw-a", "dlcpbw-b")
+ADDR = ("10.78.0.1", "10.78.0.2")
+
+
+def sh(*argv: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    full = ["ip", "netns", "exec", ns, *argv] if ns else list(argv)
+    return subprocess.run(full, check=check, capture_output=True, text=True)
+
+
+def setup(mtu: int) -> None:
+    teardown()
+    for ns in NS:
+        sh("ip", "netns", "add", ns)
+    sh("ip", "link", "add", "bw0", "netns", NS[0], "type", "veth", "peer", "bw1", "netns", NS[1])
+    for i, ns in enumerate(NS):
+        dev = f"bw{i}"
+        sh("ip", "link", "set", "lo", "up", ns=ns)
+        sh("ip", "link", "set", dev, "mtu", str(mtu), "up", ns=ns)
+        sh("ip", "addr", "add", f"{ADDR[i]}/24", "dev", dev, ns=ns)
+
+
+def teardown() -> None:
+    for ns in NS:
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick
+
+
+def run_gloo(elements: int, iters: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": ""}
+    procs = []
+    for r in range(2):
+        e = dict(env)
+        e["GLOO_SOCKET_IFNAME"] = f"bw{r}"
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", NS[r], sys.executable, str(ROOT / "bench/_gloo_worker.py"),
+                 "--rank", str(r), "--world", "2", "--master", ADDR[0],
+                 "--elements", str(elements), "--iters", str(iters)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+            )
+        )
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"gloo worker failed: {err[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    times = [max(a, b) for a, b in zip(outs[0]["times_s"], outs[1]["times_s"], strict=True)]
+    return {"times_s": times, "cpu_s": sum(o["cpu_s"] for o in outs)}
+
+
+def run_dlcp(elements: int, iters: int, payload: int, tmp: Path) -> dict:
+    from dlcp.core.layout import Layout
+    from dlcp.shim.client import DaemonClient, Segment
+    from dlcp.wire.header import Codec, lane_bytes
+
+    daemons = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        for i in range(2):
+            cfg = tmp / f"d{i}.toml"
+            cfg.write_text(
+                f'[daemon]\nsocket = "{tmp}/d{i}.sock"\nmetrics_port = 0\nhost_index = {i}\n'
+                f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
+                f"[timing]\ntimeout = 60.0\n"
+            )
+            log = open(tmp / f"d{i}.log", "wb")
+            daemons.append(subprocess.Popen(
+                ["ip", "netns", "exec", NS[i], sys.executable, "-m", "dlcp.daemon", "--config",
+                 str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env))
+        for i in range(2):
+            deadline = time.monotonic() + 30
+            while not (tmp / f"d{i}.sock").exists():
+                if time.monotonic() > deadline or daemons[i].poll() is not None:
+                    raise RuntimeError((tmp / f"d{i}.log").read_text()[-2000:])
+                time.sleep(0.05)
+        nbytes = 4 * elements
+        lay = Layout(elements, Codec.FP32, 2, payload)
+        out_len = lane_bytes(Codec.FP32, elements, True) + 6 * lay.packets
+        clients, segs = [], []
+        hosts = [{"addresses": [a], "udp_port": 7400} for a in ADDR]
+        key = os.urandom(32)
+        x = np.random.default_rng(0).standard_normal(elements).astype(np.float32)
+        for i in range(2):
+            c = DaemonClient(str(tmp / f"d{i}.sock"))
+            c.hello()
+            s = Segment(f"dlcp-bw{os.getpid()}-{i}", nbytes + out_len)
+            s.buf[:nbytes] = x.tobytes()
+            c.segment(s)
+            c.join(job=1, key=key, hosts=hosts, me=i, local_ranks=1)
+            clients.append(c)
+            segs.append(s)
+        times = []
+        pids = [d.pid for d in daemons]
+        # the daemon is the child of `ip netns exec` (exec'd in place: same pid)
+        cpu0 = sum(proc_cpu(p) for p in pids) + time.process_time()
+        for it in range(iters + 1):
+            t = time.perf_counter()
+            futs = [c.submit(job=1, round=it, bucket=0, codec="fp32", total=elements,
+                             data=[0, nbytes], out=[nbytes, out_len]) for c in clients]
+            for f in futs:
+                f.result(300)
+            if it == 0:  # warm-up
+                cpu0 = sum(proc_cpu(p) for p in pids) + time.process_time()
+                continue
+            times.append(time.perf_counter() - t)
+        cpu = sum(proc_cpu(p) for p in pids) + time.process_time() - cpu0
+        got = np.frombuffer(segs[0].buf[nbytes:2 * nbytes], np.float32)
+        assert np.array_equal(got, x + x), "dlcp result is not the exact sum"
+        for c in clients:
+            c.close()
+        for s in segs:
+            s.close()
+        return {"times_s": times, "cpu_s": cpu}
+    finally:
+        for d in daemons:
+            d.terminate()
+        for d in daemons:
+            try:
+                d.wait(20)
+            except subprocess.TimeoutExpired:
+                d.kill()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size", default="100MB")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--payload", type=int, default=None, help="dlcp payload (default MTU - 92)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    if os.geteuid() != 0:
+        print("veth_busbw: needs root (network namespaces)", file=sys.stderr)
+        return 1
+    size = parse_size(a.size)
+    elements = size // 4
+    payload = a.payload or a.mtu - 92
+    tmp = Path(tempfile.mkdtemp(prefix="dlcpbw-"))
+    rows = []
+    try:
+        setup(a.mtu)
+        for name, fn in (("gloo", lambda: run_gloo(elements, a.iters)),
+                         ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp))):
+            r = fn()
+            med = statistics.median(r["times_s"])
+            moved_gb = size * a.iters / 1e9  # bus bytes for 2 ranks = size per iteration
+            rows.append({
+                "backend": name, "size_bytes": size, "iters": a.iters, "mtu": a.mtu,
+                "payload": payload if name == "dlcp" else None,
+                "times_s": r["times_s"], "p50_s": med,
+                "busbw_gbps": size * 8 / med / 1e9, "cpu_s": r["cpu_s"],
+                "cpu_s_per_gb": r["cpu_s"] / moved_gb,
+            })
+    finally:
+        teardown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{'backend':8} {'p50 s':>8} {'busbw Gbit/s':>13} {'CPU s/GB':>9}")
+    for r in rows:
+        print(f"{r['backend']:8} {r['p50_s']:8.3f} {r['busbw_gbps']:13.2f} {r['cpu_s_per_gb']:9.2f}")
+    g = {r["backend"]: r for r in rows}
+    print(f"dlcp/gloo bus bandwidth ratio: {g['dlcp']['busbw_gbps'] / g['gloo']['busbw_gbps']:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
