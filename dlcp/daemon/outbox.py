@@ -16,14 +16,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dlcp.core.layout import Layout
 from dlcp.core.rate import Pacer, RateConfig, RateController
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
+from dlcp.errors import LocalError
 from dlcp.policies import LoadBalancer, PathState
+from dlcp.wire.header import HEADER_SIZE, Flags, Header
 
 __all__ = ["Outbox", "Peer"]
 
 N_CLASSES = 8
-_DONE = 4  # PacketType.DONE, byte 3 of the header
+
+
+def _identity(datagram: bytes) -> bytes:
+    """What makes a packet itself, whatever its flags, class or MAC: the type
+    byte and the header fields from job to element count (bytes 8..35). A NACK
+    for a packet still queued here must not queue it again."""
+    return datagram[3:4] + datagram[8:36]
+
+_DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
+_F_RESULT_LEG = int(Flags.RESULT_LEG)
+TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
 BURST_BYTES = 256 * 1024  # pacer burst: several batches
 
@@ -41,13 +54,17 @@ class Peer:
     paths: list[PathState] = field(default_factory=list)
     queues: list[deque[bytes]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
     queued: int = 0
-    pending: set[bytes] = field(default_factory=set)  # queued datagrams, to drop repeats
+    pending: set[bytes] = field(default_factory=set)  # identities of queued packets
     pushed: int = 0  # packets queued so far (not counting held DONEs)
     sent: int = 0
     held: deque[tuple[int, bytes, int]] = field(default_factory=deque)  # (barrier, dg, class)
     last_loss: float = float("-inf")
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
+    # path of recently sent DATA/RESULT packets, by `_track_key` (multi-path peers only);
+    # two generations: when `tracked` is full it becomes `tracked_old`, so memory is bounded
+    tracked: dict[bytes, int] = field(default_factory=dict)
+    tracked_old: dict[bytes, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = min(len(self.addresses), len(self.local))
@@ -105,10 +122,11 @@ class Outbox:
 
     def push(self, peer: Peer, datagram: bytes, priority: int) -> bool:
         """Queue a datagram; False when the same bytes are already waiting (a repeat)."""
-        if datagram in peer.pending:
+        key = _identity(datagram)
+        if key in peer.pending:
             self.repeats += 1
             return False
-        peer.pending.add(datagram)
+        peer.pending.add(key)
         peer.queued += 1
         self.backlog.add(peer)
         if datagram[3] == _DONE:
@@ -127,6 +145,77 @@ class Outbox:
         while held and held[0][0] <= peer.sent:
             _, dg, cls = held.popleft()
             peer.queues[min(max(cls, 0), N_CLASSES - 1)].append(dg)
+
+    def on_nack(
+        self,
+        peer: Peer,
+        nack: Header,
+        datagram: bytes | memoryview,
+        *,
+        shards: int,
+        payload: int,
+        now: float,
+    ) -> None:
+        """Tell the peer's balancer which paths lost the packets an accepted NACK names.
+
+        `datagram` is the NACK as received (its payload lists shard-local packet
+        indices, u32 big endian); `shards` and `payload` are the job's, for the
+        bucket's layout. Each named packet is
+        looked up by (job, round, bucket, shard, offset, type) among the
+        packets recently sent to this peer and charged to the path it took;
+        the entry is forgotten, so a repeated NACK does not count it twice
+        (its retransmission is tracked afresh). Packets never sent or no
+        longer remembered are not charged.
+        """
+        n = nack.count
+        if n <= 0:
+            return
+        paths = peer.paths
+        if len(paths) == 1:
+            peer.balancer.on_loss(paths[0], n, now)
+            return
+        try:
+            layout = Layout(nack.total, nack.codec, shards, payload)
+            idx = np.frombuffer(datagram, ">u4", n, HEADER_SIZE).astype(np.int64)
+        except (LocalError, ValueError):
+            return
+        first = layout.shard_packets(nack.shard).start
+        per = layout.per_packet
+        if nack.flags & _F_RESULT_LEG:
+            split = layout.result_split
+            step = -(-per // split)
+            offsets = (first + idx // split) * per + (idx % split) * step
+            kind = bytes((_RESULT,))
+        else:
+            offsets = (first + idx) * per
+            kind = bytes((_DATA,))
+        prefix = bytes(datagram[8:22])  # job, round, bucket, shard: where every header has them
+        lost = [0] * len(paths)
+        new, old = peer.tracked, peer.tracked_old
+        raw = offsets.astype(">u4").tobytes()
+        for i in range(0, len(raw), 4):
+            key = prefix + raw[i : i + 4] + kind
+            p = new.pop(key, None)
+            q = old.pop(key, None)
+            if p is None:
+                p = q
+            if p is not None and p < len(lost):
+                lost[p] += 1
+        for p, k in enumerate(lost):
+            if k:
+                peer.balancer.on_loss(paths[p], k, now)
+
+    @staticmethod
+    def _track(peer: Peer, dgs: list[bytes], path: int) -> None:
+        """Remember the path each DATA/RESULT datagram of `dgs` went on."""
+        tracked = peer.tracked
+        for dg in dgs:
+            t = dg[3]
+            if t in (_DATA, _RESULT):
+                tracked[dg[8:22] + dg[28:32] + dg[3:4]] = path
+        if len(tracked) > TRACKED_PER_GENERATION:
+            peer.tracked_old = tracked
+            peer.tracked = {}
 
     def on_loss(self, peer: Peer, n: int, now: float) -> None:
         """A peer reported `n` packets missing: at most one rate decrease per interval."""
@@ -173,7 +262,7 @@ class Outbox:
                         return now + wait
                 sent = self._send(peer, batch, cls)
                 for _ in range(sent):
-                    peer.pending.discard(q.popleft())
+                    peer.pending.discard(_identity(q.popleft()))
                 peer.sent += sent
                 if peer.held and peer.held[0][0] <= peer.sent:
                     self._release(peer)
@@ -209,6 +298,7 @@ class Outbox:
                 peer.balancer.on_sent(paths[p], n)
                 peer.sent_packets[(cls, p)] += n
                 peer.sent_bytes[(cls, p)] += sum(len(d) for d in dgs[:n])
+                self._track(peer, dgs[:n], p)
             done += n
             if n < len(dgs):
                 break
@@ -219,7 +309,7 @@ class Outbox:
         q = peer.queues[cls]
         for i in range(len(batch) - 1, prefix - 1, -1):
             if sent_mask[i]:
-                peer.pending.discard(q[i])
+                peer.pending.discard(_identity(q[i]))
                 del q[i]  # sent out of order on another path
                 peer.queued -= 1
         return prefix

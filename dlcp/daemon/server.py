@@ -300,6 +300,10 @@ class Daemon:
                 if peer is not None:
                     if h.type == PacketType.NACK:
                         self.outbox.on_loss(peer, max(1, h.count), now)
+                        spec = job.spec
+                        self.outbox.on_nack(
+                            peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now
+                        )
                     elif h.type in (PacketType.RESULT, PacketType.ACK, PacketType.DONE):
                         peer.rate.on_ack(len(dg), None, now)
         self.counters["rx_packets"] += rx

@@ -178,6 +178,7 @@ class TcConfig:
     short_queue_packets: int = 16  # pfifo limit of droppable classes
     min_rate_bps: int | None = None  # guaranteed rate per class; default max(8 kbit, rate/1000)
     match_ipv6: bool = False  # also classify IPv6 by its traffic class (8 more filters)
+    mtu: int = 1500  # largest packet on the device: HTB bursts hold at least two
 
     def __post_init__(self) -> None:
         # Normalise list/set arguments so the config stays hashable and comparable.
@@ -311,9 +312,9 @@ def _describe_key(key: str, protocol: int) -> list[str]:
     return ["u32", f"0x{v:08x}", f"0x{m:08x}", "at", str(off)]
 
 
-def _burst(rate_bytes: int) -> int:
+def _burst(rate_bytes: int, mtu: int = _MTU - 100) -> int:
     """Bucket size for a rate: about 1 ms of traffic, at least two MTU-sized packets."""
-    return max(2 * _MTU, rate_bytes // 1000)
+    return max(2 * (mtu + 100), rate_bytes // 1000)
 
 
 def build_plan(cfg: TcConfig) -> list[Op]:
@@ -329,14 +330,14 @@ def build_plan(cfg: TcConfig) -> list[Op]:
         Op("qdisc", "add", dev, "htb", ROOT_HANDLE, TC_H_ROOT,
            (("default", class_minor(cfg.default_class)),)),  # the minor as an int
         Op("class", "add", dev, "htb", PARENT_CLASS, ROOT_HANDLE,
-           (("rate", link), ("ceil", link), ("burst", _burst(link)),
-            ("cburst", _burst(link)))),
+           (("rate", link), ("ceil", link), ("burst", _burst(link, cfg.mtu)),
+            ("cburst", _burst(link, cfg.mtu)))),
     ]  # fmt: skip
     for cls in range(NUM_CLASSES):
         plan.append(
             Op("class", "add", dev, "htb", classid(cls), PARENT_CLASS,
-               (("rate", tiny), ("ceil", link), ("burst", _burst(tiny)),
-                ("cburst", _burst(link)), ("prio", cls)))
+               (("rate", tiny), ("ceil", link), ("burst", _burst(tiny, cfg.mtu)),
+                ("cburst", _burst(link, cfg.mtu)), ("prio", cls)))
         )  # fmt: skip
         limit = cfg.short_queue_packets if cls in cfg.droppable_classes else cfg.queue_packets
         plan.append(Op("qdisc", "add", dev, "pfifo", leaf_handle(cls), classid(cls),

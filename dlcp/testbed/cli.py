@@ -89,6 +89,12 @@ def register(subparsers: Any) -> None:
         help="TCP segmentation offload on host veths; auto: off when shaped, so "
         "the switch queues MTU packets (default: auto)",
     )
+    up.add_argument(
+        "--mtu",
+        type=int,
+        default=1500,
+        help="link MTU; 9000 for jumbo frames (the daemons' payload follows) (default: 1500)",
+    )
     up.add_argument("--daemons", action="store_true", help="start one dlcp daemon per host")
     _common(up)
     up.set_defaults(func=_up)
@@ -165,6 +171,7 @@ def spec_from_args(args: argparse.Namespace) -> TestbedSpec:
         daemons=args.daemons,
         name=args.name,
         tso={"auto": None, "on": True, "off": False}[args.tso],
+        mtu=args.mtu,
     )
 
 

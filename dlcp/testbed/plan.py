@@ -119,6 +119,7 @@ class TestbedSpec:
     udp_port: int = UDP_PORT
     metrics_port: int = METRICS_PORT
     tso: bool | None = None
+    mtu: int = 1500  # link MTU (9000: jumbo frames; the daemons' payload follows)
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -129,6 +130,8 @@ class TestbedSpec:
         if self.rate_bps is not None and self.rate_bps <= 0:
             raise TestbedError(f"rate must be positive, not {self.rate_bps} bit/s")
         loss_permille(self.loss_pct)
+        if not 576 <= self.mtu <= 65535:
+            raise TestbedError(f"mtu must be between 576 and 65535, not {self.mtu}")
         if self.background not in BACKGROUND_KINDS:
             raise TestbedError(
                 f"background must be one of {', '.join(BACKGROUND_KINDS)}, not {self.background!r}"

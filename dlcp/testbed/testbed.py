@@ -250,7 +250,7 @@ class Testbed:
                 mac = host_mac(h.index, p)
                 commands += [
                     f"link add {port} type veth peer name {ifname} address {mac} netns {h.netns}",
-                    f"link set {port} master {bridge_name(p)} up",
+                    f"link set {port} mtu {self.spec.mtu} master {bridge_name(p)} up",
                 ]
                 fdb.append(f"fdb replace {mac} dev {port} master static")
         _batch("ip", sw, commands)
@@ -258,7 +258,10 @@ class Testbed:
         for h in self.hosts:
             commands = []
             for p, (addr, ifname) in enumerate(zip(h.addresses, h.interfaces, strict=True)):
-                commands += [f"addr add {addr}/{PREFIX_LEN} dev {ifname}", f"link set {ifname} up"]
+                commands += [
+                    f"addr add {addr}/{PREFIX_LEN} dev {ifname}",
+                    f"link set {ifname} mtu {self.spec.mtu} up",
+                ]
                 commands += [
                     f"neigh replace {host_address(other.index, p)} "
                     f"lladdr {host_mac(other.index, p)} dev {ifname} nud permanent"
@@ -302,6 +305,7 @@ class Testbed:
     def _apply_tc(self, *, force: bool = False, **tc_options: Any) -> None:
         tc_plan, tc_apply = _tc_modules()
         rate = tc_options.pop("rate_bps", self.spec.rate_bps)
+        tc_options.setdefault("mtu", self.spec.mtu)
         for port in self.switch_ports:
             plan = tc_plan.build_plan(tc_plan.TcConfig(dev=port, rate_bps=rate, **tc_options))
             tc_apply.apply_plan(plan, netns=self.switch_netns, force=force)
