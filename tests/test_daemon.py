@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -75,10 +76,13 @@ def test_two_buckets_in_flight_at_once(ranks: list[Rank]) -> None:
     a = [rng.standard_normal(50_000).astype(np.float32) for _ in ranks]
     b = [rng.standard_normal(20_000).astype(np.float32) for _ in ranks]
     rnd = next(_round)
-    wa = [submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=3) for r, x in zip(ranks, a)]
+    wa = [
+        submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=3)
+        for r, x in zip(ranks, a, strict=True)
+    ]
     wb = [
         submit(r, job=JOB, round=rnd, bucket=1, lanes=x, shards=3, base=4 << 20)
-        for r, x in zip(ranks, b)
+        for r, x in zip(ranks, b, strict=True)
     ]
     for w in wa:
         np.testing.assert_array_equal(w().sums, a[0] + a[1] + a[2])
@@ -105,7 +109,7 @@ def test_bounded_loss_metadata_is_accepted_and_lossless_without_loss(ranks: list
     layers = np.arange(len(norms[0])) // 10
     waits = []
     rnd = next(_round)
-    for r, x, nm in zip(ranks, xs, norms):
+    for r, x, nm in zip(ranks, xs, norms, strict=True):
         waits.append(
             submit(
                 r,
@@ -384,3 +388,89 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         "jobs",
     ):
         assert key in text, key
+
+
+def test_two_local_ranks_are_summed_on_their_host_first(tmp_path: Path) -> None:
+    with loopback_daemons(tmp_path, 2) as ds:
+        pid = os.getpid()
+        ranks = [
+            Rank(ds[0], f"dlcp-lr{pid}-0", 1 << 20),
+            Rank(ds[0], f"dlcp-lr{pid}-1", 1 << 20),
+            Rank(ds[1], f"dlcp-lr{pid}-2", 1 << 20),
+        ]
+        try:
+            for r, me in zip(ranks, (0, 0, 1), strict=True):
+                r.join(11, KEY, hosts_of(ds), me, local_ranks=2 if me == 0 else 1)
+            xs = [np.full(7000, v, np.float32) for v in (1.0, 2.0, 4.0)]
+            waits = [
+                submit(r, job=11, round=0, bucket=0, lanes=x, shards=2)
+                for r, x in zip(ranks, xs, strict=True)
+            ]
+            for w in waits:
+                res = w()
+                np.testing.assert_array_equal(res.sums, np.full(7000, 7.0, np.float32))
+                assert (res.contributors == 3).all()  # rank contributions, not hosts
+        finally:
+            for r in ranks:
+                r.close()
+
+
+def test_ps_mode_with_a_dedicated_aggregator_daemon(tmp_path: Path) -> None:
+    """Host 0 runs only an aggregator (job declared in its config); hosts 1, 2 train."""
+    from tests.daemons import free_udp_port
+
+    port = free_udp_port()
+    hosts = [{"addresses": [f"127.0.0.{i + 1}"], "udp_port": port} for i in range(3)]
+    job = {
+        "job": 21,
+        "key": KEY.hex(),
+        "hosts": hosts,
+        "me": 0,
+        "mode": "ps",
+        "aggregators": [0],
+        "contributors": [1, 2],
+    }
+    with loopback_daemons(tmp_path, 3, start=False) as ds:
+        for d in ds:
+            d.port = port
+            text = d.config.read_text().replace(f"udp_port = {ds[0].port}", f"udp_port = {port}")
+            text = re.sub(r"udp_port = \d+", f"udp_port = {port}", text)
+            d.config.write_text(text)
+        from tests.daemons import toml_value
+
+        ds[0].config.write_text(
+            ds[0].config.read_text()
+            + "\n[[jobs]]\n"
+            + "\n".join(f"{k} = {toml_value(v)}" for k, v in job.items())
+            + "\n"
+        )
+        for d in ds:
+            d.start()
+        pid = os.getpid()
+        ranks = [Rank(ds[i], f"dlcp-ps{pid}-{i}", 1 << 20) for i in (1, 2)]
+        try:
+            for r, me in zip(ranks, (1, 2), strict=True):
+                r.client.join(
+                    job=21,
+                    key=KEY,
+                    hosts=hosts,
+                    me=me,
+                    mode="ps",
+                    aggregators=[0],
+                    contributors=[1, 2],
+                )
+            rng = np.random.default_rng(5)
+            xs = [rng.standard_normal(30_000).astype(np.float32) for _ in ranks]
+            waits = [
+                submit(r, job=21, round=0, bucket=0, lanes=x, shards=1)
+                for r, x in zip(ranks, xs, strict=True)
+            ]
+            for w in waits:
+                np.testing.assert_array_equal(w().sums, xs[0] + xs[1])
+            with DaemonClient(ds[0].socket) as c:
+                counters = c.status()["counters"]
+            assert counters["shards_aggregated"] >= 1  # the aggregator did the summing
+            assert counters.get("data_packets_sent", 0) == 0  # and contributed nothing
+        finally:
+            for r in ranks:
+                r.close()

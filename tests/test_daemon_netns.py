@@ -57,9 +57,11 @@ def cluster() -> Iterator[tuple[Testbed, list[_Rank]]]:
         for r in ranks:
             r.close()
         tb.down()
-        assert not [n for n in os.listdir("/run/netns") if n.startswith("dlcpd-it")] if (
-            os.path.isdir("/run/netns")
-        ) else True
+        assert (
+            not [n for n in os.listdir("/run/netns") if n.startswith("dlcpd-it")]
+            if (os.path.isdir("/run/netns"))
+            else True
+        )
 
 
 _rounds = iter(range(1_000_000))
@@ -100,8 +102,18 @@ def test_five_percent_loss_on_one_link_stays_within_bound_and_replicas_agree(
             norms = [packet_norms(x, HOSTS) for x in xs]
             rnd = next(_rounds)
             waits = [
-                submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=HOSTS, bound=bound,
-                       norms=nm, layers=np.zeros(len(nm)), timeout=120)
+                submit(
+                    r,
+                    job=JOB,
+                    round=rnd,
+                    bucket=0,
+                    lanes=x,
+                    shards=HOSTS,
+                    bound=bound,
+                    norms=nm,
+                    layers=np.zeros(len(nm)),
+                    timeout=120,
+                )
                 for r, x, nm in zip(ranks, xs, norms, strict=True)
             ]
             results = [w() for w in waits]
@@ -117,8 +129,11 @@ def test_five_percent_loss_on_one_link_stays_within_bound_and_replicas_agree(
             exact = xs[0] + xs[1] + xs[2]
             np.testing.assert_array_equal(first.sums[full], exact[full])
         stats = ranks[0].client.status()["counters"]
-        assert stats.get("data_retransmits", 0) + stats.get("result_retransmits", 0) + sum(
-            r.client.status()["counters"].get("data_retransmits", 0) for r in ranks[1:]
-        ) > 0, "5 % loss must have caused NACK recovery"
+        assert (
+            stats.get("data_retransmits", 0)
+            + stats.get("result_retransmits", 0)
+            + sum(r.client.status()["counters"].get("data_retransmits", 0) for r in ranks[1:])
+            > 0
+        ), "5 % loss must have caused NACK recovery"
     finally:
         tb.set_loss(1, 0.0)

@@ -8,6 +8,7 @@ module owns the sockets, the timers and the shared memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -125,6 +126,7 @@ class Daemon:
         self._metrics_server: Any = None
         self._round_hist: Any = None
         self._tc_cache: list[dict[str, Any]] = []
+        self._tc_task: asyncio.Task[None] | None = None
         self.draining = False
         self.stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -182,7 +184,7 @@ class Daemon:
             self._metrics_server = await serve_metrics(
                 registry, cfg.metrics_address, cfg.metrics_port
             )
-            loop.create_task(self._refresh_tc())
+            self._tc_task = loop.create_task(self._refresh_tc())
         log.info(
             "dlcpd %s serving %s on %s udp/%d, metrics %s",
             self.id,
@@ -265,10 +267,8 @@ class Daemon:
             p.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.config.socket)
-        except OSError:
-            pass
         log.info("stopped")
 
     # -- network in -----------------------------------------------------------
