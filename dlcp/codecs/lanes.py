@@ -61,6 +61,11 @@ def unpack(codec: int, payload: bytes | memoryview, count: int, summed: bool) ->
     return np.frombuffer(payload, dtype=_WIRE_DATA[codec], count=count)
 
 
+def wire_summed_dtype(codec: int) -> np.dtype:
+    """The little-endian dtype of summed (result) lanes on the wire and in the shim's out."""
+    return np.dtype(_WIRE_SUMMED[codec])
+
+
 def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
     """Serialise lanes (summed lanes for results, data lanes for contributions)."""
     if summed:

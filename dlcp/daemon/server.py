@@ -400,7 +400,8 @@ class Daemon:
         if self._round_hist is not None:
             self._round_hist.observe(elapsed)
         lay = ev.layout
-        sums_b = lane_ops.pack(lay.codec, ev.sums, True)  # the wire's summed lanes
+        sum_dtype = lane_ops.wire_summed_dtype(lay.codec)  # the wire's summed lanes
+        nsum = lane_bytes(lay.codec, lay.total, True)
         contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
         bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
         counts = lay.packet_counts()
@@ -413,8 +414,10 @@ class Daemon:
                 continue
             off, _n = part.out
             buf = c.segment.buf
-            end = off + len(sums_b)
-            buf[off:end] = sums_b
+            # one pass: cast the sums straight into the rank's segment
+            out = np.frombuffer(buf, dtype=sum_dtype, count=lay.total, offset=off)
+            np.copyto(out, ev.sums, casting="unsafe")
+            end = off + nsum
             buf[end : end + 2 * lay.packets] = contrib.tobytes()
             end += 2 * lay.packets
             buf[end : end + 4 * lay.packets] = bmax.tobytes()
