@@ -28,8 +28,17 @@ from dlcp.core.aggregate import Nack, ResultCollector, ShardAggregator, ShardRes
 from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
-from dlcp.wire.batch import HEADER_DTYPE, encode_batch
-from dlcp.wire.header import Codec, Flags, Header, PacketType, decode, encode, lane_bytes
+from dlcp.wire.batch import HEADER_DTYPE, decode_batch, encode_batch
+from dlcp.wire.header import (
+    Codec,
+    Flags,
+    Header,
+    PacketType,
+    decode,
+    encode,
+    header_of_valid,
+    lane_bytes,
+)
 
 __all__ = [
     "Engine",
@@ -513,6 +522,25 @@ class Engine:
             self.rejects[exc.reason] += 1
             return None
         return header if self.receive_packet(header, payload, now, src) else None
+
+    def receive_batch(
+        self,
+        datagrams: Sequence[bytes | memoryview],
+        now: float,
+        srcs: Sequence[int | None] | None = None,
+    ) -> list[tuple[int, Header]]:
+        """Take many datagrams at once (batch decode: vectorised checks, per-packet
+        MAC); returns (position, header) of the accepted packets, rejects are counted."""
+        batch = decode_batch(datagrams, self._keys)
+        if batch.rejects:
+            self.rejects.update(batch.rejects)
+        accepted: list[tuple[int, Header]] = []
+        for k, i in enumerate(batch.index.tolist()):
+            h = header_of_valid(datagrams[i])
+            src = srcs[i] if srcs is not None else None
+            if self.receive_packet(h, batch.payloads[k], now, src):
+                accepted.append((i, h))
+        return accepted
 
     def receive_packet(
         self, h: Header, payload: memoryview, now: float, src: int | None = None

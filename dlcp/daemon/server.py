@@ -282,6 +282,9 @@ class Daemon:
         jobs = self.jobs
         rx = 0
         rx_bytes = 0
+        dgs: list[memoryview] = []
+        nodes: list[int | None] = []
+        owners: list[JobState | None] = []
         for dg, src in path.receive(_RX_BUDGET):
             rx += 1
             rx_bytes += len(dg)
@@ -294,18 +297,26 @@ class Daemon:
                     if node is None:
                         self.daemon_rejects["bad_address"] += 1
                         continue
-            h = engine.receive(dg, now, src=node)
-            if h is not None and job is not None and node is not None:
-                peer = job.peers.get(node)
-                if peer is not None:
-                    if h.type == PacketType.NACK:
-                        self.outbox.on_loss(peer, max(1, h.count), now)
-                        spec = job.spec
-                        self.outbox.on_nack(
-                            peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now
-                        )
-                    elif h.type in (PacketType.RESULT, PacketType.ACK, PacketType.DONE):
-                        peer.rate.on_ack(len(dg), None, now)
+            dgs.append(dg)
+            nodes.append(node)
+            owners.append(job)
+        if not dgs:
+            return
+        for i, h in engine.receive_batch(dgs, now, nodes):
+            job, node = owners[i], nodes[i]
+            if job is None or node is None:
+                continue
+            peer = job.peers.get(node)
+            if peer is None:
+                continue
+            if h.type == PacketType.NACK:
+                self.outbox.on_loss(peer, max(1, h.count), now)
+                spec = job.spec
+                self.outbox.on_nack(
+                    peer, h, dgs[i], shards=len(spec.owners), payload=spec.payload, now=now
+                )
+            elif h.type in (PacketType.RESULT, PacketType.ACK, PacketType.DONE):
+                peer.rate.on_ack(len(dgs[i]), None, now)
         self.counters["rx_packets"] += rx
         self.counters["rx_bytes"] += rx_bytes
 

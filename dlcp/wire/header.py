@@ -304,6 +304,49 @@ def decode(datagram: bytes | memoryview, keys: dict[int, bytes]) -> tuple[Header
     return header, payload
 
 
+def header_of_valid(datagram: bytes | memoryview) -> Header:
+    """The header of a datagram that `decode_batch` (or `decode`) already accepted."""
+    (
+        _magic,
+        _version,
+        ptype,
+        flags,
+        priority,
+        codec,
+        _reserved,
+        job,
+        rnd,
+        bucket,
+        shard,
+        layer,
+        sender,
+        contributors,
+        offset,
+        count,
+        total,
+        param,
+        aux,
+    ) = _STRUCT.unpack_from(datagram)
+    return Header(
+        _TYPE_OF[ptype],
+        job,
+        rnd,
+        bucket,
+        _FLAGS_OF[flags],
+        priority,
+        _CODEC_OF[codec],
+        shard,
+        layer,
+        sender,
+        contributors,
+        offset,
+        count,
+        total,
+        param,
+        aux,
+    )
+
+
 _TYPES = frozenset(int(t) for t in PacketType)
 _CODECS = frozenset(int(c) for c in Codec)
 # enum construction is slow on the per-packet path: look members up instead
