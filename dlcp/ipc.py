@@ -57,8 +57,8 @@ def decode_length(prefix: bytes) -> int:
 def decode_body(body: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"message is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, depth
+        raise ProtocolError(f"message is not JSON: {str(exc)[:200]}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("message is not a JSON object")
     return msg

@@ -649,7 +649,7 @@ class Daemon:
         op = req.get("op")
         if not isinstance(rid, int) or isinstance(rid, bool):
             client.error(rid, "bad_request", "id must be an integer")
-            self.requests[(str(op)[:20], "bad_request")] += 1
+            self.requests[("unknown", "bad_request")] += 1
             return
         if op not in self._OPS:
             client.error(rid, "unknown_op", f"unknown op {str(op)[:50]!r}")
@@ -730,8 +730,10 @@ class Daemon:
         local = _int_field(req, "local_ranks", 1, 256) if "local_ranks" in req else 1
         mode = req.get("mode", "transpose")
         payload = _int_field(req, "payload", 64, 65443) if "payload" in req else self.config.payload
-        aggs = tuple(req.get("aggregators", ()))
-        contr = tuple(req.get("contributors", ()))
+        aggs_raw, contr_raw = req.get("aggregators", ()), req.get("contributors", ())
+        if not isinstance(aggs_raw, list | tuple) or not isinstance(contr_raw, list | tuple):
+            raise _bad("aggregators and contributors must list host indices")
+        aggs, contr = tuple(aggs_raw), tuple(contr_raw)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*aggs, *contr)):
             raise _bad("aggregators and contributors must list host indices")
         state = self._make_job(
@@ -785,7 +787,7 @@ class Daemon:
         rnd = _int_field(req, "round", 0, 2**32 - 1)
         bucket = _int_field(req, "bucket", 0, 2**32 - 1)
         codec_name = req.get("codec")
-        if codec_name not in ipc.CODEC_BY_NAME:
+        if not isinstance(codec_name, str) or codec_name not in ipc.CODEC_BY_NAME:
             raise _bad(f"codec must be one of {', '.join(ipc.CODEC_BY_NAME)}")
         codec = Codec(ipc.CODEC_BY_NAME[codec_name])
         total = _int_field(req, "total", 1, 2**32 - 1)
@@ -857,6 +859,25 @@ class Daemon:
                     if p.client is not client:
                         p.client.error(p.rid, "bad_request", str(exc))
                 raise
+        elif len(lr.parts) == 1:  # the other local ranks have until the timeout
+            assert self._loop is not None
+            self._loop.call_later(self.engine.timing.timeout, self._local_timeout, op, lr)
+
+    def _local_timeout(self, op: OpKey, lr: LocalRound) -> None:
+        """Not every local rank submitted (one died or hangs): fail the waiting ones."""
+        if self.rounds.get(op) is not lr or lr.submitted:
+            return
+        del self.rounds[op]
+        self.counters["rounds_failed"] += 1
+        why = (
+            f"only {len(lr.parts)} of {lr.expected} local ranks submitted round {op[1]} "
+            f"bucket {op[2]} within {self.engine.timing.timeout:g}s"
+        )
+        log.warning("job %d: %s", op[0], why)
+        for part in lr.parts:
+            part.client.pending -= 1
+            self.requests[("submit", "round_failed")] += 1
+            part.client.error(part.rid, "round_failed", why)
 
     # -- status -------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -898,8 +919,8 @@ class Daemon:
         }
 
     def reject_reasons(self) -> list[str]:
-        names = {r.label for r in self.engine.rejects} | set(self.daemon_rejects)
-        return sorted(names)
+        """Every reason a datagram can be rejected for (series start at 0 for alerts)."""
+        return sorted({r.label for r in Reason} | set(self.daemon_rejects) | {"bad_address"})
 
     def rejected(self, reason: str) -> int:
         n = self.daemon_rejects.get(reason, 0)
@@ -932,4 +953,3 @@ class Daemon:
 
 
 _STARTED = time.monotonic()
-_ = Reason  # re-exported name used by metrics labels

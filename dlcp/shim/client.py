@@ -36,7 +36,10 @@ def default_socket() -> str:
 class Segment:
     """A POSIX shared-memory segment (/dev/shm/NAME) this process creates and owns."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, group: int | None = None) -> None:
+        if group is None:
+            with contextlib.suppress(OSError):
+                group = os.stat(default_socket()).st_gid
         if not ipc.SEGMENT_NAME.fullmatch(name):
             raise DlcpError(f"bad segment name {name!r}")
         self.name = name
@@ -44,6 +47,12 @@ class Segment:
         self.path = f"/dev/shm/{name}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
         try:
+            # The daemon (user dlcp) maps it: group-readable/writable whatever the
+            # umask, and owned by the group of the daemon's socket when we can.
+            os.fchmod(fd, 0o660)
+            if group is not None:
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, -1, group)
             os.ftruncate(fd, size)
             self.mmap = mmap.mmap(fd, size)
         finally:
