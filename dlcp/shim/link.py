@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from dlcp import ipc
 from dlcp.shim.arena import Arena
 from dlcp.shim.client import DaemonClient
 from dlcp.shim.rendezvous import Membership, Store, all_gather, first_failure, job_secret
@@ -53,7 +54,11 @@ def _hello(socket: str, fallbacks: int, timeout: float) -> tuple[DaemonClient, d
     client = DaemonClient(socket, timeout=timeout)
     try:
         daemon = client.call(
-            "hello", timeout=timeout, version=1, pid=os.getpid(), fallbacks=fallbacks
+            "hello",
+            timeout=timeout,
+            version=ipc.PROTOCOL_VERSION,
+            pid=os.getpid(),
+            fallbacks=fallbacks,
         )["daemon"]
         for key in ("id", "addresses", "udp_port", "payload"):
             if key not in daemon:

@@ -400,6 +400,8 @@ class DlcpState:
         """
         if self._pending:
             raise LocalError("dlcp all_reduce called while a DDP step is in flight")
+        if not tensor.is_floating_point():
+            raise LocalError(f"dlcp all_reduce averages floating tensors, not {tensor.dtype}")
         if self._attach_due:
             self.attach()
         if tensor.numel() == 0:
@@ -438,12 +440,13 @@ class DlcpState:
         codec = self._codec(name)
         numel = flat.numel()
         state_key: Key = (*(key or ("once", name, bucket)), numel)
-        p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None)
-        self._pending.append(p)
         m = link.membership
+        # the same inputs on every rank: an error here is raised on every rank
         plan = RoundPlan.make(
             codec, numel, shards=len(m.hosts), payload=m.payload, round_=self.round, bucket=bucket
         )
+        p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None)
+        self._pending.append(p)
         ef = self._ef.get(state_key) if key is not None else None
         if ef is None and key is not None and name != "fp32":
             ef = self._ef.setdefault(state_key, CodecState())
@@ -452,7 +455,7 @@ class DlcpState:
             scale = self._scales.get(state_key) if key is not None else None
             if scale is None or scale.numel() != plan.packets or self.scale_mode == "exact":
                 # first round of this bucket (or exact mode): agree a scale (collective)
-                scale = self._first_scale(codec, flat, plan, ef)
+                scale = self._first_scale(codec, flat, plan, p)
             plan = dataclasses.replace(plan, scale=scale)
         p.plan = plan
         if any(q.error for q in self._pending) or not link.alive:
@@ -485,17 +488,25 @@ class DlcpState:
         return p
 
     def _first_scale(
-        self, codec: Codec, flat: torch.Tensor, plan: RoundPlan, ef: CodecState | None
+        self, codec: Codec, flat: torch.Tensor, plan: RoundPlan, p: _Pending
     ) -> torch.Tensor:
-        """Per-packet scales from every rank's encoded maxima (one all-reduce)."""
-        probe = codec.encode(
-            ef.take(flat) if ef is not None else flat,
-            per_packet=plan.per_packet,
-            seed=plan.seed,
-            scale=None,
-        )
-        local = probe.block_max.detach().to("cpu", torch.float32)
-        local = torch.nan_to_num(local, nan=0.0, posinf=0.0)  # the encode proper reports them
+        """Per-packet scales from every rank's encoded maxima (one all-reduce).
+
+        A rank whose probe fails (non-finite gradients) still takes part in the
+        all-reduce, with zeros, and records the failure for the step's agreement.
+        """
+        try:
+            probe = codec.encode(
+                p.ef.take(flat) if p.ef is not None else flat,
+                per_packet=plan.per_packet,
+                seed=plan.seed,
+                scale=None,
+            )
+            local = probe.block_max.detach().to("cpu", torch.float32)
+        except Exception as exc:
+            p.error = f"encode: {type(exc).__name__}: {exc}"
+            local = torch.zeros(plan.packets)
+        local = torch.nan_to_num(local, nan=0.0, posinf=0.0)
         return self._scale_from(pg.global_max(local, self._group))
 
     def _scale_from(self, maxima: torch.Tensor) -> torch.Tensor:
@@ -503,7 +514,7 @@ class DlcpState:
         clean = clean.clamp(min=0.0)
         if self.scale_mode == "bucket" and clean.numel():
             clean = clean.max().expand(clean.numel())
-        margin = float(os.environ.get("EXM", "1.0")) if self.scale_mode == "exact" else self.scale_margin
+        margin = 1.0 if self.scale_mode == "exact" else self.scale_margin
         return next_scale(clean, margin)
 
     # -- the end of a step -----------------------------------------------------------
@@ -525,7 +536,7 @@ class DlcpState:
             local = next((p.error for p in pending if p.error), None)
             failed, maxima = pg.agree(local is not None, self._maxima(pending), self._group)
             if failed:
-                self._step_failed(local or "the daemon failed on another rank")
+                self._step_failed(local or "another rank could not use dlcp in this step")
             else:
                 self._step_done(maxima)
         finally:
@@ -620,10 +631,11 @@ class DlcpState:
                 raise ShimError(f"dlcp is unavailable: {reason}")
             return
         message = f"dlcp: {reason}; using the process group's all-reduce until it is back"
-        if not self._warned:
+        if not self._warned:  # warn once; later failures (e.g. reattach attempts) only log
             self._warned = True
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-        log.warning(message)
+        else:
+            log.info(message)
 
     def _require_fallback(self) -> None:
         if self.strict:
