@@ -846,7 +846,9 @@ class Daemon:
             raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
         elif any(p.client is client for p in lr.parts):
             raise RequestError("conflict", "this client already submitted the bucket")
-        data = np.frombuffer(seg.buf, np.uint8, d_len, d_off).copy()
+        # No copy: the rank leaves `data` untouched until the reply (protocol rule),
+        # and no peer can ask for our data once our round has its results.
+        data = np.frombuffer(seg.buf, np.uint8, d_len, d_off)
         lr.parts.append(LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax))
         client.pending += 1
         if len(lr.parts) >= lr.expected:
