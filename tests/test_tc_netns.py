@@ -294,3 +294,48 @@ def test_cli_without_cap_net_admin(pair: Pair) -> None:
     assert r.returncode == 1
     assert r.stderr.strip() == f"dlcp: error: {NEEDS_ROOT}"
     assert root_qdisc(pair.dev, netns=pair.a) == ("noqueue", "0:")
+
+
+def test_cli_leaves_a_foreign_root_qdisc_without_force(pair: Pair) -> None:
+    tc("-n", pair.a, "qdisc", "add", "dev", pair.dev, "root", "handle", "5:", "tbf",
+       "rate", "1mbit", "burst", "32kbit", "latency", "400ms")  # fmt: skip
+    for action in (["apply", "--rate", "1gbit"], ["clear"]):
+        r = run_cli(*action, "--dev", pair.dev, "--netns", pair.a)
+        assert r.returncode == 1, r
+        assert r.stderr.startswith(f"dlcp: error: {pair.dev} ") and r.stderr.count("\n") == 1
+        assert "tbf 5:" in r.stderr and "did not make" in r.stderr and "--force" in r.stderr
+        assert root_qdisc(pair.dev, netns=pair.a) == ("tbf", "5:")  # untouched
+    r = run_cli("apply", "--rate", "1gbit", "--force", "--dev", pair.dev, "--netns", pair.a)
+    assert r.returncode == 0, r.stderr
+    assert is_applied(build_plan(TcConfig(pair.dev, parse_rate("1gbit"))), netns=pair.a)
+    r = run_cli("clear", "--dev", pair.dev, "--netns", pair.a)  # dlcp's own: no --force needed
+    assert r.returncode == 0, r.stderr
+    assert root_qdisc(pair.dev, netns=pair.a) == ("noqueue", "0:")
+    tc("-n", pair.a, "qdisc", "add", "dev", pair.dev, "root", "handle", "5:", "tbf",
+       "rate", "1mbit", "burst", "32kbit", "latency", "400ms")  # fmt: skip
+    r = run_cli("clear", "--force", "--dev", pair.dev, "--netns", pair.a)
+    assert r.returncode == 0, r.stderr
+    assert root_qdisc(pair.dev, netns=pair.a) == ("noqueue", "0:")
+
+
+@pytest.mark.parametrize("action", ["apply", "show", "clear"])
+def test_cli_missing_device_or_namespace(pair: Pair, action: str) -> None:
+    extra = ["--rate", "1gbit"] if action == "apply" else []
+    r = run_cli(action, "--dev", "nosuchdev0", *extra, "--netns", pair.a)
+    assert r.returncode == 1
+    assert r.stderr == f"dlcp: error: no such device: nosuchdev0 in netns {pair.a}\n"
+    missing = f"{pair.a}-missing"
+    r = run_cli(action, "--dev", pair.dev, *extra, "--netns", missing)
+    assert r.returncode == 1
+    assert r.stderr == f"dlcp: error: no such network namespace: {missing}\n"
+    assert not os.path.exists(f"/run/netns/{missing}")
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) missing")
+def test_cli_clear_without_cap_net_admin_keeps_the_layout(pair: Pair) -> None:
+    plan = build_plan(TcConfig(pair.dev, parse_rate("1gbit")))
+    apply_plan(plan, netns=pair.a)
+    r = run_cli("clear", "--dev", pair.dev, "--netns", pair.a, caps_drop=True)
+    assert r.returncode == 1
+    assert r.stderr == f"dlcp: error: {NEEDS_ROOT}\n"
+    assert is_applied(plan, netns=pair.a)

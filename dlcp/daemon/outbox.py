@@ -34,6 +34,7 @@ def _identity(datagram: bytes) -> bytes:
     for a packet still queued here must not queue it again."""
     return datagram[3:4] + datagram[8:36]
 
+
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
 _F_RESULT_LEG = int(Flags.RESULT_LEG)
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
@@ -61,8 +62,8 @@ class Peer:
     last_loss: float = float("-inf")
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
-    # path of recently sent DATA/RESULT packets, by `_track_key` (multi-path peers only);
-    # two generations: when `tracked` is full it becomes `tracked_old`, so memory is bounded
+    # path of recently sent DATA/RESULT packets, keyed as in `Outbox._track` (multi-path
+    # peers only); two generations: when `tracked` fills up it becomes `tracked_old`
     tracked: dict[bytes, int] = field(default_factory=dict)
     tracked_old: dict[bytes, int] = field(default_factory=dict)
 

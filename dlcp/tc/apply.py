@@ -356,13 +356,27 @@ def apply_plan(plan: list[Op], *, netns: str | None = None, force: bool = False)
 
 
 @_off_loop
-def clear(dev: str, *, netns: str | None = None) -> None:
-    """Remove the device's root qdisc (the kernel puts its default back); no error if none."""
+def clear(dev: str, *, netns: str | None = None, force: bool = False) -> None:
+    """Remove dlcp's root qdisc (the kernel puts its default back); no error if none.
+
+    Raises LocalError, leaving it in place, when the root qdisc is one dlcp did
+    not make, unless `force`.
+    """
     with _rtnl(netns) as ipr:
         index = _index(ipr, dev, netns)
-        root = _root(ipr, index)
-        if root is None or root["handle"] == 0:
+        try:
+            root = _root(ipr, index)
+            owner = _ownership(ipr, index, root)
+        except NetlinkError as exc:
+            raise _error(exc, f"reading tc state of {dev}") from None
+        if owner == "none":
             return
+        if owner == "foreign" and not force:
+            kind, handle = root.get_attr("TCA_KIND"), format_handle(root["handle"])
+            raise LocalError(
+                f"{dev} has a root qdisc {kind} {handle} that dlcp did not make; "
+                "use --force (force=True) to remove it"
+            )
         _delete_root(ipr, index, dev)
 
 

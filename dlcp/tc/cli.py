@@ -70,8 +70,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_show)
 
-    p = sub.add_parser("clear", help="remove the root qdisc (no error if none)")
+    p = sub.add_parser(
+        "clear",
+        help="remove dlcp's root qdisc (no error if none)",
+        description="Remove the root qdisc that `dlcp tc apply` built; the kernel puts "
+        "its default back. A root qdisc dlcp did not make is left alone unless --force.",
+    )
     common(p)
+    p.add_argument("--force", action="store_true",
+                   help="also remove a root qdisc that dlcp did not make")  # fmt: skip
     p.set_defaults(func=_clear)
 
 
@@ -114,5 +121,5 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    clear(args.dev, netns=args.netns)
+    clear(args.dev, netns=args.netns, force=args.force)
     return 0

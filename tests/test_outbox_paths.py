@@ -1,0 +1,172 @@
+"""The outbox charges NACKed packets to the paths they were sent on (no sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dlcp.core.layout import Layout
+from dlcp.core.rate import RateConfig
+from dlcp.daemon import outbox as outbox_mod
+from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.policies import from_config
+from dlcp.wire import Flags, Header, PacketType, decode, encode
+from dlcp.wire.header import Codec
+
+KEY = bytes(range(32))
+JOB, ROUND, BUCKET = 7, 3, 1
+SHARDS = 2
+
+
+class FakePath:
+    """Stands in for a UdpPath: records what was sent, accepts everything."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sent: list[bytes] = []
+
+    def send(self, batch: list[bytes], dest: tuple[str, int], tos: int) -> int:
+        self.sent.extend(batch)
+        return len(batch)
+
+
+def make(n_paths: int, balance: str = "spray") -> tuple[Outbox, Peer, list[FakePath]]:
+    paths = [FakePath(f"10.0.{p}.1") for p in range(n_paths)]
+    ob = Outbox(
+        paths,  # type: ignore[arg-type]
+        dscp=(48, 40, 34, 26, 18, 10, 0, 8),
+        rate=RateConfig(),
+        pacing=False,
+        balancer_factory=lambda: from_config("balance", balance),
+    )
+    peer = ob.peer(tuple(f"10.0.{p}.2" for p in range(n_paths)), 7400, 0.0)
+    return ob, peer, paths
+
+
+def layout(total: int = 40 * 352) -> Layout:
+    return Layout(total, Codec.FP32, SHARDS)
+
+
+def data_packets(lay: Layout, shard: int) -> list[bytes]:
+    out = []
+    for i in lay.shard_packets(shard):
+        off, count = lay.packet_range(i)
+        h = Header(PacketType.DATA, JOB, ROUND, BUCKET, priority=2, shard=shard, sender=0,
+                   offset=off, count=count, total=lay.total)  # fmt: skip
+        out.append(encode(h, np.zeros(count, np.float32).tobytes(), KEY))
+    return out
+
+
+def result_packets(lay: Layout, shard: int) -> list[bytes]:
+    out = []
+    for off, count in lay.shard_results(shard):
+        h = Header(PacketType.RESULT, JOB, ROUND, BUCKET, priority=2, shard=shard, sender=0,
+                   contributors=2, offset=off, count=count, total=lay.total)  # fmt: skip
+        out.append(encode(h, np.zeros(count, np.float32).tobytes(), KEY))
+    return out
+
+
+def nack(lay: Layout, shard: int, indices: list[int], *, result: bool = False) -> bytes:
+    h = Header(PacketType.NACK, JOB, ROUND, BUCKET,
+               flags=Flags.RESULT_LEG if result else Flags.NONE, shard=shard, sender=1,
+               count=len(indices), total=lay.total)  # fmt: skip
+    return encode(h, np.asarray(indices, ">u4").tobytes(), KEY)
+
+
+def deliver(ob: Outbox, peer: Peer, dgram: bytes, lay: Layout, now: float = 1.0) -> None:
+    h, _ = decode(dgram, {JOB: KEY})
+    ob.on_nack(peer, h, memoryview(dgram), shards=SHARDS, payload=lay.payload, now=now)
+
+
+def path_of(paths: list[FakePath]) -> dict[tuple[Any, ...], int]:
+    """(type, shard, offset) -> the path each datagram went on."""
+    out = {}
+    for p, fp in enumerate(paths):
+        for dg in fp.sent:
+            h, _ = decode(dg, {JOB: KEY})
+            out[(h.type, h.shard, h.offset)] = p
+    return out
+
+
+def test_data_losses_are_charged_to_their_paths() -> None:
+    ob, peer, paths = make(2)
+    lay = layout()
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    ob.flush(0.0)
+    where = path_of(paths)
+    assert sorted(set(where.values())) == [0, 1]  # sprayed
+    missing = [0, 1, 2, 5, 8]
+    first = lay.shard_packets(1).start
+    want = [0, 0]
+    for i in missing:
+        want[where[(PacketType.DATA, 1, lay.packet_range(first + i)[0])]] += 1
+    deliver(ob, peer, nack(lay, 1, missing), lay)
+    assert [ps.lost for ps in peer.paths] == want
+    assert peer.paths[0].last_loss == 1.0 or want[0] == 0
+    # the same NACK again (the receiver repeats it): nothing is charged twice
+    deliver(ob, peer, nack(lay, 1, missing), lay)
+    assert [ps.lost for ps in peer.paths] == want
+
+
+def test_result_losses_and_retransmissions() -> None:
+    ob, peer, paths = make(2)
+    lay = layout()
+    for dg in result_packets(lay, 0):
+        ob.push(peer, dg, 2)
+    ob.flush(0.0)
+    where = path_of(paths)
+    deliver(ob, peer, nack(lay, 0, [3], result=True), lay)
+    off = lay.shard_results(0)[3][0]
+    lost = [ps.lost for ps in peer.paths]
+    assert lost[where[(PacketType.RESULT, 0, off)]] == 1 and sum(lost) == 1
+    # a data NACK for the same offsets names other packets (never sent): no charge
+    deliver(ob, peer, nack(lay, 0, [3]), lay)
+    assert [ps.lost for ps in peer.paths] == lost
+    # the retransmission is tracked afresh: losing it is charged again
+    for p in paths:
+        p.sent.clear()
+    ob.push(peer, result_packets(lay, 0)[3], 1)
+    ob.flush(0.0)
+    again = path_of(paths)[(PacketType.RESULT, 0, off)]
+    deliver(ob, peer, nack(lay, 0, [3], result=True), lay)
+    assert sum(ps.lost for ps in peer.paths) == 2
+    assert peer.paths[again].lost >= 1
+
+
+def test_unsent_packets_and_one_path() -> None:
+    ob, peer, _ = make(2)
+    lay = layout()
+    deliver(ob, peer, nack(lay, 1, [0, 1, 2]), lay)  # nothing was sent
+    assert [ps.lost for ps in peer.paths] == [0, 0]
+    ob1, peer1, _ = make(1)
+    deliver(ob1, peer1, nack(lay, 1, [0, 1, 2]), lay)  # one path: all of it there
+    assert peer1.paths[0].lost == 3
+    assert not peer1.tracked  # single-path peers track nothing
+
+
+def test_adaptive_shifts_away_from_the_lossy_path() -> None:
+    ob, peer, paths = make(2, "adaptive")
+    lay = layout(400 * 352)
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    ob.flush(0.0)
+    where = path_of(paths)
+    first = lay.shard_packets(1).start
+    on_1 = [i for i in range(len(lay.shard_packets(1)))
+            if where[(PacketType.DATA, 1, lay.packet_range(first + i)[0])] == 1]  # fmt: skip
+    deliver(ob, peer, nack(lay, 1, on_1[::10]), lay)  # 10 % of path 1's packets
+    assert peer.paths[1].loss_rate > 0.05 and peer.paths[0].loss_rate == 0.0
+    shares = peer.balancer.shares(peer.paths)  # type: ignore[attr-defined]
+    assert shares[1] < 0.1 < 0.9 < shares[0]
+
+
+def test_tracking_is_bounded(monkeypatch: Any) -> None:
+    monkeypatch.setattr(outbox_mod, "TRACKED_PER_GENERATION", 8)
+    ob, peer, _ = make(2)
+    lay = layout()
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+        ob.flush(0.0)
+    assert len(peer.tracked) <= 9 and len(peer.tracked_old) <= 9
