@@ -228,8 +228,8 @@ class ShardAggregator:
                     nacks.append(Nack(node, self.shard, tuple(int(m) for m in missing)))
                     self.last_nack[row] = now
             elif now >= self.created + self.timing.grace and (
-                now >= self.last_arrival + self.timing.nack_delay
-            ):
+                now >= self.last_arrival + self.timing.grace
+            ):  # no DONE, and nothing at all has arrived for a while
                 nacks.append(Nack(node, self.shard, (), need_manifest=True))
                 self.last_nack[row] = now
         return nacks, False
@@ -262,7 +262,7 @@ class ShardAggregator:
                     max(
                         again,
                         self.created + self.timing.grace,
-                        self.last_arrival + self.timing.nack_delay,
+                        self.last_arrival + self.timing.grace,
                     )
                 )
         return t.at

@@ -23,7 +23,7 @@ __all__ = ["Config", "JobConfig", "PeerConfig", "load", "parse"]
 # The daemon's defaults for [rate] where they differ from RateConfig's: start at
 # 1 Gbit/s and never pace a peer below 20 Mbit/s (NACK bursts are loss signals
 # that arrive in clumps; the floor keeps recovery traffic moving).
-RATE_DEFAULTS: dict[str, Any] = {"initial_rate_bps": 1e9, "min_rate_bps": 20e6}
+RATE_DEFAULTS: dict[str, Any] = {"initial_rate_bps": 1e9, "min_rate_bps": 20e6, "initial_rtt": 0.01}
 
 
 @dataclass(frozen=True)

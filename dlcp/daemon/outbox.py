@@ -36,6 +36,16 @@ def _identity(datagram: bytes) -> bytes:
 
 
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
+_F_DROPPABLE = int(Flags.DROPPABLE)
+
+
+def _barrier_key(datagram: bytes) -> bytes:
+    """(job, round, bucket, shard) and the leg: what a DONE vouches for."""
+    result_leg = datagram[3] == _RESULT or (
+        datagram[3] == _DONE and datagram[4] & _F_RESULT_LEG
+    )
+    return datagram[8:22] + (b"r" if result_leg else b"d")
+
 _F_RESULT_LEG = int(Flags.RESULT_LEG)
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
@@ -56,9 +66,11 @@ class Peer:
     queues: list[deque[bytes]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
     queued: int = 0
     pending: set[bytes] = field(default_factory=set)  # identities of queued packets
-    pushed: int = 0  # packets queued so far (not counting held DONEs)
-    sent: int = 0
-    held: deque[tuple[int, bytes, int]] = field(default_factory=deque)  # (barrier, dg, class)
+    # DONE barrier per (job, round, bucket, shard, leg): DATA/RESULT packets still
+    # queued here, the lowest-priority class of its non-droppable ones, held DONEs
+    inflight: Counter[bytes] = field(default_factory=Counter)
+    trail_class: dict[bytes, int] = field(default_factory=dict)
+    held: dict[bytes, list[tuple[bytes, int]]] = field(default_factory=dict)
     last_loss: float = float("-inf")
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
@@ -130,22 +142,59 @@ class Outbox:
         peer.pending.add(key)
         peer.queued += 1
         self.backlog.add(peer)
-        if datagram[3] == _DONE:
-            # A DONE says "my data for this shard is out": hold it until the
-            # packets queued before it have left, or it overtakes them in the
-            # top class and the receiver NACKs data that is merely queued.
-            peer.held.append((peer.pushed, datagram, priority))
+        kind = datagram[3]
+        cls = min(max(priority, 0), N_CLASSES - 1)
+        if kind == _DONE:
+            # A DONE says "all my packets of this shard are out". It waits here
+            # until they have left, and then travels in the class of the last of
+            # them, so neither our queues nor the switch's let it overtake them
+            # (the receiver would NACK packets that are merely queued).
+            bkey = _barrier_key(datagram)
+            if peer.inflight.get(bkey):
+                peer.held.setdefault(bkey, []).append((datagram, cls))
+            else:
+                cls = peer.trail_class.pop(bkey, cls)
+                peer.queues[cls].append(datagram)
             return True
-        peer.pushed += 1
-        peer.queues[min(max(priority, 0), N_CLASSES - 1)].append(datagram)
+        if kind in (_DATA, _RESULT):
+            bkey = _barrier_key(datagram)
+            peer.inflight[bkey] += 1
+            droppable = datagram[4] & _F_DROPPABLE
+            if not droppable and cls < N_CLASSES - 1 and cls > peer.trail_class.get(bkey, -1):
+                peer.trail_class[bkey] = cls
+        peer.queues[cls].append(datagram)
         return True
 
+    def drop_head(self) -> None:
+        """After a send error: drop the first datagram of every backlogged peer's
+        top non-empty class (the one that failed), so the queue moves on."""
+        for peer in list(self.backlog):
+            for q in peer.queues:
+                if q:
+                    dg = q.popleft()
+                    peer.pending.discard(_identity(dg))
+                    peer.queued -= 1
+                    self._left(peer, dg)
+                    break
+            if peer.queued == 0:
+                self.backlog.discard(peer)
+
     @staticmethod
-    def _release(peer: Peer) -> None:
-        held = peer.held
-        while held and held[0][0] <= peer.sent:
-            _, dg, cls = held.popleft()
-            peer.queues[min(max(cls, 0), N_CLASSES - 1)].append(dg)
+    def _left(peer: Peer, datagram: bytes) -> None:
+        """`datagram` left the queue: release DONEs it was holding back."""
+        if datagram[3] not in (_DATA, _RESULT):
+            return
+        bkey = _barrier_key(datagram)
+        left = peer.inflight[bkey] - 1
+        if left > 0:
+            peer.inflight[bkey] = left
+            return
+        del peer.inflight[bkey]
+        held = peer.held.pop(bkey, None)
+        if held:
+            trail = peer.trail_class.pop(bkey, None)
+            for dg, cls in held:
+                peer.queues[cls if trail is None else trail].append(dg)
 
     def on_nack(
         self,
@@ -244,7 +293,6 @@ class Outbox:
         pacer = peer.pacer
         if pacer is not None:
             pacer.set_rate(peer.rate.rate_bps, now)
-        self._release(peer)
         for cls in range(N_CLASSES):
             q = peer.queues[cls]
             while q:
@@ -263,10 +311,9 @@ class Outbox:
                         return now + wait
                 sent = self._send(peer, batch, cls)
                 for _ in range(sent):
-                    peer.pending.discard(_identity(q.popleft()))
-                peer.sent += sent
-                if peer.held and peer.held[0][0] <= peer.sent:
-                    self._release(peer)
+                    dg = q.popleft()
+                    peer.pending.discard(_identity(dg))
+                    self._left(peer, dg)
                 peer.queued -= sent
                 if pacer is not None and sent:
                     pacer.consume(sum(len(d) for d in batch[:sent]), now)
@@ -310,7 +357,9 @@ class Outbox:
         q = peer.queues[cls]
         for i in range(len(batch) - 1, prefix - 1, -1):
             if sent_mask[i]:
-                peer.pending.discard(_identity(q[i]))
+                dg = q[i]
+                peer.pending.discard(_identity(dg))
                 del q[i]  # sent out of order on another path
+                self._left(peer, dg)
                 peer.queued -= 1
         return prefix

@@ -334,7 +334,12 @@ class Daemon:
             else:
                 self._failed(ev)
         if self.outbox.backlog and not self.outbox.blocked:
-            self.outbox.flush(now)
+            try:
+                self.outbox.flush(now)
+            except OSError as exc:  # never let a send error wedge the loop
+                log.error("send failed, dropping the batch at the head: %s", exc)
+                self.counters["send_errors"] += 1
+                self.outbox.drop_head()
             if self.outbox.blocked:
                 self._wait_writable()
         self._arm(now)

@@ -64,6 +64,8 @@ class UdpPath:
                 self.gro = True
             except OSError:
                 pass
+        self.gso_max_size = 65507  # largest segment GSO batching was accepted for
+        self.oversize_drops = 0
         self.sendmsg_calls = 0
         self.recvmsg_calls = 0
 
@@ -85,7 +87,7 @@ class UdpPath:
         while sent < n:
             size = len(datagrams[sent])
             k = 1
-            if self.gso:
+            if self.gso and size <= self.gso_max_size:
                 limit = min(MAX_GSO_SEGMENTS, max(1, MAX_GSO_BYTES // size))
                 while k < limit and sent + k < n and len(datagrams[sent + k]) == size:
                     k += 1
@@ -105,8 +107,16 @@ class UdpPath:
             except BlockingIOError:
                 return sent
             except OSError as exc:
+                if k > 1 and exc.errno == errno.EMSGSIZE:
+                    # segments larger than the path MTU cannot be GSO-batched
+                    self.gso_max_size = min(self.gso_max_size, size - 1)
+                    continue
                 if k > 1 and exc.errno in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT):
                     self.gso = False  # the kernel or device cannot segment: plain sends
+                    continue
+                if exc.errno == errno.EMSGSIZE:  # too large for any path: drop, count
+                    self.oversize_drops += 1
+                    sent += 1
                     continue
                 if exc.errno in (errno.ENOBUFS, errno.EAGAIN):
                     return sent
