@@ -414,10 +414,10 @@ class ResultCollector:
                     nacks.append(Nack(w.owner, shard, tuple(int(m) for m in missing)))
                     w.last_nack = now
             elif w.last_arrival is not None and now >= w.last_arrival + t.grace:
-                missing = np.flatnonzero(~w.received)
-                nacks.append(
-                    Nack(w.owner, shard, tuple(int(m) for m in missing), need_manifest=True)
-                )
+                # Results stopped without their DONE: ask for the DONE only. It
+                # trails the owner's queued results, so the precise NACK for what
+                # is really missing follows once it arrives.
+                nacks.append(Nack(w.owner, shard, (), need_manifest=True))
                 w.last_nack = now
         return nacks
 
