@@ -95,7 +95,7 @@ def run_gloo(elements: int, iters: int) -> dict:
     return {"times_s": times, "cpu_s": sum(o["cpu_s"] for o in outs)}
 
 
-def run_dlcp(elements: int, iters: int, payload: int, tmp: Path) -> dict:
+def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = True) -> dict:
     from dlcp.core.layout import Layout
     from dlcp.shim.client import DaemonClient, Segment
     from dlcp.wire.header import Codec, lane_bytes
@@ -108,7 +108,7 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path) -> dict:
             cfg.write_text(
                 f'[daemon]\nsocket = "{tmp}/d{i}.sock"\nmetrics_port = 0\nhost_index = {i}\n'
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
-                f"[timing]\ntimeout = 60.0\n"
+                f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
             )
             log = open(tmp / f"d{i}.log", "wb")
             daemons.append(subprocess.Popen(
@@ -175,6 +175,7 @@ def main() -> int:
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--payload", type=int, default=None, help="dlcp payload (default MTU - 92)")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-pacing", action="store_true", help="dlcp daemons send unpaced")
     a = p.parse_args()
     if os.geteuid() != 0:
         print("veth_busbw: needs root (network namespaces)", file=sys.stderr)
@@ -187,7 +188,7 @@ def main() -> int:
     try:
         setup(a.mtu)
         for name, fn in (("gloo", lambda: run_gloo(elements, a.iters)),
-                         ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp))):
+                         ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp, not a.no_pacing))):
             r = fn()
             med = statistics.median(r["times_s"])
             moved_gb = size * a.iters / 1e9  # bus bytes for 2 ranks = size per iteration
