@@ -110,10 +110,10 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
                 f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
             )
-            log = open(tmp / f"d{i}.log", "wb")
-            daemons.append(subprocess.Popen(
-                ["ip", "netns", "exec", NS[i], sys.executable, "-m", "dlcp.daemon", "--config",
-                 str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env))
+            with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
+                daemons.append(subprocess.Popen(
+                    ["ip", "netns", "exec", NS[i], sys.executable, "-m", "dlcp.daemon",
+                     "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env))
         for i in range(2):
             deadline = time.monotonic() + 30
             while not (tmp / f"d{i}.sock").exists():
@@ -188,7 +188,8 @@ def main() -> int:
     try:
         setup(a.mtu)
         for name, fn in (("gloo", lambda: run_gloo(elements, a.iters)),
-                         ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp, not a.no_pacing))):
+                         ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp,
+                                                   not a.no_pacing))):
             r = fn()
             med = statistics.median(r["times_s"])
             moved_gb = size * a.iters / 1e9  # bus bytes for 2 ranks = size per iteration
@@ -204,9 +205,13 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'backend':8} {'p50 s':>8} {'busbw Gbit/s':>13} {'CPU s/GB':>9}")
     for r in rows:
-        print(f"{r['backend']:8} {r['p50_s']:8.3f} {r['busbw_gbps']:13.2f} {r['cpu_s_per_gb']:9.2f}")
+        print(
+            f"{r['backend']:8} {r['p50_s']:8.3f} {r['busbw_gbps']:13.2f} "
+            f"{r['cpu_s_per_gb']:9.2f}"
+        )
     g = {r["backend"]: r for r in rows}
-    print(f"dlcp/gloo bus bandwidth ratio: {g['dlcp']['busbw_gbps'] / g['gloo']['busbw_gbps']:.2f}")
+    ratio = g["dlcp"]["busbw_gbps"] / g["gloo"]["busbw_gbps"]
+    print(f"dlcp/gloo bus bandwidth ratio: {ratio:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0
