@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(tmp, args.json)
     if state is not None:
         state.close()
+    dist.barrier()  # leave together: gloo aborts when a peer tears down mid-exchange
     dist.destroy_process_group()
     return 0
 
