@@ -17,7 +17,14 @@ from dlcp.errors import DlcpError
 __all__ = ["main"]
 
 # Modules that add subcommands, in the order they are listed in --help.
-PARTS: tuple[str, ...] = ("dlcp.demo", "dlcp.daemon.cli", "dlcp.tc.cli", "dlcp.testbed.cli")
+PARTS: tuple[str, ...] = (
+    "dlcp.demo",
+    "dlcp.bench.cli",
+    "dlcp.daemon.cli",
+    "dlcp.plan_cli",
+    "dlcp.tc.cli",
+    "dlcp.testbed.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

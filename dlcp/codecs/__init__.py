@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CODEC_NAMES",
+    "WORKER_CODEC_NAMES",
     "Codec",
     "CodecState",
     "Encoded",
@@ -43,6 +44,11 @@ _REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "thc4": ("dlcp.codecs.thc", "ThcCodec", {"bits": 4}),
 }
 CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+# Worker-side codecs without a wire codec yet (the daemon cannot carry them):
+# get_codec builds them for simulation, benchmarks and the cost model.
+_REGISTRY["fft"] = ("dlcp.codecs.fft", "FftCodec", {})
+_REGISTRY["sketch"] = ("dlcp.codecs.sketch", "SketchCodec", {})
+WORKER_CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 _WIRE_NAMES: dict[int, str] = {
     WireCodec.FP32: "fp32",
     WireCodec.FP16: "fp16",
@@ -53,14 +59,15 @@ _BASE_NAMES = frozenset({"Codec", "CodecState", "Encoded", "Scale", "block_norms
 
 
 def get_codec(name: str, **params: Any) -> Codec:
-    """The worker-side codec called `name` (fp32, fp16, thc8, thc4).
+    """The worker-side codec called `name` (fp32, fp16, thc8, thc4, fft, sketch).
 
-    `params` are the codec's options (thc: `rotate=False` to skip the rotation).
+    `params` are the codec's options (thc: `rotate=False` to skip the rotation;
+    fft: `theta`, `exp_bits`, `man_bits`, `block`; sketch: `keep`, `load`).
     Raises `LocalError` for an unknown name or option.
     """
     entry = _REGISTRY.get(name)
     if entry is None:
-        raise LocalError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}")
+        raise LocalError(f"unknown codec {name!r}; valid codecs: {', '.join(_REGISTRY)}")
     module, cls_name, fixed = entry
     clash = sorted(set(params) & set(fixed))
     if clash:

@@ -1,0 +1,325 @@
+"""`dlcp bench allreduce`: all-reduce latency of dlcp and Gloo on one emulated cluster.
+
+Every backend runs in the same invocation, one after the other, on the same
+testbed with the same scenario (the scenario's loss, bursts or background
+traffic are applied afresh for each backend run). One worker process per host
+runs in the host's namespace (`dlcp.bench.ar_worker`); dlcp's workers talk to
+real daemons (`dlcpd`, one per host, paced at link rate / (hosts - 1) per peer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlcp.bench.cluster import GLOO_PRIO_DSCP, Cluster, Setup
+from dlcp.bench.common import (
+    ALLREDUCE_KEYS,
+    CODECS,
+    BenchError,
+    format_bytes,
+    format_rate,
+    summarize_times,
+)
+from dlcp.bench.common import say as default_say
+from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
+
+__all__ = ["AllreduceOptions", "format_table", "proc_cpu_s", "run_allreduce", "run_backend"]
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class AllreduceOptions:
+    setup: Setup
+    size_bytes: int = 32_000_000
+    iters: int = 20
+    codec: str = "fp32"
+    backends: Sequence[str] = ("dlcp", "gloo", "gloo-prio")
+    bound: float = 0.05  # dlcp's loss bound (not for dlcp-nobound)
+    warmup: int = 2
+    # dlcp submits the buffer in buckets of this size, all in flight at once,
+    # as DDP does (0: one bucket).
+    bucket_bytes: int = 0
+    check: bool = True
+    round_timeout_s: float = 60.0
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # copied into every record
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}")
+        if self.iters < 1:
+            raise BenchError(f"--iters must be >= 1, not {self.iters}")
+        if self.size_bytes < 4:
+            raise BenchError("--size must be at least 4 bytes (one float32)")
+        if not 0 <= self.bound <= 0.5:
+            raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
+
+    @property
+    def elements(self) -> int:
+        return self.size_bytes // 4
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_ports = iter(range(29600, 30600))
+
+
+def _record(opts: AllreduceOptions, backend: str, codec: str) -> dict[str, Any]:
+    s = opts.setup
+    return {
+        "backend": backend,
+        "codec": codec,
+        "scenario": s.scenario,
+        "hosts": s.hosts,
+        "size_bytes": opts.elements * 4,
+        "iters": opts.iters,
+        "times_s": [],
+        "p50_s": float("nan"),
+        "p99_s": float("nan"),
+        "busbw_gbps": float("nan"),
+        "cpu_s": float("nan"),
+        "loss_frac": 0.0,
+        "rate_bps": s.rate_bps,
+        "paths": s.n_paths,
+        "loss_pct": s.loss_pct if s.scenario == "loss" else 0.0,
+        "mtu": s.mtu,
+        "pacing": s.pacing,
+        **opts.extra,
+    }
+
+
+def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say) -> dict[str, Any]:
+    """One backend's run on `cluster`: a record (with "error" if it failed)."""
+    is_dlcp = backend.startswith("dlcp")
+    codec = opts.codec if is_dlcp else "fp32"
+    rec = _record(opts, backend, codec)
+    tb = cluster.tb
+    s = opts.setup
+    bound = 0.0 if backend == "dlcp-nobound" else opts.bound
+    if is_dlcp:
+        rec["loss_bound"] = bound
+        rec["bucket_bytes"] = opts.bucket_bytes
+    started = time.monotonic()
+    try:
+        if is_dlcp:
+            cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
+        elif backend == "gloo-prio":
+            cluster.mark_tcp(GLOO_PRIO_DSCP)
+        common = [
+            "--world", str(s.hosts),
+            "--elements", str(opts.elements),
+            "--iters", str(opts.iters),
+            "--warmup", str(opts.warmup),
+            "--timeout", str(opts.round_timeout_s),
+        ]  # fmt: skip
+        if is_dlcp:
+            key = secrets.token_hex(32)
+            job = secrets.randbits(31)
+            hosts = cluster.join_hosts(backend)
+            argvs = [
+                worker_argv(
+                    "dlcp.bench.ar_worker",
+                    [
+                        "--backend",
+                        "dlcp",
+                        "--rank",
+                        str(h.index),
+                        *common,
+                        "--socket",
+                        str(h.socket),
+                        "--hosts",
+                        json.dumps(hosts),
+                        "--job",
+                        str(job),
+                        "--key",
+                        key,
+                        "--codec",
+                        codec,
+                        "--bound",
+                        str(bound),
+                        *(["--check"] if opts.check else []),
+                        "--bucket-elements",
+                        str(opts.bucket_bytes // 4),
+                    ],
+                )
+                for h in tb.hosts
+            ]
+        else:
+            port = next(_ports)
+            argvs = [
+                worker_argv(
+                    "dlcp.bench.ar_worker",
+                    [
+                        "--backend",
+                        "gloo",
+                        "--rank",
+                        str(h.index),
+                        *common,
+                        "--master",
+                        tb.address(0),
+                        "--port",
+                        str(port),
+                    ],
+                )
+                for h in tb.hosts
+            ]
+        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        say(f"{backend}: starting {len(argvs)} workers")
+        _run_workers(cluster, opts, backend, argvs, env, rec, say)
+    except BenchError as exc:
+        rec["error"] = str(exc)
+        if is_dlcp and cluster.daemons_running:
+            tail = cluster.daemon_log_tail(3)
+            if tail:
+                rec["error"] += f"\ndaemon logs: {tail}"
+        say(f"{backend}: FAILED: {rec['error']}")
+    finally:
+        if is_dlcp:
+            cluster.stop_dlcp()
+        if cluster.log_dir is not None:
+            cluster.save_logs(cluster.log_dir, backend)
+        elif backend == "gloo-prio":
+            cluster.mark_tcp(None)
+    rec["wall_s"] = time.monotonic() - started
+    return rec
+
+
+def _run_workers(
+    cluster: Cluster,
+    opts: AllreduceOptions,
+    backend: str,
+    argvs: list[list[str]],
+    env: dict[str, str],
+    rec: dict[str, Any],
+    say: Say,
+) -> None:
+    from tqdm import tqdm
+
+    label = cluster.run_label(backend)
+    is_dlcp = backend.startswith("dlcp")
+    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
+    with group as g, contextlib.ExitStack() as scenario:
+        g.expect("joined", 180.0)
+        if opts.setup.scenario != "clean":
+            say(f"{backend}: workers joined; applying scenario {opts.setup.scenario}")
+        scenario.enter_context(cluster.disturbed())  # from here on, not during setup
+        g.send("go")
+        g.expect("warm", 60.0 + opts.warmup * opts.round_timeout_s)
+        pids = cluster.daemon_pids() if is_dlcp else []
+        d0 = sum(proc_cpu_s(p) for p in pids)
+        bar = tqdm(
+            total=opts.iters,
+            desc=f"{label:<22}",
+            unit="it",
+            file=sys.stderr,
+            disable=not opts.progress,
+            leave=True,
+            dynamic_ncols=True,
+        )
+
+        def on_event(rank: int, msg: dict[str, Any]) -> None:
+            if msg.get("event") == "iter":
+                bar.update(1)
+                bar.set_postfix_str(f"{msg.get('t', 0.0):.3f}s")
+
+        try:
+            g.send("go")
+            results = g.expect_any(
+                "result", 60.0 + opts.iters * opts.round_timeout_s, on_other=on_event
+            )
+        finally:
+            bar.close()
+        daemon_cpu = sum(proc_cpu_s(p) for p in pids) - d0
+        g.send("go")  # every host has its results: leave
+        g.wait()
+    per_rank = [r["times_s"] for r in results]
+    times = [max(ts) for ts in zip(*per_rank, strict=True)]
+    rec["times_s"] = times
+    rec.update(summarize_times(times, rec["size_bytes"], opts.setup.hosts))
+    rec["cpu_s"] = sum(float(r["cpu_s"]) for r in results) + daemon_cpu
+    if is_dlcp:
+        rec["daemon_cpu_s"] = daemon_cpu
+        lost = sum(int(r.get("lost_lanes", 0)) for r in results)
+        total = sum(int(r.get("total_lanes", 0)) for r in results)
+        rec["loss_frac"] = lost / total if total else 0.0
+        rec["saturated"] = sum(int(r.get("saturated", 0)) for r in results)
+        errors = [float(r["error"]) for r in results if r.get("error") is not None]
+        rec["result_error"] = max(errors) if errors else None
+
+
+def run_allreduce(
+    opts: AllreduceOptions, say: Say | None = None, *, log_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    """Build the cluster, run every backend, remove the cluster; the records."""
+    say = say or default_say
+    records = []
+    with Cluster(opts.setup, progress=say) as cluster:
+        cluster.log_dir = log_dir
+        for backend in opts.backends:
+            records.append(run_backend(cluster, opts, backend, say))
+    return records
+
+
+def format_table(records: Sequence[dict[str, Any]]) -> str:
+    """A human table of allreduce records, with each backend's ratio to Gloo."""
+    if not records:
+        return "(no results)"
+    gloo = {
+        (r["scenario"], r.get("loss_pct", 0.0)): r
+        for r in records
+        if r["backend"] == "gloo" and r.get("p50_s") == r.get("p50_s")
+    }
+    lines = [
+        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
+        f"{'p99/p50':>7} {'busbw':>7} {'CPU s':>6} {'lost':>6} {'p50/gloo':>8} {'p99/gloo':>8}"
+    ]
+    for r in records:
+        scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
+        if r.get("error"):
+            why = str(r["error"]).splitlines()[0]
+            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            continue
+        g = gloo.get((r["scenario"], r.get("loss_pct", 0.0)))
+
+        def ratio(key: str, r: dict[str, Any] = r, g: dict[str, Any] | None = g) -> str:
+            if g is None or not g.get(key):
+                return "-"
+            return f"{r[key] / g[key]:.2f}x"
+
+        tail = r["p99_s"] / r["p50_s"] if r["p50_s"] else float("nan")
+        lines.append(
+            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
+            f"{tail:7.2f} {r['busbw_gbps']:7.3f} {r['cpu_s']:6.1f} "
+            f"{100 * r.get('loss_frac', 0.0):5.2f}% {ratio('p50_s'):>8} {ratio('p99_s'):>8}"
+        )
+    first = records[0]
+    lines.append(
+        f"({first['hosts']} hosts, {format_rate(first.get('rate_bps'))} links, "
+        f"{format_bytes(first['size_bytes'])} buffer, {first['iters']} iterations; "
+        "busbw in Gbit/s at p50)"
+    )
+    return "\n".join(lines)
+
+
+def save(records: Sequence[dict[str, Any]], path: Path | str) -> None:
+    from dlcp.bench.common import write_json
+
+    write_json(path, records, ALLREDUCE_KEYS)

@@ -1,0 +1,360 @@
+"""`dlcp bench allreduce|train|all|report`: dlcp against Gloo on an emulated cluster.
+
+Every bench builds its own testbed (network namespaces; needs root), runs
+every requested backend on it in the same invocation, and removes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dlcp.bench.common import (
+    CODECS,
+    SCENARIOS,
+    BenchError,
+    parse_backends,
+    parse_rate,
+    parse_size,
+)
+
+__all__ = ["allreduce_options", "register", "setup_from_args", "suite_options", "train_options"]
+
+_BACKENDS_HELP = (
+    "comma-separated: dlcp, gloo, gloo-prio (Gloo marked into the top class), and dlcp's "
+    "ablations dlcp-noprio (one class), dlcp-nobound (no loss bound), dlcp-1path "
+    "(default: %(default)s)"
+)
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "bench",
+        help="benchmarks against Gloo on an emulated cluster (root)",
+        description="dlcp against Gloo and gloo-prio on an emulated cluster in network "
+        "namespaces (needs root). Each bench builds its own testbed and removes it.",
+    )
+    actions = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    actions.required = True
+
+    ar = actions.add_parser(
+        "allreduce",
+        help="all-reduce latency percentiles",
+        description="All-reduce a float32 buffer K times with every backend on the same "
+        "emulated cluster; per-iteration times, p50/p99, bus bandwidth, CPU.",
+    )
+    _cluster_args(ar, rate="1gbit")
+    ar.add_argument("--size", default="32MB", help="buffer size (default: %(default)s)")
+    ar.add_argument("--iters", type=int, default=20, help="timed iterations (default: 20)")
+    ar.add_argument("--warmup", type=int, default=2, help="untimed first iterations (default: 2)")
+    ar.add_argument(
+        "--bucket",
+        default="0",
+        help="dlcp submits the buffer in buckets of this size, all at once, as DDP "
+        "does; 0 for one bucket (default: %(default)s)",
+    )
+    ar.add_argument(
+        "--no-check", action="store_true", help="do not check dlcp's results against exact sums"
+    )
+    _common_args(ar, default_json=None)
+    ar.set_defaults(func=_allreduce)
+
+    tr = actions.add_parser(
+        "train",
+        help="time to accuracy of a real model",
+        description="Train an MLP on scikit-learn's digits with DDP, one rank per host, "
+        "same seed for every backend; time until the test accuracy reaches --target-acc.",
+    )
+    _cluster_args(tr, rate="100mbit")
+    tr.add_argument(
+        "--target-acc", type=float, default=0.93, help="target test accuracy (default: 0.93)"
+    )
+    tr.add_argument("--steps", type=int, default=80, help="training steps (default: 80)")
+    tr.add_argument("--batch", type=int, default=32, help="batch per rank (default: 32)")
+    tr.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: 2e-3)")
+    tr.add_argument(
+        "--hidden",
+        default="512,512,512,512,512",
+        help="MLP hidden widths (default: %(default)s: 1.09M parameters)",
+    )
+    tr.add_argument("--seed", type=int, default=0, help="seed of every backend (default: 0)")
+    tr.add_argument("--eval-every", type=int, default=5, help="steps between evaluations")
+    tr.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb (default: 1)")
+    tr.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop each backend after S seconds of training, keeping its curve (a target "
+        "not reached by then counts as TTA > S)",
+    )
+    tr.add_argument(
+        "--control-dscp",
+        default="cs6",
+        help="DSCP of the dlcp backend's process-group TCP (the shim's rendezvous and "
+        "per-step agreement), dlcp's control class; 'none' leaves it unmarked "
+        "(default: %(default)s)",
+    )
+    _common_args(tr, default_json=None)
+    tr.set_defaults(func=_train)
+
+    al = actions.add_parser(
+        "all",
+        help="every scenario, backend and ablation; JSON, plots, summary",
+        description="All-reduce (clean, thc8, 1%% and 5%% loss, bursts, congestion, two "
+        "paths, with ablations) at each --rates, and time to accuracy (clean, 5%% loss, "
+        "congestion). Writes JSON, PNG plots and summary.md into --out. Takes about "
+        "two hours on 2 cores; --quick takes about 20 minutes.",
+    )
+    al.add_argument("--out", required=True, type=Path, help="output directory")
+    al.add_argument("--hosts", type=int, default=3, help="hosts (default: 3)")
+    al.add_argument(
+        "--rates", default="1gbit,200mbit", help="all-reduce link rates (default: %(default)s)"
+    )
+    al.add_argument("--train-rate", default="100mbit", help="train link rate (default: 100mbit)")
+    al.add_argument("--size", default="32MB", help="all-reduce buffer (default: 32MB)")
+    al.add_argument("--iters", type=int, default=20, help="all-reduce iterations (default: 20)")
+    al.add_argument("--steps", type=int, default=80, help="training steps (default: 80)")
+    al.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="stop a backend's training after S seconds (default: 300; Gloo under "
+        "congestion at 100 Mbit/s would take half an hour)",
+    )
+    al.add_argument("--loss-bound", type=float, default=0.05, help="dlcp loss bound")
+    al.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
+    _pacing_arg(al)
+    al.add_argument(
+        "--only", choices=("allreduce", "train"), default=None, help="run one half only"
+    )
+    al.add_argument("--no-ablations", action="store_true", help="skip the dlcp ablations")
+    al.add_argument(
+        "--quick",
+        action="store_true",
+        help="8MB, 8 iterations, the first rate only, 60 training steps: a smoke run of everything",
+    )
+    al.add_argument("--logs", action="store_true", help="keep daemon and worker logs in OUT/logs")
+    al.add_argument("--no-progress", action="store_true", help="no progress bars")
+    al.set_defaults(func=_all)
+
+    rp = actions.add_parser("report", help="redraw plots and summary.md of a `bench all` directory")
+    rp.add_argument("out", type=Path, help="the --out directory of `dlcp bench all`")
+    rp.set_defaults(func=_report)
+
+
+def _backends_arg(text: str) -> list[str]:
+    try:
+        return parse_backends(text)
+    except BenchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cluster_args(p: argparse.ArgumentParser, *, rate: str) -> None:
+    p.add_argument("--hosts", type=int, default=3, help="emulated hosts (default: 3)")
+    p.add_argument(
+        "--rate",
+        default=rate,
+        help=f"switch port rate, e.g. 1gbit, 200mbit, none (default: {rate})",
+    )
+    p.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="clean",
+        help="clean; loss: --loss %% random loss on every switch port; burst: 300 ms of "
+        "50%% loss every 2 s on one port; congested: TCP + UDP background on every "
+        "port; multipath: two paths (default: clean)",
+    )
+    p.add_argument("--loss", type=float, default=1.0, metavar="PCT", help="for --scenario loss")
+    p.add_argument("--codec", choices=CODECS, default="fp32", help="dlcp's codec (default: fp32)")
+    p.add_argument(
+        "--backends", default="dlcp,gloo,gloo-prio", type=_backends_arg, help=_BACKENDS_HELP
+    )
+    p.add_argument(
+        "--loss-bound",
+        type=float,
+        default=0.05,
+        help="dlcp's loss bound, the fraction of a bucket that may be lost (default: 0.05)",
+    )
+    p.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
+    _pacing_arg(p)
+    p.add_argument("--name", default=None, help="testbed name (default: bench-<pid>)")
+
+
+def _pacing_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pacing",
+        choices=("share", "aimd"),
+        default="share",
+        help="dlcp's pacing per peer: share = the link rate over hosts - 1; aimd = the "
+        "daemon's AIMD (20 Mbit/s floor) (default: share)",
+    )
+
+
+def _common_args(p: argparse.ArgumentParser, *, default_json: str | None) -> None:
+    p.add_argument("--json", type=Path, default=default_json, help="write the records here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    p.add_argument("--logs", type=Path, default=None, help="keep daemon and worker logs here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def setup_from_args(args: argparse.Namespace) -> Any:
+    from dlcp.bench.cluster import Setup
+
+    return Setup(
+        hosts=args.hosts,
+        rate_bps=parse_rate(args.rate),
+        scenario=args.scenario,
+        loss_pct=args.loss,
+        mtu=args.mtu,
+        pacing=args.pacing,
+        name=args.name,
+    )
+
+
+def allreduce_options(args: argparse.Namespace) -> Any:
+    from dlcp.bench.allreduce import AllreduceOptions
+
+    bucket = 0 if args.bucket.strip() == "0" else parse_size(args.bucket)
+    return AllreduceOptions(
+        setup=setup_from_args(args),
+        size_bytes=parse_size(args.size),
+        iters=args.iters,
+        codec=args.codec,
+        backends=tuple(args.backends),
+        bound=args.loss_bound,
+        warmup=args.warmup,
+        bucket_bytes=bucket,
+        check=not args.no_check,
+        progress=not args.no_progress,
+    )
+
+
+def train_options(args: argparse.Namespace) -> Any:
+    from dlcp.bench.train import TrainOptions
+
+    try:
+        hidden = tuple(int(h) for h in args.hidden.split(",") if h.strip())
+    except ValueError:
+        raise BenchError(f"--hidden wants widths like 1024,768,256, not {args.hidden!r}") from None
+    dscp = None if args.control_dscp.strip().lower() == "none" else args.control_dscp
+    return TrainOptions(
+        setup=setup_from_args(args),
+        target_acc=args.target_acc,
+        codec=args.codec,
+        backends=tuple(args.backends),
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        hidden=hidden,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        bound=args.loss_bound,
+        bucket_mb=args.bucket_mb,
+        control_dscp=dscp,
+        time_budget_s=args.budget,
+        progress=not args.no_progress,
+    )
+
+
+def suite_options(args: argparse.Namespace) -> Any:
+    from dlcp.bench.allreduce import AllreduceOptions
+    from dlcp.bench.cluster import Setup
+    from dlcp.bench.suite import SuiteOptions
+    from dlcp.bench.train import TrainOptions
+
+    rates = [parse_rate(r) for r in args.rates.split(",") if r.strip()]
+    size, iters, steps = parse_size(args.size), args.iters, args.steps
+    budget = args.budget
+    if args.quick:
+        rates, size, iters, steps, budget = rates[:1], 8_000_000, 8, 60, min(budget, 120.0)
+    setup = Setup(hosts=args.hosts)
+    return SuiteOptions(
+        out=args.out,
+        hosts=args.hosts,
+        rates=rates,
+        size_bytes=size,
+        iters=iters,
+        train_rate=parse_rate(args.train_rate),
+        train=TrainOptions(setup=setup, steps=steps, bound=args.loss_bound, time_budget_s=budget),
+        allreduce=AllreduceOptions(setup=setup, bound=args.loss_bound),
+        parts=(args.only,) if args.only else ("allreduce", "train"),
+        ablations=not args.no_ablations,
+        mtu=args.mtu,
+        pacing=args.pacing,
+        progress=not args.no_progress,
+        logs=args.logs,
+    )
+
+
+def _finish(records: list[dict[str, Any]]) -> int:
+    failed = [r for r in records if r.get("error")]
+    for r in failed:
+        first = str(r["error"]).splitlines()[0]
+        print(f"dlcp bench: {r['backend']} failed: {first}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _allreduce(args: argparse.Namespace) -> int:
+    from dlcp.bench.allreduce import format_table, run_allreduce, save
+    from dlcp.bench.plots import plot_latency_cdf
+
+    opts = allreduce_options(args)
+    records = run_allreduce(opts, log_dir=args.logs)
+    print(format_table(records))
+    if args.json:
+        save(records, args.json)
+        print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot_latency_cdf(records, args.plot, title=f"all-reduce, {opts.setup.describe()}")
+        print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
+    return _finish(records)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dlcp.bench.plots import plot_tta
+    from dlcp.bench.train import format_table, run_train, save
+
+    opts = train_options(args)
+    records = run_train(opts, log_dir=args.logs)
+    print(format_table(records))
+    if args.json:
+        save(records, args.json)
+        print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot_tta(records, args.plot, title=f"time to accuracy, {opts.setup.describe()}")
+        print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
+    return _finish(records)
+
+
+def _all(args: argparse.Namespace) -> int:
+    from dlcp.bench.suite import run_suite
+
+    opts = suite_options(args)
+    failures = run_suite(opts)
+    print((opts.out / "summary.md").read_text())
+    print(f"dlcp bench: results in {opts.out}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from dlcp.bench.common import format_rate
+    from dlcp.bench.plots import plot_latency_cdf, plot_tta
+    from dlcp.bench.suite import load_dir, summary
+
+    out: Path = args.out
+    ar, tr = load_dir(out)
+    if not ar and not tr:
+        raise BenchError(f"no benchmark records in {out}")
+    rates = sorted({r.get("rate_bps") or 0 for r in ar})
+    for rate in rates:
+        recs = [r for r in ar if (r.get("rate_bps") or 0) == rate]
+        plot_latency_cdf(recs, out / f"latency-{format_rate(rate or None)}.png")
+    if tr:
+        plot_tta(tr, out / "tta.png")
+    (out / "summary.md").write_text(summary(out))
+    print((out / "summary.md").read_text())
+    return 0

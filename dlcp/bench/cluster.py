@@ -1,0 +1,433 @@
+"""One benchmark's emulated cluster: the testbed, the scenario's disturbances,
+Gloo's DSCP marking and dlcp's daemons per backend.
+
+    with Cluster(Setup(hosts=3, rate_bps=10**9, scenario="loss", loss_pct=5.0)) as c:
+        c.start_dlcp("dlcp")
+        with c.disturbed():
+            ...  # run the backend's workers in c.tb's host namespaces
+        c.stop_dlcp()
+
+The testbed gets a unique name ("bench-<pid>" unless given) and a private
+state root under /tmp, and is always removed on exit, so benchmarks may run
+beside other testbeds on the same machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from dlcp.bench.common import SCENARIOS, BenchError, format_rate
+from dlcp.testbed import Testbed, TestbedSpec
+from dlcp.testbed.config import merge_config
+from dlcp.testbed.plan import IPERF_BASE_PORT
+from dlcp.testbed.system import require_root, require_tools
+
+__all__ = [
+    "BURST",
+    "CONGESTION",
+    "GLOO_PRIO_DSCP",
+    "Burst",
+    "Cluster",
+    "Congestion",
+    "Setup",
+    "dlcp_daemon_config",
+    "gloo_mark_script",
+    "unmark_script",
+]
+
+GLOO_PRIO_DSCP = "cs5"  # the top gradient class of the default DSCP table (class 1)
+CONTROL_DSCP = "cs6"  # class 0: dlcp's control traffic
+MARK_TABLE = "dlcp_bench"
+GRACE_S = 0.5
+PACING: tuple[str, ...] = ("share", "aimd")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Burst:
+    """Every `period_s`, `length_s` of `pct` % loss on one switch port (host `host`'s)."""
+
+    period_s: float = 2.0
+    length_s: float = 0.3
+    pct: float = 50.0
+    host: int = 0
+
+
+@dataclass(frozen=True)
+class Congestion:
+    """Background traffic toward every host: `tcp_streams` TCP streams and
+    `udp_share` of the link in UDP (iperf3, unmarked DSCP 0), from the previous
+    host ("ring"), which is 4 TCP + 600 Mbit/s UDP per 1 Gbit/s port by default."""
+
+    tcp_streams: int = 4
+    udp_share: float = 0.6
+
+
+BURST = Burst()
+CONGESTION = Congestion()
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a benchmark invocation runs on."""
+
+    hosts: int = 3
+    rate_bps: int | None = 10**9
+    scenario: str = "clean"
+    loss_pct: float = 1.0  # scenario "loss"
+    paths: int | None = None  # default: 2 for "multipath", else 1
+    mtu: int = 1500
+    # dlcp's pacing per peer: "share" paces at the link share (link rate over
+    # hosts - 1, the AIMD floor raised to it); "aimd" is the daemon's default
+    # AIMD between 20 Mbit/s and the link share.
+    pacing: str = "share"
+    name: str | None = None  # testbed name; default "bench-<pid>"
+    burst: Burst = BURST
+    congestion: Congestion = CONGESTION
+
+    def __post_init__(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise BenchError(f"unknown scenario {self.scenario!r}; valid: {', '.join(SCENARIOS)}")
+        if self.hosts < 2:
+            raise BenchError(f"--hosts must be at least 2, not {self.hosts}")
+        if not (math.isfinite(self.loss_pct) and 0 <= self.loss_pct <= 100):
+            raise BenchError(f"--loss must be a percentage 0..100, not {self.loss_pct}")
+        if self.paths is not None and self.paths < 1:
+            raise BenchError(f"paths must be >= 1, not {self.paths}")
+        if self.pacing not in PACING:
+            raise BenchError(f"pacing must be one of {', '.join(PACING)}, not {self.pacing!r}")
+
+    @property
+    def n_paths(self) -> int:
+        if self.paths is not None:
+            return self.paths
+        return 2 if self.scenario == "multipath" else 1
+
+    @property
+    def testbed_name(self) -> str:
+        return self.name or f"bench-{os.getpid()}"
+
+    def describe(self) -> str:
+        what = self.scenario
+        if self.scenario == "loss":
+            what += f" {self.loss_pct:g}%"
+        return (
+            f"{self.hosts} hosts, {format_rate(self.rate_bps)} links, "
+            f"{self.n_paths} path(s), {what}"
+        )
+
+
+def dlcp_daemon_config(setup: Setup, variant: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The daemons' extra config for backend `variant` (dlcp or an ablation).
+
+    Pacing on, each peer capped at the link rate over (hosts - 1) (times the
+    paths the variant uses), so a host's sends to all peers fit its link.
+    """
+    paths = 1 if variant == "dlcp-1path" else setup.n_paths
+    rate: dict[str, Any] = {"pacing": True}
+    if setup.rate_bps is not None:
+        share = float(setup.rate_bps * paths / (setup.hosts - 1))
+        rate["link_rate_bps"] = share
+        if setup.pacing == "share":
+            # Random and droppable-class losses are not congestion here: the
+            # switch's strict priorities protect the gradient classes.
+            rate["min_rate_bps"] = share
+            rate["initial_rate_bps"] = share
+    # DLCP_BENCH_DAEMON_CONFIG: JSON merged into every daemon's config (tuning)
+    extra = json.loads(os.environ.get("DLCP_BENCH_DAEMON_CONFIG") or "{}")
+    policies: dict[str, Any] = {"balance": "spray"}
+    if variant == "dlcp-noprio":
+        policies["priority"] = "flow"
+    if variant == "dlcp-nobound":
+        policies["drop"] = "none"
+    config = {
+        "daemon": {"log_level": os.environ.get("DLCP_BENCH_DAEMON_LOG", "warning")},
+        "rate": rate,
+        "policies": policies,
+        # grace: how long a receiver waits, with data flowing but no DONE from
+        # a sender, before NACKing everything missing. The 50 ms default is
+        # shorter than a paced shard takes at these link rates, and a NACK of
+        # a whole shard is larger than one datagram (see BENCHMARKS.md).
+        "timing": {"timeout": timeout_s, "grace": GRACE_S},
+    }
+    return merge_config(config, extra)
+
+
+def _iperf_ports(hosts: int) -> str:
+    return f"{IPERF_BASE_PORT}-{IPERF_BASE_PORT + 2 * hosts + 1}"
+
+
+def gloo_mark_script(dscp: str, hosts: int) -> str:
+    """nftables script for a host namespace: its TCP (but not the background
+    iperf3 flows, which are TCP too) leaves with DSCP `dscp`."""
+    ports = _iperf_ports(hosts)
+    return (
+        f"table ip {MARK_TABLE} {{\n"
+        "  chain out {\n"
+        "    type filter hook output priority 0; policy accept;\n"
+        f"    ip protocol tcp tcp sport != {ports} tcp dport != {ports} ip dscp set {dscp}\n"
+        "  }\n"
+        "}\n"
+    )
+
+
+def unmark_script() -> str:
+    # "add" first so the delete succeeds when the table is absent
+    return f"add table ip {MARK_TABLE}\ndelete table ip {MARK_TABLE}\n"
+
+
+class Cluster:
+    """The testbed of one benchmark invocation (a context manager)."""
+
+    def __init__(self, setup: Setup, *, progress: Progress | None = None) -> None:
+        self.setup = setup
+        self._progress = progress
+        self._root: Path | None = None
+        self._tb: Testbed | None = None
+        self.daemons_running = False
+        self.variant: str | None = None
+        self.log_dir: Path | None = None  # where to keep logs (default: nowhere)
+
+    # -- lifetime -----------------------------------------------------------
+    def __enter__(self) -> Cluster:
+        self.up()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.down()
+
+    def up(self) -> Testbed:
+        require_root_for_bench()
+        tools = ["ip", "nft", "ethtool"]
+        if self.setup.scenario == "congested":
+            tools.append("iperf3")
+        require_tools(tools)
+        self._root = Path(tempfile.mkdtemp(prefix="dlcpb-", dir="/tmp"))
+        s = self.setup
+        kwargs: dict[str, Any] = {
+            "hosts": s.hosts,
+            "paths": s.n_paths,
+            "rate_bps": s.rate_bps,
+            "name": s.testbed_name,
+        }
+        if s.mtu != 1500:
+            if "mtu" not in {f.name for f in dataclasses.fields(TestbedSpec)}:
+                raise BenchError("this dlcp's testbed has no MTU setting; use --mtu 1500")
+            kwargs["mtu"] = s.mtu
+        self._say(f"building testbed {s.testbed_name}: {s.describe()}")
+        try:
+            self._tb = Testbed.up(TestbedSpec(**kwargs), state_root=self._root)
+        except BaseException:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+            raise
+        return self._tb
+
+    def down(self) -> None:
+        tb, self._tb = self._tb, None
+        try:
+            if tb is not None:
+                self._say(f"removing testbed {tb.name}")
+                tb.down()
+        finally:
+            if self._root is not None:
+                shutil.rmtree(self._root, ignore_errors=True)
+                self._root = None
+            self.daemons_running = False
+
+    @property
+    def tb(self) -> Testbed:
+        if self._tb is None:
+            raise BenchError("the benchmark's testbed is not up")
+        return self._tb
+
+    @property
+    def work_dir(self) -> Path:
+        """A private directory for logs of this invocation (removed at `down`)."""
+        if self._root is None:
+            raise BenchError("the benchmark's testbed is not up")
+        d = self._root / "work"
+        d.mkdir(exist_ok=True)
+        return d
+
+    def _say(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress(message)
+
+    # -- per backend -------------------------------------------------------------
+    def mark_tcp(self, dscp: str | None) -> None:
+        """Mark the hosts' TCP (Gloo's, not iperf3's) with `dscp`, or stop marking."""
+        script = (
+            unmark_script()
+            if dscp is None
+            else unmark_script() + gloo_mark_script(dscp, self.setup.hosts)
+        )
+        for h in self.tb.hosts:
+            done = self.tb.exec(h.index, ["nft", "-f", "-"], input=script, capture=True)
+            if done.returncode != 0:
+                raise BenchError(f"nft in {h.netns} failed: {done.stderr.strip()}")
+
+    def start_dlcp(self, variant: str, *, timeout_s: float = 60.0) -> None:
+        """Start one daemon per host configured for `variant`."""
+        extra = dlcp_daemon_config(self.setup, variant, timeout_s=timeout_s)
+        host_config: dict[int, Mapping[str, Any]] = {}
+        if variant == "dlcp-1path":
+            host_config = {
+                h.index: {"network": {"addresses": [h.addresses[0]]}} for h in self.tb.hosts
+            }
+        self._say(f"starting {self.setup.hosts} daemons ({variant})")
+        self.tb.start_daemons(extra, host_config=host_config)
+        self.daemons_running = True
+        self.variant = variant
+
+    def stop_dlcp(self) -> None:
+        if self.daemons_running:
+            self.tb.stop_daemons()
+            self.daemons_running = False
+            self.variant = None
+
+    def daemon_pids(self) -> list[int]:
+        return [int(p["pid"]) for p in self.tb.processes("daemon") if p["alive"]]
+
+    def join_hosts(self, variant: str) -> list[dict[str, Any]]:
+        """The `hosts` of a shim-protocol join for the daemons of `variant`."""
+        return [
+            {
+                "addresses": [h.addresses[0]] if variant == "dlcp-1path" else list(h.addresses),
+                "udp_port": h.udp_port,
+            }
+            for h in self.tb.hosts
+        ]
+
+    def run_label(self, backend: str) -> str:
+        """'loss5-dlcp', 'congested-gloo': names the logs of one backend run."""
+        s = self.setup
+        case = f"loss{s.loss_pct:g}" if s.scenario == "loss" else s.scenario
+        return f"{case}-{backend}"
+
+    def save_logs(self, dest: Path, backend: str) -> None:
+        """Copy the logs of `backend`'s run (its workers', and for dlcp the
+        daemons' as `<label>-<host>-dlcpd.log`) into `dest`."""
+        dest.mkdir(parents=True, exist_ok=True)
+        label = self.run_label(backend)
+        if backend.startswith("dlcp"):
+            for h in self.tb.hosts:
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(h.log, dest / f"{label}-{h.name}-dlcpd.log")
+        for f in self.work_dir.glob(f"*{label}-rank*.log"):
+            with contextlib.suppress(OSError):
+                shutil.copyfile(f, dest / f.name)
+
+    def daemon_log_tail(self, lines: int = 5) -> str:
+        out = []
+        for h in self.tb.hosts:
+            with contextlib.suppress(OSError):
+                tail = h.log.read_text(errors="replace").strip().splitlines()[-lines:]
+                if tail:
+                    out.append(f"{h.name}: " + " | ".join(tail))
+        return "\n".join(out)
+
+    @contextlib.contextmanager
+    def disturbed(self) -> Iterator[None]:
+        """The scenario's loss, bursts or background traffic, for one backend run."""
+        s = self.setup
+        tb = self.tb
+        if s.scenario == "loss" and s.loss_pct > 0:
+            tb.set_loss_all(s.loss_pct)
+            try:
+                yield
+            finally:
+                tb.set_loss_all(0.0)
+        elif s.scenario == "burst":
+            burster = _Burster(tb, s.burst)
+            burster.start()
+            try:
+                yield
+            finally:
+                burster.stop()
+        elif s.scenario == "congested":
+            c = s.congestion
+            link = s.rate_bps or 10**9
+            tb.start_background(
+                "both",
+                udp_rate_bps=max(1, round(c.udp_share * link)),
+                parallel=c.tcp_streams,
+                pattern="ring",
+            )
+            try:
+                time.sleep(2.0)  # let TCP fill the queues
+                yield
+            finally:
+                tb.stop_background()
+        else:
+            yield
+
+
+class _Burster:
+    """A thread that toggles bursts of loss on one switch port."""
+
+    def __init__(self, tb: Testbed, burst: Burst) -> None:
+        self.tb = tb
+        self.burst = burst
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlcp-bench-burst", daemon=True)
+        self.bursts = 0
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.tb.set_loss(self.burst.host, 0.0)
+
+    def _run(self) -> None:
+        b = self.burst
+        try:
+            while not self._stop.wait(max(0.0, b.period_s - b.length_s)):
+                self.tb.set_loss(b.host, b.pct)
+                self.bursts += 1
+                self._stop.wait(b.length_s)
+                self.tb.set_loss(b.host, 0.0)
+        except BaseException as exc:  # reported by whoever reads .error
+            self.error = exc
+
+
+def require_root_for_bench() -> None:
+    """A clear one-line error when not root."""
+    try:
+        require_root()
+    except Exception:
+        raise BenchError(
+            "dlcp bench and dlcp demo build network namespaces and need root: run them with sudo"
+        ) from None
+
+
+@dataclass
+class Timer:
+    """Wall-clock start/stop helper for progress messages."""
+
+    start: float = field(default_factory=time.monotonic)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start

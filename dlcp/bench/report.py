@@ -1,0 +1,288 @@
+"""Targets of the benchmark issue, checked against records; markdown tables.
+
+Each target compares dlcp with Gloo (or gloo-prio) measured in the same
+invocation (records with the same "run"), else on the same scenario and rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dlcp.bench.common import format_bytes, format_rate
+from dlcp.bench.plots import scenario_label
+
+__all__ = [
+    "Target",
+    "check_targets",
+    "markdown_allreduce",
+    "markdown_targets",
+    "markdown_train",
+    "tta_speedup",
+]
+
+Rec = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of the issue and what was measured."""
+
+    name: str
+    limit: float
+    op: str  # "<=" or ">="
+    measured: float | None
+    detail: str = ""
+    lower_bound: bool = False  # `measured` is a lower bound (Gloo never got there)
+
+    @property
+    def ok(self) -> bool | None:
+        if self.measured is None or not math.isfinite(self.measured):
+            return None
+        met = self.measured <= self.limit if self.op == "<=" else self.measured >= self.limit
+        if self.lower_bound and not met:
+            return None  # the true value may still meet it
+        return met
+
+    @property
+    def verdict(self) -> str:
+        if self.lower_bound and self.ok is None and self.measured is not None:
+            return "inconclusive (lower bound)"
+        text = {True: "met", False: "**not met**", None: "not measured"}[self.ok]
+        return text + (" (lower bound)" if self.lower_bound and self.ok else "")
+
+
+def _ok(r: Rec | None) -> bool:
+    return r is not None and not r.get("error")
+
+
+def _find(
+    records: Sequence[Rec],
+    *,
+    backend: str,
+    scenario: str,
+    loss_pct: float | None = None,
+    codec: str | None = None,
+    run: Any = None,
+) -> Rec | None:
+    for r in records:
+        if r.get("backend") != backend or r.get("scenario") != scenario:
+            continue
+        if loss_pct is not None and abs(float(r.get("loss_pct") or 0.0) - loss_pct) > 1e-9:
+            continue
+        if codec is not None and r.get("codec") != codec:
+            continue
+        if run is not None and r.get("run") not in (None, run):
+            continue
+        if _ok(r):
+            return r
+    return None
+
+
+def _ratio(a: Rec | None, b: Rec | None, key: str, key_b: str | None = None) -> float | None:
+    if not (_ok(a) and _ok(b)):
+        return None
+    assert a is not None and b is not None
+    x, y = a.get(key), b.get(key_b or key)
+    if x is None or y is None or not y:
+        return None
+    return float(x) / float(y)
+
+
+def check_targets(allreduce: Sequence[Rec], train: Sequence[Rec]) -> list[Target]:
+    """The issue's targets, measured on these records (one link rate)."""
+    out: list[Target] = []
+
+    def ar(
+        backend: str, scenario: str, loss: float | None = None, codec: str = "fp32"
+    ) -> Rec | None:
+        return _find(allreduce, backend=backend, scenario=scenario, loss_pct=loss, codec=codec)
+
+    def beside(rec: Rec | None, backend: str) -> Rec | None:
+        """`backend` from the same invocation as `rec`."""
+        if rec is None:
+            return None
+        return _find(
+            allreduce,
+            backend=backend,
+            scenario=rec["scenario"],
+            loss_pct=float(rec.get("loss_pct") or 0.0),
+            run=rec.get("run"),
+        )
+
+    d = ar("dlcp", "clean")
+    out.append(
+        Target("clean: dlcp p50 / Gloo p50", 1.0, "<=", _ratio(d, beside(d, "gloo"), "p50_s"))
+    )
+    t = ar("dlcp", "clean", codec="thc8")
+    out.append(
+        Target("clean: dlcp thc8 p50 / Gloo p50", 0.35, "<=", _ratio(t, beside(t, "gloo"), "p50_s"))
+    )
+    c = ar("dlcp", "congested")
+    out.append(
+        Target("congested: dlcp p99 / Gloo p99", 0.33, "<=", _ratio(c, beside(c, "gloo"), "p99_s"))
+    )
+    out.append(
+        Target(
+            "congested: dlcp p99 / gloo-prio p99",
+            1.05,
+            "<=",
+            _ratio(c, beside(c, "gloo-prio"), "p99_s"),
+        )
+    )
+    out.append(Target("congested: dlcp p99 / p50", 1.3, "<=", _ratio(c, c, "p99_s", "p50_s")))
+    for loss, limit in ((1.0, 0.6), (5.0, 0.4)):
+        r = ar("dlcp", "loss", loss)
+        out.append(
+            Target(
+                f"loss {loss:g}%: dlcp p99 / Gloo p99",
+                limit,
+                "<=",
+                _ratio(r, beside(r, "gloo"), "p99_s"),
+            )
+        )
+    b = ar("dlcp", "burst")
+    out.append(
+        Target("burst: dlcp p99 / Gloo p99", 0.45, "<=", _ratio(b, beside(b, "gloo"), "p99_s"))
+    )
+
+    def tr(backend: str, scenario: str, loss: float | None = None) -> Rec | None:
+        return _find(train, backend=backend, scenario=scenario, loss_pct=loss)
+
+    def speedup(name: str, other: Rec | None, mine: Rec | None, limit: float) -> Target:
+        value, bound = tta_speedup(other, mine)
+        return Target(name, limit, ">=", value, lower_bound=bound)
+
+    dl, gl = tr("dlcp", "loss", 5.0), tr("gloo", "loss", 5.0)
+    out.append(speedup("train, 5% loss: Gloo TTA / dlcp TTA", gl, dl, 1.5))
+    dc, gc, pc = tr("dlcp", "congested"), tr("gloo", "congested"), tr("gloo-prio", "congested")
+    out.append(speedup("train, congested: Gloo TTA / dlcp TTA", gc, dc, 1.8))
+    out.append(speedup("train, congested: gloo-prio TTA / dlcp TTA", pc, dc, 0.95))
+    scen = sorted({(r["scenario"], float(r.get("loss_pct") or 0.0)) for r in train})
+    for s, loss in scen:
+        dr, gr = tr("dlcp", s, loss), tr("gloo", s, loss)
+        diff = None
+        full = all(r is not None and r.get("stopped_at_step") is None for r in (dr, gr))
+        if full and _ok(dr) and _ok(gr) and dr and gr and dr.get("final_acc") is not None:
+            diff = abs(float(dr["final_acc"]) - float(gr["final_acc"])) * 100
+        label = scenario_label({"scenario": s, "loss_pct": loss})
+        out.append(Target(f"train, {label}: |final acc dlcp - Gloo| (points)", 0.5, "<=", diff))
+    return out
+
+
+def tta_speedup(other: Rec | None, mine: Rec | None) -> tuple[float | None, bool]:
+    """other's TTA over mine, and whether that is only a lower bound (other never
+    reached the target in the time it trained)."""
+    if not (_ok(other) and _ok(mine)) or other is None or mine is None:
+        return None, False
+    if not mine.get("tta_s"):
+        return None, False
+    if other.get("tta_s"):
+        return float(other["tta_s"]) / float(mine["tta_s"]), False
+    if other.get("wall_s"):
+        return float(other["wall_s"]) / float(mine["tta_s"]), True
+    return None, False
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:{spec}}{suffix}"
+
+
+def markdown_targets(targets: Sequence[Target]) -> str:
+    lines = ["| target | limit | measured | verdict |", "|---|---|---|---|"]
+    for t in targets:
+        unit = "" if "points" in t.name else "x"
+        lines.append(
+            f"| {t.name} | {t.op} {t.limit:g}{unit} | {_fmt(t.measured, '.2f', unit)} "
+            f"| {t.verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def _gloo_of(records: Sequence[Rec], r: Rec, backend: str) -> Rec | None:
+    return _find(
+        records,
+        backend=backend,
+        scenario=r["scenario"],
+        loss_pct=float(r.get("loss_pct") or 0.0),
+        run=r.get("run"),
+    )
+
+
+def markdown_allreduce(records: Sequence[Rec]) -> str:
+    """Allreduce records as a markdown table with ratios to Gloo."""
+    lines = [
+        "| scenario | backend | codec | p50 s | p99 s | p99/p50 | busbw Gbit/s | CPU s | lost "
+        "| p50 / Gloo | p99 / Gloo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        label = scenario_label(r)
+        if r.get("error"):
+            first = str(r["error"]).splitlines()[0][:120]
+            lines.append(f"| {label} | {r['backend']} | {r['codec']} | failed: {first} ||||||||")
+            continue
+        g = _gloo_of(records, r, "gloo")
+        tail = _ratio(r, r, "p99_s", "p50_s")
+        lost = _fmt(100 * float(r.get("loss_frac") or 0), ".2f", "%")
+        lines.append(
+            f"| {label} | {r['backend']} | {r['codec']} | {_fmt(r['p50_s'], '.3f')} "
+            f"| {_fmt(r['p99_s'], '.3f')} | {_fmt(tail)} | {_fmt(r.get('busbw_gbps'), '.3f')} "
+            f"| {_fmt(r.get('cpu_s'), '.1f')} | {lost} "
+            f"| {_fmt(_ratio(r, g, 'p50_s'), '.2f', 'x')} "
+            f"| {_fmt(_ratio(r, g, 'p99_s'), '.2f', 'x')} |"
+        )
+    if records:
+        f = records[0]
+        lines.append("")
+        lines.append(
+            f"{f['hosts']} hosts, {format_rate(f.get('rate_bps'))} links, "
+            f"{format_bytes(f['size_bytes'])} float32 buffer, {f['iters']} timed iterations each."
+        )
+    return "\n".join(lines)
+
+
+def markdown_train(records: Sequence[Rec]) -> str:
+    """Train records as a markdown table with TTA speed-ups."""
+    lines = [
+        "| scenario | backend | codec | TTA s | final acc % | step p50 s | train s | lost "
+        "| Gloo TTA / TTA | gloo-prio TTA / TTA |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        label = scenario_label(r)
+        if r.get("error"):
+            first = str(r["error"]).splitlines()[0][:120]
+            lines.append(f"| {label} | {r['backend']} | {r['codec']} | failed: {first} |||||||")
+            continue
+
+        def sp(b: str, r: Rec = r) -> str:
+            value, bound = tta_speedup(_gloo_of(records, r, b), r)
+            return ("> " if bound else "") + _fmt(value, ".2f", "x")
+
+        final = r.get("final_acc")
+        tta = _fmt(r.get("tta_s"), ".1f")
+        if r.get("tta_s") is None and r.get("wall_s"):
+            tta = f"> {float(r['wall_s']):.1f}"
+        stopped = r.get("stopped_at_step")
+        steps = f" (stopped at step {stopped}, budget)" if stopped is not None else ""
+        lines.append(
+            f"| {label} | {r['backend']} | {r['codec']} | {tta}{steps} "
+            f"| {_fmt(None if final is None else 100 * float(final), '.1f')} "
+            f"| {_fmt(r.get('step_p50_s'), '.3f')} | {_fmt(r.get('wall_s'), '.1f')} "
+            f"| {_fmt(100 * float(r.get('loss_frac') or 0), '.2f', '%')} "
+            f"| {sp('gloo')} | {sp('gloo-prio')} |"
+        )
+    if records:
+        f = records[0]
+        lines.append("")
+        lines.append(
+            f"{f['hosts']} ranks, {format_rate(f.get('rate_bps'))} links, target accuracy "
+            f"{100 * float(f['target_acc']):g} %, {f['steps']} steps for every backend "
+            f"(MLP {f.get('hidden')}, {f.get('params', '?')} parameters)."
+        )
+    return "\n".join(lines)

@@ -1,0 +1,339 @@
+"""`dlcp bench train`: time-to-accuracy of a real model with dlcp and with Gloo.
+
+Three (or `hosts`) training ranks, one per emulated host, train the same MLP
+on scikit-learn's digits from the same seed (`dlcp.bench.train_worker`): with
+Gloo (DDP's default all-reduce), with Gloo marked into the top class
+(gloo-prio), and through dlcp's shim and real daemons. The model is sized and
+the links slowed so that the network, not the CPU, sets the pace.
+
+TTA is the training time (from the first step, after a warm-up step) at which
+the test accuracy, evaluated every few steps on rank 0, first reaches
+`target_acc`. Every backend trains the same number of steps, so final
+accuracies are comparable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup
+from dlcp.bench.common import (
+    CODECS,
+    TRAIN_KEYS,
+    BenchError,
+    format_rate,
+    percentile,
+    tta_from_curve,
+)
+from dlcp.bench.common import say as default_say
+from dlcp.bench.procs import WorkerGroup, WorkerTimeout, worker_argv, worker_env
+
+__all__ = ["TrainOptions", "format_table", "run_train", "save"]
+
+Say = Callable[[str], None]
+
+_ports = iter(range(30700, 31700))
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    setup: Setup
+    target_acc: float = 0.93
+    codec: str = "fp32"
+    backends: Sequence[str] = ("dlcp", "gloo", "gloo-prio")
+    steps: int = 80
+    batch: int = 32
+    lr: float = 2e-3
+    # 5 x 512: 1.09M parameters, no weight above 1.05 MB, so no DDP bucket
+    # has shards of more than ~250 packets (see BENCHMARKS.md, known issues)
+    hidden: Sequence[int] = (512, 512, 512, 512, 512)
+    seed: int = 0
+    eval_every: int = 5
+    bucket_mb: float = 1.0  # DDP bucket_cap_mb, the same for every backend
+    bound: float = 0.05
+    # DSCP of the dlcp backend's process-group traffic (rendezvous and the
+    # shim's per-step agreement): dlcp's control class, or None to leave it
+    # unmarked.
+    control_dscp: str | None = CONTROL_DSCP
+    round_timeout_s: float = 60.0
+    # Stop a backend's training after this many seconds (None: run every step);
+    # its curve so far is kept, and a target it has not reached is reported as
+    # "not within the budget" (TTA > budget).
+    time_budget_s: float | None = None
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}")
+        if not 0 < self.target_acc <= 1:
+            raise BenchError(f"--target-acc must be in (0, 1], not {self.target_acc}")
+        if self.steps < 1 or self.batch < 1 or self.eval_every < 1:
+            raise BenchError("--steps, --batch and --eval-every must be >= 1")
+        if not 0 <= self.bound <= 0.5:
+            raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
+        if not self.hidden:
+            raise BenchError("--hidden needs at least one layer width")
+
+
+def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
+    s = opts.setup
+    return {
+        "backend": backend,
+        "codec": codec,
+        "scenario": s.scenario,
+        "target_acc": opts.target_acc,
+        "tta_s": None,
+        "final_acc": None,
+        "steps": opts.steps,
+        "curve": [],
+        "hosts": s.hosts,
+        "rate_bps": s.rate_bps,
+        "paths": s.n_paths,
+        "loss_pct": s.loss_pct if s.scenario == "loss" else 0.0,
+        "mtu": s.mtu,
+        "pacing": s.pacing,
+        "batch_per_rank": opts.batch,
+        "hidden": list(opts.hidden),
+        "seed": opts.seed,
+        "bucket_mb": opts.bucket_mb,
+        **opts.extra,
+    }
+
+
+def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) -> dict[str, Any]:
+    is_dlcp = backend.startswith("dlcp")
+    codec = opts.codec if is_dlcp else "fp32"
+    rec = _record(opts, backend, codec)
+    bound = 0.0 if backend == "dlcp-nobound" else opts.bound
+    if is_dlcp:
+        rec["loss_bound"] = bound
+        rec["control_dscp"] = opts.control_dscp
+    tb = cluster.tb
+    started = time.monotonic()
+    try:
+        if is_dlcp:
+            cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
+            if opts.control_dscp:
+                cluster.mark_tcp(opts.control_dscp)
+        elif backend == "gloo-prio":
+            cluster.mark_tcp(GLOO_PRIO_DSCP)
+        port = next(_ports)
+        argvs = [
+            worker_argv(
+                "dlcp.bench.train_worker",
+                [
+                    "--backend",
+                    "dlcp" if is_dlcp else "gloo",
+                    "--rank",
+                    str(h.index),
+                    "--world",
+                    str(opts.setup.hosts),
+                    "--master",
+                    tb.address(0),
+                    "--port",
+                    str(port),
+                    "--steps",
+                    str(opts.steps),
+                    "--batch",
+                    str(opts.batch),
+                    "--lr",
+                    str(opts.lr),
+                    "--hidden",
+                    ",".join(map(str, opts.hidden)),
+                    "--seed",
+                    str(opts.seed),
+                    "--eval-every",
+                    str(opts.eval_every),
+                    "--codec",
+                    codec,
+                    "--bound",
+                    str(bound),
+                    "--timeout",
+                    str(opts.round_timeout_s),
+                    "--bucket-mb",
+                    str(opts.bucket_mb),
+                ],
+            )
+            for h in tb.hosts
+        ]
+        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        say(f"{backend}: starting {len(argvs)} workers")
+        _run_workers(cluster, opts, backend, argvs, env, rec, say)
+    except BenchError as exc:
+        rec["error"] = str(exc)
+        if is_dlcp and cluster.daemons_running:
+            tail = cluster.daemon_log_tail(3)
+            if tail:
+                rec["error"] += f"\ndaemon logs: {tail}"
+        say(f"{backend}: FAILED: {rec['error']}")
+    finally:
+        if is_dlcp:
+            cluster.stop_dlcp()
+        if cluster.log_dir is not None:
+            cluster.save_logs(cluster.log_dir, backend)
+        if is_dlcp or backend == "gloo-prio":
+            cluster.mark_tcp(None)
+    rec["run_wall_s"] = time.monotonic() - started
+    return rec
+
+
+def _run_workers(
+    cluster: Cluster,
+    opts: TrainOptions,
+    backend: str,
+    argvs: list[list[str]],
+    env: dict[str, str],
+    rec: dict[str, Any],
+    say: Say,
+) -> None:
+    from tqdm import tqdm
+
+    label = f"train-{cluster.run_label(backend)}"
+    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
+    with group as g, contextlib.ExitStack() as scenario:
+        ready = g.expect("ready", 300.0)
+        if opts.setup.scenario != "clean":
+            say(f"{backend}: workers ready; applying scenario {opts.setup.scenario}")
+        scenario.enter_context(cluster.disturbed())  # from here on, not during setup
+        rec["params"] = ready[0].get("params")
+        rec["acc0"] = ready[0].get("acc0")
+        bar = tqdm(
+            total=opts.steps,
+            desc=f"{label:<26}",
+            unit="step",
+            file=sys.stderr,
+            disable=not opts.progress,
+            leave=True,
+            dynamic_ncols=True,
+        )
+        # the curve starts at t = 0 with the untrained model's accuracy
+        acc0 = ready[0].get("acc0")
+        curve: list[list[float]] = [] if acc0 is None else [[0.0, float(acc0)]]
+        seen = {"step": 0, "t": 0.0}
+        step_ts: list[float] = []
+
+        def on_event(rank: int, msg: dict[str, Any]) -> None:
+            if msg.get("event") == "step":
+                seen["step"], seen["t"] = int(msg.get("step", 0)), float(msg.get("t", 0.0))
+                step_ts.append(seen["t"])
+                bar.update(1)
+                acc = curve[-1][1] if curve else float("nan")
+                bar.set_postfix_str(f"acc {acc:.3f} t {seen['t']:.1f}s")
+            elif msg.get("event") == "eval":
+                curve.append([float(msg["t"]), float(msg["acc"])])
+
+        budget = opts.time_budget_s
+        wait_s = 120.0 + opts.steps * opts.round_timeout_s
+        results: list[dict[str, Any]] | None = None
+        try:
+            g.send("go")
+            results = g.expect_any(
+                "result", wait_s if budget is None else min(budget, wait_s), on_other=on_event
+            )
+        except WorkerTimeout:
+            if budget is None:
+                raise
+        finally:
+            bar.close()
+        if results is None:  # the time budget ran out: keep what was streamed
+            g.kill()
+            rec["budget_s"] = budget
+            rec["stopped_at_step"] = seen["step"]
+            rec["curve"] = curve
+            rec["final_acc"] = curve[-1][1] if curve else None
+            rec["tta_s"] = tta_from_curve(curve, opts.target_acc)
+            rec["wall_s"] = seen["t"]
+            gaps = [b - a for a, b in zip([0.0, *step_ts], step_ts, strict=False)]
+            rec["step_p50_s"] = percentile(gaps, 50) if gaps else None
+            return
+        g.wait()
+    r0 = results[0]
+    start = [] if rec.get("acc0") is None else [[0.0, float(rec["acc0"])]]
+    curve = start + [[float(t), float(acc)] for t, acc in r0["curve"]]
+    rec["curve"] = curve
+    rec["final_acc"] = r0.get("final_acc")
+    rec["tta_s"] = tta_from_curve(curve, opts.target_acc)
+    rec["wall_s"] = r0.get("wall_s")
+    steps_t = r0.get("step_times_s") or []
+    rec["step_p50_s"] = percentile(steps_t, 50) if steps_t else None
+    rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in results)
+    if backend.startswith("dlcp"):
+        stats = [r.get("dlcp") or {} for r in results]
+        lost = sum(int(s.get("lost_lanes", 0)) for s in stats)
+        total = sum(int(s.get("total_lanes", 0)) for s in stats)
+        rec["loss_frac"] = lost / total if total else 0.0
+        rec["fallbacks"] = sum(int(s.get("fallbacks", 0)) for s in stats)
+        rec["dlcp_rounds"] = sum(int(s.get("rounds", 0)) for s in stats)
+        errors = [s.get("last_error") for s in stats if s.get("last_error")]
+        if errors:
+            rec["dlcp_last_error"] = errors[0]
+
+
+def run_train(
+    opts: TrainOptions, say: Say | None = None, *, log_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    say = say or default_say
+    records = []
+    with Cluster(opts.setup, progress=say) as cluster:
+        cluster.log_dir = log_dir
+        for backend in opts.backends:
+            records.append(run_backend(cluster, opts, backend, say))
+    return records
+
+
+def format_table(records: Sequence[dict[str, Any]]) -> str:
+    """A human table of train records with TTA ratios to Gloo and gloo-prio."""
+    if not records:
+        return "(no results)"
+    by: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
+    for r in records:
+        by.setdefault((r["scenario"], r.get("loss_pct", 0.0)), {})[r["backend"]] = r
+    lines = [
+        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'TTA s':>7} {'final':>6} "
+        f"{'step p50':>8} {'wall s':>7} {'lost':>6} {'gloo/TTA':>8} {'prio/TTA':>8}"
+    ]
+    for r in records:
+        scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
+        if r.get("error"):
+            why = str(r["error"]).splitlines()[0]
+            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            continue
+        peers = by[(r["scenario"], r.get("loss_pct", 0.0))]
+
+        def speedup(name: str, r: dict[str, Any] = r, peers: dict[str, Any] = peers) -> str:
+            from dlcp.bench.report import tta_speedup
+
+            value, bound = tta_speedup(peers.get(name), r)
+            return "-" if value is None else f"{'>' if bound else ''}{value:.2f}x"
+
+        tta = "-" if r.get("tta_s") is None else f"{r['tta_s']:.1f}"
+        if r.get("tta_s") is None and r.get("wall_s"):
+            tta = f">{r['wall_s']:.0f}"
+        final = "-" if r.get("final_acc") is None else f"{100 * r['final_acc']:.1f}"
+        step = "-" if r.get("step_p50_s") is None else f"{r['step_p50_s']:.3f}"
+        wall = "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}"
+        lost = f"{100 * r.get('loss_frac', 0.0):5.2f}%"
+        lines.append(
+            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {tta:>7} {final:>6} {step:>8} "
+            f"{wall:>7} {lost:>6} {speedup('gloo'):>8} {speedup('gloo-prio'):>8}"
+        )
+    first = records[0]
+    lines.append(
+        f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
+        f"target accuracy {100 * first['target_acc']:g} %, {first['steps']} steps; "
+        "gloo/TTA = Gloo's TTA over this backend's: > 1 is faster than Gloo)"
+    )
+    return "\n".join(lines)
+
+
+def save(records: Sequence[dict[str, Any]], path: Path | str) -> None:
+    from dlcp.bench.common import write_json
+
+    write_json(path, records, TRAIN_KEYS)

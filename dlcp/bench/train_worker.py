@@ -1,0 +1,183 @@
+"""One training rank of `dlcp bench train` (run in a host's namespace; JSON lines).
+
+An MLP on scikit-learn's digits, trained with DistributedDataParallel over a
+Gloo process group. With `--backend dlcp` the gradients go through dlcp's shim
+(`dlcp.shim.init` + `register_comm_hook(state, dlcp.hook)`); with `gloo` through
+DDP's default all-reduce. Same seed, same data order, same model either way.
+
+Protocol: "ready" -> (go) -> steps; rank 0 sends "step" and "eval" {t, acc}
+events -> "result" {curve, final_acc, steps, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import resource
+import sys
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["build_model", "load_data", "main"]
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def load_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Digits (8x8 images, 10 classes), features in [0, 1]; 75 % train, 25 % test."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+    return (
+        torch.from_numpy(xtr),
+        torch.from_numpy(ytr.astype(np.int64)),
+        torch.from_numpy(xte),
+        torch.from_numpy(yte.astype(np.int64)),
+    )
+
+
+def build_model(hidden: list[int], seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    width = 64
+    for h in hidden:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*layers)
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--backend", choices=("gloo", "dlcp"), required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--batch", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--hidden", default="512,512,512,512,512")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--codec", default="fp32")
+    p.add_argument("--bound", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb")
+    a = p.parse_args(argv)
+    try:
+        run(a)
+    except Exception as exc:
+        emit("error", error=f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+
+
+def run(a: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{a.master}:{a.port}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=datetime.timedelta(seconds=max(a.timeout, 1800.0)),
+    )
+    xtr, ytr, xte, yte = load_data()
+    mine = torch.arange(a.rank, len(xtr), a.world)  # this rank's shard
+    hidden = [int(h) for h in a.hidden.split(",") if h]
+    model = build_model(hidden, a.seed)
+    params = sum(p.numel() for p in model.parameters())
+    ddp = DDP(model, bucket_cap_mb=a.bucket_mb)
+    state = None
+    if a.backend == "dlcp":
+        import dlcp.shim as dlcp
+
+        state = dlcp.init(codec=a.codec, loss_bound=a.bound, model=model, round_timeout_s=a.timeout)
+        ddp.register_comm_hook(state, dlcp.hook)
+    opt = torch.optim.Adam(ddp.parameters(), lr=a.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps))
+    )
+    gen = torch.Generator().manual_seed(a.seed * 7919 + a.rank)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        idx = mine[torch.randint(0, len(mine), (a.batch,), generator=gen)]
+        return xtr[idx], ytr[idx]
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float((model(xte).argmax(1) == yte).float().mean())
+
+    # Warm-up: one backward through the hook (attaches dlcp), no update.
+    xb, yb = batch()
+    torch.nn.functional.cross_entropy(ddp(xb), yb).backward()
+    opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    emit("ready", params=params, acc0=evaluate() if a.rank == 0 else None)
+    if not sys.stdin.readline():
+        raise SystemExit("orchestrator went away")
+    dist.barrier()
+    curve: list[list[float]] = []
+    step_times: list[float] = []
+    c0 = cpu_s()
+    t0 = time.perf_counter()
+    for step in range(a.steps):
+        ts = time.perf_counter()
+        xb, yb = batch()
+        loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        step_times.append(time.perf_counter() - ts)
+        if a.rank == 0:
+            t = time.perf_counter() - t0
+            if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
+                acc = evaluate()
+                curve.append([t, acc])
+                emit("eval", step=step + 1, t=t, acc=acc)
+            emit("step", step=step + 1, t=t, loss=float(loss.detach()))
+    wall = time.perf_counter() - t0
+    cpu = cpu_s() - c0
+    stats: dict[str, Any] = {}
+    if state is not None:
+        stats = state.stats()
+        dist.barrier()  # leave the daemon's job only when every rank is done
+        state.close()
+    result: dict[str, Any] = {
+        "curve": curve,
+        "final_acc": curve[-1][1] if curve else None,
+        "steps": a.steps,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "step_times_s": step_times,
+        "params": params,
+        "dlcp": stats,
+    }
+    emit("result", **result)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

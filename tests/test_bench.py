@@ -1,0 +1,526 @@
+"""dlcp.bench and dlcp demo: parsing, records, percentiles, plots, targets (no root),
+and one small netns smoke run of `dlcp bench allreduce` (root)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlcp.bench import cli as bench_cli
+from dlcp.bench.ar_worker import bucket_spans, make_data, position_scales
+from dlcp.bench.cluster import (
+    GLOO_PRIO_DSCP,
+    Setup,
+    dlcp_daemon_config,
+    gloo_mark_script,
+    require_root_for_bench,
+)
+from dlcp.bench.common import (
+    ALLREDUCE_KEYS,
+    TRAIN_KEYS,
+    BenchError,
+    busbw_gbps,
+    format_bytes,
+    format_rate,
+    parse_backends,
+    parse_rate,
+    parse_size,
+    percentile,
+    read_json,
+    summarize_times,
+    tta_from_curve,
+    write_json,
+)
+from dlcp.bench.plots import plot_latency_cdf, plot_tta
+from dlcp.bench.report import check_targets, markdown_allreduce, markdown_targets, markdown_train
+from dlcp.bench.suite import allreduce_cases, summary, train_cases
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlcp")
+    sub = p.add_subparsers(dest="command")
+    bench_cli.register(sub)
+    import dlcp.demo
+
+    dlcp.demo.register(sub)
+    return p
+
+
+# --- parsing -------------------------------------------------------------------------
+
+
+def test_allreduce_cli_defaults_follow_the_design() -> None:
+    args = parser().parse_args(["bench", "allreduce"])
+    opts = bench_cli.allreduce_options(args)
+    assert opts.setup.hosts == 3
+    assert opts.setup.rate_bps == 10**9
+    assert opts.setup.scenario == "clean"
+    assert opts.size_bytes == 32_000_000
+    assert opts.iters == 20
+    assert opts.codec == "fp32"
+    assert tuple(opts.backends) == ("dlcp", "gloo", "gloo-prio")
+    assert args.json is None
+
+
+def test_allreduce_cli_options() -> None:
+    args = parser().parse_args(
+        [
+            "bench",
+            "allreduce",
+            "--hosts",
+            "4",
+            "--rate",
+            "200mbit",
+            "--scenario",
+            "loss",
+            "--loss",
+            "5",
+            "--size",
+            "8MiB",
+            "--iters",
+            "7",
+            "--codec",
+            "thc8",
+            "--backends",
+            "gloo,dlcp-nobound",
+            "--json",
+            "out.json",
+            "--bucket",
+            "0",
+        ]
+    )
+    opts = bench_cli.allreduce_options(args)
+    assert opts.setup.hosts == 4
+    assert opts.setup.rate_bps == 200_000_000
+    assert (opts.setup.scenario, opts.setup.loss_pct) == ("loss", 5.0)
+    assert opts.size_bytes == 8 * 2**20
+    assert opts.elements == 2 * 2**20
+    assert (opts.iters, opts.codec, opts.bucket_bytes) == (7, "thc8", 0)
+    assert tuple(opts.backends) == ("gloo", "dlcp-nobound")
+    assert args.json == Path("out.json")
+
+
+def test_train_cli_options() -> None:
+    args = parser().parse_args(
+        [
+            "bench",
+            "train",
+            "--rate",
+            "50mbit",
+            "--scenario",
+            "congested",
+            "--target-acc",
+            "0.9",
+            "--codec",
+            "fp16",
+            "--backends",
+            "dlcp,gloo",
+            "--json",
+            "t.json",
+            "--hidden",
+            "64,32",
+            "--control-dscp",
+            "none",
+        ]
+    )
+    opts = bench_cli.train_options(args)
+    assert opts.setup.rate_bps == 50_000_000
+    assert opts.setup.scenario == "congested"
+    assert opts.target_acc == 0.9
+    assert opts.codec == "fp16"
+    assert tuple(opts.hidden) == (64, 32)
+    assert opts.control_dscp is None
+
+
+def test_all_cli_quick_and_rates(tmp_path: Path) -> None:
+    args = parser().parse_args(["bench", "all", "--out", str(tmp_path), "--rates", "1gbit,none"])
+    opts = bench_cli.suite_options(args)
+    assert list(opts.rates) == [10**9, None]
+    assert opts.out == tmp_path
+    args = parser().parse_args(["bench", "all", "--out", str(tmp_path), "--quick"])
+    quick = bench_cli.suite_options(args)
+    assert list(quick.rates) == [10**9]
+    assert quick.size_bytes < opts.size_bytes
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "bench allreduce --backends nccl",
+        "bench allreduce --scenario wan",
+        "bench allreduce --codec fp64",
+        "bench train --backends ,",
+    ],
+)
+def test_bad_arguments_exit_with_usage(argv: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args(argv.split())
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_bad_values_are_bench_errors() -> None:
+    with pytest.raises(BenchError, match="size"):
+        bench_cli.allreduce_options(parser().parse_args(["bench", "allreduce", "--size", "lots"]))
+    with pytest.raises(BenchError, match="iters"):
+        bench_cli.allreduce_options(parser().parse_args(["bench", "allreduce", "--iters", "0"]))
+    with pytest.raises(BenchError, match="hidden"):
+        bench_cli.train_options(parser().parse_args(["bench", "train", "--hidden", "a,b"]))
+    with pytest.raises(BenchError, match="hosts"):
+        Setup(hosts=1)
+
+
+def test_sizes_rates_and_backends() -> None:
+    assert parse_size("32MB") == 32_000_000
+    assert parse_size("32MiB") == parse_size("32m") == 32 * 2**20
+    assert parse_size("4096") == 4096
+    assert parse_size("1.5kb") == 1500
+    for bad in ("", "-1MB", "1XB", "0"):
+        with pytest.raises(BenchError):
+            parse_size(bad)
+    assert parse_rate("none") is None
+    assert parse_rate("1gbit") == 10**9
+    assert parse_rate("200mbit") == 200 * 10**6
+    with pytest.raises(BenchError):
+        parse_rate("fast")
+    assert format_rate(10**9) == "1gbit"
+    assert format_rate(2e8) == "200mbit"
+    assert format_rate(None) == "none"
+    assert format_bytes(32_000_000) == "32MB"
+    assert parse_backends("gloo, dlcp,gloo") == ["gloo", "dlcp"]
+    with pytest.raises(BenchError, match="unknown backend"):
+        parse_backends("dlcp,mpi")
+
+
+# --- maths -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 20, 101])
+@pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
+def test_percentile_matches_numpy(n: int, q: float) -> None:
+    xs = list(np.random.default_rng(n).exponential(size=n))
+    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+
+
+def test_percentile_edges() -> None:
+    assert math.isnan(percentile([], 50))
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 50) == 1.5
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summary_and_bus_bandwidth() -> None:
+    s = summarize_times([0.4, 0.5, 0.6, 2.0], 30_000_000, 3)
+    assert s["p50_s"] == pytest.approx(0.55)
+    assert s["max_s"] == 2.0
+    assert s["p99_s"] == pytest.approx(np.percentile([0.4, 0.5, 0.6, 2.0], 99))
+    # 2(n-1)/n * 30 MB in 0.55 s
+    assert s["busbw_gbps"] == pytest.approx(4 / 3 * 30e6 * 8 / 0.55 / 1e9)
+    assert busbw_gbps(1000, 2, 1.0) == pytest.approx(8e-6)
+    assert math.isnan(busbw_gbps(1000, 3, 0.0))
+
+
+def test_tta_from_curve() -> None:
+    curve = [[1.0, 0.5], [2.0, 0.91], [3.0, 0.95], [4.0, 0.94], [5.0, 0.97]]
+    assert tta_from_curve(curve, 0.95) == 3.0
+    assert tta_from_curve(curve, 0.5) == 1.0
+    assert tta_from_curve(curve, 0.99) is None
+    assert tta_from_curve([], 0.9) is None
+
+
+# --- records -----------------------------------------------------------------------------
+
+
+def fake_allreduce(
+    backend: str,
+    scenario: str,
+    p50: float,
+    p99: float,
+    *,
+    codec: str = "fp32",
+    loss_pct: float = 0.0,
+    run: int = 1,
+) -> dict[str, Any]:
+    times = [p50] * 19 + [p99]
+    rec: dict[str, Any] = {
+        "backend": backend,
+        "codec": codec,
+        "scenario": scenario,
+        "hosts": 3,
+        "size_bytes": 32_000_000,
+        "iters": len(times),
+        "times_s": times,
+        "cpu_s": 1.0,
+        "loss_frac": 0.01 if backend.startswith("dlcp") else 0.0,
+        "rate_bps": 10**9,
+        "loss_pct": loss_pct,
+        "run": run,
+    }
+    rec.update(summarize_times(times, 32_000_000, 3))
+    rec["p99_s"] = p99
+    return rec
+
+
+def fake_train(
+    backend: str, scenario: str, tta: float | None, final: float, loss_pct: float = 0.0
+) -> dict[str, Any]:
+    curve = [[t, min(final, 0.5 + 0.05 * t)] for t in range(1, 12)]
+    return {
+        "backend": backend,
+        "codec": "fp32",
+        "scenario": scenario,
+        "target_acc": 0.93,
+        "tta_s": tta,
+        "final_acc": final,
+        "steps": 80,
+        "curve": curve,
+        "hosts": 3,
+        "rate_bps": 10**8,
+        "loss_pct": loss_pct,
+        "step_p50_s": 0.2,
+        "wall_s": 11.0,
+    }
+
+
+def test_write_json_orders_keys_and_checks_them(tmp_path: Path) -> None:
+    rec = fake_allreduce("dlcp", "clean", 0.4, 0.5)
+    rec["p50_s"] = float("nan")
+    path = tmp_path / "sub" / "ar.json"
+    write_json(path, [rec], ALLREDUCE_KEYS)
+    data = json.loads(path.read_text())
+    assert isinstance(data, list) and len(data) == 1
+    assert list(data[0])[: len(ALLREDUCE_KEYS)] == list(ALLREDUCE_KEYS)
+    assert data[0]["p50_s"] is None  # NaN is not JSON
+    assert read_json(path) == data
+    with pytest.raises(BenchError, match="lacks"):
+        write_json(path, [{"backend": "gloo"}], ALLREDUCE_KEYS)
+    write_json(tmp_path / "t.json", [fake_train("gloo", "clean", 3.0, 0.95)], TRAIN_KEYS)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(BenchError):
+        read_json(tmp_path / "bad.json")
+
+
+def test_daemon_config_per_variant() -> None:
+    setup = Setup(hosts=3, rate_bps=10**9, scenario="multipath")
+    cfg = dlcp_daemon_config(setup, "dlcp")
+    assert cfg["rate"]["pacing"] is True
+    # two paths, two peers: each peer gets 2 x 1 Gbit/s / 2
+    assert cfg["rate"]["link_rate_bps"] == pytest.approx(1e9)
+    assert cfg["policies"] == {"balance": "spray"}
+    one = dlcp_daemon_config(setup, "dlcp-1path")
+    assert one["rate"]["link_rate_bps"] == pytest.approx(0.5e9)
+    clean = Setup(hosts=3, rate_bps=200_000_000)
+    assert clean.n_paths == 1
+    assert dlcp_daemon_config(clean, "dlcp")["rate"]["link_rate_bps"] == pytest.approx(1e8)
+    assert dlcp_daemon_config(clean, "dlcp-noprio")["policies"]["priority"] == "flow"
+    assert dlcp_daemon_config(clean, "dlcp-nobound")["policies"]["drop"] == "none"
+    assert "link_rate_bps" not in dlcp_daemon_config(Setup(rate_bps=None), "dlcp")["rate"]
+    # pacing "share" holds the rate at the link share; "aimd" leaves the daemon's AIMD
+    assert dlcp_daemon_config(clean, "dlcp")["rate"]["min_rate_bps"] == pytest.approx(1e8)
+    aimd = dlcp_daemon_config(Setup(rate_bps=200_000_000, pacing="aimd"), "dlcp")["rate"]
+    assert "min_rate_bps" not in aimd and aimd["link_rate_bps"] == pytest.approx(1e8)
+    with pytest.raises(BenchError, match="pacing"):
+        Setup(pacing="fast")
+
+
+def test_gloo_marking_spares_background_traffic() -> None:
+    script = gloo_mark_script(GLOO_PRIO_DSCP, 3)
+    assert "hook output" in script
+    assert "ip dscp set cs5" in script
+    assert "tcp sport != 5201-5208" in script and "tcp dport != 5201-5208" in script
+
+
+def test_require_root_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(BenchError, match="need root") as exc:
+        require_root_for_bench()
+    assert "\n" not in str(exc.value)
+
+
+def test_demo_not_root_fails_cleanly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dlcp.cli import main
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["demo"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dlcp: error:") and "root" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_demo_options_and_table() -> None:
+    import dlcp.demo
+
+    args = parser().parse_args(["demo", "--with-prio", "--steps", "30"])
+    opts = dlcp.demo.demo_options(args)
+    assert opts.setup.scenario == "congested"
+    assert opts.setup.name == "demo"
+    assert set(opts.backends) == {"dlcp", "gloo", "gloo-prio"}
+    assert opts.steps == 30
+    table = dlcp.demo.side_by_side(
+        [fake_train("gloo", "congested", 40.0, 0.93), fake_train("dlcp", "congested", 10.0, 0.94)]
+    )
+    assert "4.00x as fast as gloo" in table
+    assert "gloo" in table.splitlines()[0] and "dlcp" in table.splitlines()[0]
+
+
+# --- worker data -------------------------------------------------------------------------
+
+
+def test_bench_data_sums_exactly_in_any_order() -> None:
+    n = 10_000
+    scales = position_scales(n, 3)
+    xs = [make_data(n, 3, h, scales) for h in range(3)]
+    a = (xs[0] + xs[1]) + xs[2]
+    b = xs[0] + (xs[1] + xs[2])
+    c = (xs[2] + xs[0]) + xs[1]
+    assert np.array_equal(a, b) and np.array_equal(a, c)
+    assert np.array_equal(a.astype(np.float64), sum(x.astype(np.float64) for x in xs))
+    assert not np.array_equal(xs[0], xs[1])
+
+
+def test_bucket_spans_cover_the_buffer() -> None:
+    assert bucket_spans(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert bucket_spans(10, 10) == [(0, 10)]
+    spans = bucket_spans(1_000_003, 250_000)
+    assert sum(n for _, n in spans) == 1_000_003
+    assert all(o == sum(n for _, n in spans[:i]) for i, (o, _) in enumerate(spans))
+
+
+# --- plots and reports -------------------------------------------------------------------
+
+
+def suite_records() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    ar = [
+        fake_allreduce("dlcp", "clean", 0.35, 0.40),
+        fake_allreduce("gloo", "clean", 0.39, 0.42),
+        fake_allreduce("gloo-prio", "clean", 0.39, 0.42),
+        fake_allreduce("dlcp", "clean", 0.20, 0.22, codec="thc8", run=2),
+        fake_allreduce("gloo", "clean", 0.40, 0.42, run=2),
+        fake_allreduce("dlcp", "congested", 0.5, 0.6, run=3),
+        fake_allreduce("gloo", "congested", 2.63, 3.55, run=3),
+        fake_allreduce("gloo-prio", "congested", 0.39, 0.5, run=3),
+        fake_allreduce("dlcp", "loss", 0.4, 0.45, loss_pct=1.0, run=4),
+        fake_allreduce("gloo", "loss", 0.45, 0.80, loss_pct=1.0, run=4),
+        fake_allreduce("dlcp", "loss", 0.5, 0.6, loss_pct=5.0, run=5),
+        fake_allreduce("gloo", "loss", 0.64, 1.28, loss_pct=5.0, run=5),
+    ]
+    ar.append({**fake_allreduce("dlcp-nobound", "loss", 1, 1, loss_pct=5.0), "error": "boom"})
+    tr = [
+        fake_train("dlcp", "congested", 10.0, 0.950),
+        fake_train("gloo", "congested", 30.0, 0.948),
+        fake_train("gloo-prio", "congested", 9.0, 0.951),
+        fake_train("dlcp", "loss", 12.0, 0.93, loss_pct=5.0),
+        fake_train("gloo", "loss", 15.0, 0.95, loss_pct=5.0),
+    ]
+    return ar, tr
+
+
+def test_targets_from_records() -> None:
+    ar, tr = suite_records()
+    targets = {t.name: t for t in check_targets(ar, tr)}
+    clean = targets["clean: dlcp p50 / Gloo p50"]
+    assert clean.measured == pytest.approx(0.35 / 0.39) and clean.ok
+    assert targets["clean: dlcp thc8 p50 / Gloo p50"].measured == pytest.approx(0.5)
+    assert targets["clean: dlcp thc8 p50 / Gloo p50"].ok is False
+    assert targets["congested: dlcp p99 / Gloo p99"].measured == pytest.approx(0.6 / 3.55)
+    assert targets["congested: dlcp p99 / gloo-prio p99"].ok is False  # 0.6 / 0.5
+    assert targets["congested: dlcp p99 / p50"].measured == pytest.approx(1.2)
+    assert targets["loss 5%: dlcp p99 / Gloo p99"].measured == pytest.approx(0.6 / 1.28)
+    assert targets["burst: dlcp p99 / Gloo p99"].ok is None  # not measured
+    assert targets["train, congested: Gloo TTA / dlcp TTA"].measured == pytest.approx(3.0)
+    assert targets["train, congested: gloo-prio TTA / dlcp TTA"].measured == pytest.approx(0.9)
+    assert targets["train, 5% loss: Gloo TTA / dlcp TTA"].ok is False
+    acc = targets["train, loss 5%: |final acc dlcp - Gloo| (points)"]
+    assert acc.measured == pytest.approx(2.0) and acc.ok is False
+    md = markdown_targets(list(targets.values()))
+    assert md.count("\n") == len(targets) + 1
+    assert "**not met**" in md and "not measured" in md
+
+
+def test_markdown_tables() -> None:
+    ar, tr = suite_records()
+    md = markdown_allreduce(ar)
+    assert "failed: boom" in md
+    assert "| congested | dlcp | fp32 | 0.500 | 0.600 |" in md
+    assert "0.17x" in md  # p99 vs Gloo under congestion
+    mt = markdown_train(tr)
+    assert "3.00x" in mt and "0.90x" in mt
+
+
+def test_plots_from_fake_data(tmp_path: Path) -> None:
+    ar, tr = suite_records()
+    cdf = plot_latency_cdf(ar, tmp_path / "cdf.png", title="fake")
+    tta = plot_tta(tr, tmp_path / "tta.png", title="fake")
+    empty = plot_tta([], tmp_path / "empty.png")
+    for png in (cdf, tta, empty):
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        assert png.stat().st_size > 5000 or png is empty
+
+
+def test_suite_matrix_and_summary(tmp_path: Path) -> None:
+    cases = allreduce_cases()
+    assert {c.scenario for c in cases} == {"clean", "loss", "burst", "congested", "multipath"}
+    assert all("gloo" in c.backends and "dlcp" in c.backends for c in cases)
+    assert {c.loss_pct for c in cases if c.scenario == "loss"} == {1.0, 5.0}
+    assert any(c.codec == "thc8" for c in cases)
+    assert {"dlcp-noprio", "dlcp-nobound", "dlcp-1path"} <= {b for c in cases for b in c.backends}
+    assert not any("-" in b and b.startswith("dlcp") for c in allreduce_cases(ablations=False)
+                   for b in c.backends)  # fmt: skip
+    assert {c.scenario for c in train_cases()} == {"clean", "loss", "congested"}
+    ar, tr = suite_records()
+    write_json(tmp_path / "allreduce-1gbit.json", ar, ALLREDUCE_KEYS)
+    write_json(tmp_path / "train.json", tr, TRAIN_KEYS)
+    text = summary(tmp_path)
+    assert "## All-reduce at 1gbit" in text and "## Time to accuracy" in text
+    assert "| target | limit | measured | verdict |" in text
+
+
+def test_report_subcommand_redraws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ar, tr = suite_records()
+    write_json(tmp_path / "allreduce-1gbit.json", ar, ALLREDUCE_KEYS)
+    write_json(tmp_path / "train.json", tr, TRAIN_KEYS)
+    args = parser().parse_args(["bench", "report", str(tmp_path)])
+    assert args.func(args) == 0
+    assert (tmp_path / "latency-1gbit.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "tta.png").exists() and (tmp_path / "summary.md").exists()
+    assert "Targets" in capsys.readouterr().out
+
+
+# --- one small run through namespaces ---------------------------------------------------------
+
+
+@pytest.mark.netns
+def test_bench_allreduce_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "ar.json"
+    args = parser().parse_args(
+        [
+            "bench", "allreduce", "--hosts", "3", "--rate", "200mbit", "--size", "256KB",
+            "--iters", "2", "--warmup", "1", "--backends", "dlcp,gloo,gloo-prio",
+            "--json", str(out), "--plot", str(tmp_path / "cdf.png"), "--no-progress",
+            "--name", f"bench-t{os.getpid() % 100000}",
+        ]
+    )  # fmt: skip
+    args.func(args)
+    records = json.loads(out.read_text())
+    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-prio"]
+    for r in records:
+        assert not r.get("error"), r.get("error")
+        for key in ALLREDUCE_KEYS:
+            assert key in r, key
+        assert len(r["times_s"]) == 2
+        assert r["p50_s"] > 0 and r["p99_s"] >= r["p50_s"]
+        assert r["size_bytes"] == 256_000 and r["hosts"] == 3 and r["iters"] == 2
+    assert records[0]["result_error"] is not None  # dlcp's result was checked
+    assert (tmp_path / "cdf.png").read_bytes()[:8] == PNG_MAGIC
