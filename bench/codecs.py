@@ -12,9 +12,10 @@ batch touched 1 % of the rows), the sparse case it is made for.
 Columns: push ratio = fp32 bytes / bytes a worker pushes; total ratio = fp32
 bytes both ways / bytes pushed + pulled (results of fft are fp32, of THC 16-bit
 sums); error = relative L2 error of the averaged gradient of one round (no
-error-feedback history); throughput in fp32 MB/s of the bucket, one thread:
-encode per worker, aggregate per contribution at the shard owner, decode of the
-result per worker.
+error-feedback history); throughput in fp32 MB/s of the bucket, one thread,
+best of `--repeats` rounds (other load on a shared machine only slows a round
+down): encode per worker, aggregate per contribution at the shard owner,
+decode of the result per worker.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def measure(spec: str, grads: list[torch.Tensor], repeats: int, data: str) -> di
     truth = torch.stack(grads).mean(dim=0)
     ex = average(make_codec(spec), grads, error_feedback=False)
     err = float((ex.mean - truth).norm() / truth.norm())
-    enc, agg, dec = measure_steps(spec, grads, repeats)
+    enc, agg, dec = measure_steps(spec, grads, repeats, best=True)
     mb = 4 * n / 1e6
     return {
         "codec": spec,

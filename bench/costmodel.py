@@ -153,13 +153,13 @@ def _profile(rows: Rows) -> ModelProfile:
 
 
 def _jitter(rows: Rows) -> float:
-    """Relative spread of the ranks' compute (forward + backward) per iteration: a
-    robust standard deviation (1.4826 x median absolute deviation) over the median."""
+    """Spread of the ranks' compute (forward + backward) per iteration, seconds: a
+    robust standard deviation (1.4826 x the median absolute deviation)."""
     xs = [f + b for r in rows for f, b in zip(r["forward_s_all"], r["backward_s_all"], strict=True)]
     if len(xs) < 2:
         return 0.0
     mid = statistics.median(xs)
-    return 1.4826 * statistics.median(abs(x - mid) for x in xs) / mid
+    return 1.4826 * statistics.median(abs(x - mid) for x in xs)
 
 
 def _median_cost(costs: list[CodecCost]) -> CodecCost:
@@ -242,7 +242,7 @@ def analyse(
             else:
                 cals = _rows(ranks, "calibration", rnd, spec)
                 cost = _median_cost([CodecCost.from_json(r["cost"]) for r in cals])
-            pred = predict(profile, cost, network, a.hosts, cpu_share=share, jitter=jitter)
+            pred = predict(profile, cost, network, a.hosts, cpu_share=share, jitter_s=jitter)
             measured_steps = {k: statistics.median(r["steps"][k] for r in rows) for k in pred.steps}
             per_round.append(
                 {
@@ -255,7 +255,7 @@ def analyse(
                         profile, cost, network, a.hosts, share, measured_steps
                     ),
                     "compute_s": profile.compute_s,
-                    "jitter": jitter,
+                    "jitter_s": jitter,
                     "network": {
                         "push_bytes_s": network.push_bytes_s,
                         "pull_bytes_s": network.pull_bytes_s,
@@ -329,7 +329,7 @@ def main() -> int:
         "--jitter",
         type=float,
         default=None,
-        help="hosts' relative compute jitter (default: measured in the compute runs)",
+        help="hosts' compute jitter in seconds (default: measured in the compute runs)",
     )
     p.add_argument("--reanalyse", default=None, help="predict again from a --json file's raw data")
     p.add_argument("--timeout", type=float, default=1800.0)

@@ -71,7 +71,7 @@ def demo_options(args: argparse.Namespace) -> Any:
             loss_pct=5.0,
             name=DEMO_NAME,
         ),
-        target_acc=0.92,
+        target_acc=0.90,
         backends=backends,
         steps=args.steps,
         hidden=(512, 256),

@@ -45,6 +45,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (digits-mlp)")
     p.add_argument("--batch", type=int, default=32, help="batch per rank (digits-mlp)")
     p.add_argument("--cpu-share", type=float, default=1.0, help="share of a core per host")
+    p.add_argument(
+        "--jitter-ms", type=float, default=0.0, help="hosts' compute jitter (straggler waits)"
+    )
     p.add_argument("--calibration", default=None, help="calibration JSON file (cache)")
     p.add_argument("--recalibrate", action="store_true", help="time the codecs again")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -92,8 +95,24 @@ def run(args: argparse.Namespace) -> int:
     out: list[dict[str, Any]] = []
     for bps in links:
         net = Network.from_rate(bps)
-        preds = predict_all(profile, cal, net, args.hosts, specs=specs, cpu_share=args.cpu_share)
-        auto = choose_codec(profile, bps, hosts=args.hosts, calibration=cal, candidates=specs)
+        preds = predict_all(
+            profile,
+            cal,
+            net,
+            args.hosts,
+            specs=specs,
+            cpu_share=args.cpu_share,
+            jitter_s=args.jitter_ms / 1e3,
+        )
+        auto = choose_codec(
+            profile,
+            bps,
+            hosts=args.hosts,
+            calibration=cal,
+            candidates=specs,
+            cpu_share=args.cpu_share,
+            jitter_s=args.jitter_ms / 1e3,
+        )
         base = next((p.iteration_s for p in preds if p.codec == "fp32"), None)
         out.append(
             {

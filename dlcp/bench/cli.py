@@ -69,7 +69,7 @@ def register(sub: Any) -> None:
     )
     _cluster_args(tr, rate="100mbit")
     tr.add_argument(
-        "--target-acc", type=float, default=0.93, help="target test accuracy (default: 0.93)"
+        "--target-acc", type=float, default=0.90, help="target test accuracy (default: 0.90)"
     )
     tr.add_argument("--steps", type=int, default=80, help="training steps (default: 80)")
     tr.add_argument("--batch", type=int, default=32, help="batch per rank (default: 32)")

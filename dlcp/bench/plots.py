@@ -43,6 +43,8 @@ def scenario_label(rec: dict[str, Any]) -> str:
 
 
 def _label(rec: dict[str, Any]) -> str:
+    if rec.get("_label"):
+        return str(rec["_label"])
     name = str(rec["backend"])
     if name.startswith("dlcp") and rec.get("codec", "fp32") != "fp32":
         name += f" {rec['codec']}"
@@ -57,9 +59,24 @@ def _style(rec: dict[str, Any]) -> tuple[str, str]:
 
 
 def _groups(records: Sequence[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Records by scenario; a backend that appears twice in a scenario (e.g.
+    Gloo beside dlcp fp32 and beside dlcp thc8) gets its codec run named."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault(scenario_label(r), []).append(r)
+        groups.setdefault(scenario_label(r), []).append(dict(r))
+    for recs in groups.values():
+        seen: dict[str, int] = {}
+        for r in recs:
+            seen[r["backend"]] = seen.get(r["backend"], 0) + 1
+        for r in recs:
+            if seen[r["backend"]] > 1 and not str(r["backend"]).startswith("dlcp"):
+                partner = next(
+                    (q for q in recs if q.get("run") == r.get("run") and q is not r
+                     and str(q["backend"]).startswith("dlcp")),
+                    None,
+                )  # fmt: skip
+                if partner is not None and partner.get("codec", "fp32") != "fp32":
+                    r["_label"] = f"{r['backend']} (beside {partner['codec']})"
     return list(groups.items())
 
 

@@ -67,7 +67,7 @@ def allreduce_cases(*, ablations: bool = True) -> list[Case]:
         Case("loss", BASE, loss_pct=1.0),
         Case("loss", (*BASE, *ab("dlcp-nobound")), loss_pct=5.0),
         Case("burst", (*BASE, *ab("dlcp-nobound"))),
-        Case("congested", (*BASE, *ab("dlcp-noprio"))),
+        Case("congested", (*BASE, *ab("dlcp-noprio"), *ab("dlcp-nobound"))),
         Case("multipath", (*BASE, *ab("dlcp-1path"))),
     ]
 

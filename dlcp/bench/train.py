@@ -44,7 +44,7 @@ _ports = iter(range(30700, 31700))
 @dataclass(frozen=True)
 class TrainOptions:
     setup: Setup
-    target_acc: float = 0.93
+    target_acc: float = 0.90
     codec: str = "fp32"
     backends: Sequence[str] = ("dlcp", "gloo", "gloo-prio")
     steps: int = 80
@@ -249,7 +249,7 @@ def _run_workers(
             rec["curve"] = curve
             rec["final_acc"] = curve[-1][1] if curve else None
             rec["tta_s"] = tta_from_curve(curve, opts.target_acc)
-            rec["wall_s"] = seen["t"]
+            rec["wall_s"] = max(seen["t"], float(budget or 0.0))  # trained that long
             gaps = [b - a for a, b in zip([0.0, *step_ts], step_ts, strict=False)]
             rec["step_p50_s"] = percentile(gaps, 50) if gaps else None
             return

@@ -296,7 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--bucket-mb", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--netcal", default="65536,4194304", help="bytes to time push/pull at")
+    p.add_argument(
+        "--netcal", default="65536,1048576,4194304,16777216", help="bytes to time push/pull at"
+    )
     p.add_argument("--rounds", type=int, default=1, help="cycles through all runs (interleaved)")
     p.add_argument(
         "--calibrate",

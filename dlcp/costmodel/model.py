@@ -13,9 +13,9 @@ does), transpose all-reduce over `hosts` (each owns 1/hosts of every bucket):
 CPU steps (`CodecCost`, measured by `calibrate`) pause the backward pass (one
 compute resource); network steps run beside it. A push moves (hosts-1)/hosts
 of the pushed bytes through each host's link, a pull the same share of the
-result bytes, each after a fixed latency (`Network.push_s`, `pull_s`). The
-iteration ends when both backward and the last bucket are done, plus the
-optimizer step.
+result bytes, each after a fixed latency (`Network.push_s`, `pull_s`) and,
+with `jitter_s`, the expected wait for the slowest host. The iteration ends
+when both backward and the last bucket are done, plus the optimizer step.
 """
 
 from __future__ import annotations
@@ -178,37 +178,35 @@ def predict(
     hosts: int,
     *,
     cpu_share: float = 1.0,
-    jitter: float = 0.0,
+    jitter_s: float = 0.0,
 ) -> Prediction:
     """Predicted iteration time of `profile` with `cost`'s codec on `network`.
 
     cpu_share: the share of a core each worker's codec steps get (below 1 when
         emulated hosts share the machine's cores).
-    jitter: relative standard deviation of the hosts' CPU work. A push or pull
-        completes when the slowest host arrives, `expected_max_normal(hosts) *
-        jitter` times the CPU work since the previous exchange after the
-        average one (stragglers; 0 for identical hosts).
+    jitter_s: standard deviation of the hosts' arrival at an exchange (their
+        compute jitter, seconds). A push or pull completes when the slowest host
+        arrives, `expected_max_normal(hosts) * jitter_s` after the average one
+        (stragglers; 0 for identical, quiet hosts).
     """
     if hosts < 1:
         raise LocalError(f"hosts must be >= 1, got {hosts}")
     if not 0 < cpu_share <= 1:
         raise LocalError(f"cpu_share {cpu_share} outside (0, 1]")
-    if not jitter >= 0:
-        raise LocalError(f"jitter {jitter} must be >= 0")
+    if not jitter_s >= 0:
+        raise LocalError(f"jitter {jitter_s} must be >= 0")
     slow = 1.0 / cpu_share
-    lag = expected_max_normal(hosts) * jitter
+    lag = expected_max_normal(hosts) * jitter_s
     t = profile.forward_s
     done = 0.0  # backward seconds computed
     wire = 0.0
     totals = dict.fromkeys(STEPS, 0.0)
-    work = profile.forward_s  # CPU seconds since the last exchange
     if hosts > 1:
         for b in profile.buckets:
             n = b.numel
             shard = n / hosts
             if done < b.ready_s:
                 t += b.ready_s - done
-                work += b.ready_s - done
                 done = b.ready_s
             chain = [("encode", hosts * cost.encode(shard) * slow)]
             for phase in range(cost.phases):
@@ -223,11 +221,8 @@ def predict(
             chain.append(("decode", hosts * cost.decode(shard) * slow))
             for step, dur in chain:
                 if step in _NETWORK_STEPS:
-                    dur += lag * work  # waiting for the slowest host
-                    work = 0.0
+                    dur += lag  # waiting for the slowest host
                     done = min(profile.backward_s, done + dur)  # backward goes on beside it
-                else:
-                    work += dur
                 totals[step] += dur
                 t += dur
     t += profile.backward_s - done + profile.step_s
@@ -251,12 +246,12 @@ def predict_all(
     *,
     specs: Sequence[str] | None = None,
     cpu_share: float = 1.0,
-    jitter: float = 0.0,
+    jitter_s: float = 0.0,
 ) -> list[Prediction]:
     """Predictions for every calibrated codec (or `specs`), fastest first."""
     chosen = list(specs) if specs is not None else list(calibration.codecs)
     preds = [
-        predict(profile, calibration[s], network, hosts, cpu_share=cpu_share, jitter=jitter)
+        predict(profile, calibration[s], network, hosts, cpu_share=cpu_share, jitter_s=jitter_s)
         for s in chosen
     ]
     return sorted(preds, key=lambda p: p.iteration_s)
@@ -272,6 +267,8 @@ def choose_codec(
     network: Network | None = None,
     min_gain: float = 0.05,
     max_rel_error: float | None = None,
+    cpu_share: float = 1.0,
+    jitter_s: float = 0.0,
 ) -> str:
     """The codec `auto` stands for: the fastest predicted one, unless a more
     accurate codec (smaller calibrated error) is within `min_gain` of it.
@@ -294,7 +291,9 @@ def choose_codec(
         specs = [s for s in specs if calibration[s].rel_error <= max_rel_error]
     if not specs:
         raise LocalError("no calibrated codec to choose from")
-    preds = predict_all(profile, calibration, net, hosts, specs=specs)
+    preds = predict_all(
+        profile, calibration, net, hosts, specs=specs, cpu_share=cpu_share, jitter_s=jitter_s
+    )
     best = preds[0].iteration_s
     close = [p for p in preds if p.iteration_s <= best * (1 + min_gain)]
     return min(close, key=lambda p: (p.rel_error, p.iteration_s)).codec
