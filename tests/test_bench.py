@@ -7,6 +7,10 @@ import argparse
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -524,3 +528,43 @@ def test_bench_allreduce_smoke(tmp_path: Path) -> None:
         assert r["size_bytes"] == 256_000 and r["hosts"] == 3 and r["iters"] == 2
     assert records[0]["result_error"] is not None  # dlcp's result was checked
     assert (tmp_path / "cdf.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def _namespaces(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def _processes(pattern: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.netns
+def test_sigterm_mid_bench_removes_everything(tmp_path: Path) -> None:
+    """`kill` (SIGTERM) of a running bench: testbed, daemons and workers are gone."""
+    name = f"bench-k{os.getpid() % 100000}"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "dlcp", "bench", "allreduce", "--hosts", "3", "--rate",
+            "200mbit", "--size", "1MB", "--iters", "100000", "--backends", "dlcp,gloo",
+            "--json", str(tmp_path / "ar.json"), "--no-progress", "--name", name,
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not _processes(f"ar_worker.*{name}"):  # daemons up, workers started
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the bench never started its processes"
+            time.sleep(0.2)
+        assert _namespaces(name)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, output
+    assert _namespaces(name) == []
+    assert _processes(name) == []
