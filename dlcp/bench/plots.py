@@ -130,6 +130,7 @@ def plot_tta(
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, (name, recs) in zip(axes.flat, groups, strict=False):
         target = None
+        low = 50.0  # zoomed in, unless a backend ends below that (stuck)
         for r in recs:
             ts = [float(p[0]) for p in r["curve"]]
             accs = [100 * float(p[1]) for p in r["curve"]]
@@ -141,6 +142,8 @@ def plot_tta(
                 ts.append(float(r["wall_s"]))
                 accs.append(accs[-1] if accs else 0.0)
             ax.plot(ts, accs, color=colour, linestyle=line, label=label, marker=".")
+            if accs:
+                low = min(low, max(0.0, 10 * (accs[-1] // 10) - 10))
             if r.get("stopped_at_step") is not None and ts:
                 ax.plot(ts[-1:], accs[-1:], color=colour, marker="x", markersize=9)
             if r.get("tta_s") is not None:
@@ -151,7 +154,7 @@ def plot_tta(
         ax.set_title(name)
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("test accuracy (%)")
-        ax.set_ylim(50, 100)
+        ax.set_ylim(low, 100)
         ax.grid(True, alpha=0.3)
         if recs:
             ax.legend(fontsize="small", loc="lower right")
