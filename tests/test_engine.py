@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, Send
 from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import LocalError, Reason
@@ -162,6 +162,38 @@ def test_results_survive_heavy_loss_of_result_and_control_packets() -> None:
     net.run()
     done = completions(net)
     assert len(done) == 3
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
+
+
+def test_a_shard_whose_results_all_vanish_is_asked_for() -> None:
+    """Every first result packet and DONE from owner 1 to node 0 is lost (say,
+    node 0's socket buffer overflowed while it was busy): node 0 has heard
+    nothing of shard 1 at all, so it must ask for the DONE, not wait for the
+    round to time out."""
+    from dlcp.wire import PacketType
+
+    result_dones = 0
+
+    def drop(src: int, s: Send) -> bool:
+        nonlocal result_dones
+        if src != 1 or s.node != 0:
+            return False
+        h = decode(s.datagram, {JOB: KEY})[0]
+        if h.type == PacketType.RESULT:
+            return not h.flags & Flags.RETRANSMIT
+        if h.type == PacketType.DONE and h.flags & Flags.RESULT_LEG:
+            result_dones += 1
+            return result_dones <= 2  # the owner's two copies; an answer to a NACK passes
+        return False
+
+    xs = [np.arange(30_000, dtype=np.float32) * (h + 1) for h in range(3)]
+    net = Network(cluster(3, timing=Timing(timeout=5.0, grace=0.05)), seed=3, drop=drop)
+    submit_all(net, xs)
+    net.run(until=10.0)
+    done = completions(net)
+    assert len(done) == 3
+    assert net.engines[0].stats["result_nacks_sent"] > 0
     for ev in done.values():
         np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
 

@@ -419,12 +419,20 @@ class ResultCollector:
                 # is really missing follows once it arrives.
                 nacks.append(Nack(w.owner, shard, (), need_manifest=True))
                 w.last_nack = now
+            elif w.last_arrival is None and now >= max(self.created, w.last_nack) + t.grace:
+                # Nothing at all from this owner yet: either it is still
+                # aggregating (it ignores the question) or every result packet
+                # and both DONE copies were lost (a receive buffer overflowed
+                # while this host was busy). Ask for the DONE, once per grace.
+                nacks.append(Nack(w.owner, shard, (), need_manifest=True))
+                w.last_nack = now
         return nacks
 
     def next_timer(self) -> float | None:
         t = _Tick()
         for w in self.waiting.values():
             if w.last_arrival is None and not w.done:
+                t.arm(max(self.created, w.last_nack) + self.timing.grace)
                 continue
             last = w.last_arrival if w.last_arrival is not None else self.created
             wait = self.timing.nack_delay if w.done else self.timing.grace
