@@ -176,6 +176,12 @@ class Engine:
         self._collectors: dict[OpKey, ResultCollector] = {}
         self._closed: dict[OpKey, float] = {}  # completed or failed rounds, for late packets
         self._closed_shards: dict[tuple[OpKey, int], float] = {}  # shards aggregated here
+        # Shards closed here (aggregated, failed or timed out) for the whole stale
+        # window, not just `retain`: job -> (bucket, shard) -> [highest closed
+        # round, bitmap of closed rounds below it]. A replayed packet of such a
+        # round is late instead of opening a fresh aggregator (RELIABILITY.md).
+        self._closed_rounds: dict[int, dict[tuple[int, int], list[int]]] = {}
+        self._pruned_at: dict[int, int] = {}
         self._newest: dict[int, int] = {}
         self._out: list[Send] = []
         self._events: deque[Event] = deque()
@@ -203,6 +209,8 @@ class Engine:
             del self._closed[op]
         for k in [k for k in self._closed_shards if k[0][0] == job]:
             del self._closed_shards[k]
+        self._closed_rounds.pop(job, None)
+        self._pruned_at.pop(job, None)
         self._newest.pop(job, None)
 
     @property
@@ -308,7 +316,7 @@ class Engine:
             now=now,
             timing=self.timing,
         )
-        self._newest[job] = max(self._newest.get(job, 0), round)
+        self._see_round(job, round)
         for shard, owner in enumerate(spec.owners):
             pk = layout.shard_packets(shard)
             if not pk:
@@ -612,6 +620,7 @@ class Engine:
             (op, h.shard) in self._finished
             or (op, h.shard) in self._closed_shards
             or op in self._closed
+            or self._shard_closed(spec, op, h.shard)
         ):
             self.stats["late_packets"] += 1
             return None
@@ -773,8 +782,58 @@ class Engine:
             self._aggs[key] = agg
             n = agg.n_packets
             self._agg_meta[key] = (np.full(n, 7, np.uint8), np.zeros(n, np.uint16))
-            self._newest[op[0]] = max(self._newest.get(op[0], 0), op[1])
+            self._see_round(op[0], op[1])
         return agg
+
+    # -- closed-round memory ------------------------------------------------
+    def _see_round(self, job: int, round: int) -> None:
+        """Move the job's newest round; forget closed shards behind the window."""
+        newest = self._newest.get(job, 0)
+        if round <= newest:
+            return
+        self._newest[job] = round
+        spec = self.jobs.get(job)
+        closed = self._closed_rounds.get(job)
+        if spec is None or not closed:
+            return
+        # Every round of an entry whose highest closed round is this far behind
+        # is stale for the window check already: drop it (amortised, every
+        # quarter window).
+        if round - self._pruned_at.get(job, 0) < max(1, spec.window // 4):
+            return
+        self._pruned_at[job] = round
+        for k in [k for k, (high, _) in closed.items() if high + spec.window < round]:
+            del closed[k]
+
+    def _close_shard(self, op: OpKey, shard: int) -> None:
+        """Remember that (op, shard) closed here for as long as the round is in the window."""
+        spec = self.jobs.get(op[0])
+        if spec is None:
+            return
+        rnd = op[1]
+        entry = self._closed_rounds.setdefault(op[0], {}).get((op[2], shard))
+        if entry is None:
+            self._closed_rounds[op[0]][(op[2], shard)] = [rnd, 1]
+            return
+        high, bits = entry
+        if rnd > high:
+            entry[0] = rnd
+            entry[1] = ((bits << (rnd - high)) | 1) & ((1 << (spec.window + 1)) - 1)
+        elif high - rnd <= spec.window:
+            entry[1] = bits | (1 << (high - rnd))
+
+    def _shard_closed(self, spec: JobSpec, op: OpKey, shard: int) -> bool:
+        """Whether (op, shard) closed here within the window. A round a whole
+        window behind one of the same bucket and shard that closed here counts
+        as closed too: it cannot be a live round."""
+        entry = self._closed_rounds.get(op[0], {}).get((op[2], shard))
+        if entry is None:
+            return False
+        high, bits = entry
+        rnd = op[1]
+        if rnd > high:
+            return False
+        return high - rnd > spec.window or bool(bits >> (high - rnd) & 1)
 
     def _note_meta(
         self, op: OpKey, shard: int, pk: range, classes: np.ndarray, layers: np.ndarray
@@ -812,6 +871,7 @@ class Engine:
             waiting=set(receivers),
         )
         self._closed_shards[(op, shard)] = now
+        self._close_shard(op, shard)
         self.stats["shards_aggregated"] += 1
         self.stats["lanes_lost"] += agg.result.lost_lanes
         self.stats["lanes_expected"] += agg.result.total_lanes
@@ -863,6 +923,7 @@ class Engine:
         for k in [k for k in self._aggs if k[0] == op]:
             del self._aggs[k]
             self._agg_meta.pop(k, None)
+            self._close_shard(op, k[1])
         self._closed[op] = now
         self.stats["rounds_failed"] += 1
         self._events.append(RoundFailed(job=op[0], round=op[1], bucket=op[2], reason=reason))
@@ -895,6 +956,7 @@ class Engine:
                 else:
                     del self._aggs[(op, shard)]
                     self._agg_meta.pop((op, shard), None)
+                    self._close_shard(op, shard)
                     self.stats["rounds_failed"] += 1
                 continue
             self._progress(op, shard, now)

@@ -29,7 +29,7 @@ from dlcp.daemon import notify
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
 from dlcp.daemon.outbox import Outbox
-from dlcp.daemon.shm import MappedSegment
+from dlcp.daemon.shm import RankSegment
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
@@ -75,7 +75,7 @@ class Client:
     def __init__(self, daemon: Daemon, writer: asyncio.StreamWriter) -> None:
         self.daemon = daemon
         self.writer = writer
-        self.segment: MappedSegment | None = None
+        self.segment: RankSegment | None = None
         self.jobs: set[int] = set()
         self.pending = 0
         self.closed = False
@@ -417,27 +417,24 @@ class Daemon:
             self._round_hist.observe(elapsed)
         lay = ev.layout
         sum_dtype = lane_ops.wire_summed_dtype(lay.codec)  # the wire's summed lanes
-        nsum = lane_bytes(lay.codec, lay.total, True)
         contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
         bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
         counts = lay.packet_counts()
         expected = len(job.spec.contributors) * job.local_ranks if job else 0
         self.counters["result_lanes"] += lay.total * len(lr.parts)
         self.counters["result_lanes_lost"] += int(counts[contrib < expected].sum()) * len(lr.parts)
+        sums = np.ascontiguousarray(ev.sums).astype(sum_dtype, casting="unsafe", copy=False)
         for part in lr.parts:
             c = part.client
             if c.closed or c.segment is None:
                 continue
-            off, _n = part.out
-            buf = c.segment.buf
-            # one pass: cast the sums straight into the rank's segment
-            out = np.frombuffer(buf, dtype=sum_dtype, count=lay.total, offset=off)
-            np.copyto(out, ev.sums, casting="unsafe")
-            end = off + nsum
-            buf[end : end + 2 * lay.packets] = contrib.tobytes()
-            end += 2 * lay.packets
-            buf[end : end + 4 * lay.packets] = bmax.tobytes()
             c.pending -= 1
+            try:  # pwritev, never a mapping: a rank may have shrunk its segment
+                c.segment.write(part.out[0], (sums, contrib, bmax))
+            except LocalError as exc:
+                self.requests[("submit", "bad_request")] += 1
+                c.error(part.rid, "bad_request", f"round completed, but {exc}")
+                continue
             self.requests[("submit", "ok")] += 1
             c.reply(
                 part.rid,
@@ -704,7 +701,7 @@ class Daemon:
     def _op_segment(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         if client.pending:
             raise RequestError("conflict", "cannot replace the segment with submits outstanding")
-        seg = MappedSegment(req.get("name"), req.get("size"))  # type: ignore[arg-type]
+        seg = RankSegment(req.get("name"), req.get("size"))  # type: ignore[arg-type]
         if client.segment is not None:
             client.segment.close()
         client.segment = seg
@@ -818,7 +815,7 @@ class Daemon:
             if m_len not in (6 * n, 10 * n):
                 raise _bad(f"meta must hold {6 * n} or {10 * n} bytes for {n} packets")
             regions.append((m_off, m_len))
-            mv = seg.buf[m_off : m_off + m_len]
+            mv = seg.read(m_off, m_len)
             layers = np.frombuffer(mv, "<u2", n, 0).astype(np.int64)
             norms = np.frombuffer(mv, "<f4", n, 2 * n).astype(np.float64)
             if not np.isfinite(norms).all() or (norms < 0).any():
@@ -833,6 +830,17 @@ class Daemon:
         if lr is None:
             if self.engine.has_round(*op):
                 raise RequestError("conflict", f"round {rnd} bucket {bucket} was already run")
+        elif lr.submitted:
+            raise RequestError("conflict", f"round {rnd} bucket {bucket} already started")
+        elif not lr.same(int(codec), total, bound, scale):
+            raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
+        elif any(p.client is client for p in lr.parts):
+            raise RequestError("conflict", "this client already submitted the bucket")
+        # A private copy by preadv, never the mapping: a rank that shrinks its
+        # segment gets bad_request instead of killing the daemon with SIGBUS. The
+        # copy answers retransmissions until the round has its results.
+        data = seg.read(d_off, d_len)
+        if lr is None:
             lr = LocalRound(
                 job_id,
                 rnd,
@@ -845,15 +853,6 @@ class Daemon:
                 started=self.now,
             )
             self.rounds[op] = lr
-        elif lr.submitted:
-            raise RequestError("conflict", f"round {rnd} bucket {bucket} already started")
-        elif not lr.same(int(codec), total, bound, scale):
-            raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
-        elif any(p.client is client for p in lr.parts):
-            raise RequestError("conflict", "this client already submitted the bucket")
-        # No copy: the rank leaves `data` untouched until the reply (protocol rule),
-        # and no peer can ask for our data once our round has its results.
-        data = np.frombuffer(seg.buf, np.uint8, d_len, d_off)
         lr.parts.append(LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax))
         client.pending += 1
         if len(lr.parts) >= lr.expected:

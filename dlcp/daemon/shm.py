@@ -1,21 +1,35 @@
-"""The daemon's view of a rank's shared-memory segment (/dev/shm/dlcp-*)."""
+"""The daemon's view of a rank's shared-memory segment (/dev/shm/dlcp-*).
+
+The daemon never maps the segment. A rank owns the file and may shrink it at
+any time (`ftruncate`); touching a mapped page past the new end would kill the
+daemon with SIGBUS, for every job on the host. Instead the daemon keeps the
+file's descriptor open and moves bytes with `preadv`/`pwritev`, which report a
+shrunk file as a short count (or an errno) rather than a fault. The copy this
+costs replaces the one a mapping would need anyway: the daemon keeps its own
+copy of the lanes for retransmissions, so a rank rewriting `data` early can no
+longer change what was sent either.
+"""
 
 from __future__ import annotations
 
-import mmap
+import contextlib
 import os
 import stat
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from dlcp.errors import LocalError
 from dlcp.ipc import SEGMENT_NAME
 
-__all__ = ["MAX_SEGMENT", "MappedSegment"]
+__all__ = ["MAX_SEGMENT", "RankSegment"]
 
 MAX_SEGMENT = 64 << 30
 SHM_DIR = "/dev/shm"
 
 
-class MappedSegment:
+class RankSegment:
     def __init__(self, name: str, size: int) -> None:
         if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
             raise LocalError(f"segment name must match {SEGMENT_NAME.pattern}")
@@ -23,7 +37,7 @@ class MappedSegment:
             raise LocalError(f"segment size must be 1..{MAX_SEGMENT} bytes")
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise LocalError(f"cannot open segment {name}: {exc.strerror}") from None
         try:
@@ -32,12 +46,12 @@ class MappedSegment:
                 raise LocalError(f"segment {name} is not a regular file")
             if st.st_size < size:
                 raise LocalError(f"segment {name} has {st.st_size} bytes, not {size}")
-            self.mmap = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd: int | None = fd
         self.name = name
         self.size = size
-        self.buf = memoryview(self.mmap)
 
     def region(self, spec: object, what: str) -> tuple[int, int]:
         """A validated (offset, length) pair inside the segment."""
@@ -52,9 +66,74 @@ class MappedSegment:
             raise LocalError(f"{what} [{off}, {n}] lies outside the {self.size}-byte segment")
         return off, n
 
-    def close(self) -> None:
+    def _fd(self) -> int:
+        if self.fd is None:
+            raise LocalError(f"segment {self.name} is closed")
+        return self.fd
+
+    def _shrunk(self, what: str, off: int, n: int) -> LocalError:
         try:
-            self.buf.release()
-            self.mmap.close()
-        except BufferError:
-            pass
+            now = f"{os.fstat(self._fd()).st_size} bytes"
+        except OSError as exc:
+            now = f"unreadable ({exc.strerror})"
+        return LocalError(
+            f"segment {self.name} shrank to {now} (announced {self.size}): cannot {what} "
+            f"[{off}, {n}]; do not truncate a segment the daemon uses"
+        )
+
+    def read(self, off: int, n: int) -> np.ndarray:
+        """A private copy of bytes [off, off + n) as a uint8 array."""
+        out = np.empty(n, np.uint8)
+        self.read_into(off, out)
+        return out
+
+    def read_into(self, off: int, out: np.ndarray) -> None:
+        fd = self._fd()
+        view = out.data.cast("B")
+        n = len(view)
+        done = 0
+        while done < n:
+            try:
+                got = os.preadv(fd, [view[done:]], off + done)
+            except OSError as exc:
+                raise LocalError(f"cannot read segment {self.name}: {exc.strerror}") from None
+            if got <= 0:
+                raise self._shrunk("read", off, n)
+            done += got
+
+    def write(self, off: int, parts: Sequence[Any]) -> None:
+        """Write the buffers back to back from `off`.
+
+        A segment that shrank is refused. If it shrinks between the check and
+        the write, the write grows the file again: no fault either way.
+        """
+        fd = self._fd()
+        views = [memoryview(p).cast("B") for p in parts]
+        views = [v for v in views if len(v)]
+        n = sum(len(v) for v in views)
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            raise LocalError(f"cannot stat segment {self.name}: {exc.strerror}") from None
+        if off + n > size:
+            raise self._shrunk("write", off, n)
+        pos = off
+        while views:
+            try:
+                put = os.pwritev(fd, views, pos)
+            except OSError as exc:
+                raise LocalError(f"cannot write segment {self.name}: {exc.strerror}") from None
+            if put <= 0:
+                raise self._shrunk("write", off, n)
+            pos += put
+            while views and put >= len(views[0]):
+                put -= len(views[0])
+                views.pop(0)
+            if put:
+                views[0] = views[0][put:]
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
