@@ -198,6 +198,30 @@ def test_a_shard_whose_results_all_vanish_is_asked_for() -> None:
         np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
 
 
+def test_results_are_kept_for_a_receiver_cut_off_longer_than_retain() -> None:
+    """Node 0 loses the first results of shard 1 and cannot reach node 1 for
+    longer than `retain`: its NACKs get through only after that, and node 1 must
+    still hold the results (until node 0 ACKs or its round times out)."""
+    from dlcp.wire import PacketType
+
+    def drop(src: int, s: Send) -> bool:
+        if src == 1 and s.node == 0:
+            h = decode(s.datagram, {JOB: KEY})[0]
+            return h.type == PacketType.RESULT and not h.flags & Flags.RETRANSMIT
+        return src == 0 and s.node == 1 and net.now < 1.0  # cut off for 1 s > retain
+
+    xs = [np.arange(30_000, dtype=np.float32) * (h + 1) for h in range(3)]
+    timing = Timing(timeout=5.0, grace=0.05, retain=0.2)
+    net = Network(cluster(3, timing=timing), seed=4)
+    net.drop = drop
+    submit_all(net, xs)
+    net.run(until=10.0)
+    done = completions(net)
+    assert len(done) == 3
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
+
+
 def test_peer_that_never_submits_fails_with_reason() -> None:
     timing = Timing(timeout=0.5, grace=0.05)
     net = Network(cluster(3, timing=timing), seed=9)

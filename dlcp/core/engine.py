@@ -867,7 +867,9 @@ class Engine:
             result=agg.result,
             classes=classes,
             layers=layers,
-            until=now + self.timing.retain,
+            # kept until every receiver ACKs, or as long as a receiver's round
+            # may still be waiting for it (it times out after `timeout`)
+            until=now + max(self.timing.retain, self.timing.timeout),
             waiting=set(receivers),
         )
         self._closed_shards[(op, shard)] = now
