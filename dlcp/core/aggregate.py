@@ -443,3 +443,16 @@ class ResultCollector:
 
     def timed_out(self, now: float) -> bool:
         return bool(self.waiting) and now >= self.created + self.timing.timeout
+
+    def describe_waiting(self, now: float) -> str:
+        """What is still missing, for the reason of a timed-out round."""
+
+        def ago(t: float | None) -> str:
+            return "never" if t is None or t == -math.inf else f"{now - t:.2f}s ago"
+
+        return "; ".join(
+            f"shard {shard} of node {w.owner}: {int(w.received.sum())}/{w.received.size} "
+            f"results, {'DONE seen' if w.done else 'no DONE'}, last result {ago(w.last_arrival)}"
+            f", last NACK {ago(w.last_nack)}"
+            for shard, w in sorted(self.waiting.items())
+        )

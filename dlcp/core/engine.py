@@ -965,7 +965,8 @@ class Engine:
         for op, col in list(self._collectors.items()):
             if col.timed_out(now):
                 owners = sorted({w.owner for w in col.waiting.values()})
-                self._fail(op, f"results from node(s) {owners} timed out", now)
+                why = f"results from node(s) {owners} timed out ({col.describe_waiting(now)})"
+                self._fail(op, why, now)
                 continue
             self._poll_collector(op, col, now)
         for key in [k for k, f in self._finished.items() if f.until <= now]:
