@@ -20,6 +20,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -336,6 +338,23 @@ class Cluster:
         for f in self.work_dir.glob(f"*{label}-rank*.log"):
             with contextlib.suppress(OSError):
                 shutil.copyfile(f, dest / f.name)
+
+    def save_metrics(self, dest: Path, backend: str) -> None:
+        """Each daemon's Prometheus text now, as `<label>-<host>-metrics.txt`
+        (taken before the daemons stop: counters of NACKs, repeats, drops)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        label = self.run_label(backend)
+        fetch = (
+            "import sys, urllib.request\n"
+            "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+        )
+        for h in self.tb.hosts:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                got = self.tb.exec(
+                    h.name, [sys.executable, "-c", fetch, h.metrics_url], capture=True, timeout=15
+                )
+                if got.returncode == 0:
+                    (dest / f"{label}-{h.name}-metrics.txt").write_text(got.stdout)
 
     def daemon_log_tail(self, lines: int = 5) -> str:
         out = []
