@@ -31,15 +31,15 @@ CPU-bound at a few hundred Mbit/s on an idle 2-core machine and at about
 needs 47 Mbit/s. Each row records the load average it ran under.
 
 --oracle-pacing pins each scenario's pacing rate (rate.link_rate_bps,
-initial and min rate) to what its paths can carry, as a rate control that
-knew the bottleneck would; it separates the load balancing from the
-daemon's rate control, which with the defaults overshoots the path rate,
-overflows the switch queues and answers with NACK storms (see the
-`retransmits` field). --set passes any daemon setting to every scenario.
+initial and min rate, per path) to what its paths can carry, as a rate
+control that knew the bottleneck would; it separates the load balancing from
+the daemon's rate control (per path since results-multipath.md; see the
+`retransmits` and `path_rates_bps` fields). --set passes any daemon setting
+to every scenario.
 Writes a JSON list with one object per scenario and repetition (times_s,
-p50_s, throughput_bps, packets per path and path weights/loss rates from the
-daemons' status, retransmits, the config used, and the summary); the logs of
-a failed scenario are saved under --logs.
+p50_s, throughput_bps, packets per path and path weights/loss rates/pacing
+rates from the daemons' status, retransmits, the config used, and the
+summary); the logs of a failed scenario are saved under --logs.
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ def run_scenario(
         "packets_per_path": per_path,
         "path_weights": [[round(p["weight"], 4) for p in peer["paths"]] for peer in peers],
         "path_loss_rates": [[round(p["loss_rate"], 4) for p in peer["paths"]] for peer in peers],
+        "path_rates_bps": [[round(p.get("rate_bps", 0)) for p in peer["paths"]] for peer in peers],
         "retransmits": sum(
             c.get("data_retransmits", 0) + c.get("result_retransmits", 0) for c in counters
         ),
@@ -350,12 +351,11 @@ def run_one(
 
 
 def oracle_rate(scenario: str, rate: int) -> float:
-    """The pacing rate (UDP payload bits/s) that fills the paths a balancer uses
-    (the rate controller then stays between 80 and 100 % of it):
-    one path for flow, two for spray, the healthy one at adaptive's share
-    (1 - min_share = 0.95) for adaptive; 3 % below, for the pacer's bursts."""
-    one = rate * (1408 + 64) / (1408 + WIRE_OVERHEAD) * 0.97
-    return {"flow": one, "spray": 2 * one, "spray-lossy": 2 * one, "adaptive": one / 0.95}[scenario]
+    """The pacing rate of each path (UDP payload bits/s) that fills it (the
+    rate controller then stays between 80 and 100 % of it), 3 % below the
+    line rate for the pacer's bursts. The daemon paces every path on its own,
+    so it is the same for every scenario."""
+    return rate * (1408 + 64) / (1408 + WIRE_OVERHEAD) * 0.97
 
 
 def save_logs(tb: Testbed, where: str, label: str) -> Path:

@@ -1,10 +1,12 @@
-"""The outbox charges NACKed packets to the paths they were sent on (no sockets)."""
+"""The outbox charges NACKed packets to the paths they were sent on, paces each
+path on its own and sends a DONE behind its shard (no sockets)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import pytest
 
 from dlcp.core.layout import Layout
 from dlcp.core.rate import RateConfig
@@ -31,13 +33,16 @@ class FakePath:
         return len(batch)
 
 
-def make(n_paths: int, balance: str = "spray") -> tuple[Outbox, Peer, list[FakePath]]:
+def make(
+    n_paths: int, balance: str = "spray", *, rate: RateConfig | None = None
+) -> tuple[Outbox, Peer, list[FakePath]]:
+    """An outbox over fake paths; paced when `rate` is given."""
     paths = [FakePath(f"10.0.{p}.1") for p in range(n_paths)]
     ob = Outbox(
         paths,  # type: ignore[arg-type]
         dscp=(48, 40, 34, 26, 18, 10, 0, 8),
-        rate=RateConfig(),
-        pacing=False,
+        rate=rate if rate is not None else RateConfig(),
+        pacing=rate is not None,
         balancer_factory=lambda: from_config("balance", balance),
     )
     peer = ob.peer(tuple(f"10.0.{p}.2" for p in range(n_paths)), 7400, 0.0)
@@ -170,3 +175,107 @@ def test_tracking_is_bounded(monkeypatch: Any) -> None:
         ob.push(peer, dg, 2)
         ob.flush(0.0)
     assert len(peer.tracked) <= 9 and len(peer.tracked_old) <= 9
+
+
+def done_packet(lay: Layout, shard: int) -> bytes:
+    h = Header(PacketType.DONE, JOB, ROUND, BUCKET, flags=Flags.LAST, priority=0,
+               shard=shard, sender=0, total=lay.total)  # fmt: skip
+    return encode(h, b"", KEY)
+
+
+def run_paced(ob: Outbox, until: float = 60.0) -> float:
+    """Flush at every wake-up the outbox asks for until its queues are empty."""
+    now = 0.0
+    ob.flush(now)
+    while ob.queued():
+        assert ob.next_wake is not None and ob.next_wake > now
+        now = ob.next_wake
+        assert now < until
+        ob.flush(now)
+    return now
+
+
+def test_each_path_is_paced_and_cut_on_its_own(monkeypatch: Any) -> None:
+    monkeypatch.setattr(outbox_mod, "BURST_BYTES", 3000)
+    cfg = RateConfig(initial_rate_bps=8e6, min_rate_bps=1e6, loss_tolerance=0.15)
+    ob, peer, paths = make(2, rate=cfg)
+    # 40 % of path 1's recent packets lost: congestion, path 1 alone is cut
+    peer.balancer.on_sent(peer.paths[1], 100)
+    peer.balancer.on_loss(peer.paths[1], 40, 0.0)
+    peer.rate.on_loss(1, 40, 0.0, loss_rate=peer.paths[1].loss_rate)
+    assert peer.rate.rates() == [8e6, 4e6]
+    lay = layout(2000 * 352)
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    end = run_paced(ob)
+    sent = [sum(len(d) for d in fp.sent) for fp in paths]
+    # spray keeps to the paths with budget: each carries what its rate allows
+    assert sent[0] / sent[1] == pytest.approx(2.0, rel=0.05)
+    for nbytes, rate in zip(sent, peer.rate.rates(), strict=True):
+        # the burst and the last batch (sent into debt) are all it runs ahead
+        assert rate * end / 8 <= nbytes <= rate * end / 8 + 3000 + outbox_mod.BATCH_BYTES
+    # once a path was cut the rates tell the balancer what the paths carry
+    assert [ps.rate_bps for ps in peer.paths] == [8e6, 4e6]
+    # random loss under the tolerance leaves a path's rate alone
+    ps = peer.paths[0]
+    deliver(ob, peer, nack(lay, 1, [i for i in range(0, 900, 10)]), lay, now=100.0)
+    assert 0 < ps.loss_rate <= 0.15 and peer.rate.rates()[0] == 8e6
+
+
+def test_flow_waits_for_its_own_path(monkeypatch: Any) -> None:
+    monkeypatch.setattr(outbox_mod, "BURST_BYTES", 3000)
+    ob, peer, paths = make(2, "flow", rate=RateConfig(initial_rate_bps=8e6, min_rate_bps=1e6))
+    lay = layout(400 * 352)
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    run_paced(ob)
+    used = [len(fp.sent) for fp in paths]
+    assert sorted(used)[0] == 0  # never the other path, though it had budget
+    # no path was ever cut: rates still in slow start say nothing about capacity
+    assert all(ps.rate_bps is None for ps in peer.paths)
+
+
+def test_done_follows_the_path_that_carried_its_shard() -> None:
+    for weights, want in (([3, 1], 0), ([1, 3], 1)):
+        paths = [FakePath(f"10.0.{p}.1") for p in range(2)]
+        ob = Outbox(
+            paths,  # type: ignore[arg-type]
+            dscp=(48, 40, 34, 26, 18, 10, 0, 8),
+            rate=RateConfig(),
+            pacing=False,
+            balancer_factory=lambda w=weights: from_config(  # type: ignore[misc]
+                "balance", {"name": "weighted", "weights": w}
+            ),
+        )
+        peer = ob.peer(("10.0.0.2", "10.0.1.2"), 7400, 0.0)
+        lay = layout()
+        for dg in data_packets(lay, 1):
+            ob.push(peer, dg, 2)
+        for _ in range(4):  # a DONE after the bulk of its shard, several times over
+            ob.push(peer, done_packet(lay, 1), 0)
+            ob.flush(0.0)
+        dones = [
+            [dg for dg in fp.sent if decode(dg, {JOB: KEY})[0].type == PacketType.DONE]
+            for fp in paths
+        ]
+        assert len(dones[want]) >= 1 and not dones[1 - want], weights
+
+
+def test_retransmissions_take_the_least_lossy_path() -> None:
+    ob, peer, paths = make(2, "spray")
+    peer.balancer.on_sent(peer.paths[1], 100)
+    peer.balancer.on_loss(peer.paths[1], 10, 0.0)  # path 1 loses 10 %
+    lay = layout()
+    first = lay.shard_packets(1).start
+    for i in range(6):
+        off, count = lay.packet_range(first + i)
+        h = Header(PacketType.DATA, JOB, ROUND, BUCKET, flags=Flags.RETRANSMIT, priority=1,
+                   shard=1, sender=0, offset=off, count=count, total=lay.total)  # fmt: skip
+        ob.push(peer, encode(h, np.zeros(count, np.float32).tobytes(), KEY), 1)
+    for dg in data_packets(lay, 1)[6:12]:  # first transmissions are sprayed as ever
+        ob.push(peer, dg, 2)
+    ob.flush(0.0)
+    sent = path_of(paths)
+    resent = [sent[(PacketType.DATA, 1, lay.packet_range(first + i)[0])] for i in range(6)]
+    fresh = [sent[(PacketType.DATA, 1, lay.packet_range(first + i)[0])] for i in range(6, 12)]
+    assert resent == [0] * 6 and sorted(set(fresh)) == [0, 1]

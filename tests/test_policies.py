@@ -630,6 +630,49 @@ def test_adaptive_recovers_and_follows_delay() -> None:
     assert shares[-1][0] == pytest.approx(2 / 3, abs=0.05)
 
 
+def test_spray_and_weighted_keep_to_ready_paths() -> None:
+    """Paths without pacing budget are skipped, and forgo their turns."""
+    paths = make_paths(3)
+    spray = SprayBalancer()
+    assert spray.assign(n=4, paths=paths).tolist() == [0, 1, 2, 0]
+    ready = np.array([True, False, True])
+    assert spray.assign(n=4, paths=paths, ready=ready).tolist() == [2, 0, 2, 0]
+    assert spray.assign(n=3, paths=paths).tolist() == [1, 2, 0]  # round robin goes on
+    # none ready or all ready: no restriction (the caller waits when none is)
+    assert spray.assign(n=3, paths=paths, ready=np.zeros(3, bool)).tolist() == [1, 2, 0]
+    with pytest.raises(LocalError, match="3 booleans"):
+        spray.assign(n=1, paths=paths, ready=np.array([True, False]))
+
+    bal = WeightedBalancer(weights=[1, 1])
+    two = make_paths(2)
+    only0 = np.array([True, False])
+    a = bal.assign(n=40, paths=two, ready=only0)
+    assert (a == 0).all()
+    # path 1 is ready again: it gets its share from now on, not a catch-up burst
+    b = bal.assign(n=10, paths=two)
+    assert np.bincount(b, minlength=2).tolist() in ([5, 5], [4, 6])
+
+
+def test_flow_and_adaptive_do_not_follow_ready() -> None:
+    paths = make_paths(2)
+    flow = FlowBalancer(key="k")
+    pick = int(flow.assign(n=1, paths=paths)[0])
+    other = np.array([i != pick for i in range(2)])
+    assert (flow.assign(n=5, paths=paths, ready=other) == pick).all()
+    ad = AdaptiveBalancer()
+    a = ad.assign(n=100, paths=paths, ready=np.array([True, False]))
+    assert np.bincount(a, minlength=2).tolist() == [50, 50]  # waits for path 1's budget
+
+
+def test_adaptive_weighs_path_rates() -> None:
+    paths = make_paths(2)
+    bal = AdaptiveBalancer()
+    paths[0].rate_bps, paths[1].rate_bps = 300e6, 100e6  # path 1 paced slower
+    assert bal.shares(paths).tolist() == pytest.approx([0.75, 0.25])
+    paths[1].rate_bps = None  # unknown: counts as the fastest
+    assert bal.shares(paths).tolist() == pytest.approx([0.5, 0.5])
+
+
 def test_path_state_hooks() -> None:
     bal = SprayBalancer()
     p = PathState()

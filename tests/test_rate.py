@@ -1,4 +1,4 @@
-"""Rate control maths: AIMD controller and token-bucket pacer, in simulated time."""
+"""Rate control maths: AIMD controller, per-path rates and token-bucket pacer, in simulated time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlcp.core.rate import Pacer, RateConfig, RateController
+from dlcp.core.rate import Pacer, PathRates, RateConfig, RateController
 from dlcp.errors import LocalError
 
 FAST = settings(max_examples=60, deadline=None)
@@ -281,3 +281,90 @@ def test_pacer_follows_controller() -> None:
             rc.on_ack(100 * MSS, 1e-3, now)
             pacer.set_rate(rc.rate_bps, now)
     assert sent * 8 / now <= rc.rate_bps + rc.config.burst_bytes * 8 / now
+
+
+# -------------------------------------------------------------- loss tolerance
+
+
+@pytest.mark.parametrize("tolerance", [-0.1, 1.0, math.nan])
+def test_loss_tolerance_range(tolerance: float) -> None:
+    with pytest.raises(LocalError, match="loss_tolerance"):
+        RateConfig(loss_tolerance=tolerance)
+
+
+def test_random_loss_below_tolerance_keeps_the_rate() -> None:
+    rc = RateController(RateConfig(initial_rate_bps=100e6, loss_tolerance=0.15))
+    rc.on_loss(10, now=0.0, loss_rate=0.10)  # random loss: counted, rate kept
+    assert rc.rate_bps == 100e6 and rc.lost_packets == 10 and rc.slow_start
+    rc.on_loss(10, now=0.1, loss_rate=0.40)  # congestion
+    assert rc.rate_bps == pytest.approx(100e6 * rc.config.beta) and rc.decreases == 1
+    rc.on_loss(1, now=0.2)  # without a loss rate: every loss event counts, as before
+    assert rc.decreases == 2
+    with pytest.raises(LocalError, match="loss rate"):
+        rc.on_loss(1, now=0.3, loss_rate=1.5)
+
+
+# ------------------------------------------------------------------ path rates
+
+
+def test_path_rates_cut_only_the_lossy_path() -> None:
+    cfg = RateConfig(initial_rate_bps=100e6, min_rate_bps=1e6, loss_tolerance=0.15)
+    pr = PathRates(2, cfg, decrease_interval=0.05)
+    assert pr.rates() == [100e6, 100e6] and pr.rate_bps == 200e6
+    pr.on_loss(1, 50, now=1.0, loss_rate=0.5)
+    assert pr.rates() == [100e6, 50e6]
+    pr.on_loss(1, 50, now=1.01, loss_rate=0.5)  # the same clump: no second cut
+    assert pr.rates() == [100e6, 50e6] and pr.paths[1].lost_packets == 100
+    pr.on_loss(1, 50, now=1.06, loss_rate=0.5)
+    assert pr.rates() == [100e6, 25e6]
+    pr.on_loss(0, 5, now=1.06, loss_rate=0.05)  # random loss on path 0: kept
+    assert pr.rates()[0] == 100e6
+    pr.on_nacked(7)
+    assert pr.lost_packets == 7  # NACKed indices, as the peer reported them
+    with pytest.raises(LocalError):
+        PathRates(0, cfg)
+    with pytest.raises(LocalError):
+        pr.on_sent(0, -1)
+
+
+def test_path_rates_share_acks_by_bytes_sent() -> None:
+    cfg = RateConfig(initial_rate_bps=100e6, initial_rtt=0.01)
+    pr = PathRates(2, cfg)
+    pr.on_loss(0, 1, now=0.0)
+    pr.on_loss(1, 1, now=0.0)  # both out of slow start, at 50 Mbit/s
+    pr.on_sent(0, 3_000_000)
+    pr.on_sent(1, 1_000_000)
+    pr.on_ack(400_000, None, now=0.1)
+    g0, g1 = (r - 50e6 for r in pr.rates())
+    assert g0 > 0 and g1 > 0 and g0 / g1 == pytest.approx(3.0, rel=1e-3)
+    # no sends since: the next ack is shared as the last one was (each path's
+    # additive step is a little smaller at its now higher rate)
+    before = pr.rates()
+    pr.on_ack(400_000, None, now=0.2)
+    h0, h1 = (r - b for r, b in zip(pr.rates(), before, strict=True))
+    assert h0 > 0 and h1 > 0 and h0 / h1 == pytest.approx(3.0, rel=0.15)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_loss_does_not_collapse_a_path(seed: int) -> None:
+    """Rounds of 200 packets per path; path 1 loses 10 % at random, path 0
+    nothing. With the daemon's tolerance path 1 keeps its rate; without it
+    (every loss event a congestion signal) it falls to the floor."""
+    rng = np.random.default_rng(seed)
+    rates = {}
+    for tol in (0.15, 0.0):
+        cfg = RateConfig(initial_rate_bps=100e6, min_rate_bps=1e6, loss_tolerance=tol)
+        pr = PathRates(2, cfg)
+        sent = lost = 0.0
+        for k in range(100):
+            now = 0.1 * k
+            for p in range(2):
+                pr.on_sent(p, 200 * MSS)
+            n = int(rng.binomial(200, 0.10))
+            keep = (1 - 1 / 1000) ** 200  # the balancer's decayed window of 1000 packets
+            sent, lost = sent * keep + 200, lost * keep + n
+            pr.on_loss(1, n, now + 0.05, loss_rate=lost / sent)
+            pr.on_ack(200 * MSS, None, now + 0.05)
+        rates[tol] = pr.rates()
+    assert rates[0.15][1] >= 100e6 and rates[0.15][0] >= 100e6
+    assert rates[0.0][1] < 0.1 * rates[0.0][0]

@@ -1,11 +1,13 @@
-"""Rate control maths: a per-destination AIMD rate and a token-bucket pacer.
+"""Rate control maths: AIMD rates per path to a destination, and a token-bucket pacer.
 
 dlcp tolerates loss, so it needs only a minimal rate control (DESIGN.md "Load
 balancing and rate control"): enough to keep UDP from collapsing a congested
 network and to share a bottleneck fairly among dlcp flows. `RateController`
-is AIMD on a sending rate, with a slow-start-like start and an optional delay
-signal; `Pacer` turns the rate into send times. Sans-IO: time comes in as
-`now` (seconds).
+is AIMD on a sending rate, with a slow-start-like start, an optional delay
+signal and an optional loss tolerance (random loss below it is not taken for
+congestion); `PathRates` keeps one controller per path to a peer, so that a
+congested or lossy path is slowed on its own; `Pacer` turns a rate into send
+times. Sans-IO: time comes in as `now` (seconds).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from dlcp.errors import LocalError
 
-__all__ = ["Pacer", "RateConfig", "RateController"]
+__all__ = ["Pacer", "PathRates", "RateConfig", "RateController"]
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -37,7 +39,10 @@ class RateConfig:
     Each RTT of acknowledged data adds `increase_packets` packets per RTT to the
     rate; a loss multiplies it by `beta` (at most once per RTT). With
     `delay_target` (seconds), an RTT sample more than that above the smallest
-    seen multiplies it by `delay_beta` instead.
+    seen multiplies it by `delay_beta` instead. A loss reported with the path's
+    recent loss rate (lost / sent) at or below `loss_tolerance` leaves the rate
+    alone: random loss at that level is not congestion (the load balancer
+    moves traffic off such a path instead).
     """
 
     link_rate_bps: float | None = None
@@ -52,6 +57,7 @@ class RateConfig:
     delay_beta: float = 0.85
     rtt_gain: float = 0.125
     burst_bytes: int = 15000
+    loss_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("ceiling_bps", "min_rate_bps", "initial_rtt", "increase_packets"):
@@ -70,6 +76,9 @@ class RateConfig:
         _positive("rtt_gain", self.rtt_gain)
         if self.rtt_gain > 1:
             raise LocalError(f"rate.rtt_gain must be in (0, 1], got {self.rtt_gain}")
+        _positive("loss_tolerance", self.loss_tolerance, allow_zero=True)
+        if not self.loss_tolerance < 1:
+            raise LocalError(f"rate.loss_tolerance must be in [0, 1), got {self.loss_tolerance}")
         if self.min_rate_bps > self.max_rate_bps:
             raise LocalError(
                 f"rate.min_rate_bps {self.min_rate_bps} exceeds the maximum {self.max_rate_bps}"
@@ -154,13 +163,22 @@ class RateController:
             grow = step * bits / (self._rate * self.srtt)
         self._rate = self._clamp(self._rate + grow)
 
-    def on_loss(self, n_lost: int, now: float) -> None:
-        """`n_lost` packets were found lost at `now` (NACKs, missing droppable data)."""
+    def on_loss(self, n_lost: int, now: float, *, loss_rate: float | None = None) -> None:
+        """`n_lost` packets were found lost at `now` (NACKs, missing droppable data).
+
+        `loss_rate`, if known, is the recent fraction of packets lost; at or
+        below `config.loss_tolerance` the rate is kept.
+        """
         if n_lost < 0:
             raise LocalError(f"lost packets must be >= 0, got {n_lost}")
         if n_lost == 0:
             return
         self.lost_packets += n_lost
+        if loss_rate is not None:
+            if not (math.isfinite(loss_rate) and 0 <= loss_rate <= 1):
+                raise LocalError(f"loss rate must be in [0, 1], got {loss_rate}")
+            if loss_rate <= self.config.loss_tolerance:
+                return
         self._decrease(self.config.beta, now)
 
     def _decrease(self, factor: float, now: float) -> None:
@@ -174,6 +192,96 @@ class RateController:
 
     def _clamp(self, rate: float) -> float:
         return min(self.max_rate_bps, max(self.min_rate_bps, rate))
+
+
+class PathRates:
+    """One `RateController` per path to a destination.
+
+    Losses are known per path (a NACK names packets, the sender remembers
+    which path each took), so a congested path is slowed alone and the others
+    keep their rate. Deliveries are not: a peer's results and ACKs confirm
+    what all paths carried, so `on_ack` shares acknowledged bytes among the
+    paths in proportion to the bytes `on_sent` reported since the previous
+    acknowledgement. A path's rate is cut at most once per `decrease_interval`
+    seconds (NACKs arrive in clumps; one clump is one signal).
+    """
+
+    def __init__(
+        self, n_paths: int, config: RateConfig | None = None, *, decrease_interval: float = 0.05
+    ) -> None:
+        if isinstance(n_paths, bool) or not isinstance(n_paths, int) or n_paths < 1:
+            raise LocalError(f"a destination needs at least one path, got {n_paths!r}")
+        _positive("decrease_interval", decrease_interval, allow_zero=True)
+        self.config = config = config if config is not None else RateConfig()
+        self.decrease_interval = float(decrease_interval)
+        self.paths = [RateController(config) for _ in range(n_paths)]
+        # internal state
+        self._since_ack = [0] * n_paths  # bytes sent per path since the last ack
+        self._split = [1.0 / n_paths] * n_paths  # how the last ack was shared
+        self._last_cut = [float("-inf")] * n_paths
+        # stats
+        self.nacked_packets = 0
+
+    @property
+    def rate_bps(self) -> float:
+        """The destination's total sending rate (the sum over paths), bit/s."""
+        return sum(c.rate_bps for c in self.paths)
+
+    @property
+    def lost_packets(self) -> int:
+        """Packets the destination reported missing (every NACKed index, repeats too)."""
+        return self.nacked_packets
+
+    def rates(self) -> list[float]:
+        """Each path's sending rate, bit/s."""
+        return [c.rate_bps for c in self.paths]
+
+    def on_nacked(self, n: int) -> None:
+        """The destination's NACK named `n` packets (counted; the rates follow `on_loss`)."""
+        if n < 0:
+            raise LocalError(f"NACKed packets must be >= 0, got {n}")
+        self.nacked_packets += n
+
+    def on_sent(self, path: int, nbytes: int) -> None:
+        """`nbytes` went out on `path`."""
+        if nbytes < 0:
+            raise LocalError(f"sent bytes must be >= 0, got {nbytes}")
+        self._since_ack[path] += nbytes
+
+    def on_ack(self, nbytes: int, rtt: float | None, now: float) -> None:
+        """`nbytes` were confirmed delivered at `now`: shared among the paths by what they sent."""
+        if nbytes < 0:
+            raise LocalError(f"acknowledged bytes must be >= 0, got {nbytes}")
+        total = sum(self._since_ack)
+        if total > 0:
+            self._split = [b / total for b in self._since_ack]
+            self._since_ack = [0] * len(self.paths)
+        for c, share in zip(self.paths, self._split, strict=True):
+            if share > 0:
+                c.on_ack(round(nbytes * share), rtt, now)
+
+    def on_loss(
+        self, path: int, n_lost: int, now: float, *, loss_rate: float | None = None
+    ) -> None:
+        """`n_lost` packets sent on `path` were found lost at `now`; `loss_rate` is
+        the path's recent lost / sent (see `RateController.on_loss`)."""
+        if n_lost < 0:
+            raise LocalError(f"lost packets must be >= 0, got {n_lost}")
+        if n_lost == 0:
+            return
+        c = self.paths[path]
+        if now < self._last_cut[path] + self.decrease_interval:
+            c.lost_packets += n_lost  # same clump: counted, no second cut
+            return
+        before = c.decreases
+        c.on_loss(n_lost, now, loss_rate=loss_rate)
+        if c.decreases != before:
+            self._last_cut[path] = now
+
+    def set_max_rate(self, max_rate_bps: float) -> None:
+        """A new maximum for every path (see `RateController.set_max_rate`)."""
+        for c in self.paths:
+            c.set_max_rate(max_rate_bps)
 
 
 class Pacer:

@@ -20,10 +20,17 @@ from dlcp.policies import DEFAULT_DSCP, check_dscp_table
 
 __all__ = ["Config", "JobConfig", "PeerConfig", "load", "parse"]
 
-# The daemon's defaults for [rate] where they differ from RateConfig's: start at
-# 1 Gbit/s and never pace a peer below 20 Mbit/s (NACK bursts are loss signals
-# that arrive in clumps; the floor keeps recovery traffic moving).
-RATE_DEFAULTS: dict[str, Any] = {"initial_rate_bps": 1e9, "min_rate_bps": 20e6, "initial_rtt": 0.01}
+# The daemon's defaults for [rate] where they differ from RateConfig's: start
+# each path to a peer at 1 Gbit/s and never pace it below 20 Mbit/s (NACK bursts
+# are loss signals that arrive in clumps; the floor keeps recovery traffic
+# moving); a path losing up to 15 % of its packets at random keeps its rate
+# (the load balancer moves traffic off it), more than that is congestion.
+RATE_DEFAULTS: dict[str, Any] = {
+    "initial_rate_bps": 1e9,
+    "min_rate_bps": 20e6,
+    "initial_rtt": 0.01,
+    "loss_tolerance": 0.15,
+}
 
 
 @dataclass(frozen=True)

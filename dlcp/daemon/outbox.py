@@ -1,11 +1,12 @@
-"""Per-destination send queues: strict priority between classes, paced, sprayed over paths.
+"""Per-destination send queues: strict priority between classes, paced per path, sprayed.
 
 The engine hands datagrams with a priority class; they wait here per peer in
 one FIFO per class. `flush` sends the highest class first, in GSO-sized
-batches, as fast as the peer's pacer allows, choosing a path per packet with
-the load balancer; what the pacer or a full socket holds back waits for the
-next `flush` (the daemon calls it again at `next_wake`, or when the socket is
-writable).
+batches, choosing a path per packet with the load balancer among the paths
+whose pacer has budget; each (peer, path) has its own rate controller and
+pacer, cut by the losses NACKs charge to that path. What the pacers or a full
+socket hold back waits for the next `flush` (the daemon calls it again at
+`next_wake`, or when the socket is writable).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlcp.core.layout import Layout
-from dlcp.core.rate import Pacer, RateConfig, RateController
+from dlcp.core.rate import Pacer, PathRates, RateConfig
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
 from dlcp.errors import LocalError
 from dlcp.policies import LoadBalancer, PathState
@@ -41,43 +42,52 @@ _F_DROPPABLE = int(Flags.DROPPABLE)
 
 def _barrier_key(datagram: bytes) -> bytes:
     """(job, round, bucket, shard) and the leg: what a DONE vouches for."""
-    result_leg = datagram[3] == _RESULT or (
-        datagram[3] == _DONE and datagram[4] & _F_RESULT_LEG
-    )
+    result_leg = datagram[3] == _RESULT or (datagram[3] == _DONE and datagram[4] & _F_RESULT_LEG)
     return datagram[8:22] + (b"r" if result_leg else b"d")
 
+
 _F_RESULT_LEG = int(Flags.RESULT_LEG)
+_F_RETRANSMIT = int(Flags.RETRANSMIT)
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
+SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
 BURST_BYTES = 256 * 1024  # pacer burst: several batches
+PACING_SLACK = 1e-6  # seconds: a path due this soon has budget (rounding at wake-ups)
 
 
 @dataclass(eq=False)
 class Peer:
-    """A remote daemon: its path addresses, pacing and path statistics."""
+    """A remote daemon: its path addresses, pacing and path statistics.
+
+    `rate` has one rate controller per path, `pacers` one pacer per path (None:
+    no pacing); path p is (local[p], addresses[p]).
+    """
 
     addresses: tuple[str, ...]
     port: int
     local: Sequence[UdpPath]
-    rate: RateController
-    pacer: Pacer | None
+    rate: PathRates
+    pacers: list[Pacer] | None
     balancer: LoadBalancer
     paths: list[PathState] = field(default_factory=list)
     queues: list[deque[bytes]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
     queued: int = 0
     pending: set[bytes] = field(default_factory=set)  # identities of queued packets
     # DONE barrier per (job, round, bucket, shard, leg): DATA/RESULT packets still
-    # queued here, the lowest-priority class of its non-droppable ones, held DONEs
+    # queued here, the lowest-priority class of its non-droppable ones (kept for
+    # DONEs sent again; bounded: SHARDS_TRACKED), held DONEs
     inflight: Counter[bytes] = field(default_factory=Counter)
     trail_class: dict[bytes, int] = field(default_factory=dict)
     held: dict[bytes, list[tuple[bytes, int]]] = field(default_factory=dict)
-    last_loss: float = float("-inf")
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
     # path of recently sent DATA/RESULT packets, keyed as in `Outbox._track` (multi-path
     # peers only); two generations: when `tracked` fills up it becomes `tracked_old`
     tracked: dict[bytes, int] = field(default_factory=dict)
     tracked_old: dict[bytes, int] = field(default_factory=dict)
+    # packets per path of each recent shard and leg (barrier key), multi-path peers
+    # only: its DONEs take the path that carried the most (bounded: SHARDS_TRACKED)
+    shard_paths: dict[bytes, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = min(len(self.addresses), len(self.local))
@@ -89,6 +99,12 @@ class Peer:
 
     def dest(self, path: int) -> tuple[str, int]:
         return self.addresses[path], self.port
+
+
+def _least_lossy(paths: Sequence[PathState]) -> int:
+    """The path with the lowest recent loss rate among those with a traffic share."""
+    used = [p for p in range(len(paths)) if paths[p].weight > 0] or list(range(len(paths)))
+    return min(used, key=lambda p: paths[p].loss_rate)
 
 
 class Outbox:
@@ -111,20 +127,21 @@ class Outbox:
         self.blocked = False  # a socket was full: wait for writability
         self.next_wake: float | None = None
         self.repeats = 0
-        self.loss_interval = 0.05
+        self.loss_interval = 0.05  # at most one rate cut per path in this many seconds
 
     def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
         key = (addresses, port)
         p = self.peers.get(key)
         if p is None:
-            rate = RateController(self.rate_config)
-            pacer = (
-                Pacer(rate_bps=rate.rate_bps, burst_bytes=BURST_BYTES, now=now)
+            n_paths = max(1, min(len(addresses), len(self.paths)))
+            rate = PathRates(n_paths, self.rate_config, decrease_interval=self.loss_interval)
+            pacers = (
+                [Pacer(rate_bps=r, burst_bytes=BURST_BYTES, now=now) for r in rate.rates()]
                 if self.pacing
                 else None
             )
             balancer = self._balancer_factory()  # type: ignore[operator]
-            p = Peer(addresses, port, self.paths, rate, pacer, balancer)
+            p = Peer(addresses, port, self.paths, rate, pacers, balancer)
             self.peers[key] = p
         return p
 
@@ -148,12 +165,13 @@ class Outbox:
             # A DONE says "all my packets of this shard are out". It waits here
             # until they have left, and then travels in the class of the last of
             # them, so neither our queues nor the switch's let it overtake them
-            # (the receiver would NACK packets that are merely queued).
+            # (the receiver would NACK packets that are merely queued). So does
+            # a DONE sent again (asked for by the receiver) after the first.
             bkey = _barrier_key(datagram)
             if peer.inflight.get(bkey):
                 peer.held.setdefault(bkey, []).append((datagram, cls))
             else:
-                cls = peer.trail_class.pop(bkey, cls)
+                cls = peer.trail_class.get(bkey, cls)
                 peer.queues[cls].append(datagram)
             return True
         if kind in (_DATA, _RESULT):
@@ -161,7 +179,11 @@ class Outbox:
             peer.inflight[bkey] += 1
             droppable = datagram[4] & _F_DROPPABLE
             if not droppable and cls < N_CLASSES - 1 and cls > peer.trail_class.get(bkey, -1):
-                peer.trail_class[bkey] = cls
+                trail = peer.trail_class
+                if bkey not in trail and len(trail) >= SHARDS_TRACKED:
+                    for old in list(trail)[: len(trail) // 2]:  # the oldest shards
+                        del trail[old]
+                trail[bkey] = cls
         peer.queues[cls].append(datagram)
         return True
 
@@ -192,7 +214,7 @@ class Outbox:
         del peer.inflight[bkey]
         held = peer.held.pop(bkey, None)
         if held:
-            trail = peer.trail_class.pop(bkey, None)
+            trail = peer.trail_class.get(bkey)
             for dg, cls in held:
                 peer.queues[cls if trail is None else trail].append(dg)
 
@@ -222,7 +244,7 @@ class Outbox:
             return
         paths = peer.paths
         if len(paths) == 1:
-            peer.balancer.on_loss(paths[0], n, now)
+            self._charge(peer, 0, n, now)
             return
         try:
             layout = Layout(nack.total, nack.codec, shards, payload)
@@ -253,25 +275,53 @@ class Outbox:
                 lost[p] += 1
         for p, k in enumerate(lost):
             if k:
-                peer.balancer.on_loss(paths[p], k, now)
+                self._charge(peer, p, k, now)
+
+    @staticmethod
+    def _charge(peer: Peer, p: int, n: int, now: float) -> None:
+        """`n` packets sent on path `p` were lost: the balancer's path statistics,
+        then the path's rate, judged on the path's recent loss rate."""
+        ps = peer.paths[p]
+        peer.balancer.on_loss(ps, n, now)
+        peer.rate.on_loss(p, n, now, loss_rate=ps.loss_rate)
+        Outbox._show_rates(peer)
+
+    @staticmethod
+    def _show_rates(peer: Peer) -> None:
+        """Give the balancer each path's rate once some path of the peer found
+        congestion; before that every rate is still growing in slow start and
+        says nothing about what a path can carry (None)."""
+        known = peer.pacers is not None and not all(c.slow_start for c in peer.rate.paths)
+        for ps, c in zip(peer.paths, peer.rate.paths, strict=True):
+            ps.rate_bps = c.rate_bps if known else None
 
     @staticmethod
     def _track(peer: Peer, dgs: list[bytes], path: int) -> None:
-        """Remember the path each DATA/RESULT datagram of `dgs` went on."""
+        """Remember the path each DATA/RESULT datagram of `dgs` went on, and count
+        them per shard and path for the shard's DONE."""
         tracked = peer.tracked
+        shard_paths = peer.shard_paths
         for dg in dgs:
             t = dg[3]
             if t in (_DATA, _RESULT):
-                tracked[dg[8:22] + dg[28:32] + dg[3:4]] = path
+                prefix = dg[8:22]
+                tracked[prefix + dg[28:32] + dg[3:4]] = path
+                bkey = prefix + (b"r" if t == _RESULT else b"d")
+                counts = shard_paths.get(bkey)
+                if counts is None:
+                    counts = shard_paths[bkey] = [0] * len(peer.paths)
+                counts[path] += 1
+        if len(shard_paths) > SHARDS_TRACKED:  # DONEs that never went: forget the oldest
+            for bkey in list(shard_paths)[: len(shard_paths) // 2]:
+                del shard_paths[bkey]
         if len(tracked) > TRACKED_PER_GENERATION:
             peer.tracked_old = tracked
             peer.tracked = {}
 
     def on_loss(self, peer: Peer, n: int, now: float) -> None:
-        """A peer reported `n` packets missing: at most one rate decrease per interval."""
-        if now >= peer.last_loss + self.loss_interval:
-            peer.last_loss = now
-            peer.rate.on_loss(n, now)
+        """A peer's NACK named `n` packets: counted. The rates are cut per path by
+        `on_nack`, which knows the path each of them took."""
+        peer.rate.on_nacked(n)
 
     def queued(self) -> int:
         return sum(p.queued for p in self.peers.values())
@@ -290,70 +340,101 @@ class Outbox:
                 return
 
     def _flush_peer(self, peer: Peer, now: float) -> float | None:
-        pacer = peer.pacer
-        if pacer is not None:
-            pacer.set_rate(peer.rate.rate_bps, now)
+        pacers = peer.pacers
+        if pacers is not None:
+            for pacer, rate in zip(pacers, peer.rate.rates(), strict=True):
+                pacer.set_rate(rate, now)
+            self._show_rates(peer)
         for cls in range(N_CLASSES):
             q = peer.queues[cls]
             while q:
-                # one batch: at most a GSO super-datagram's worth (and always
-                # less than the pacer's burst, or it would wait forever)
+                # one batch: at most a GSO super-datagram's worth
                 batch = [q[0]]
                 size = len(q[0])
                 limit = min(len(q), MAX_GSO_SEGMENTS)
                 while len(batch) < limit and size + len(q[len(batch)]) <= BATCH_BYTES:
                     size += len(q[len(batch)])
                     batch.append(q[len(batch)])
-                k = len(batch)
-                if pacer is not None:
-                    wait = pacer.delay(size, now)
-                    if wait > 0:
-                        return now + wait
-                sent = self._send(peer, batch, cls)
+                waits: list[float] | None = None
+                if pacers is not None:
+                    # a path with any budget may take its part of the batch (into
+                    # debt that its later sends pay off: the rate holds over time)
+                    waits = [pacer.delay(1.0, now) for pacer in pacers]
+                    waits = [0.0 if w < PACING_SLACK else w for w in waits]
+                    if min(waits) > 0:
+                        return now + min(waits)
+                sent, held, full = self._send(peer, batch, cls, waits, now)
                 for _ in range(sent):
                     dg = q.popleft()
                     peer.pending.discard(_identity(dg))
                     self._left(peer, dg)
                 peer.queued -= sent
-                if pacer is not None and sent:
-                    pacer.consume(sum(len(d) for d in batch[:sent]), now)
-                if sent < k:
+                if full:
                     self.blocked = True
                     return None
+                if held:  # the balancer chose paths without budget: they wait for it
+                    assert waits is not None
+                    return now + min(w for w in waits if w > 0)
         return None
 
-    def _send(self, peer: Peer, batch: list[bytes], cls: int) -> int:
+    def _send(
+        self, peer: Peer, batch: list[bytes], cls: int, waits: list[float] | None, now: float
+    ) -> tuple[int, bool, bool]:
+        """Send what of `batch` the balancer puts on paths with budget (`waits` 0,
+        or no pacing); returns (sent from the head, some held for a path without
+        budget, socket full). Packets sent behind an unsent one leave the queue
+        here; the unsent stay at its head, to be assigned again."""
         paths = peer.paths
         tos = self.tos[cls]
         if len(paths) == 1:
             n = peer.local[0].send(batch, peer.dest(0), tos)
             if n:
-                peer.balancer.on_sent(paths[0], n)
-                peer.sent_packets[(cls, 0)] += n
-                peer.sent_bytes[(cls, 0)] += sum(len(d) for d in batch[:n])
-            return n
-        assign = peer.balancer.assign(n=len(batch), paths=paths)
+                nbytes = sum(len(d) for d in batch[:n])
+                self._sent(peer, cls, 0, n, nbytes, now)
+            return n, False, n < len(batch)
+        ready = None if waits is None else np.array([w == 0 for w in waits])
+        assign = peer.balancer.assign(n=len(batch), paths=paths, ready=ready)
+        safest = -1
+        for i, dg in enumerate(batch):
+            t = dg[3]
+            if t == _DONE:
+                # The DONE takes the path that carried most of its shard, whose
+                # switch queue it should not overtake: a DONE that arrives first
+                # on an idle path makes the receiver NACK packets still queued.
+                counts = peer.shard_paths.get(_barrier_key(dg))
+                if counts is not None:
+                    assign[i] = counts.index(max(counts))
+            elif dg[4] & _F_RETRANSMIT and t in (_DATA, _RESULT):
+                # A retransmission takes the path that loses least, among those
+                # the balancer uses: losing it again costs another NACK round.
+                if safest < 0:
+                    safest = _least_lossy(paths)
+                if paths[safest].loss_rate < paths[int(assign[i])].loss_rate:
+                    assign[i] = safest
         # send per path in order; a partial send on any path stops the batch there
         order = np.argsort(assign, kind="stable")
         done = 0
+        full = held = False
         sent_mask = np.zeros(len(batch), dtype=bool)
         for p in np.unique(assign).tolist():
+            if ready is not None and not ready[p]:
+                held = True  # no budget on this path: its packets wait
+                continue
             idx = order[assign[order] == p]
             dgs = [batch[i] for i in idx.tolist()]
             n = peer.local[p].send(dgs, peer.dest(p), tos)
             sent_mask[idx[:n]] = True
             if n:
-                peer.balancer.on_sent(paths[p], n)
-                peer.sent_packets[(cls, p)] += n
-                peer.sent_bytes[(cls, p)] += sum(len(d) for d in dgs[:n])
+                self._sent(peer, cls, p, n, sum(len(d) for d in dgs[:n]), now)
                 self._track(peer, dgs[:n], p)
             done += n
             if n < len(dgs):
+                full = True
                 break
         if done == len(batch):
-            return done
+            return done, False, False
         # keep the unsent ones at the head of the queue, in their order
-        prefix = int(np.argmin(sent_mask)) if not sent_mask.all() else len(batch)
+        prefix = int(np.argmin(sent_mask))
         q = peer.queues[cls]
         for i in range(len(batch) - 1, prefix - 1, -1):
             if sent_mask[i]:
@@ -362,4 +443,14 @@ class Outbox:
                 del q[i]  # sent out of order on another path
                 self._left(peer, dg)
                 peer.queued -= 1
-        return prefix
+        return prefix, held, full
+
+    @staticmethod
+    def _sent(peer: Peer, cls: int, p: int, n: int, nbytes: int, now: float) -> None:
+        """`n` packets (`nbytes`) of class `cls` went out on path `p`."""
+        peer.balancer.on_sent(peer.paths[p], n)
+        peer.rate.on_sent(p, nbytes)
+        peer.sent_packets[(cls, p)] += n
+        peer.sent_bytes[(cls, p)] += nbytes
+        if peer.pacers is not None:
+            peer.pacers[p].consume(nbytes, now)

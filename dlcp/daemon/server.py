@@ -914,8 +914,13 @@ class Daemon:
                     "sent_packets": sum(peer.sent_packets.values()),
                     "sent_bytes": sum(peer.sent_bytes.values()),
                     "paths": [
-                        {"weight": ps.weight, "loss_rate": ps.loss_rate, "sent": ps.sent}
-                        for ps in peer.paths
+                        {
+                            "weight": ps.weight,
+                            "loss_rate": ps.loss_rate,
+                            "sent": ps.sent,
+                            "rate_bps": rc.rate_bps,
+                        }
+                        for ps, rc in zip(peer.paths, peer.rate.paths, strict=True)
                     ],
                 }
                 for peer in self.outbox.peers.values()

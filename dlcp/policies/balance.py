@@ -5,7 +5,11 @@ they may be sprayed over every path. The daemon keeps one `PathState` per path
 (local source, remote address[, source port]) and one balancer per peer; it
 asks `assign` for a bucket's packets, reports what it sent with `record_sent`
 (or `on_sent`), losses found by NACKs (and droppable lanes missing at
-completion) with `on_loss`, and RTT samples with `on_rtt`.
+completion) with `on_loss`, and RTT samples with `on_rtt`. With pacing, each
+path has its own rate: `assign` is told which paths have pacing budget now
+(`ready`): `spray` and `weighted` pick among those, so a path that is paced
+slower (congested, or cut for loss) carries less; `adaptive` weighs each path's
+rate into its shares instead, and `flow` keeps its path.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ class PathState:
 
     `loss_rate` is lost / sent over a sliding window of about `loss_window`
     packets (decayed counts), `rtt_ewma` an EWMA of RTT samples in seconds,
-    `weight` the share of traffic the balancer last gave the path.
+    `weight` the share of traffic the balancer last gave the path, `rate_bps`
+    the path's pacing rate once the daemon's rate control has found what the
+    paths to this peer carry (None: unknown, or no pacing).
     """
 
     key: Hashable = None
@@ -52,6 +58,7 @@ class PathState:
     rtt_min: float | None = None
     last_loss: float | None = None
     last_rtt: float | None = None
+    rate_bps: float | None = None
 
     @property
     def loss_rate(self) -> float:
@@ -67,6 +74,19 @@ def _check_paths(paths: Sequence[PathState]) -> int:
     return len(paths)
 
 
+def _ready_mask(ready: npt.ArrayLike | None, n_paths: int) -> npt.NDArray[np.bool_] | None:
+    """`ready` as a boolean mask over the paths; None when it restricts nothing
+    (not given, every path ready, or none: then any path may be used)."""
+    if ready is None:
+        return None
+    mask = np.asarray(ready)
+    if mask.shape != (n_paths,) or mask.dtype != np.bool_:
+        raise LocalError(f"ready must be {n_paths} booleans, one per path")
+    if mask.all() or not mask.any():
+        return None
+    return mask
+
+
 class LoadBalancer(ABC):
     """Chooses a path index per packet for one peer.
 
@@ -79,8 +99,14 @@ class LoadBalancer(ABC):
     rtt_gain: float = 0.125
 
     @abstractmethod
-    def assign(self, *, n: int, paths: Sequence[PathState]) -> npt.NDArray[np.intp]:
-        """Path index (into `paths`) for each of `n` packets."""
+    def assign(
+        self, *, n: int, paths: Sequence[PathState], ready: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.intp]:
+        """Path index (into `paths`) for each of `n` packets.
+
+        `ready` (one bool per path), if given, names the paths that may send
+        now (pacing budget); balancers that spread traffic keep to those.
+        """
 
     def on_sent(self, path: PathState, n: int) -> None:
         """`n` packets went out on `path`."""
@@ -125,7 +151,8 @@ class FlowBalancer(LoadBalancer):
     """One path for all of the peer's packets, chosen by a hash (ECMP-like).
 
     The flow key is `key`, or else the paths' keys on first use. A stable
-    hash (BLAKE2b of its repr), so every run picks the same path.
+    hash (BLAKE2b of its repr), so every run picks the same path. `ready` is
+    ignored: a flow waits for its own path's pacer.
     """
 
     def __init__(self, *, key: str | None = None) -> None:
@@ -135,9 +162,12 @@ class FlowBalancer(LoadBalancer):
         self._choice: int | None = None
         self._n_paths = 0
 
-    def assign(self, *, n: int, paths: Sequence[PathState]) -> npt.NDArray[np.intp]:
+    def assign(
+        self, *, n: int, paths: Sequence[PathState], ready: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.intp]:
         n = check_int(n, "n", lo=0)
         n_paths = _check_paths(paths)
+        _ready_mask(ready, n_paths)  # checked, but a flow keeps its path
         if self._choice is None or n_paths != self._n_paths:
             flow = self.key if self.key is not None else repr(tuple(p.key for p in paths))
             digest = hashlib.blake2b(flow.encode(), digest_size=8).digest()
@@ -150,19 +180,34 @@ class FlowBalancer(LoadBalancer):
 
 @register("balance", "spray")
 class SprayBalancer(LoadBalancer):
-    """Round robin per packet, continuing across calls (counts differ by <= 1)."""
+    """Round robin per packet, continuing across calls (counts differ by <= 1).
+
+    With `ready`, the round robin skips the paths that are not ready, so each
+    path carries what its pacing rate allows.
+    """
 
     def __init__(self) -> None:
         self._next = 0
 
-    def assign(self, *, n: int, paths: Sequence[PathState]) -> npt.NDArray[np.intp]:
+    def assign(
+        self, *, n: int, paths: Sequence[PathState], ready: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.intp]:
         n = check_int(n, "n", lo=0)
         n_paths = _check_paths(paths)
-        start = self._next % n_paths
-        self._next = (start + n) % n_paths
+        mask = _ready_mask(ready, n_paths)
         for p in paths:
             p.weight = 1.0 / n_paths
-        return (start + np.arange(n, dtype=np.intp)) % n_paths
+        start = self._next % n_paths
+        if mask is None:
+            self._next = (start + n) % n_paths
+            return (start + np.arange(n, dtype=np.intp)) % n_paths
+        # the ready paths in round-robin order from the next one due
+        live = np.flatnonzero(mask)
+        order = live[np.argsort((live - start) % n_paths, kind="stable")]
+        out = order[np.arange(n) % len(order)].astype(np.intp)
+        if n:
+            self._next = (int(out[-1]) + 1) % n_paths
+        return out
 
 
 class _Stride:
@@ -189,14 +234,21 @@ class _Stride:
                 self.next_time = np.where(new > 0, np.clip(frac, 0.0, 1.0) / new, np.inf)
         self.shares = new.copy()
 
-    def take(self, n: int) -> npt.NDArray[np.intp]:
-        live = np.flatnonzero(self.shares > 0)
+    def take(self, n: int, ready: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[np.intp]:
+        """The next `n` packets' paths; with `ready`, only among those paths, and
+        the others forgo their turns (they do not catch up later in a burst)."""
+        usable = self.shares > 0
+        if ready is not None and (usable & ready).any():
+            usable = usable & ready
+        else:
+            ready = None
+        live = np.flatnonzero(usable)
         if n == 0:
             return np.zeros(0, dtype=np.intp)
         s = self.shares[live]
         start = self.next_time[live]
         # Enough candidates per path that the n earliest are among them.
-        m = np.ceil(n * s).astype(np.int64) + len(s) + 2
+        m = np.ceil(n * s / s.sum()).astype(np.int64) + len(s) + 2
         path = np.repeat(live, m)
         j = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
         t = np.repeat(start, m) + j / np.repeat(s, m)
@@ -212,6 +264,9 @@ class _Stride:
             )
             - end
         )
+        if ready is not None:
+            skipped = ~ready & (self.shares > 0)
+            self.next_time[skipped] = np.maximum(self.next_time[skipped], 0.0)
         return chosen.astype(np.intp)
 
 
@@ -226,7 +281,8 @@ def _normalise(weights: np.ndarray) -> np.ndarray:
 class WeightedBalancer(LoadBalancer):
     """Static weights from configuration (one per path), smooth weighted round robin.
 
-    Without `weights`, every path weighs the same.
+    Without `weights`, every path weighs the same. With `ready`, the paths
+    that are not ready are skipped (their turns go to the others).
     """
 
     def __init__(self, *, weights: Sequence[float] | None = None) -> None:
@@ -240,9 +296,12 @@ class WeightedBalancer(LoadBalancer):
             self.weights = w
         self._stride = _Stride()
 
-    def assign(self, *, n: int, paths: Sequence[PathState]) -> npt.NDArray[np.intp]:
+    def assign(
+        self, *, n: int, paths: Sequence[PathState], ready: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.intp]:
         n = check_int(n, "n", lo=0)
         n_paths = _check_paths(paths)
+        mask = _ready_mask(ready, n_paths)
         if self.weights is None:
             w = np.ones(n_paths)
         elif len(self.weights) != n_paths:
@@ -254,18 +313,21 @@ class WeightedBalancer(LoadBalancer):
             self._stride.set_shares(shares)
         for p, s in zip(paths, shares.tolist(), strict=True):
             p.weight = s
-        return self._stride.take(n)
+        return self._stride.take(n, mask)
 
 
 @register("balance", "adaptive")
 class AdaptiveBalancer(LoadBalancer):
-    """Weights from each path's recent loss and delay, re-read on every call.
+    """Weights from each path's recent loss, delay and pacing rate, re-read on every call.
 
     raw_i = (1 - loss_rate_i) ** loss_exponent / (rtt_ewma_i ** delay_exponent)
-    (paths without an RTT sample use the mean of the others), normalised, with
-    every path kept at >= `min_share` so a degraded path still gets probes and
-    its recovery is seen. With the defaults a path at 10 % loss weighs about
-    4 % of a clean one.
+    * rate_i (paths without an RTT sample use the mean of the others; rates
+    only count when the daemon paces, as each path's share of the fastest),
+    normalised, with every path kept at >= `min_share` so a degraded path
+    still gets probes and its recovery is seen. With the defaults a path at
+    10 % loss weighs about 4 % of a clean one. `ready` is ignored: the shares
+    already weigh each path's rate, and a path that is briefly out of pacing
+    budget should wait for it, not hand its share to a lossy path.
     """
 
     def __init__(
@@ -292,13 +354,21 @@ class AdaptiveBalancer(LoadBalancer):
         known = ~np.isnan(rtts)
         rtts = np.where(known, rtts, rtts[known].mean() if known.any() else 1.0)
         raw = (1.0 - loss) ** self.loss_exponent / rtts**self.delay_exponent
+        rates = np.array([np.nan if p.rate_bps is None else p.rate_bps for p in paths])
+        paced = ~np.isnan(rates) & (rates > 0)
+        if paced.any():
+            fastest = rates[paced].max()
+            raw = raw * np.where(paced, rates, fastest) / fastest
         if not raw.sum() > 0:  # every path fully lossy: spread evenly
             raw = np.ones(n_paths)
         return _floor_shares(raw / raw.sum(), min(self.min_share, 1.0 / n_paths))
 
-    def assign(self, *, n: int, paths: Sequence[PathState]) -> npt.NDArray[np.intp]:
+    def assign(
+        self, *, n: int, paths: Sequence[PathState], ready: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.intp]:
         n = check_int(n, "n", lo=0)
         shares = self.shares(paths)
+        _ready_mask(ready, len(shares))  # checked, but the shares decide
         if len(self._stride.shares) != len(shares) or not np.array_equal(
             shares, self._stride.shares
         ):
