@@ -10,8 +10,9 @@ result packets that still fit in the payload budget.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -116,11 +117,18 @@ class Layout:
         step = -(-self.per_packet // self.result_split)
         return i * self.result_split + (offset - i * self.per_packet) // step
 
-    def shard_results(self, shard: int) -> list[tuple[int, int]]:
-        return [r for i in self.shard_packets(shard) for r in self.result_ranges(i)]
+    def shard_results(self, shard: int) -> Sequence[tuple[int, int]]:
+        """(offset, count) of every result packet of a shard, in order (cached:
+        NACK handling asks for it per NACK, and a shard has thousands)."""
+        return _shard_results(self, shard)
 
     def packet_counts(self) -> np.ndarray:
         """Lane count of every data packet."""
         counts = np.full(self.packets, self.per_packet, dtype=np.int64)
         counts[-1] = self.total - (self.packets - 1) * self.per_packet
         return counts
+
+
+@lru_cache(maxsize=256)
+def _shard_results(layout: Layout, shard: int) -> tuple[tuple[int, int], ...]:
+    return tuple(r for i in layout.shard_packets(shard) for r in layout.result_ranges(i))
