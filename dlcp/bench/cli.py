@@ -67,7 +67,7 @@ def register(sub: Any) -> None:
         description="Train an MLP on scikit-learn's digits with DDP, one rank per host, "
         "same seed for every backend; time until the test accuracy reaches --target-acc.",
     )
-    _cluster_args(tr, rate="100mbit")
+    _cluster_args(tr, rate="100mbit", codecs=(*CODECS, "auto"))
     tr.add_argument(
         "--target-acc", type=float, default=0.90, help="target test accuracy (default: 0.90)"
     )
@@ -153,7 +153,9 @@ def _backends_arg(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _cluster_args(p: argparse.ArgumentParser, *, rate: str) -> None:
+def _cluster_args(
+    p: argparse.ArgumentParser, *, rate: str, codecs: tuple[str, ...] = CODECS
+) -> None:
     p.add_argument("--hosts", type=int, default=3, help="emulated hosts (default: 3)")
     p.add_argument(
         "--rate",
@@ -169,7 +171,7 @@ def _cluster_args(p: argparse.ArgumentParser, *, rate: str) -> None:
         "port; multipath: two paths (default: clean)",
     )
     p.add_argument("--loss", type=float, default=1.0, metavar="PCT", help="for --scenario loss")
-    p.add_argument("--codec", choices=CODECS, default="fp32", help="dlcp's codec (default: fp32)")
+    p.add_argument("--codec", choices=codecs, default="fp32", help="dlcp's codec (default: fp32)")
     p.add_argument(
         "--backends", default="dlcp,gloo,gloo-prio", type=_backends_arg, help=_BACKENDS_HELP
     )

@@ -70,8 +70,8 @@ class TrainOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}")
+        if self.codec not in (*CODECS, "auto"):
+            raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}, auto")
         if not 0 < self.target_acc <= 1:
             raise BenchError(f"--target-acc must be in (0, 1], not {self.target_acc}")
         if self.steps < 1 or self.batch < 1 or self.eval_every < 1:
@@ -271,6 +271,10 @@ def _run_workers(
         rec["loss_frac"] = lost / total if total else 0.0
         rec["fallbacks"] = sum(int(s.get("fallbacks", 0)) for s in stats)
         rec["dlcp_rounds"] = sum(int(s.get("rounds", 0)) for s in stats)
+        auto = stats[0].get("auto")
+        if auto:  # what codec="auto" chose (the same on every rank)
+            rec["auto_codec"] = auto.get("chosen")
+            rec["auto"] = auto
         errors = [s.get("last_error") for s in stats if s.get("last_error")]
         if errors:
             rec["dlcp_last_error"] = errors[0]

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dlcp.codecs import CODEC_NAMES
 from dlcp.errors import LocalError
+from dlcp.shim.auto import AUTO
 from dlcp.shim.client import DaemonClient, DaemonError, Segment, default_socket
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.state import DlcpState, ShimError
@@ -59,8 +60,13 @@ def init(
 ) -> DlcpState:
     """Attach every rank to its daemon (collective: call it on all ranks).
 
-    codec: fp32, fp16, thc8 or thc4. loss_bound: the fraction of a bucket that
-    may be lost (0..0.5). socket: the daemon's Unix socket (default
+    codec: fp32, fp16, thc8, thc4, or auto: the codec the cost model predicts
+    fastest for the measured bucket sizes and backward timing, this host's
+    calibrated codec costs and the link rate, the same on every rank
+    (`dlcp.shim.auto`; `link_bps=` or DLCP_LINK_BPS fixes the link rate, else
+    it is read from the daemon's rate controller; `auto_options=` tunes it;
+    `state.auto_codec` is the codec in use). loss_bound: the fraction of a
+    bucket that may be lost (0..0.5). socket: the daemon's Unix socket (default
     `DLCP_SOCKET`, else /run/dlcp/dlcpd.sock). store: the rendezvous store
     (default: the default process group's). model: gives exact layer indices
     for priorities (else learned from DDP's buckets). `options` are the other
@@ -98,9 +104,9 @@ def hook(state: DlcpState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 
 
 def make_hook(codec: str) -> Hook:
-    """A hook like `hook` that uses `codec` instead of the state's."""
-    if codec not in CODEC_NAMES:
-        raise LocalError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
+    """A hook like `hook` that uses `codec` (a wire codec or "auto") instead of the state's."""
+    if codec not in CODEC_NAMES and codec != AUTO:
+        raise LocalError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}, {AUTO}")
 
     def codec_hook(state: DlcpState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return state.run_bucket(bucket, codec=codec)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "fallback_all_reduce", "global_max", "group_rank", "group_size"]
+__all__ = ["agree", "average", "fallback_all_reduce", "global_max", "group_rank", "group_size"]
 
 Group = dist.ProcessGroup | None
 
@@ -48,6 +48,14 @@ def global_max(values: torch.Tensor, group: Group) -> torch.Tensor:
     t = values.reshape(-1).to(_device(group), torch.float32, copy=True)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.cpu()
+
+
+def average(values: torch.Tensor, group: Group) -> torch.Tensor:
+    """The element-wise mean of `values` over all ranks (float32, CPU); every rank
+    gets the same bytes (one all-reduce)."""
+    t = values.reshape(-1).to(_device(group), torch.float32, copy=True)
+    dist.all_reduce(t, group=group)
+    return t.cpu() / group_size(group)
 
 
 def fallback_all_reduce(

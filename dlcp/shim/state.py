@@ -28,6 +28,13 @@ reuse the previous round's maxima (of the bucket, or of each packet) times
 exceeds them (error feedback resends it). A bucket's first round always
 agrees exactly. The decision to run these collectives depends only on state
 every rank shares, so every rank issues them, failed or not.
+
+`codec="auto"` (`dlcp.shim.auto`): the first steps run in fp32 while the
+state learns bucket sizes, backward timing, the goodput of its exchanges and
+its iteration times; then, at decisions on a schedule every rank shares or
+when some rank's link rate moved (a flag in the step's agreement), all ranks
+average their time per codec (measured where the codec has run, else
+predicted) and switch together at the step boundary.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +61,7 @@ import torch.distributed as dist
 from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec, next_scale
 from dlcp.errors import DlcpError, LocalError
 from dlcp.shim import pg
+from dlcp.shim.auto import AUTO, AutoCodec, available, host_calibration, link_from_status
 from dlcp.shim.client import default_socket
 from dlcp.shim.exchange import RoundPlan, Submitted, decode_round, submit_round
 from dlcp.shim.layers import LayerMap, packet_layers, param_offsets
@@ -87,6 +96,8 @@ _CONFIG = (
     "scale_mode",
     "mode",
     "segment_bytes",
+    "link_bps",
+    "auto_options",
 )
 _PERSISTENT = (
     "round",
@@ -102,6 +113,7 @@ _PERSISTENT = (
     "_ef",
     "_scales",
     "_detached_round",
+    "_auto",
 )
 _RUNTIME = (
     "_group",
@@ -119,6 +131,8 @@ _RUNTIME = (
     "_attempts",
     "_last_attempt",
     "_warned",
+    "_auto_used",
+    "_status",
     "__weakref__",
 )
 
@@ -144,6 +158,8 @@ class _Pending:
     ef: CodecState | None = None
     snapshot: tuple[torch.Tensor | None, int, int] | None = None
     reply: dict[str, Any] | None = None
+    sent_at: float | None = None  # when submitted, and when the reply came (auto)
+    replied_at: float | None = None
 
 
 def _check_fraction(name: str, value: float, hi: float) -> float:
@@ -158,12 +174,14 @@ class DlcpState:
 
     Hyperparameters: codec, codec_options, loss_bound, socket, strict,
     retry_steps, retry_s, round_timeout_s, connect_timeout_s,
-    rendezvous_timeout_s, scale_margin, scale_mode, mode, segment_bytes.
+    rendezvous_timeout_s, scale_margin, scale_mode, mode, segment_bytes,
+    link_bps and auto_options (for codec="auto": `dlcp.shim.auto.AutoCodec`).
     Stats: round (all-reduce steps so far), rounds (bucket rounds the daemon
     completed), fallbacks (buckets sent over the process group), attaches,
     failures, lost_lanes / total_lanes, saturated (THC values clamped),
-    last_error. Pickles without sockets, segments or the process group (like
-    `PowerSGDState`); a restored state reattaches on its next use.
+    last_error; `auto_codec` and `auto` (what codec="auto" chose, its
+    decisions and switches). Pickles without sockets, segments or the process
+    group (like `PowerSGDState`); a restored state reattaches on its next use.
     """
 
     __slots__ = _CONFIG + _PERSISTENT + _RUNTIME
@@ -188,9 +206,13 @@ class DlcpState:
         mode: str = "transpose",
         segment_bytes: int | None = None,
         codec_options: dict[str, Any] | None = None,
+        link_bps: float | str | None = None,
+        auto_options: dict[str, Any] | None = None,
     ) -> None:
-        if codec not in CODEC_NAMES:
-            raise LocalError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
+        if codec not in CODEC_NAMES and codec != AUTO:
+            raise LocalError(
+                f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}, {AUTO}"
+            )
         if mode not in _MODES:
             raise LocalError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
         if retry_steps is not None and (not isinstance(retry_steps, int) or retry_steps < 1):
@@ -212,7 +234,10 @@ class DlcpState:
             )
         self.codec = codec
         self.codec_options = dict(codec_options or {})
-        get_codec(codec, **self.codec_options)  # fail early on bad options
+        if codec != AUTO:
+            get_codec(codec, **self.codec_options)  # fail early on bad options
+        self.link_bps = link_bps
+        self.auto_options = dict(auto_options or {})
         self.loss_bound = _check_fraction("loss_bound", loss_bound, 0.5)
         self.socket = socket
         self.strict = bool(strict)
@@ -242,6 +267,9 @@ class DlcpState:
         self._ef: dict[Key, CodecState] = {}
         self._scales: dict[Key, torch.Tensor] = {}
         self._detached_round: int | None = None
+        self._auto: AutoCodec | None = None
+        if codec == AUTO:
+            self._auto = self._new_auto()  # fail early on bad settings
         self._init_runtime(process_group, store, model)
 
     def _init_runtime(
@@ -265,6 +293,8 @@ class DlcpState:
         self._attempts = 0
         self._last_attempt = -math.inf
         self._warned = False
+        self._auto_used = False
+        self._status: Future[dict[str, Any]] | None = None
 
     # -- pickling (checkpoints) -------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -273,6 +303,8 @@ class DlcpState:
         return {name: getattr(self, name) for name in _CONFIG + _PERSISTENT}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # settings newer than a checkpoint take their defaults
+        state = {"link_bps": None, "auto_options": {}, "_auto": None, **state}
         for name in _CONFIG + _PERSISTENT:
             setattr(self, name, state[name])
         self._init_runtime(None, None, None)
@@ -285,6 +317,16 @@ class DlcpState:
     @property
     def world_size(self) -> int:
         return pg.group_size(self._group)
+
+    @property
+    def auto(self) -> AutoCodec | None:
+        """The decision state of `codec="auto"` (None until auto is first used)."""
+        return self._auto
+
+    @property
+    def auto_codec(self) -> str | None:
+        """The codec auto runs now (None when auto is not in use)."""
+        return None if self._auto is None else self._auto.current
 
     def set_model(self, model: torch.nn.Module) -> None:
         """Take layer indices from `model`'s parameter order (e.g. after unpickling)."""
@@ -304,6 +346,8 @@ class DlcpState:
             "total_lanes": self.total_lanes,
             "saturated": self.saturated,
             "last_error": self.last_error,
+            "codec": self.codec,
+            "auto": None if self._auto is None else self._auto.describe(),
         }
 
     def attach(self) -> bool:
@@ -350,6 +394,8 @@ class DlcpState:
             len(result.membership.hosts),
             result.membership.local_ranks,
         )
+        if self._auto is not None:
+            self._prepare_auto()
         return True
 
     def close(self) -> None:
@@ -375,6 +421,10 @@ class DlcpState:
                 self._end_step()
             return fut
         name = codec or self.codec
+        auto = self._auto_for(name)
+        if auto is not None:
+            auto.bucket_entered(buf.numel(), time.perf_counter())
+            name = auto.current
         params = bucket.parameters()
         self._layers.observe(params)
         flat = buf.reshape(-1)
@@ -386,6 +436,9 @@ class DlcpState:
             lambda plan: self._packet_layers(bucket, flat, plan),
         )
         p.future = torch.futures.Future()
+        if auto is not None:
+            self._time_exchange(p)
+            auto.bucket_left(time.perf_counter())
         if last:
             self._finish_step()
         return p.future
@@ -413,9 +466,16 @@ class DlcpState:
             self._end_step()
             return tensor
         name = codec or self.codec
+        auto = self._auto_for(name)
+        if auto is not None:
+            auto.bucket_entered(tensor.numel(), time.perf_counter())
+            name = auto.current
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         ef_key: Key | None = ("all_reduce", name, key) if key is not None else None
-        self._launch(flat, 0, name, ef_key, lambda plan: np.zeros(plan.packets, np.uint16))
+        p = self._launch(flat, 0, name, ef_key, lambda plan: np.zeros(plan.packets, np.uint16))
+        if auto is not None:
+            self._time_exchange(p)
+            auto.bucket_left(time.perf_counter())
         self._finish_step()
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
@@ -524,6 +584,8 @@ class DlcpState:
                 continue
             try:
                 p.reply = p.sub.reply.result(timeout=max(0.0, deadline - time.monotonic()))
+                if p.sent_at is not None and p.replied_at is None:  # (callbacks run late)
+                    p.replied_at = time.perf_counter()
             except TimeoutError:
                 p.error = f"no reply within {self.round_timeout_s:g} s"
             except Exception as exc:
@@ -531,16 +593,30 @@ class DlcpState:
 
     def _finish_step(self) -> None:
         pending = self._pending
+        auto = self._auto if self._auto_used else None
+        learned = False
         try:
             self._wait_replies(time.monotonic() + self.round_timeout_s)
             local = next((p.error for p in pending if p.error), None)
-            failed, maxima = pg.agree(local is not None, self._maxima(pending), self._group)
+            maxima = self._maxima(pending)
+            if auto is not None:  # this rank's wish for an auto decision rides along
+                wish = torch.tensor([1.0 if auto.link_changed() else 0.0])
+                maxima = wish if maxima is None else torch.cat([maxima.reshape(-1), wish])
+            failed, maxima = pg.agree(local is not None, maxima, self._group)
+            if auto is not None:
+                maxima, wished = maxima[:-1], bool(maxima[-1] > 0.0)
             if failed:
                 self._step_failed(local or "another rank could not use dlcp in this step")
             else:
                 self._step_done(maxima)
+            if auto is not None and self._link is not None:
+                learned = True
+                self._auto_step(auto, wished, pending)
         finally:
+            if auto is not None and not learned:
+                auto.discard_step()  # a failed step teaches nothing
             self._pending = []
+            self._auto_used = False
             if self._link is not None:
                 self._link.arena.reset()
             self._end_step()
@@ -616,6 +692,124 @@ class DlcpState:
             due = due or any_due
         if due:
             self._attach_due = True
+
+    # -- codec="auto" ------------------------------------------------------------------
+    def _new_auto(self) -> AutoCodec:
+        return AutoCodec(link_bps=self.link_bps, **self.auto_options)
+
+    def _auto_for(self, name: str) -> AutoCodec | None:
+        """The auto state when `name` is auto (made on first use); marks the step."""
+        if name != AUTO:
+            return None
+        if self._auto is None:
+            self._auto = self._new_auto()
+            self._prepare_auto()
+        self._auto_used = True
+        return self._auto
+
+    def _prepare_auto(self) -> None:
+        """Once attached: this host's codec costs (cached per host, calibrated on
+        first use) and a first read of the daemon's rates. A rank without costs
+        predicts only its current codec, so the average keeps every rank on it."""
+        auto, link = self._auto, self._link
+        if auto is None or link is None:
+            return
+        if auto.calibration is None:
+            try:
+                auto.calibration = host_calibration(auto.candidates, len(link.membership.hosts))
+            except Exception as exc:
+                log.warning("dlcp: auto has no codec costs (%s); it stays on %s", exc, auto.current)
+        self._status = None
+        self._poll_link(auto, wait=False)
+
+    def _poll_link(self, auto: AutoCodec, *, wait: bool) -> None:
+        """Read the daemon's per-peer rates (`status`) without blocking the step:
+        a reply is taken at a later step's end (`wait`: now, for a decision)."""
+        link = self._link
+        if link is None or not auto.reads_link:
+            return
+        fut = self._status
+        if fut is not None and (wait or fut.done()):
+            self._status = None
+            try:
+                status = fut.result(timeout=2.0)["status"]
+                m = link.membership
+                peers = [
+                    f"{h['addresses'][0]}:{h['udp_port']}"
+                    for i, h in enumerate(m.hosts)
+                    if i != m.me
+                ]
+                auto.observe_link(link_from_status(status, peers))
+            except Exception as exc:
+                log.debug("dlcp: auto could not read the daemon's rates: %s", exc)
+        if self._status is None and (auto.poll_due() or auto.link_bps is None):
+            try:
+                self._status = link.client.request("status")
+            except Exception as exc:
+                log.debug("dlcp: auto could not ask the daemon's rates: %s", exc)
+
+    @staticmethod
+    def _time_exchange(p: _Pending) -> None:
+        """Note when `p` went to the daemon and when its reply comes (goodput)."""
+        if p.sub is None or p.error is not None:
+            return
+        p.sent_at = time.perf_counter()
+
+        def replied(_: Future[dict[str, Any]]) -> None:
+            if p.replied_at is None:
+                p.replied_at = time.perf_counter()
+
+        p.sub.reply.add_done_callback(replied)
+
+    def _auto_step(self, auto: AutoCodec, wished: bool, pending: list[_Pending]) -> None:
+        """End of a step through auto, every rank attached: learn from the step, and
+        at a decision (scheduled, or some rank's link moved) agree the codec of the
+        next steps: the argmin of the ranks' averaged predictions (two small
+        all-reduces)."""
+        assert self._link is not None
+        hosts = len(self._link.membership.hosts)
+        exchanges = [
+            (p.buffer.numel(), p.sent_at, p.replied_at)
+            for p in pending
+            if p.sent_at is not None and p.replied_at is not None
+        ]
+        auto.end_step(
+            exchanges if len(exchanges) == len(pending) else (),
+            hosts=hosts,
+            now=time.perf_counter(),
+        )
+        decide = auto.scheduled() or wished
+        self._poll_link(auto, wait=decide)
+        if not decide:
+            return
+        if wished:  # some rank's link moved: what was measured no longer holds
+            auto.forget()
+        times = auto.local_times(hosts)
+        mean = pg.average(torch.tensor(times, dtype=torch.float32), self._group).tolist()
+        mine = auto.proposal(mean)
+        agreed = int(pg.global_max(torch.tensor([float(mine)]), self._group)[0])
+        before = auto.adopt(agreed, mean)
+        summary = ", ".join(
+            f"{c} {1e3 * t:.1f}" if available(t) else f"{c} -" for c, t in auto.predicted.items()
+        )
+        rate = "unknown" if auto.link_bps is None else f"{auto.link_bps / 1e6:.0f} Mbit/s"
+        measured = ", ".join(f"{c} {g / 1e6:.0f}" for c, g in auto.goodput_bps.items())
+        if measured:
+            rate += f"; measured goodput Mbit/s: {measured}"
+        if before is None:
+            log.debug("dlcp: auto keeps %s (predicted ms: %s; link %s)", auto.codec, summary, rate)
+            return
+        log.info(
+            "dlcp: auto switches %s -> %s after step %d (predicted ms: %s; link %s)",
+            before,
+            auto.codec,
+            auto.steps,
+            summary,
+            rate,
+        )
+        for table in (self._ef, self._scales):  # the old codec's feedback and scales
+            for k in [k for k in table if len(k) > 2 and k[1] == before]:
+                del table[k]
 
     # -- helpers ----------------------------------------------------------------------
     def _fail(self, reason: str) -> None:

@@ -1,0 +1,452 @@
+"""`codec="auto"`: the wire codec the cost model predicts fastest, the same on every rank.
+
+`AutoCodec` is the decision logic without sockets or collectives (time comes
+in as `now`); `DlcpState` feeds it and runs the two small collectives.
+
+* Learning: every step through auto, the hook reports each bucket's size and
+  when it entered and left the hook. The time from one bucket leaving the hook
+  to the next entering it is backward compute (encoding and submitting are
+  inside the hook, so they are not counted); the first bucket's share is
+  extrapolated by its size. The profile is the latest step's bucket sizes with
+  the element-wise median ready times of the last `window` steps of that shape.
+* Predicting: `dlcp.costmodel.model.predict` per candidate (the wire codecs
+  the daemon carries) with this host's calibration (`host_calibration`, cached
+  per host) and the network: the link rate (the daemon's per-peer rates from
+  its rate controller, or a fixed `link_bps` / `DLCP_LINK_BPS`), capped by the
+  goodput the transport measurably achieved with that codec in its last
+  steps (`measure`): bytes on the wire over the time buckets were in flight
+  between submit and reply. On a host whose daemon is CPU-bound the link rate
+  alone overstates the network, and the daemon's work per byte differs by
+  codec (THC's lanes cost more than float sums), so each codec has its own
+  measurement; a codec not run yet is given the best goodput measured so
+  far. A codec that has run (`measure`) is judged by what it measurably
+  took instead: the median of its last iterations as the model counts them
+  (from backward's start, extrapolated, to the step's results decoded; the
+  first step is left out), so an error of the model (a calibration taken on
+  an idle host, THC's per-bucket scale agreement) costs at most the steps
+  spent trying. After switching to a codec not tried before, auto decides
+  again `window` steps later, with that codec's measurements in. With
+  `max_rel_error`, codecs whose calibrated one-round error exceeds it are
+  left out (infinite).
+* Agreeing: at a decision every rank averages its vector of predicted times
+  (float32 all-reduce), takes `pick` of the average (the first candidate, in
+  the fixed order fp32, fp16, thc8, thc4, within `min_gain` of the fastest),
+  then all ranks take the MAX of their picks, so even a rank that rounded
+  differently follows. The new codec applies from the next step on.
+* When: after `warmup` steps (in `warmup_codec`), then every `every` steps,
+  `window` steps after a switch to a codec not tried before, and at the end
+  of any step where some rank saw its link rate move by more than `change`
+  from the rate of the last decision while the link was or becomes the
+  bottleneck (within `change` of the best measured goodput; a flag carried by
+  the step's agreement all-reduce, MAX over the ranks). Such a decision
+  forgets all measurements first: they were taken on another link. All but
+  the flag depend only on the step count and the agreed decisions, which
+  every rank shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dlcp.codecs import CODEC_NAMES
+from dlcp.costmodel.calibrate import Calibration
+from dlcp.costmodel.model import DEFAULT_PULL_S, DEFAULT_PUSH_S, Network, parse_link, predict
+from dlcp.costmodel.profile import Bucket, ModelProfile
+from dlcp.errors import LocalError
+
+__all__ = [
+    "AUTO",
+    "UNAVAILABLE_S",
+    "AutoCodec",
+    "available",
+    "host_calibration",
+    "link_from_status",
+    "pick",
+]
+
+AUTO = "auto"
+# The predicted time of a codec auto must not choose (not calibrated, too lossy):
+# finite, so that averaging over ranks stays finite and comparable.
+UNAVAILABLE_S = 1e30
+
+
+def available(t: float) -> bool:
+    """Whether a predicted (possibly averaged, float32) time is a real one."""
+    return t < UNAVAILABLE_S / 2
+
+
+def pick(times: Sequence[float], candidates: Sequence[str], min_gain: float = 0.05) -> str:
+    """The codec for predicted `times` (one per candidate): the first candidate in
+    order whose time is within `min_gain` of the fastest. Candidates are ordered
+    most accurate first, so this prefers accuracy when the gain is small (as
+    `dlcp.costmodel.model.choose_codec` does), and ties go to the earlier one."""
+    if len(times) != len(candidates) or not candidates:
+        raise LocalError("pick needs one predicted time per candidate")
+    best = min(times)
+    if not available(best):
+        return candidates[0]
+    for name, t in zip(candidates, times, strict=True):
+        if t <= best * (1.0 + min_gain):
+            return name
+    raise AssertionError("unreachable: the fastest is within any gain of itself")
+
+
+def link_from_status(status: Mapping[str, Any], peers: Sequence[str] | None = None) -> float | None:
+    """This host's link rate from a daemon `status` reply: the sum of its rate
+    controllers' per-peer rates (over `peers`, names "address:port", when given
+    and present; else over all), or None when it has no peers yet."""
+    rows = list(status.get("peers") or [])
+    if peers:
+        mine = [r for r in rows if r.get("peer") in set(peers)]
+        rows = mine or rows
+    rates = [float(r["rate_bps"]) for r in rows if r.get("rate_bps")]
+    return sum(rates) if rates else None
+
+
+def host_calibration(
+    specs: Sequence[str], hosts: int, path: Path | str | None = None
+) -> Calibration:
+    """This host's codec costs for `specs`: the cached calibration (the one `dlcp plan`
+    makes), with missing codecs calibrated now and the cache updated."""
+    from dlcp.costmodel.calibrate import calibrate, default_cache
+
+    hosts = max(hosts, 2)
+    target = Path(path) if path is not None else default_cache(hosts)
+    try:
+        cal: Calibration | None = Calibration.load(target)
+    except LocalError:
+        cal = None
+    missing = [s for s in specs if cal is None or s not in cal.codecs]
+    if missing:
+        fresh = calibrate(missing, hosts=hosts)
+        if cal is None:
+            cal = fresh
+        else:
+            cal.codecs.update(fresh.codecs)
+        # ranks of one host may calibrate at once: write aside, then rename
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):
+            cal.save(tmp)
+            os.replace(tmp, target)
+    assert cal is not None
+    return cal
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LocalError(f"auto {name} must be a positive int, got {value!r}")
+    return value
+
+
+class AutoCodec:
+    """The decision state of `codec="auto"` for one `DlcpState` (picklable).
+
+    Settings: candidates, warmup_codec, warmup, every, min_gain, max_rel_error,
+    change, poll_steps, window, cpu_share, jitter_s, link_bps (fixed: the
+    daemon's rates are then not read), measure (cap the link by the measured
+    goodput).
+    Stats: codec (the current choice; None before the first decision), steps,
+    decisions, switches (choices that changed the codec after the first),
+    link_bps (latest), decided_link_bps, goodput_bps (measured per codec,
+    median of its last steps), measured_s (iteration seconds per codec, the
+    same way), predicted (the ranks' averaged seconds per candidate at the
+    last decision, measured or predicted), history ([step, codec] at every
+    change).
+    """
+
+    def __init__(
+        self,
+        *,
+        candidates: Sequence[str] | None = None,
+        warmup_codec: str = "fp32",
+        warmup: int = 2,
+        every: int = 50,
+        min_gain: float = 0.05,
+        max_rel_error: float | None = None,
+        change: float = 0.3,
+        poll_steps: int = 5,
+        window: int = 5,
+        cpu_share: float = 1.0,
+        jitter_s: float = 0.0,
+        link_bps: float | str | None = None,
+        measure: bool = True,
+    ) -> None:
+        names = tuple(candidates) if candidates is not None else CODEC_NAMES
+        bad = [c for c in names if c not in CODEC_NAMES]
+        if bad or not names or len(set(names)) != len(names):
+            raise LocalError(
+                f"auto candidates must be distinct wire codecs ({', '.join(CODEC_NAMES)}), "
+                f"got {list(names)}"
+            )
+        if warmup_codec not in CODEC_NAMES:
+            raise LocalError(f"auto warmup_codec {warmup_codec!r} is not a wire codec")
+        self.candidates = tuple(sorted(names, key=CODEC_NAMES.index))  # most accurate first
+        self.warmup_codec = warmup_codec
+        self.warmup = _positive_int("warmup", warmup)
+        self.every = _positive_int("every", every)
+        self.poll_steps = _positive_int("poll_steps", poll_steps)
+        self.window = _positive_int("window", window)
+        for name, value in (("min_gain", min_gain), ("change", change), ("jitter_s", jitter_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise LocalError(f"auto {name} must be >= 0, got {value!r}")
+        if not 0 < cpu_share <= 1:
+            raise LocalError(f"auto cpu_share must be in (0, 1], got {cpu_share!r}")
+        if max_rel_error is not None and not max_rel_error >= 0:
+            raise LocalError(f"auto max_rel_error must be >= 0 or None, got {max_rel_error!r}")
+        self.min_gain = float(min_gain)
+        self.max_rel_error = max_rel_error
+        self.change = float(change)
+        self.cpu_share = float(cpu_share)
+        self.jitter_s = float(jitter_s)
+        self.measure = bool(measure)
+        if link_bps is None:
+            link_bps = os.environ.get("DLCP_LINK_BPS") or None
+        self.fixed_link_bps = parse_link(link_bps) if isinstance(link_bps, str) else link_bps
+        if self.fixed_link_bps is not None and not self.fixed_link_bps > 0:
+            raise LocalError(f"link_bps must be > 0, got {link_bps!r}")
+
+        self.calibration: Calibration | None = None
+        self.codec: str | None = None
+        self.steps = 0
+        self.decisions = 0
+        self.switches = 0
+        self.link_bps: float | None = self.fixed_link_bps
+        self.decided_link_bps: float | None = None
+        self.predicted: dict[str, float] = {}
+        self.history: list[list[Any]] = []
+        # this step's buckets, and the last steps' (sizes, ready times)
+        self._sizes: list[int] = []
+        self._gaps: list[float] = []
+        self._left: float | None = None
+        self._seen: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=self.window)
+        self._goodput: dict[str, deque[float]] = {}  # bytes/s of the last steps, per codec
+        self._iteration: dict[str, deque[float]] = {}  # seconds of the last steps, per codec
+        self._tried: set[str] = {self.warmup_codec}  # since the last link change (shared)
+        self._followup: int | None = None  # step of a decision after a switch
+        self._first_in: float | None = None  # when this step's first bucket entered
+
+    # -- what the hook reports ---------------------------------------------------------
+    @property
+    def current(self) -> str:
+        """The codec of the step under way."""
+        return self.codec or self.warmup_codec
+
+    @property
+    def reads_link(self) -> bool:
+        """Whether the link rate comes from the daemon (no fixed rate)."""
+        return self.fixed_link_bps is None
+
+    def bucket_entered(self, numel: int, now: float) -> None:
+        if not self._sizes:
+            self._first_in = now
+        if self._left is not None and self._sizes:
+            self._gaps.append(max(0.0, now - self._left))
+        self._sizes.append(int(numel))
+
+    def bucket_left(self, now: float) -> None:
+        self._left = now
+
+    def end_step(
+        self,
+        exchanges: Sequence[tuple[int, float, float]] = (),
+        *,
+        hosts: int = 2,
+        now: float | None = None,
+    ) -> None:
+        """The step's last bucket is done and decoded (at `now`): keep what it
+        showed. `exchanges`: per bucket (values, submitted at, reply at) through
+        the daemon, `hosts` hosts."""
+        self._learn_goodput(exchanges, hosts)
+        sizes, gaps, first_in = self._sizes, self._gaps, self._first_in
+        self._sizes, self._gaps, self._left, self._first_in = [], [], None, None
+        first_step = self.steps == 0
+        self.steps += 1
+        if not sizes or len(gaps) != len(sizes) - 1:
+            return
+        total = sum(sizes)
+        rest = total - sizes[0]
+        first = sum(gaps) * sizes[0] / rest if rest > 0 and gaps else 0.0
+        ready = [first]
+        for g in gaps:
+            ready.append(ready[-1] + g)
+        self._seen.append((tuple(sizes), tuple(ready)))
+        if now is not None and first_in is not None and not first_step:
+            seen = self._iteration.setdefault(self.current, deque(maxlen=self.window))
+            seen.append(first + max(0.0, now - first_in))
+
+    def _learn_goodput(self, exchanges: Sequence[tuple[int, float, float]], hosts: int) -> None:
+        """Bytes each host sent and received in this step's exchanges (as the cost
+        model counts them, for the codec in use) over the time at least one of
+        them was in flight, less the model's fixed time per exchange."""
+        cal = self.calibration
+        cost = cal.codecs.get(self.current) if cal is not None else None
+        if cost is None or hosts < 2 or not exchanges:
+            return
+        per_value = (sum(cost.push) + sum(cost.pull)) * (hosts - 1) / hosts
+        wire = 0.0
+        busy = 0.0
+        free_at = -math.inf
+        for numel, sent, replied in sorted(exchanges, key=lambda e: e[1]):
+            wire += numel * per_value
+            busy += max(0.0, replied - max(sent, free_at))
+            free_at = max(free_at, replied)
+        net = max(busy - len(exchanges) * (DEFAULT_PUSH_S + DEFAULT_PULL_S), 0.1 * busy)
+        if net > 0 and wire > 0:
+            seen = self._goodput.setdefault(self.current, deque(maxlen=self.window))
+            seen.append(wire / net)
+
+    def measured(self, codec: str) -> float | None:
+        """The iteration seconds measured with `codec` (median of its last steps)."""
+        seen = self._iteration.get(codec)
+        return statistics.median(seen) if seen else None
+
+    def forget(self) -> None:
+        """Drop every measurement (the link changed); every rank calls it at once."""
+        self._goodput.clear()
+        self._iteration.clear()
+        self._tried = {self.current}
+
+    def goodput(self, codec: str) -> float | None:
+        """The goodput (bytes/s) measured with `codec` (median of its last steps)."""
+        seen = self._goodput.get(codec)
+        return statistics.median(seen) if seen else None
+
+    @property
+    def goodput_bps(self) -> dict[str, float]:
+        """The measured goodput per codec, bits/s."""
+        return {c: 8.0 * g for c in self._goodput if (g := self.goodput(c)) is not None}
+
+    def network(self, codec: str | None = None) -> Network:
+        """The network the predictions for `codec` assume: the link rate, capped
+        (with `measure`) by the goodput measured with `codec`, or for a codec
+        not run yet, by the best goodput measured."""
+        nominal = Network.from_rate(self.link_bps)
+        if not self.measure:
+            return nominal
+        rate = self.goodput(codec or self.current)
+        if rate is None:
+            rates = [g for c in self._goodput if (g := self.goodput(c)) is not None]
+            rate = max(rates) if rates else None
+        if rate is None or rate >= nominal.push_bytes_s:
+            return nominal
+        return Network(rate, rate, nominal.push_s, nominal.pull_s, self.link_bps)
+
+    def discard_step(self) -> None:
+        """Forget a step that did not complete (it is not counted)."""
+        self._sizes, self._gaps, self._left, self._first_in = [], [], None, None
+
+    def observe_link(self, bps: float | None) -> None:
+        """A link rate read from the daemon (ignored with a fixed rate)."""
+        if self.reads_link and bps is not None and bps > 0:
+            self.link_bps = float(bps)
+
+    def poll_due(self) -> bool:
+        """Whether to ask the daemon for its rates after this step."""
+        return self.reads_link and self.steps % self.poll_steps == 0
+
+    # -- when to decide ------------------------------------------------------------------
+    def scheduled(self) -> bool:
+        """A decision every rank makes at the same step (after `end_step`)."""
+        if self.steps == self._followup:
+            return True
+        return self.steps >= self.warmup and (self.steps - self.warmup) % self.every == 0
+
+    def link_changed(self) -> bool:
+        """This rank's wish for a decision: its link rate moved by more than
+        `change` while the link was or becomes the bottleneck (the slower of the
+        two rates within `change` of the best goodput measured; a link far above
+        what the transport moves, unthrottled, may move as it likes)."""
+        new, old = self.link_bps, self.decided_link_bps
+        if self.decisions == 0 or new is None:
+            return False
+        if old is None:
+            return True
+        if abs(new - old) <= self.change * old:
+            return False
+        best = max(self.goodput_bps.values(), default=None) if self.measure else None
+        return best is None or min(new, old) < (1.0 + self.change) * best
+
+    # -- deciding --------------------------------------------------------------------------
+    def profile(self) -> ModelProfile | None:
+        """What the last steps showed, as the cost model's profile (None before any)."""
+        if not self._seen:
+            return None
+        sizes = self._seen[-1][0]
+        rows = [ready for s, ready in self._seen if s == sizes]
+        ready = [statistics.median(col) for col in zip(*rows, strict=True)]
+        backward = ready[-1]
+        buckets = tuple(Bucket(n, min(r, backward)) for n, r in zip(sizes, ready, strict=True))
+        return ModelProfile("ddp", buckets, 0.0, backward)
+
+    def local_times(self, hosts: int) -> list[float]:
+        """This rank's predicted iteration seconds per candidate (`UNAVAILABLE_S`
+        for codecs it cannot judge); forward and the optimizer step are left out:
+        they cost every codec the same."""
+        prof = self.profile()
+        cal = self.calibration
+        if prof is None or cal is None:
+            return [0.0 if c == self.current else UNAVAILABLE_S for c in self.candidates]
+        out = []
+        for name in self.candidates:
+            cost = cal.codecs.get(name)
+            if cost is None or (
+                self.max_rel_error is not None and cost.rel_error > self.max_rel_error
+            ):
+                out.append(UNAVAILABLE_S)
+                continue
+            took = self.measured(name) if self.measure else None
+            if took is not None:
+                out.append(took)
+                continue
+            net = self.network(name)
+            p = predict(prof, cost, net, hosts, cpu_share=self.cpu_share, jitter_s=self.jitter_s)
+            out.append(p.iteration_s if math.isfinite(p.iteration_s) else UNAVAILABLE_S)
+        return out
+
+    def proposal(self, times: Sequence[float]) -> int:
+        """The index of the candidate for the ranks' averaged `times`."""
+        return self.candidates.index(pick(times, self.candidates, self.min_gain))
+
+    def adopt(self, index: int, times: Sequence[float]) -> str | None:
+        """Take the agreed candidate; returns the previous codec when it changed."""
+        name = self.candidates[index]
+        before = self.codec
+        self.decisions += 1
+        self.decided_link_bps = self.link_bps
+        self.predicted = {c: float(t) for c, t in zip(self.candidates, times, strict=True)}
+        self.codec = name
+        self._followup = None
+        if name == before:
+            return None
+        if self.measure and name not in self._tried:
+            self._followup = self.steps + self.window
+        self._tried.add(name)
+        if before is not None:
+            self.switches += 1
+        self.history.append([self.steps, name])
+        if len(self.history) > 64:
+            del self.history[:-64]
+        return before or self.warmup_codec
+
+    def describe(self) -> dict[str, Any]:
+        """For `DlcpState.stats()`, logs and benchmark records."""
+        return {
+            "codec": self.current,
+            "chosen": self.codec,
+            "steps": self.steps,
+            "decisions": self.decisions,
+            "switches": self.switches,
+            "link_bps": self.link_bps,
+            "decided_link_bps": self.decided_link_bps,
+            "goodput_bps": self.goodput_bps,
+            "measured_s": {c: m for c in self._iteration if (m := self.measured(c)) is not None},
+            "predicted_s": {c: (t if available(t) else None) for c, t in self.predicted.items()},
+            "history": [list(h) for h in self.history],
+        }

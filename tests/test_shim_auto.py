@@ -1,0 +1,547 @@
+"""codec="auto": the decision logic without sockets, and one run over real daemons.
+
+The unit tests drive `AutoCodec` as the hook does (bucket sizes and hook
+times in, steps ended), with a made-up calibration so that the expected
+codec follows from the cost model alone; the ranks' agreement is played by
+averaging their vectors here as `DlcpState` does over the process group.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dlcp.shim as dlcp
+from dlcp.costmodel.calibrate import Calibration, CodecCost, Linear, default_cache
+from dlcp.costmodel.model import choose_codec
+from dlcp.errors import LocalError
+from dlcp.shim.auto import UNAVAILABLE_S, AutoCodec, host_calibration, link_from_status, pick
+from tests.daemons import loopback_daemons
+from tests.test_shim import make_model, reference_grads, spawn, train_steps
+
+# DDP-like buckets of a 1M-value model: sizes in backward order, ready times (s)
+BUCKETS = [(262_144, 0.002), (524_288, 0.006), (266_762, 0.009)]
+
+
+def cost(
+    spec: str, push: float, pull: float, cpu_per_value: float, err: float, scale: float = 1.0
+) -> CodecCost:
+    per = Linear(2e-5 * scale, cpu_per_value * scale)
+    return CodecCost(spec, (push,), (pull,), per, per, per, err, 3)
+
+
+def calibration(scale: float = 1.0) -> Calibration:
+    """Costs shaped like this machine's (`dlcp plan`): compression costs CPU."""
+    return Calibration(
+        codecs={
+            "fp32": cost("fp32", 4.0, 4.0, 1e-9, 0.0, scale),
+            "fp16": cost("fp16", 2.0, 2.0, 1.5e-8, 1e-4, scale),
+            "thc8": cost("thc8", 1.0, 1.6, 2.2e-8, 0.12, scale),
+            "thc4": cost("thc4", 0.5, 1.2, 2.4e-8, 1.7, scale),
+        }
+    )
+
+
+def feed_step(
+    auto: AutoCodec,
+    buckets: Sequence[tuple[int, float]] = BUCKETS,
+    *,
+    t0: float = 100.0,
+    hook_s: float = 0.003,
+    sent: Sequence[tuple[int, float, float]] = (),
+    took: float | None = None,
+) -> None:
+    """One backward pass as the hook reports it: each bucket enters the hook when
+    ready (after the hook time of the ones before) and spends `hook_s` in it;
+    `sent`: the exchanges with the daemon (values, submitted, replied); `took`:
+    when the step's results are in, seconds after backward began."""
+    spent = 0.0
+    for numel, ready in buckets:
+        auto.bucket_entered(numel, t0 + ready + spent)
+        spent += hook_s
+        auto.bucket_left(t0 + ready + spent)
+    auto.end_step(sent, hosts=3, now=None if took is None else t0 + took)
+
+
+def decide(ranks: Sequence[AutoCodec], hosts: int = 3) -> list[str]:
+    """The agreement as `DlcpState._auto_step` runs it: average, pick, MAX."""
+    vectors = [r.local_times(hosts) for r in ranks]
+    mean = torch.tensor(vectors, dtype=torch.float32).sum(0) / len(ranks)
+    times = mean.tolist()
+    agreed = max(r.proposal(times) for r in ranks)
+    for r in ranks:
+        r.adopt(agreed, times)
+    return [r.current for r in ranks]
+
+
+def ready_auto(link_bps: float | None = None, **kw: Any) -> AutoCodec:
+    auto = AutoCodec(link_bps=link_bps, **kw)
+    auto.calibration = calibration()
+    return auto
+
+
+# -- pick and the link rate ------------------------------------------------------------
+
+PICK_CASES = [
+    # (times, min_gain, expected): the first (most accurate) within the gain wins
+    ([4.0, 3.0, 2.0, 1.0], 0.05, "thc4"),
+    ([1.0, 1.0, 1.0, 1.0], 0.0, "fp32"),  # ties go to the earlier candidate
+    ([1.03, 9.0, 1.0, 0.99], 0.05, "fp32"),
+    ([1.05, 9.0, 1.0, 0.99], 0.05, "thc8"),
+    ([2.0, 1.2, 1.0, UNAVAILABLE_S], 0.05, "thc8"),
+    ([2.0, 1.2, 1.0, UNAVAILABLE_S], 0.25, "fp16"),
+    ([UNAVAILABLE_S] * 4, 0.05, "fp32"),
+]
+
+
+@pytest.mark.parametrize(("times", "gain", "want"), PICK_CASES)
+def test_pick(times: list[float], gain: float, want: str) -> None:
+    assert pick(times, ("fp32", "fp16", "thc8", "thc4"), gain) == want
+
+
+def test_pick_wants_one_time_per_candidate() -> None:
+    with pytest.raises(LocalError):
+        pick([1.0], ("fp32", "thc8"))
+
+
+def test_link_rate_is_the_sum_of_this_jobs_peer_rates() -> None:
+    status = {
+        "peers": [
+            {"peer": "10.0.0.2:7000", "rate_bps": 100e6},
+            {"peer": "10.0.0.3:7000", "rate_bps": 100e6},
+            {"peer": "10.9.9.9:7000", "rate_bps": 5e9},  # another job's peer
+        ]
+    }
+    assert link_from_status(status, ["10.0.0.2:7000", "10.0.0.3:7000"]) == 200e6
+    assert link_from_status(status) == 5.2e9
+    assert link_from_status({"peers": []}, ["10.0.0.2:7000"]) is None
+
+
+def test_link_rate_from_env_or_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DLCP_LINK_BPS", "200mbit")
+    auto = AutoCodec()
+    assert auto.fixed_link_bps == 200e6 and not auto.reads_link
+    auto.observe_link(1e9)  # a fixed rate is not overridden by the daemon's
+    assert auto.link_bps == 200e6
+    assert AutoCodec(link_bps=1e9).link_bps == 1e9
+    monkeypatch.delenv("DLCP_LINK_BPS")
+    assert AutoCodec().reads_link
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"candidates": ["fp32", "fft"]},  # not a wire codec
+        {"candidates": []},
+        {"every": 0},
+        {"warmup": 0},
+        {"min_gain": -1.0},
+        {"cpu_share": 0.0},
+        {"link_bps": "fast"},
+        {"link_bps": -5.0},
+    ],
+)
+def test_bad_settings_are_refused(kw: dict[str, Any]) -> None:
+    with pytest.raises(LocalError):
+        AutoCodec(**kw)
+
+
+# -- learning and deciding ------------------------------------------------------------------
+
+
+def test_profile_is_learned_from_the_hook_times() -> None:
+    auto = ready_auto()
+    assert auto.profile() is None
+    feed_step(auto)
+    prof = auto.profile()
+    assert prof is not None
+    assert [b.numel for b in prof.buckets] == [n for n, _ in BUCKETS]
+    # time inside the hook is not backward; the first bucket is extrapolated by size
+    gaps = [0.004, 0.003]
+    first = sum(gaps) * BUCKETS[0][0] / sum(n for n, _ in BUCKETS[1:])
+    want = [first, first + gaps[0], first + sum(gaps)]
+    assert [b.ready_s for b in prof.buckets] == pytest.approx(want)
+    assert prof.backward_s == pytest.approx(want[-1])
+    # medians over the last steps of the same shape: one slow step changes nothing
+    feed_step(auto)
+    feed_step(auto, [(n, 10 * r) for n, r in BUCKETS])
+    again = auto.profile()
+    assert again is not None and again.backward_s == pytest.approx(want[-1])
+
+
+def test_a_failed_step_is_forgotten() -> None:
+    auto = ready_auto()
+    auto.bucket_entered(123, 1.0)
+    auto.bucket_left(1.5)
+    auto.discard_step()
+    feed_step(auto)
+    prof = auto.profile()
+    assert auto.steps == 1 and prof is not None
+    assert [b.numel for b in prof.buckets] == [n for n, _ in BUCKETS]
+
+
+def test_warmup_codec_until_the_first_decision_then_every_k_steps() -> None:
+    auto = ready_auto(200e6, warmup=2, every=3)
+    schedule = []
+    for _ in range(9):
+        assert auto.current == (auto.codec or "fp32")
+        feed_step(auto)
+        schedule.append(auto.scheduled())
+        if auto.scheduled():
+            decide([auto])
+    assert schedule == [False, True, False, False, True, False, False, True, False]
+    assert auto.decisions == 3 and auto.codec == "thc4" and auto.switches == 0
+    assert auto.history == [[2, "thc4"]]
+
+
+@pytest.mark.parametrize("link", [20e6, 100e6, 200e6, 1e9, 3e9, 10e9, None])
+def test_auto_picks_what_the_cost_model_says(link: float | None) -> None:
+    auto = ready_auto(link)
+    feed_step(auto)
+    [chosen] = decide([auto])
+    prof = auto.profile()
+    assert prof is not None
+    want = choose_codec(
+        prof, link, hosts=3, calibration=calibration(), candidates=["fp32", "fp16", "thc8", "thc4"]
+    )
+    assert chosen == want
+
+
+def test_slow_links_compress_fast_links_do_not() -> None:
+    slow, fast = ready_auto(200e6), ready_auto(10e9)
+    feed_step(slow)
+    feed_step(fast)
+    assert decide([slow]) == ["thc4"]
+    assert slow.predicted["thc4"] < slow.predicted["thc8"] < slow.predicted["fp32"]
+    assert decide([fast]) == ["fp32"]
+    careful = ready_auto(200e6, max_rel_error=0.5)  # thc4's one-round error is too large
+    feed_step(careful)
+    assert decide([careful]) == ["thc8"]
+    assert careful.describe()["predicted_s"]["thc4"] is None
+
+
+def exchanges(
+    goodput_bps: float, per_value: float = 8.0, hosts: int = 3
+) -> list[tuple[int, float, float]]:
+    """The step's buckets in flight one after another at `goodput_bps` (fp32 bytes)."""
+    out: list[tuple[int, float, float]] = []
+    t = 200.0
+    for numel, _ in BUCKETS:
+        dur = 0.003 + numel * per_value * (hosts - 1) / hosts * 8 / goodput_bps
+        out.append((numel, t, t + dur))
+        t += dur
+    return out
+
+
+def test_measured_goodput_caps_the_link_rate() -> None:
+    auto = ready_auto(10e9)
+    for _ in range(3):
+        auto.bucket_entered(BUCKETS[0][0], 1.0)  # (the profile is not the point here)
+        auto.end_step(exchanges(150e6), hosts=3)
+    assert auto.goodput_bps == pytest.approx({"fp32": 150e6}, rel=1e-6)
+    assert auto.network().push_bytes_s == pytest.approx(150e6 / 8)
+    assert decide([auto]) == ["thc4"]  # a daemon that moves 150 Mbit/s on a 10 Gbit/s link
+    blind = ready_auto(10e9, measure=False)
+    blind.bucket_entered(BUCKETS[0][0], 1.0)
+    blind.end_step(exchanges(150e6), hosts=3)
+    assert decide([blind]) == ["fp32"]
+    # a measurement above the link rate does not raise it
+    fast = ready_auto(200e6)
+    fast.bucket_entered(BUCKETS[0][0], 1.0)
+    fast.end_step(exchanges(5e9), hosts=3)
+    assert fast.network().push_bytes_s == pytest.approx(200e6 * 0.95 / 8)
+
+
+def test_codecs_that_ran_are_judged_by_their_measured_iterations() -> None:
+    # the model (an idle host's calibration) favours thc4; this host's iterations
+    # say fp16: auto tries what the model favours and settles on what ran fastest
+    took = {"fp32": 0.9, "fp16": 0.4, "thc8": 0.55, "thc4": 0.6}
+    auto = ready_auto(200e6, warmup=2, every=1000, window=3)
+    for step in range(30):
+        feed_step(auto, t0=10.0 * step, took=took[auto.current])
+        if auto.scheduled():
+            decide([auto])
+    tried = [c for _, c in auto.history]
+    assert tried[0] == "thc4" and auto.current == "fp16"
+    assert len(tried) == len(set(tried))  # each codec tried once
+    for c in tried:
+        assert auto.measured(c) == pytest.approx(took[c], abs=0.005)
+    assert auto.predicted["fp16"] == pytest.approx(took["fp16"], abs=0.005)
+    assert auto.measured("fp32") == pytest.approx(took["fp32"], abs=0.005)  # step 1 only
+    assert len(auto.describe()["measured_s"]) == len(tried) + 1
+
+
+def test_a_link_change_counts_where_the_link_is_the_bottleneck() -> None:
+    auto = ready_auto(warmup=1)
+    auto.observe_link(2e9)
+    feed_step(auto, sent=exchanges(60e6), took=0.5)
+    decide([auto])
+    auto.observe_link(20e9)  # unthrottled: the rate controller's rate far above the goodput
+    assert not auto.link_changed()
+    auto.observe_link(50e6)  # now the link is slower than what the daemon moved
+    assert auto.link_changed()
+    auto.forget()  # (what a decision on a link change does first, on every rank)
+    assert auto.goodput_bps == {} and auto.measured("fp32") is None
+    assert decide([auto]) == ["thc4"]  # the model alone, at 50 Mbit/s
+
+
+def test_goodput_counts_overlapping_exchanges_once() -> None:
+    auto = ready_auto(10e9)
+    # two buckets in flight together for 0.1 s, then one more alone for 0.1 s
+    auto.end_step([(1_000_000, 0.0, 0.1), (1_000_000, 0.0, 0.1), (1_000_000, 0.1, 0.2)], hosts=3)
+    wire = 3 * 1_000_000 * 8.0 * 2 / 3
+    assert auto.goodput_bps["fp32"] == pytest.approx(8 * wire / (0.2 - 3 * 0.003))
+
+
+def test_each_codec_is_judged_by_its_own_goodput() -> None:
+    # a 10 Gbit/s link, but the daemon moves float lanes at 150 Mbit/s and THC's
+    # lanes slower (more work per byte): auto tries what the model favours,
+    # measures it, and settles where the model with every measurement in points
+    cal = calibration()
+    truth = {"fp32": 150e6, "fp16": 150e6, "thc8": 60e6, "thc4": 20e6}
+
+    def bytes_per_value(codec: str) -> float:
+        return sum(cal[codec].push) + sum(cal[codec].pull)
+
+    auto = ready_auto(10e9, warmup=2, every=1000, window=3)
+    for _ in range(40):
+        c = auto.current
+        feed_step(auto, sent=exchanges(truth[c], bytes_per_value(c)))
+        if auto.scheduled():
+            decide([auto])
+    tried = [c for _, c in auto.history]
+    assert tried[0] == "thc4" and len(tried) == len(set(tried)) <= 4  # no codec twice
+    assert auto.decisions == len(tried) + 1  # each switch to a new codec is checked once
+    assert set(auto.goodput_bps) == {"fp32", *tried}
+    for c, g in auto.goodput_bps.items():
+        assert g == pytest.approx(truth[c], rel=1e-6)
+    informed = ready_auto(10e9, window=3)
+    for c in truth:  # every codec measured
+        informed.codec = c
+        feed_step(informed, sent=exchanges(truth[c], bytes_per_value(c)))
+    assert decide([informed]) == [auto.current] and auto.current != "thc4"
+
+
+def test_switches_when_the_link_rate_changes() -> None:
+    auto = ready_auto(warmup=1, every=1000, change=0.3)
+    auto.observe_link(200e6)
+    feed_step(auto)
+    assert auto.scheduled() and decide([auto]) == ["thc4"]
+    for rate, moved in ((230e6, False), (150e6, False), (10e9, True)):
+        auto.observe_link(rate)
+        feed_step(auto)
+        assert not auto.scheduled()
+        assert auto.link_changed() == moved, rate
+    assert decide([auto]) == ["fp32"]
+    assert auto.switches == 1 and auto.decided_link_bps == 10e9
+    assert not auto.link_changed()
+    auto.observe_link(200e6)  # and back
+    assert auto.link_changed() and decide([auto]) == ["thc4"]
+    assert auto.switches == 2
+    assert [c for _, c in auto.history] == ["thc4", "fp32", "thc4"]
+
+
+def test_ranks_with_different_views_agree_on_one_codec() -> None:
+    # three hosts: other costs (slower / faster CPUs), link rates, backward times
+    ranks = []
+    for scale, link, slow in ((0.5, 150e6, 1.0), (1.0, 200e6, 1.5), (2.0, 10e9, 3.0)):
+        auto = AutoCodec(link_bps=link, warmup=1)
+        auto.calibration = calibration(scale)
+        feed_step(auto, [(n, r * slow) for n, r in BUCKETS])
+        ranks.append(auto)
+    alone = [decide([r])[0] for r in ranks]
+    assert len(set(alone)) > 1  # on their own they would disagree
+    for r in ranks:
+        r.codec, r.decisions, r.switches, r.history = None, 0, 0, []
+    together = decide(ranks)
+    assert len(set(together)) == 1
+    mean = [sum(col) / 3 for col in zip(*(r.local_times(3) for r in ranks), strict=True)]
+    assert together[0] == pick(mean, ranks[0].candidates)
+
+
+def test_a_rank_that_rounds_differently_still_follows_the_max() -> None:
+    ranks = [ready_auto(200e6) for _ in range(3)]
+    for r in ranks:
+        feed_step(r)
+    times = [1.0, 1.0, 1.0, 1.0]
+    proposals = [r.proposal(times) for r in ranks]
+    proposals[1] = 2  # as if its average had come out otherwise
+    for r in ranks:
+        r.adopt(max(proposals), times)
+    assert {r.current for r in ranks} == {"thc8"}
+
+
+def test_a_rank_without_costs_keeps_everyone_on_the_current_codec() -> None:
+    ranks = [ready_auto(200e6) for _ in range(3)]
+    ranks[2].calibration = None
+    for r in ranks:
+        feed_step(r)
+    assert decide(ranks) == ["fp32"] * 3
+
+
+# -- the state and the hook, without a daemon -----------------------------------------------
+
+
+def test_state_accepts_auto_and_pickles_its_decisions() -> None:
+    state = dlcp.DlcpState(codec="auto", link_bps="200mbit", auto_options={"every": 7})
+    assert state.auto is not None and state.auto.every == 7
+    assert state.auto.fixed_link_bps == 200e6
+    assert state.auto_codec == "fp32"
+    state.auto.calibration = calibration()
+    feed_step(state.auto)
+    feed_step(state.auto)
+    decide([state.auto])
+    restored = pickle.loads(pickle.dumps(state))
+    assert restored.auto is not None and restored.auto_codec == "thc4"
+    assert restored.stats()["auto"]["chosen"] == "thc4"
+    assert restored.stats()["codec"] == "auto"
+    assert dlcp.DlcpState(codec="fp32").auto is None
+
+
+def test_auto_settings_are_checked_when_the_state_is_made() -> None:
+    with pytest.raises(LocalError):
+        dlcp.DlcpState(codec="auto", auto_options={"candidates": ["sketch"]})
+    with pytest.raises(LocalError):
+        dlcp.DlcpState(codec="automatic")
+
+
+def test_make_hook_takes_auto() -> None:
+    assert dlcp.make_hook("auto").__name__ == "dlcp_auto_hook"
+    with pytest.raises(LocalError):
+        dlcp.make_hook("fft")
+
+
+def test_bench_train_takes_codec_auto() -> None:
+    from dlcp.bench import cli as bench_cli
+    from dlcp.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "train", "--codec", "auto", "--backends", "dlcp"])
+    assert bench_cli.train_options(args).codec == "auto"
+    with pytest.raises(SystemExit):  # the all-reduce bench has no steps to learn from
+        build_parser().parse_args(["bench", "allreduce", "--codec", "auto"])
+
+
+def test_host_calibration_uses_the_cache_and_fills_gaps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dlcp.costmodel.calibrate as calibrate_mod
+
+    path = tmp_path / "cal.json"
+    Calibration(codecs={k: v for k, v in calibration().codecs.items() if k != "thc4"}).save(path)
+    asked: list[list[str]] = []
+
+    def fake(specs: Sequence[str], hosts: int = 3, **_: Any) -> Calibration:
+        asked.append(list(specs))
+        return Calibration(codecs={s: calibration().codecs[s] for s in specs})
+
+    monkeypatch.setattr(calibrate_mod, "calibrate", fake)
+    cal = host_calibration(("fp32", "thc8", "thc4"), 3, path)
+    assert asked == [["thc4"]] and set(cal.codecs) == {"fp32", "fp16", "thc8", "thc4"}
+    assert "thc4" in Calibration.load(path).codecs  # cached for the next run
+    host_calibration(("fp32", "thc4"), 3, path)
+    assert asked == [["thc4"]]
+
+
+# -- over real daemons ------------------------------------------------------------------------
+
+DDP: dict[str, Any] = {"bucket_cap_mb": 0.01}
+STEPS = 8
+SLOW_FROM = 4  # the step before which rank 1's link drops (scenario "switch")
+
+
+def _auto_worker(rank: int, world: int, sockets: list[str], cache: str) -> dict[str, Any]:
+    import os
+
+    os.environ["XDG_CACHE_HOME"] = cache  # the calibration the test wrote
+    out: dict[str, Any] = {"ref": reference_grads(rank, STEPS, **DDP)}
+    # 1: the link rate from the daemon's rate controller; then an all_reduce
+    options: dict[str, Any] = {"auto_options": {"max_rel_error": 0.5}, "round_timeout_s": 30.0}
+    state = dlcp.init(codec="auto", socket=sockets[rank], **options)
+    model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
+    model.register_comm_hook(state, dlcp.hook)
+    grads = train_steps(model, rank, STEPS)
+    t = torch.arange(1000.0) * (rank + 1)
+    dlcp.all_reduce(t)
+    out["status"] = {"grads": grads, "mean": t, "stats": state.stats()}
+    state.close()
+    # 2: fixed link rates, and rank 1's link drops before step SLOW_FROM
+    state = dlcp.init(codec="auto", socket=sockets[rank], link_bps=10e9, **options)
+    model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
+    model.register_comm_hook(state, dlcp.make_hook("auto"))
+    used: list[str | None] = []
+
+    def between(step: int) -> None:
+        auto = state.auto
+        if auto is not None and rank == 1 and step == SLOW_FROM:
+            auto.fixed_link_bps = auto.link_bps = 1e3
+        used.append(state.auto_codec)
+
+    grads = train_steps(model, rank, STEPS, between=between)
+    out["switch"] = {"grads": grads, "used": used, "stats": state.stats()}
+    state.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def auto_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("auto")
+    cache = tmp / "cache"
+    cal = calibration()
+    # compressing costs seconds of CPU per bucket: more than fp32's measured
+    # iterations take on any busy machine, less than it saves at 1 kbit/s
+    cal.codecs["fp16"] = cost("fp16", 2.0, 2.0, 1e-3, 1e-4)
+    cal.codecs["thc8"] = cost("thc8", 1.0, 1.6, 1e-3, 0.12)
+    target = default_cache(3)
+    cal.save(cache / target.parent.name / target.name)
+    with loopback_daemons(tmp, 3, extra={"timing": {"timeout": 2.0}}) as ds:
+        sockets = [d.socket for d in ds]
+        yield spawn(_auto_worker, 3, tmp, sockets=sockets, cache=str(cache))
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def test_auto_over_three_daemons_reads_the_link_and_averages(
+    auto_runs: list[dict[str, Any]],
+) -> None:
+    for res in auto_runs:
+        run = res["status"]
+        stats = run["stats"]
+        auto = stats["auto"]
+        assert stats["attached"] and stats["fallbacks"] == 0
+        assert auto["link_bps"] and auto["link_bps"] >= 2 * 20e6  # the daemon's peer rates
+        assert auto["goodput_bps"]["fp32"] > 0  # and what it achieved
+        assert auto["decisions"] >= 1 and auto["chosen"] == "fp32"
+        torch.testing.assert_close(run["mean"], torch.arange(1000.0) * 2)
+        for got, want in zip(run["grads"], res["ref"], strict=True):
+            torch.testing.assert_close(_flat(got), _flat(want), rtol=1e-6, atol=1e-7)
+
+
+def test_auto_over_three_daemons_switches_together_when_one_link_drops(
+    auto_runs: list[dict[str, Any]],
+) -> None:
+    runs = [res["switch"] for res in auto_runs]
+    # fp32 while warming up and on the fast link; thc8 on every rank from the step
+    # after rank 1's link dropped (its flag rode on that step's agreement)
+    want = ["fp32"] * (SLOW_FROM + 1) + ["thc8"] * (STEPS - SLOW_FROM - 1)
+    for run in runs:
+        assert run["used"] == want
+        auto = run["stats"]["auto"]
+        assert auto["history"] == [[2, "fp32"], [SLOW_FROM + 1, "thc8"]]
+        assert auto["switches"] == 1 and run["stats"]["fallbacks"] == 0
+    for res in auto_runs:
+        for step, (got, want_g) in enumerate(zip(res["switch"]["grads"], res["ref"], strict=True)):
+            g, w = _flat(got), _flat(want_g)
+            tol = 1e-6 if step <= SLOW_FROM else 0.05
+            assert float((g - w).norm() / w.norm()) < tol, step
+    first = runs[0]["grads"]
+    for run in runs[1:]:  # every replica applies the same update
+        for a, b in zip(run["grads"], first, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
