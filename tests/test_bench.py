@@ -568,3 +568,26 @@ def test_sigterm_mid_bench_removes_everything(tmp_path: Path) -> None:
     assert proc.returncode == 130, output
     assert _namespaces(name) == []
     assert _processes(name) == []
+
+
+def test_cli_interrupt_handlers_are_restored_and_skip_forked_children() -> None:
+    """The CLI's SIGTERM-as-Ctrl-C handler lives only while a command runs, and
+    a child forked meanwhile dies of SIGTERM as usual instead of unwinding into
+    its parent's cleanup (it once tore down a test's namespaces from a fork)."""
+    from dlcp.cli import _Interrupts
+
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        pytest.skip("SIGTERM already has a handler in this process")
+    with _Interrupts():
+        assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+        pid = os.fork()
+        if pid == 0:  # the child
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+            os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
