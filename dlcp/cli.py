@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
-from typing import Any
 
 from dlcp import __version__
 from dlcp.errors import DlcpError
+from dlcp.signals import interrupt_on
 
 __all__ = ["main"]
 
@@ -44,43 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Interrupts:
-    """SIGTERM and SIGHUP (systemd stop, a closed terminal, `kill`) unwind like
-    Ctrl-C while a command runs, so long commands (bench, demo, testbed) remove
-    what they made. Only in the process that installed it: a forked child gets
-    the default action (it must not run its parent's cleanup). The previous
-    handlers come back when the command returns."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.saved: dict[int, Any] = {}
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        if os.getpid() != self.pid:  # a forked child: die as it would have
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) in (signal.SIG_DFL, None):
-                    self.saved[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        for sig, old in self.saved.items():
-            signal.signal(sig, old)
+# SIGTERM and SIGHUP (systemd stop, a closed terminal, `kill`) unwind like
+# Ctrl-C while a command runs, so long commands (bench, demo, testbed) remove
+# what they made. A handler the caller installed is kept.
+INTERRUPTS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with _Interrupts():
+        with interrupt_on(INTERRUPTS, only_default=True):
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("dlcp: interrupted", file=sys.stderr)

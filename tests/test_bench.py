@@ -574,11 +574,12 @@ def test_cli_interrupt_handlers_are_restored_and_skip_forked_children() -> None:
     """The CLI's SIGTERM-as-Ctrl-C handler lives only while a command runs, and
     a child forked meanwhile dies of SIGTERM as usual instead of unwinding into
     its parent's cleanup (it once tore down a test's namespaces from a fork)."""
-    from dlcp.cli import _Interrupts
+    from dlcp.cli import INTERRUPTS
+    from dlcp.signals import interrupt_on
 
     if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         pytest.skip("SIGTERM already has a handler in this process")
-    with _Interrupts():
+    with interrupt_on(INTERRUPTS, only_default=True):
         assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
         pid = os.fork()
         if pid == 0:  # the child

@@ -17,15 +17,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import dlcp
+from dlcp import signals
 from dlcp.testbed import system
 from dlcp.testbed.config import daemon_config, merge_config, to_toml
 from dlcp.testbed.plan import (
@@ -783,43 +783,14 @@ def _wait_socket(h: Host, proc: system.Proc, deadline: float, timeout_s: float) 
         time.sleep(0.02)
 
 
-@contextlib.contextmanager
-def _interrupt_on_signals() -> Iterator[None]:
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _interrupt_on_signals() -> contextlib.AbstractContextManager[None]:
     """SIGINT and SIGTERM raise KeyboardInterrupt inside the block (main thread only)."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    with _handlers(interrupt):
-        yield
+    return signals.interrupt_on(_SIGNALS)
 
 
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
+def _signals_ignored() -> contextlib.AbstractContextManager[None]:
     """SIGINT and SIGTERM are ignored inside the block, so cleanup runs to its end."""
-    with _handlers(lambda signum, frame: None):
-        yield
-
-
-@contextlib.contextmanager
-def _handlers(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    owner = os.getpid()
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != owner:
-            # A forked child (pyroute2 forks to enter a namespace, then SIGTERMs
-            # the child): die as it expects instead of running our handler.
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        handler(signum, frame)
-
-    old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
+    return signals.ignored(_SIGNALS)
