@@ -193,8 +193,6 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
         say(f"{backend}: FAILED: {rec['error']}")
     finally:
         if is_dlcp:
-            if cluster.log_dir is not None and cluster.daemons_running:
-                cluster.save_metrics(cluster.log_dir, backend)
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
             cluster.save_logs(cluster.log_dir, backend)

@@ -302,7 +302,10 @@ class Cluster:
         self.variant = variant
 
     def stop_dlcp(self) -> None:
+        """Stop the daemons; with `log_dir`, their metrics are saved first."""
         if self.daemons_running:
+            if self.log_dir is not None and self.variant is not None:
+                self.save_metrics(self.log_dir, self.variant)
             self.tb.stop_daemons()
             self.daemons_running = False
             self.variant = None
