@@ -196,7 +196,7 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
             cluster.save_logs(cluster.log_dir, backend)
-        elif backend == "gloo-prio":
+        if backend == "gloo-prio":
             cluster.mark_tcp(None)
     rec["wall_s"] = time.monotonic() - started
     return rec
