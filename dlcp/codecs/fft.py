@@ -57,10 +57,10 @@ from dlcp.codecs.base import (
     Encoded,
     Scale,
     check_per_packet,
-    contributors_per_lane,
     flat_float,
     per_packet_view,
 )
+from dlcp.codecs.fp import mean_of_float_sums
 from dlcp.core.layout import DEFAULT_PAYLOAD
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.header import Codec as WireCodec
@@ -385,15 +385,7 @@ class FftCodec(Codec):
         scale: Scale | None = None,
     ) -> torch.Tensor:
         """Mean from fp32 sums of decoded blocks (result lanes), as the fp32 codec."""
-        check_per_packet(per_packet)
-        if sums.numel() != numel:
-            raise LocalError(f"{sums.numel()} summed lanes for a bucket of {numel} values")
-        s = sums.reshape(-1).to(torch.float32)
-        if numel == 0:
-            return s
-        c = contributors_per_lane(contributors, numel, per_packet, s.device)
-        view = per_packet_view(s, per_packet)
-        return torch.where(c > 0, view / c.clamp(min=1), 0.0).reshape(-1)[:numel]
+        return mean_of_float_sums(sums, contributors, numel=numel, per_packet=per_packet)
 
     def decode_lanes(self, lanes: torch.Tensor | bytes | memoryview) -> torch.Tensor:
         """One contribution's payloads back to float32 values (what the aggregator adds)."""

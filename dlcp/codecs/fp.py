@@ -24,7 +24,7 @@ from dlcp.codecs.base import (
 from dlcp.errors import LocalError
 from dlcp.wire.header import Codec as WireCodec
 
-__all__ = ["FloatCodec", "Fp16Codec", "Fp32Codec"]
+__all__ = ["FloatCodec", "Fp16Codec", "Fp32Codec", "mean_of_float_sums"]
 
 
 class FloatCodec(Codec):
@@ -84,16 +84,24 @@ class FloatCodec(Codec):
         seed: int = 0,
         scale: Scale | None = None,
     ) -> torch.Tensor:
-        check_per_packet(per_packet)
-        if sums.numel() != numel:
-            raise LocalError(f"{sums.numel()} summed lanes for a bucket of {numel} values")
-        s = sums.reshape(-1).to(torch.float32)
-        if numel == 0:
-            return s
-        c = contributors_per_lane(contributors, numel, per_packet, s.device)
-        view = per_packet_view(s, per_packet)
-        mean = torch.where(c > 0, view / c.clamp(min=1), 0.0)
-        return mean.reshape(-1)[:numel]
+        return mean_of_float_sums(sums, contributors, numel=numel, per_packet=per_packet)
+
+
+def mean_of_float_sums(
+    sums: torch.Tensor, contributors: torch.Tensor | int, *, numel: int, per_packet: int
+) -> torch.Tensor:
+    """The mean from float result lanes: each packet's sums over its contributors
+    (0 where none contributed). Shared by the codecs whose owner sums floats."""
+    check_per_packet(per_packet)
+    if sums.numel() != numel:
+        raise LocalError(f"{sums.numel()} summed lanes for a bucket of {numel} values")
+    s = sums.reshape(-1).to(torch.float32)
+    if numel == 0:
+        return s
+    c = contributors_per_lane(contributors, numel, per_packet, s.device)
+    view = per_packet_view(s, per_packet)
+    mean = torch.where(c > 0, view / c.clamp(min=1), 0.0)
+    return mean.reshape(-1)[:numel]
 
 
 class Fp32Codec(FloatCodec):
