@@ -59,6 +59,9 @@ def _entry(
     try:
         result = fn(rank, world, **kwargs)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        # no rank tears its Gloo pairs down while a peer may still be reading
+        # from them (a peer's early close can abort a rank inside Gloo)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
