@@ -630,6 +630,48 @@ def test_adaptive_recovers_and_follows_delay() -> None:
     assert shares[-1][0] == pytest.approx(2 / 3, abs=0.05)
 
 
+def test_adaptive_weighs_random_loss_by_goodput() -> None:
+    """Loss within the tolerance is random: the path keeps its goodput share
+    (1 - loss); loss beyond it is congestion, or worse: traffic moves off."""
+    rng = np.random.default_rng(5)
+    paths = make_paths(2)
+    bal = AdaptiveBalancer(loss_tolerance=0.15, delay_exponent=0.0)  # loss alone
+    shares = simulate(bal, paths, [0.0, 0.10], [1e-3] * 2, rounds=6, rng=rng)
+    lossy = paths[1].loss_rate
+    assert 0.05 < lossy < 0.15
+    assert bal.shares(paths)[1] == pytest.approx((1 - lossy) / (2 - lossy))
+    assert shares[-1][1] == pytest.approx((1 - lossy) / (2 - lossy), abs=0.03)
+    assert shares[-1][1] < 0.5  # less than a clean path, but far above the floor
+    # The same path at 30 % loss: within a few rounds it is down to the floor.
+    shares = simulate(bal, paths, [0.0, 0.30], [1e-3] * 2, rounds=12, rng=rng)
+    assert paths[1].loss_rate > 0.2
+    assert all(s[1] < 0.1 for s in shares[-4:])
+    assert shares[-1][1] == pytest.approx(0.05, abs=1e-3)
+    # keep() is continuous at the tolerance and falls steeply beyond it.
+    k = bal.keep(np.array([0.0, 0.1, 0.15, 0.15 + 1e-9, 0.2, 0.3]))
+    assert k[:3].tolist() == pytest.approx([1.0, 0.9, 0.85])
+    assert k[3] == pytest.approx(0.85) and k[4] < 0.15 and k[5] < 0.01
+    # Without a tolerance (the default) every loss is penalised steeply, as before.
+    plain = AdaptiveBalancer()
+    assert plain.keep(np.array([0.1]))[0] == pytest.approx(0.9**30)
+    with pytest.raises(LocalError, match="loss_tolerance"):
+        AdaptiveBalancer(loss_tolerance=1.0)
+
+
+def test_daemon_gives_adaptive_the_rate_loss_tolerance() -> None:
+    from dlcp.daemon.config import parse
+    from dlcp.daemon.server import Daemon
+
+    d = Daemon(parse({"policies": {"balance": "adaptive"}, "rate": {"loss_tolerance": 0.12}}))
+    bal = d._balancer_factory()
+    assert isinstance(bal, AdaptiveBalancer) and bal.loss_tolerance == 0.12
+    own = {"balance": {"name": "adaptive", "loss-tolerance": 0.0}}
+    d = Daemon(parse({"policies": own, "rate": {"loss_tolerance": 0.12}}))
+    assert d._balancer_factory().loss_tolerance == 0.0  # its own setting wins
+    d = Daemon(parse({"policies": {"balance": "spray"}}))
+    assert isinstance(d._balancer_factory(), SprayBalancer)
+
+
 def test_spray_and_weighted_keep_to_ready_paths() -> None:
     """Paths without pacing budget are skipped, and forgo their turns."""
     paths = make_paths(3)

@@ -41,8 +41,8 @@ class RateConfig:
     `delay_target` (seconds), an RTT sample more than that above the smallest
     seen multiplies it by `delay_beta` instead. A loss reported with the path's
     recent loss rate (lost / sent) at or below `loss_tolerance` leaves the rate
-    alone: random loss at that level is not congestion (the load balancer
-    moves traffic off such a path instead).
+    alone: random loss at that level is not congestion (the `adaptive` load
+    balancer weighs such a path by its goodput instead).
     """
 
     link_rate_bps: float | None = None

@@ -24,7 +24,8 @@ __all__ = ["Config", "JobConfig", "PeerConfig", "load", "parse"]
 # each path to a peer at 1 Gbit/s and never pace it below 20 Mbit/s (NACK bursts
 # are loss signals that arrive in clumps; the floor keeps recovery traffic
 # moving); a path losing up to 15 % of its packets at random keeps its rate
-# (the load balancer moves traffic off it), more than that is congestion.
+# (balance = "adaptive" weighs it by its goodput, 1 - loss), more than that
+# is congestion.
 RATE_DEFAULTS: dict[str, Any] = {
     "initial_rate_bps": 1e9,
     "min_rate_bps": 20e6,

@@ -136,10 +136,18 @@ class Daemon:
         cfg = self.config
         self.priority = from_config("priority", {**cfg.priority, "dscp": list(cfg.dscp)})
         self.drop = from_config("drop", cfg.drop)
-        self._balance_cfg = dict(cfg.balance)
+        self._balance_cfg = self._adaptive_tolerance(dict(cfg.balance))
 
     def _balancer_factory(self) -> Any:
         return from_config("balance", self._balance_cfg)
+
+    def _adaptive_tolerance(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """`adaptive` takes as random the loss the rate control takes as random
+        (rate.loss_tolerance), unless its own table says otherwise."""
+        keys = {str(k).replace("-", "_") for k in cfg}
+        if cfg.get("name") == "adaptive" and "loss_tolerance" not in keys:
+            return {**cfg, "loss_tolerance": self.config.rate.loss_tolerance}
+        return cfg
 
     def reload(self, config: Config) -> None:
         """SIGHUP: new policies, DSCP table and timing; sockets and jobs stay."""

@@ -320,14 +320,24 @@ class WeightedBalancer(LoadBalancer):
 class AdaptiveBalancer(LoadBalancer):
     """Weights from each path's recent loss, delay and pacing rate, re-read on every call.
 
-    raw_i = (1 - loss_rate_i) ** loss_exponent / (rtt_ewma_i ** delay_exponent)
-    * rate_i (paths without an RTT sample use the mean of the others; rates
-    only count when the daemon paces, as each path's share of the fastest),
-    normalised, with every path kept at >= `min_share` so a degraded path
-    still gets probes and its recovery is seen. With the defaults a path at
-    10 % loss weighs about 4 % of a clean one. `ready` is ignored: the shares
-    already weigh each path's rate, and a path that is briefly out of pacing
-    budget should wait for it, not hand its share to a lossy path.
+    raw_i = keep(loss_rate_i) / (rtt_ewma_i ** delay_exponent) * rate_i (paths
+    without an RTT sample use the mean of the others; rates only count when
+    the daemon paces, as each path's share of the fastest), normalised, with
+    every path kept at >= `min_share` so a degraded path still gets probes and
+    its recovery is seen.
+
+    keep(l) is what a path is worth per packet sent. Loss up to
+    `loss_tolerance` is taken as random, not congestion (the rate control's
+    `rate.loss_tolerance`; the daemon passes it on unless the balancer sets its
+    own): such a path still delivers 1 - l of what it carries, retransmissions
+    take the least lossy path, so it keeps its goodput share, keep(l) = 1 - l.
+    Loss beyond the tolerance falls off steeply:
+    keep(l) = (1 - t) * ((1 - l) / (1 - t)) ** loss_exponent. With tolerance 0
+    (the default) that is (1 - l) ** loss_exponent: a path at 10 % loss weighs
+    about 4 % of a clean one; with the daemon's 0.15 it weighs 0.9 of one, and
+    a path at 25 % about 2 %. `ready` is ignored: the shares already weigh
+    each path's rate, and a path that is briefly out of pacing budget should
+    wait for it, not hand its share to a lossy path.
     """
 
     def __init__(
@@ -338,8 +348,12 @@ class AdaptiveBalancer(LoadBalancer):
         min_share: float = 0.05,
         loss_window: float = 1000.0,
         rtt_gain: float = 0.125,
+        loss_tolerance: float = 0.0,
     ) -> None:
         self.loss_exponent = check_float(loss_exponent, "loss_exponent", lo=0.0)
+        self.loss_tolerance = check_float(loss_tolerance, "loss_tolerance", lo=0.0, hi=1.0)
+        if not self.loss_tolerance < 1.0:
+            raise LocalError(f"loss_tolerance must be < 1, got {loss_tolerance}")
         self.delay_exponent = check_float(delay_exponent, "delay_exponent", lo=0.0)
         self.min_share = check_float(min_share, "min_share", lo=0.0, hi=1.0)
         self.loss_window = check_float(loss_window, "loss_window", lo=1.0)
@@ -353,7 +367,7 @@ class AdaptiveBalancer(LoadBalancer):
         rtts = np.array([np.nan if p.rtt_ewma is None else p.rtt_ewma for p in paths])
         known = ~np.isnan(rtts)
         rtts = np.where(known, rtts, rtts[known].mean() if known.any() else 1.0)
-        raw = (1.0 - loss) ** self.loss_exponent / rtts**self.delay_exponent
+        raw = self.keep(loss) / rtts**self.delay_exponent
         rates = np.array([np.nan if p.rate_bps is None else p.rate_bps for p in paths])
         paced = ~np.isnan(rates) & (rates > 0)
         if paced.any():
@@ -362,6 +376,12 @@ class AdaptiveBalancer(LoadBalancer):
         if not raw.sum() > 0:  # every path fully lossy: spread evenly
             raw = np.ones(n_paths)
         return _floor_shares(raw / raw.sum(), min(self.min_share, 1.0 / n_paths))
+
+    def keep(self, loss: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """What a path at loss rate `loss` is worth per packet sent (see the class)."""
+        tol = self.loss_tolerance
+        beyond = (1.0 - tol) * (np.clip(1.0 - loss, 0.0, 1.0) / (1.0 - tol)) ** self.loss_exponent
+        return np.where(loss <= tol, 1.0 - loss, beyond)
 
     def assign(
         self, *, n: int, paths: Sequence[PathState], ready: npt.ArrayLike | None = None
