@@ -50,6 +50,9 @@ __all__ = [
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
+# header fields that packets of one run (`Engine.receive_many`) share
+_RUN_FIELDS = ("type", "job", "round", "bucket", "shard", "sender", "codec", "total")
+_RUN_FLAGS = int(Flags.SUMMED | Flags.RESULT_LEG)
 _U32 = struct.Struct("!I")
 _F32 = struct.Struct("!f")
 CONTROL_CLASS = 0
@@ -160,6 +163,20 @@ class _Finished:
     until: float
     waiting: set[int] = field(default_factory=set)  # receivers yet to ACK
     resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+
+def _result_arrays(lay: Layout, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, counts) of a shard's result packets as arrays (cached with the ranges)."""
+    got = _RESULT_ARRAYS.get((lay, shard))
+    if got is None:
+        r = np.asarray(lay.shard_results(shard), dtype=np.int64).reshape(-1, 2)
+        if len(_RESULT_ARRAYS) >= 256:
+            _RESULT_ARRAYS.clear()
+        got = _RESULT_ARRAYS[(lay, shard)] = (r[:, 0].copy(), r[:, 1].copy())
+    return got
+
+
+_RESULT_ARRAYS: dict[tuple[Layout, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
 class Engine:
@@ -332,20 +349,23 @@ class Engine:
         agg = self._aggregator(op, shard, c.layout, now)
         lay = c.layout
         pk = lay.shard_packets(shard)
-        for i in pk:
-            off, count = lay.packet_range(i)
-            agg.on_data(
-                sender=c.spec.me,
-                offset=off,
-                count=count,
-                payload=self._slice(c, off, count),
-                summed=c.summed,
-                weight=c.weight,
-                droppable=bool(c.droppable[i]),
-                scale=c.scale,
-                block_max=float(c.block_max[i]),
-                now=now,
-            )
+        idx = np.arange(pk.start, pk.stop)
+        offs = idx * lay.per_packet
+        counts = np.minimum(lay.per_packet, lay.total - offs)
+        agg.on_data_many(
+            sender=c.spec.me,
+            offsets=offs,
+            counts=counts,
+            payloads=[
+                self._slice(c, o, k) for o, k in zip(offs.tolist(), counts.tolist(), strict=True)
+            ],
+            summed=c.summed,
+            weight=c.weight,
+            droppable=c.droppable[pk.start : pk.stop],
+            scale=c.scale,
+            block_max=c.block_max[pk.start : pk.stop],
+            now=now,
+        )
         self._note_meta(op, shard, pk, c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
         agg.on_manifest(sender=c.spec.me, droppable=np.zeros(len(pk), bool), bound=c.bound, now=now)
         self._progress(op, shard, now)
@@ -423,38 +443,49 @@ class Engine:
 
     def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
         lay = f.layout
-        ranges = lay.shard_results(f.result.shard)
-        pick = range(len(ranges)) if only is None else only
-        first_off = lay.shard_range(f.result.shard)[0]
-        first_pk = lay.shard_packets(f.result.shard).start
-        h = self._heads(len(pick))
-        payloads = []
-        for j, r in enumerate(pick):
-            off, count = ranges[r]
-            local = lay.packet_of(off) - first_pk
-            payloads.append(
-                lane_ops.pack(
-                    lay.codec, f.result.sums[off - first_off : off - first_off + count], True
-                )
-            )
-            h[j]["offset"] = off
-            h[j]["count"] = count
-            h[j]["contributors"] = f.result.contributors[local]
-            h[j]["param"] = f.result.block_max[local]
-            h[j]["priority"] = min(int(f.classes[local]), LOWEST_RELIABLE_CLASS)
-            h[j]["layer"] = f.layers[local]
+        shard = f.result.shard
+        ranges = _result_arrays(lay, shard)
+        pick = slice(None) if only is None else np.asarray(only, dtype=np.int64)
+        offs = ranges[0][pick]
+        counts = ranges[1][pick]
+        if offs.size == 0:
+            return
+        first_off = lay.shard_range(shard)[0]
+        local = offs // lay.per_packet - lay.shard_packets(shard).start
+        rel = (offs - first_off).tolist()
+        cnt = counts.tolist()
+        payloads: list[bytes | memoryview]
+        if only is None:  # the whole shard: packed once, sliced per packet
+            view = memoryview(lane_ops.pack(lay.codec, f.result.sums, True))
+            width = lane_bytes(lay.codec, 1, True)  # summed lanes are whole bytes
+            payloads = [view[o * width : (o + k) * width] for o, k in zip(rel, cnt, strict=True)]
+        else:
+            sums = f.result.sums
+            payloads = [
+                lane_ops.pack(lay.codec, sums[o : o + k], True)
+                for o, k in zip(rel, cnt, strict=True)
+            ]
+        h = self._heads(offs.size)
+        h["offset"] = offs
+        h["count"] = counts
+        h["contributors"] = f.result.contributors[local]
+        h["param"] = f.result.block_max[local]
+        prio = np.minimum(f.classes[local], LOWEST_RELIABLE_CLASS)
+        h["priority"] = prio
+        h["layer"] = f.layers[local]
         h["type"] = PacketType.RESULT
         h["flags"] = int(Flags.RETRANSMIT) if only is not None else 0
         h["codec"] = lay.codec
         h["job"] = f.spec.job
         h["round"] = f.round
         h["bucket"] = f.bucket
-        h["shard"] = f.result.shard
+        h["shard"] = shard
         h["sender"] = f.spec.me
         h["total"] = lay.total
-        for dg, p in zip(encode_batch(h, payloads, f.spec.key), h["priority"], strict=True):
-            self._out.append(Send(node, dg, int(p), False, "result"))
-        self.stats["result_packets_sent" if only is None else "result_retransmits"] += len(pick)
+        out = self._out
+        for dg, p in zip(encode_batch(h, payloads, f.spec.key), prio.tolist(), strict=True):
+            out.append(Send(node, dg, p, False, "result"))
+        self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
     def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
         header = Header(
@@ -537,18 +568,177 @@ class Engine:
         now: float,
         srcs: Sequence[int | None] | None = None,
     ) -> list[tuple[int, Header]]:
-        """Take many datagrams at once (batch decode: vectorised checks, per-packet
-        MAC); returns (position, header) of the accepted packets, rejects are counted."""
+        """Take many datagrams at once (see `receive_many`); returns (position,
+        header) of the accepted packets, rejects are counted."""
+        acc = self.receive_many(datagrams, now, srcs)
+        return [(i, header_of_valid(datagrams[i])) for i in acc.tolist()]
+
+    def receive_many(
+        self,
+        datagrams: Sequence[bytes | memoryview],
+        now: float,
+        srcs: Sequence[int | None] | None = None,
+    ) -> np.ndarray:
+        """Take many datagrams at once; returns the positions of the accepted ones.
+
+        Batch decode (vectorised checks, per-packet MAC), then consecutive data
+        or result packets of one sender for one shard are taken as a run: the
+        per-packet checks once, the aggregator's or collector's bookkeeping with
+        array operations. The outcome (state, sums, stats, rejects per reason)
+        is that of `receive` called per datagram in order.
+        """
         batch = decode_batch(datagrams, self._keys)
         if batch.rejects:
             self.rejects.update(batch.rejects)
-        accepted: list[tuple[int, Header]] = []
-        for k, i in enumerate(batch.index.tolist()):
-            h = header_of_valid(datagrams[i])
-            src = srcs[i] if srcs is not None else None
-            if self.receive_packet(h, batch.payloads[k], now, src):
-                accepted.append((i, h))
-        return accepted
+        n = len(batch)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        f = batch.fields
+        index = batch.index
+        if srcs is None:
+            src = np.full(n, -1, dtype=np.int64)
+        else:
+            src = np.fromiter(
+                (-1 if (s := srcs[i]) is None else s for i in index.tolist()), np.int64, n
+            )
+        ptype = f["type"]
+        flags = f["flags"]
+        lanes = (ptype == PacketType.DATA) | (ptype == PacketType.RESULT)
+        change = np.ones(n, dtype=bool)
+        same = lanes[1:] & lanes[:-1] & (src[1:] == src[:-1])
+        for name in _RUN_FIELDS:
+            col = f[name]
+            same &= col[1:] == col[:-1]
+        same &= ((flags[1:] ^ flags[:-1]) & _RUN_FLAGS) == 0
+        data = ptype[1:] == PacketType.DATA
+        same &= ~data | (
+            (f["contributors"][1:] == f["contributors"][:-1]) & (f["param"][1:] == f["param"][:-1])
+        )
+        change[1:] = ~same
+        starts = np.flatnonzero(change).tolist()
+        ends = [*starts[1:], n]
+        ok = np.zeros(n, dtype=bool)
+        payloads = batch.payloads
+        for a, b in zip(starts, ends, strict=True):
+            if lanes[a]:
+                h = header_of_valid(datagrams[int(index[a])])
+                s_ = int(src[a])
+                ok[a:b] = self._receive_run(h, f[a:b], payloads[a:b], now, None if s_ < 0 else s_)
+                continue
+            for k in range(a, b):
+                s_ = int(src[k])
+                h = header_of_valid(datagrams[int(index[k])])
+                ok[k] = self.receive_packet(h, payloads[k], now, None if s_ < 0 else s_)
+        return index[ok]
+
+    def _receive_run(
+        self,
+        h: Header,
+        rec: np.ndarray,
+        payloads: Sequence[memoryview],
+        now: float,
+        src: int | None,
+    ) -> np.ndarray:
+        """A run of data or result packets that share everything `_dispatch`
+        checks (`h` is the first one's header); returns which were accepted."""
+        n = len(payloads)
+        try:
+            spec = self._check_dispatch(h, src)
+            op = (h.job, h.round, h.bucket)
+            if h.type == PacketType.DATA:
+                return self._data_run(spec, op, h, rec, payloads, now)
+            return self._result_run(spec, op, h, rec, payloads, now)
+        except RemoteError as exc:
+            self.rejects[exc.reason] += n
+        except (DlcpError, ValueError) as exc:  # a bug or inconsistency, never fatal here
+            self.rejects[Reason.BAD_RANGE] += n
+            self.stats["internal_errors"] += n
+            self.last_error = str(exc)
+        return np.zeros(n, dtype=bool)
+
+    def _data_run(
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        h: Header,
+        rec: np.ndarray,
+        payloads: Sequence[memoryview],
+        now: float,
+    ) -> np.ndarray:
+        n = len(payloads)
+        lay = self._owned_layout(spec, op, h)
+        if lay is None:
+            self.stats["late_packets"] += n - 1
+            return np.ones(n, dtype=bool)
+        key = (op, h.shard)
+        agg = self._aggregator(op, h.shard, lay, now)
+        flags = rec["flags"]
+        offsets = rec["offset"].astype(np.int64)
+        fresh, bad = agg.on_data_many(
+            sender=h.sender,
+            offsets=offsets,
+            counts=rec["count"].astype(np.int64),
+            payloads=payloads,
+            summed=bool(h.flags & Flags.SUMMED),
+            weight=h.contributors,
+            droppable=(flags & int(Flags.DROPPABLE)) != 0,
+            scale=h.param,
+            block_max=rec["aux"].astype("<u4").view(np.float32),
+            now=now,
+        )
+        n_bad = int(bad.sum())
+        n_fresh = int(fresh.sum())
+        if n_bad:
+            self.rejects[Reason.BAD_RANGE] += n_bad
+        if n - n_bad - n_fresh:
+            self.stats["duplicate_packets"] += n - n_bad - n_fresh
+        if n_fresh:
+            self.stats["data_packets_received"] += n_fresh
+            local = offsets[fresh] // lay.per_packet - agg.first_packet
+            classes, layers = self._agg_meta[key]
+            classes[local] = np.minimum(classes[local], rec["priority"][fresh])
+            layers[local] = rec["layer"][fresh]
+            if agg.may_complete():
+                self._progress(op, h.shard, now)
+        return ~bad
+
+    def _result_run(
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        h: Header,
+        rec: np.ndarray,
+        payloads: Sequence[memoryview],
+        now: float,
+    ) -> np.ndarray:
+        n = len(payloads)
+        col = self._collectors.get(op)
+        if col is None:
+            self.stats["late_packets"] += n
+            return np.ones(n, dtype=bool)
+        self._check_owner(spec, h)
+        if col.layout.total != h.total or col.layout.codec != h.codec:
+            raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        fresh, bad = col.on_results_many(
+            shard=h.shard,
+            sender=h.sender,
+            offsets=rec["offset"].astype(np.int64),
+            counts=rec["count"].astype(np.int64),
+            payloads=payloads,
+            contributors=rec["contributors"].astype(np.int64),
+            block_max=rec["param"].astype(np.float32),
+            now=now,
+        )
+        n_bad = int(bad.sum())
+        n_fresh = int(fresh.sum())
+        if n_bad:
+            self.rejects[Reason.BAD_RANGE] += n_bad
+        if n_fresh:
+            self.stats["result_packets_received"] += n_fresh
+        if n - n_bad - n_fresh:
+            self.stats["duplicate_packets"] += n - n_bad - n_fresh
+        self._check_complete(op, now)
+        return ~bad
 
     def receive_packet(
         self, h: Header, payload: memoryview, now: float, src: int | None = None
@@ -567,6 +757,11 @@ class Engine:
         return True
 
     def _dispatch(self, h: Header, payload: memoryview, now: float, src: int | None) -> None:
+        spec = self._check_dispatch(h, src)
+        self._route(spec, (h.job, h.round, h.bucket), h, payload, now)
+
+    def _check_dispatch(self, h: Header, src: int | None) -> JobSpec:
+        """The checks every packet passes before its type's handler; its job's spec."""
         spec = self.jobs.get(h.job)
         if spec is None:
             raise RemoteError(Reason.UNKNOWN_JOB, str(h.job))
@@ -578,7 +773,9 @@ class Engine:
             raise RemoteError(Reason.STALE_ROUND, f"round {h.round}")
         if h.shard >= len(spec.owners):
             raise RemoteError(Reason.BAD_RANGE, f"shard {h.shard} of {len(spec.owners)}")
-        op = (h.job, h.round, h.bucket)
+        return spec
+
+    def _route(self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float) -> None:
         result_leg = bool(h.flags & Flags.RESULT_LEG)
         t = h.type
         if t == PacketType.DATA:
