@@ -96,7 +96,7 @@ def run_gloo(elements: int, iters: int) -> dict:
 
 
 def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = True,
-             profile: str | None = None) -> dict:
+             profile: str | None = None, mac: str = "blake2b") -> dict:
     from dlcp.core.layout import Layout
     from dlcp.shim.client import DaemonClient, Segment
     from dlcp.wire.header import Codec, lane_bytes
@@ -110,6 +110,7 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
             cfg.write_text(
                 f'[daemon]\nsocket = "{tmp}/d{i}.sock"\nmetrics_port = 0\nhost_index = {i}\n'
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
+                f'mac = "{mac}"\n'
                 f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
             )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
@@ -190,6 +191,8 @@ def main() -> int:
     p.add_argument("--payload", type=int, default=None, help="dlcp payload (default MTU - 92)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-pacing", action="store_true", help="dlcp daemons send unpaced")
+    p.add_argument("--mac", default="blake2b", choices=("blake2b", "ghash-aes"),
+                   help="packet MAC of the dlcp daemons (dlcp/wire/mac.py)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="sample the dlcp daemons with py-spy: folded stacks in DIR/d<i>.txt")
     a = p.parse_args()
@@ -205,13 +208,14 @@ def main() -> int:
         setup(a.mtu)
         for name, fn in (("gloo", lambda: run_gloo(elements, a.iters)),
                          ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp,
-                                                   not a.no_pacing, a.profile))):
+                                                   not a.no_pacing, a.profile, a.mac))):
             r = fn()
             med = statistics.median(r["times_s"])
             moved_gb = size * a.iters / 1e9  # bus bytes for 2 ranks = size per iteration
             rows.append({
                 "backend": name, "size_bytes": size, "iters": a.iters, "mtu": a.mtu,
                 "payload": payload if name == "dlcp" else None,
+                "mac": a.mac if name == "dlcp" else None,
                 "times_s": r["times_s"], "p50_s": med,
                 "busbw_gbps": size * 8 / med / 1e9, "cpu_s": r["cpu_s"],
                 "cpu_s_per_gb": r["cpu_s"] / moved_gb,

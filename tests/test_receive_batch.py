@@ -17,22 +17,24 @@ from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
 from dlcp.errors import Reason
 from dlcp.wire import Codec, Flags, PacketType
 from dlcp.wire.header import encode, header_of_valid, lane_bytes
+from dlcp.wire.mac import mac_state
 
-KEY = b"b" * 32
+KEY = KEY_BYTES = b"b" * 32
 JOB = 3
 
 
-def _cluster(hosts: int, payload: int) -> list[Engine]:
+def _cluster(hosts: int, payload: int, mac: str = "blake2b") -> list[Engine]:
     out = []
     for me in range(hosts):
         e = Engine()
-        e.add_job(JobSpec.transpose(JOB, KEY, me, hosts, payload=payload))
+        e.add_job(JobSpec.transpose(JOB, KEY, me, hosts, payload=payload, mac=mac))
         out.append(e)
     return out
 
 
-def _forge(dg: bytes, rng: np.random.Generator, me: int) -> list[bytes]:
+def _forge(dg: bytes, rng: np.random.Generator, me: int, mac: str) -> list[bytes]:
     """Bad variants of a valid datagram `dg` addressed to node `me`."""
+    KEY = mac_state(KEY_BYTES, mac)
     h = header_of_valid(dg)
     payload = dg[64:]
     bad = bytearray(dg)
@@ -42,13 +44,13 @@ def _forge(dg: bytes, rng: np.random.Generator, me: int) -> list[bytes]:
         # authenticated, but not a packet of the layout: BAD_RANGE inside a run
         cut = lane_bytes(h.codec, 1, bool(h.flags & Flags.SUMMED))
         out.append(encode(h.with_(offset=h.offset + 1, count=h.count - 1), payload[cut:], KEY))
-    out.append(encode(h, payload, b"w" * 32))  # wrong key
+    out.append(encode(h, payload, mac_state(b"w" * 32, mac)))  # wrong key
     return [out[int(i)] for i in rng.permutation(len(out))]
 
 
-def _run(codec: Codec, hosts: int, payload: int, seed: int) -> None:
+def _run(codec: Codec, hosts: int, payload: int, seed: int, mac: str = "blake2b") -> None:
     rng = np.random.default_rng(seed)
-    per = [_cluster(hosts, payload), _cluster(hosts, payload)]  # per-packet, batched
+    per = [_cluster(hosts, payload, mac), _cluster(hosts, payload, mac)]  # per-packet, batched
     total = 20_480  # a whole number of THC blocks
     if codec == Codec.FP32:
         xs = [rng.standard_normal(total).astype("<f4").tobytes() for _ in range(hosts)]
@@ -92,7 +94,7 @@ def _run(codec: Codec, hosts: int, payload: int, seed: int) -> None:
                 elif r < 0.08 and seen:
                     stream.append((src, seen[int(rng.integers(len(seen)))]))  # replay
                 elif r < 0.11:
-                    stream.extend((src, f) for f in _forge(dg, rng, dst))
+                    stream.extend((src, f) for f in _forge(dg, rng, dst, mac))
                 if dg[3] in (PacketType.DATA, PacketType.RESULT) and rng.random() < 0.02:
                     seen.append(dg)
             for src, dg in stream:
@@ -146,6 +148,11 @@ def test_batched_receive_matches_per_packet(
     codec: Codec, hosts: int, payload: int, seed: int
 ) -> None:
     _run(codec, hosts, payload, seed)
+
+
+def test_batched_receive_matches_per_packet_with_ghash_aes_mac() -> None:
+    pytest.importorskip("cryptography")
+    _run(Codec.FP32, 3, 8908, 5, mac="ghash-aes")
 
 
 def test_a_batch_of_only_bad_datagrams_changes_nothing() -> None:

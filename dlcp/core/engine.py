@@ -20,6 +20,7 @@ import struct
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from dlcp.wire.header import (
     header_of_valid,
     lane_bytes,
 )
+from dlcp.wire.mac import MAC_ALGORITHMS, MacKey, mac_state
 
 __all__ = [
     "Engine",
@@ -71,9 +73,10 @@ class JobSpec:
     owners: tuple[int, ...]  # owner node of shard s
     payload: int = DEFAULT_PAYLOAD
     window: int = 256  # rounds behind the newest that are still accepted
+    mac: str = "blake2b"  # the packet MAC function (dlcp/wire/mac.py), the same at every node
 
     @classmethod
-    def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: int) -> JobSpec:
+    def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: Any) -> JobSpec:
         nodes = tuple(range(hosts))
         return cls(job=job, key=key, me=me, contributors=nodes, owners=nodes, **kw)
 
@@ -88,6 +91,8 @@ class JobSpec:
             raise LocalError(f"job {self.job}: more than {lane_ops.MAX_CONTRIBUTORS} contributors")
         if len(self.key) < 16:
             raise LocalError(f"job {self.job}: MAC key shorter than 16 bytes")
+        if self.mac not in MAC_ALGORITHMS:
+            raise LocalError(f"job {self.job}: MAC {self.mac!r} is not one of {MAC_ALGORITHMS}")
 
     @property
     def members(self) -> frozenset[int]:
@@ -185,7 +190,7 @@ class Engine:
     def __init__(self, *, timing: Timing | None = None) -> None:
         self.timing = timing or Timing()
         self.jobs: dict[int, JobSpec] = {}
-        self._keys: dict[int, bytes] = {}
+        self._keys: dict[int, MacKey] = {}
         self._aggs: dict[tuple[OpKey, int], ShardAggregator] = {}
         self._agg_meta: dict[tuple[OpKey, int], tuple[np.ndarray, np.ndarray]] = {}
         self._finished: dict[tuple[OpKey, int], _Finished] = {}
@@ -208,8 +213,12 @@ class Engine:
 
     # -- jobs -------------------------------------------------------------
     def add_job(self, spec: JobSpec) -> None:
+        try:
+            key = mac_state(spec.key, spec.mac)
+        except ValueError as exc:
+            raise LocalError(f"job {spec.job}: {exc}") from exc
         self.jobs[spec.job] = spec
-        self._keys[spec.job] = spec.key
+        self._keys[spec.job] = key
 
     def remove_job(self, job: int, now: float) -> None:
         self.jobs.pop(job, None)
@@ -230,8 +239,12 @@ class Engine:
         self._pruned_at.pop(job, None)
         self._newest.pop(job, None)
 
+    def _mac(self, spec: JobSpec) -> MacKey:
+        key = self._keys.get(spec.job)
+        return key if key is not None else mac_state(spec.key, spec.mac)
+
     @property
-    def keys(self) -> dict[int, bytes]:
+    def keys(self) -> dict[int, MacKey]:
         return self._keys
 
     # -- outputs ----------------------------------------------------------
@@ -415,7 +428,7 @@ class Engine:
         h["param"] = c.scale
         h["aux"] = c.block_max[idx].view(np.uint32)
         payloads = [self._slice(c, int(o), int(k)) for o, k in zip(offs, counts, strict=True)]
-        for dg, p, d in zip(encode_batch(h, payloads, c.spec.key), prio, drop, strict=True):
+        for dg, p, d in zip(encode_batch(h, payloads, self._mac(c.spec)), prio, drop, strict=True):
             self._out.append(Send(owner, dg, int(p), bool(d), "data"))
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
@@ -437,7 +450,7 @@ class Engine:
             total=c.layout.total,
             param=c.bound,
         )
-        dg = encode(header, bitmap, c.spec.key)
+        dg = encode(header, bitmap, self._mac(c.spec))
         for _ in range(copies):
             self._out.append(Send(owner, dg, CONTROL_CLASS, False, "control"))
 
@@ -483,7 +496,7 @@ class Engine:
         h["sender"] = f.spec.me
         h["total"] = lay.total
         out = self._out
-        for dg, p in zip(encode_batch(h, payloads, f.spec.key), prio.tolist(), strict=True):
+        for dg, p in zip(encode_batch(h, payloads, self._mac(f.spec)), prio.tolist(), strict=True):
             out.append(Send(node, dg, p, False, "result"))
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
@@ -501,7 +514,7 @@ class Engine:
             total=f.layout.total,
             aux=f.result.lost_lanes,
         )
-        dg = encode(header, b"", f.spec.key)
+        dg = encode(header, b"", self._mac(f.spec))
         for _ in range(copies):
             self._out.append(Send(node, dg, CONTROL_CLASS, False, "control"))
 
@@ -524,7 +537,9 @@ class Engine:
         )
         payload = np.asarray(nack.packets, dtype=">u4").tobytes()
         self._out.append(
-            Send(nack.node, encode(header, payload, spec.key), CONTROL_CLASS, False, "control")
+            Send(
+                nack.node, encode(header, payload, self._mac(spec)), CONTROL_CLASS, False, "control"
+            )
         )
         self.stats["result_nacks_sent" if result else "data_nacks_sent"] += 1
 
@@ -542,7 +557,7 @@ class Engine:
             total=lay.total,
         )
         self._out.append(
-            Send(owner, encode(header, b"", spec.key), CONTROL_CLASS, False, "control")
+            Send(owner, encode(header, b"", self._mac(spec)), CONTROL_CLASS, False, "control")
         )
 
     # -- receiving ----------------------------------------------------------

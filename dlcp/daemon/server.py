@@ -563,7 +563,7 @@ class Daemon:
                 f"({list(self.config.addresses)}:{self.config.udp_port})",
             )
         if mode == "transpose":
-            spec = JobSpec.transpose(job, key, me, H, payload=payload)
+            spec = JobSpec.transpose(job, key, me, H, payload=payload, mac=self.config.mac)
         elif mode == "ps":
             aggs = aggregators or (0,)
             contr = contributors or tuple(i for i in range(H) if i not in aggs)
@@ -571,7 +571,13 @@ class Daemon:
                 if not 0 <= i < H:
                     raise _bad(f"host index {i} out of range")
             spec = JobSpec(
-                job=job, key=key, me=me, contributors=contr, owners=aggs, payload=payload
+                job=job,
+                key=key,
+                me=me,
+                contributors=contr,
+                owners=aggs,
+                payload=payload,
+                mac=self.config.mac,
             )
         else:
             raise _bad(f"mode must be transpose or ps, not {mode!r}")
