@@ -88,6 +88,8 @@ class ShardAggregator:
         )
         s = len(self.senders)
         self.slots = np.zeros((s, self.lanes), dtype=lane_ops.sum_dtype(layout.codec))
+        # rows held by reference instead of in `slots` (this node's own lanes)
+        self._held: dict[int, np.ndarray] = {}
         self.received = np.zeros((s, self.n_packets), dtype=bool)
         self.droppable = np.zeros((s, self.n_packets), dtype=bool)
         self.manifest = np.zeros(s, dtype=bool)
@@ -213,6 +215,46 @@ class ShardAggregator:
             self.droppable[row, lt] |= droppable[take]
         self.last_arrival = now
         return fresh, bad
+
+    def on_local(
+        self,
+        *,
+        sender: int,
+        lanes: memoryview | bytes,
+        summed: bool,
+        weight: int,
+        droppable: np.ndarray,
+        scale: float,
+        block_max: np.ndarray,
+        now: float,
+    ) -> None:
+        """This node's own contribution: every packet of the shard at once.
+
+        Lanes already in the accumulator dtype (fp32, summed THC) are kept by
+        reference, not copied; the caller must not change them until the shard
+        completes. Same outcome as `on_data` for each of the shard's packets.
+        """
+        row = self._row.get(sender)
+        if row is None:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        if self.scale is None:
+            self.scale = scale
+        elif scale != self.scale:
+            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
+        if self.received[row].any():
+            raise RemoteError(Reason.BAD_RANGE, f"node {sender} already sent to this shard")
+        values = lane_ops.unpack(self.layout.codec, lanes, self.lanes, summed)
+        if values.dtype == self.slots.dtype:
+            self._held[row] = values
+        else:
+            self.slots[row] = values
+        self.received[row] = True
+        self.n_received += self.n_packets
+        self.weight[row] = weight
+        self.block_max[row] = block_max
+        if not self.manifest[row]:
+            self.droppable[row] |= droppable
+        self.last_arrival = now
 
     def on_manifest(self, *, sender: int, droppable: np.ndarray, bound: float, now: float) -> None:
         """A sender's DONE: which of its packets were droppable, and its bound."""
@@ -348,7 +390,16 @@ class ShardAggregator:
 
     def _finish(self) -> None:
         sdt = self.slots.dtype
-        sums = np.add.reduce(self.slots, axis=0, dtype=sdt) if len(self.senders) else self.slots[0]
+        if self._held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
+            rows = [self._held.get(r, self.slots[r]) for r in range(len(self.senders))]
+            sums = rows[0].astype(sdt, copy=True)
+            for r in rows[1:]:
+                np.add(sums, r, out=sums)
+            self._held = {}
+        else:
+            sums = (
+                np.add.reduce(self.slots, axis=0, dtype=sdt) if len(self.senders) else self.slots[0]
+            )
         contributors = (self.received * self.weight[:, None]).sum(axis=0)
         lost = int(((~self.received) * self.counts).sum())
         self.result = ShardResult(

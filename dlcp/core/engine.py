@@ -31,6 +31,7 @@ from dlcp.core.timing import Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import HEADER_DTYPE, decode_batch, encode_batch
 from dlcp.wire.header import (
+    LANE_BITS,
     Codec,
     Flags,
     Header,
@@ -362,16 +363,10 @@ class Engine:
         agg = self._aggregator(op, shard, c.layout, now)
         lay = c.layout
         pk = lay.shard_packets(shard)
-        idx = np.arange(pk.start, pk.stop)
-        offs = idx * lay.per_packet
-        counts = np.minimum(lay.per_packet, lay.total - offs)
-        agg.on_data_many(
+        off, count = lay.shard_range(shard)
+        agg.on_local(
             sender=c.spec.me,
-            offsets=offs,
-            counts=counts,
-            payloads=[
-                self._slice(c, o, k) for o, k in zip(offs.tolist(), counts.tolist(), strict=True)
-            ],
+            lanes=self._slice(c, off, count),
             summed=c.summed,
             weight=c.weight,
             droppable=c.droppable[pk.start : pk.stop],
@@ -427,7 +422,11 @@ class Engine:
         h["total"] = lay.total
         h["param"] = c.scale
         h["aux"] = c.block_max[idx].view(np.uint32)
-        payloads = [self._slice(c, int(o), int(k)) for o, k in zip(offs, counts, strict=True)]
+        bits = LANE_BITS[lay.codec][1 if c.summed else 0]
+        starts = ((offs * bits + 7) // 8).tolist()  # lane_bytes, for every packet at once
+        ends = ((offs * bits + 7) // 8 + (counts * bits + 7) // 8).tolist()
+        lanes = c.lanes
+        payloads = [lanes[a:b] for a, b in zip(starts, ends, strict=True)]
         for dg, p, d in zip(encode_batch(h, payloads, self._mac(c.spec)), prio, drop, strict=True):
             self._out.append(Send(owner, dg, int(p), bool(d), "data"))
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
@@ -469,7 +468,8 @@ class Engine:
         cnt = counts.tolist()
         payloads: list[bytes | memoryview]
         if only is None:  # the whole shard: packed once, sliced per packet
-            view = memoryview(lane_ops.pack(lay.codec, f.result.sums, True))
+            wire = np.ascontiguousarray(f.result.sums, lane_ops.wire_summed_dtype(lay.codec))
+            view = wire.data.cast("B")  # no copy where the sums are wire lanes already
             width = lane_bytes(lay.codec, 1, True)  # summed lanes are whole bytes
             payloads = [view[o * width : (o + k) * width] for o, k in zip(rel, cnt, strict=True)]
         else:

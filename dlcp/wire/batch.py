@@ -123,14 +123,18 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
     """Validate and authenticate a batch of datagrams; never raises for bad input."""
     n = len(datagrams)
     views = [memoryview(d).cast("B") for d in datagrams]
-    lengths = np.fromiter((len(v) for v in views), dtype=np.int64, count=n)
+    lengths = np.fromiter(map(len, views), dtype=np.int64, count=n)
     reasons = np.zeros(n, dtype=np.int64)
     full = lengths >= HEADER_SIZE
     reasons[~full] = Reason.TRUNCATED
-    heads = np.zeros(n, dtype=HEADER_DTYPE)
-    if full.any():
-        raw = b"".join(bytes(views[i][:HEADER_SIZE]) for i in np.flatnonzero(full))
-        heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
+    if full.all():  # the usual case: one join of the header views, no per-packet copies
+        heads = np.frombuffer(b"".join([v[:HEADER_SIZE] for v in views]), dtype=HEADER_DTYPE)
+        heads = heads.copy()  # writable, like the zeroed array below
+    else:
+        heads = np.zeros(n, dtype=HEADER_DTYPE)
+        if full.any():
+            raw = b"".join([views[i][:HEADER_SIZE] for i in np.flatnonzero(full).tolist()])
+            heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
 
     def reject(mask: np.ndarray, reason: Reason) -> None:
         hit = mask & (reasons == 0)
