@@ -95,12 +95,14 @@ def run_gloo(elements: int, iters: int) -> dict:
     return {"times_s": times, "cpu_s": sum(o["cpu_s"] for o in outs)}
 
 
-def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = True) -> dict:
+def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = True,
+             profile: str | None = None, mac: str = "blake2b") -> dict:
     from dlcp.core.layout import Layout
     from dlcp.shim.client import DaemonClient, Segment
     from dlcp.wire.header import Codec, lane_bytes
 
     daemons = []
+    spies: list[subprocess.Popen[bytes]] = []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         for i in range(2):
@@ -108,6 +110,7 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
             cfg.write_text(
                 f'[daemon]\nsocket = "{tmp}/d{i}.sock"\nmetrics_port = 0\nhost_index = {i}\n'
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
+                f'mac = "{mac}"\n'
                 f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
             )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
@@ -120,6 +123,13 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
                 if time.monotonic() > deadline or daemons[i].poll() is not None:
                     raise RuntimeError((tmp / f"d{i}.log").read_text()[-2000:])
                 time.sleep(0.05)
+        if profile:  # sampling profiles of both daemons (py-spy writes them when they exit)
+            Path(profile).mkdir(parents=True, exist_ok=True)
+            spies = [subprocess.Popen(
+                ["py-spy", "record", "--nonblocking", "-r", "100", "-f", "raw", "-o",
+                 f"{profile}/d{i}.txt", "--pid", str(d.pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for i, d in enumerate(daemons)]
         nbytes = 4 * elements
         lay = Layout(elements, Codec.FP32, 2, payload)
         out_len = lane_bytes(Codec.FP32, elements, True) + 6 * lay.packets
@@ -166,6 +176,11 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
                 d.wait(20)
             except subprocess.TimeoutExpired:
                 d.kill()
+        for s in spies:
+            try:
+                s.wait(30)
+            except subprocess.TimeoutExpired:
+                s.kill()
 
 
 def main() -> int:
@@ -176,6 +191,10 @@ def main() -> int:
     p.add_argument("--payload", type=int, default=None, help="dlcp payload (default MTU - 92)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-pacing", action="store_true", help="dlcp daemons send unpaced")
+    p.add_argument("--mac", default="blake2b", choices=("blake2b", "ghash-aes"),
+                   help="packet MAC of the dlcp daemons (dlcp/wire/mac.py)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="sample the dlcp daemons with py-spy: folded stacks in DIR/d<i>.txt")
     a = p.parse_args()
     if os.geteuid() != 0:
         print("veth_busbw: needs root (network namespaces)", file=sys.stderr)
@@ -189,13 +208,14 @@ def main() -> int:
         setup(a.mtu)
         for name, fn in (("gloo", lambda: run_gloo(elements, a.iters)),
                          ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp,
-                                                   not a.no_pacing))):
+                                                   not a.no_pacing, a.profile, a.mac))):
             r = fn()
             med = statistics.median(r["times_s"])
             moved_gb = size * a.iters / 1e9  # bus bytes for 2 ranks = size per iteration
             rows.append({
                 "backend": name, "size_bytes": size, "iters": a.iters, "mtu": a.mtu,
                 "payload": payload if name == "dlcp" else None,
+                "mac": a.mac if name == "dlcp" else None,
                 "times_s": r["times_s"], "p50_s": med,
                 "busbw_gbps": size * 8 / med / 1e9, "cpu_s": r["cpu_s"],
                 "cpu_s_per_gb": r["cpu_s"] / moved_gb,

@@ -88,6 +88,8 @@ class ShardAggregator:
         )
         s = len(self.senders)
         self.slots = np.zeros((s, self.lanes), dtype=lane_ops.sum_dtype(layout.codec))
+        # rows held by reference instead of in `slots` (this node's own lanes)
+        self._held: dict[int, np.ndarray] = {}
         self.received = np.zeros((s, self.n_packets), dtype=bool)
         self.droppable = np.zeros((s, self.n_packets), dtype=bool)
         self.manifest = np.zeros(s, dtype=bool)
@@ -140,6 +142,119 @@ class ShardAggregator:
             self.droppable[row, local] = True
         self.last_arrival = now
         return True
+
+    def on_data_many(
+        self,
+        *,
+        sender: int,
+        offsets: np.ndarray,
+        counts: np.ndarray,
+        payloads: Sequence[memoryview | bytes],
+        summed: bool,
+        weight: int,
+        droppable: np.ndarray,
+        scale: float,
+        block_max: np.ndarray,
+        now: float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Store a run of one sender's data packets, in order; the batch form of
+        `on_data`, with the same outcome as calling it per packet.
+
+        Returns (fresh, bad) masks: stored, and rejected as not a packet of this
+        shard (BAD_RANGE); the rest were duplicates. Raises RemoteError for what
+        rejects the whole run (unknown sender, a scale differing from the shard's).
+        """
+        row = self._row.get(sender)
+        if row is None:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        n = len(payloads)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        lay = self.layout
+        per = lay.per_packet
+        i = offsets // per
+        local = i - self.first_packet
+        bad = (
+            (local < 0)
+            | (local >= self.n_packets)
+            | (offsets != i * per)
+            | (counts != np.minimum(per, lay.total - offsets))
+        )
+        if bad.all():
+            return np.zeros(n, dtype=bool), bad
+        if self.scale is None:
+            self.scale = scale
+        elif scale != self.scale:
+            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
+        good = np.flatnonzero(~bad)
+        loc = local[good]
+        # first occurrence of each packet in the run, and not received before
+        _, first = np.unique(loc, return_index=True)
+        keep = np.zeros(good.size, dtype=bool)
+        keep[first] = True
+        keep &= ~self.received[row, loc]
+        fresh = np.zeros(n, dtype=bool)
+        fresh[good[keep]] = True
+        self.duplicates += good.size - int(keep.sum())
+        take = good[keep]
+        if take.size == 0:
+            return fresh, bad
+        codec = lay.codec
+        slot = self.slots[row]
+        base = self.offset
+        for k in take.tolist():
+            off = int(offsets[k])
+            cnt = int(counts[k])
+            slot[off - base : off - base + cnt] = lane_ops.unpack(codec, payloads[k], cnt, summed)
+        lt = local[take]
+        self.received[row, lt] = True
+        self.n_received += take.size
+        self.weight[row] = weight
+        self.block_max[row, lt] = block_max[take]
+        if not self.manifest[row]:
+            self.droppable[row, lt] |= droppable[take]
+        self.last_arrival = now
+        return fresh, bad
+
+    def on_local(
+        self,
+        *,
+        sender: int,
+        lanes: memoryview | bytes,
+        summed: bool,
+        weight: int,
+        droppable: np.ndarray,
+        scale: float,
+        block_max: np.ndarray,
+        now: float,
+    ) -> None:
+        """This node's own contribution: every packet of the shard at once.
+
+        Lanes already in the accumulator dtype (fp32, summed THC) are kept by
+        reference, not copied; the caller must not change them until the shard
+        completes. Same outcome as `on_data` for each of the shard's packets.
+        """
+        row = self._row.get(sender)
+        if row is None:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        if self.scale is None:
+            self.scale = scale
+        elif scale != self.scale:
+            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
+        if self.received[row].any():
+            raise RemoteError(Reason.BAD_RANGE, f"node {sender} already sent to this shard")
+        values = lane_ops.unpack(self.layout.codec, lanes, self.lanes, summed)
+        if values.dtype == self.slots.dtype:
+            self._held[row] = values
+        else:
+            self.slots[row] = values
+        self.received[row] = True
+        self.n_received += self.n_packets
+        self.weight[row] = weight
+        self.block_max[row] = block_max
+        if not self.manifest[row]:
+            self.droppable[row] |= droppable
+        self.last_arrival = now
 
     def on_manifest(self, *, sender: int, droppable: np.ndarray, bound: float, now: float) -> None:
         """A sender's DONE: which of its packets were droppable, and its bound."""
@@ -275,7 +390,16 @@ class ShardAggregator:
 
     def _finish(self) -> None:
         sdt = self.slots.dtype
-        sums = np.add.reduce(self.slots, axis=0, dtype=sdt) if len(self.senders) else self.slots[0]
+        if self._held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
+            rows = [self._held.get(r, self.slots[r]) for r in range(len(self.senders))]
+            sums = rows[0].astype(sdt, copy=True)
+            for r in rows[1:]:
+                np.add(sums, r, out=sums)
+            self._held = {}
+        else:
+            sums = (
+                np.add.reduce(self.slots, axis=0, dtype=sdt) if len(self.senders) else self.slots[0]
+            )
         contributors = (self.received * self.weight[:, None]).sum(axis=0)
         lost = int(((~self.received) * self.counts).sum())
         self.result = ShardResult(
@@ -389,6 +513,73 @@ class ResultCollector:
         if w.received.all():
             del self.waiting[shard]
         return True
+
+    def on_results_many(
+        self,
+        *,
+        shard: int,
+        sender: int,
+        offsets: np.ndarray,
+        counts: np.ndarray,
+        payloads: Sequence[memoryview | bytes],
+        contributors: np.ndarray,
+        block_max: np.ndarray,
+        now: float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Store a run of one owner's result packets of one shard, in order; the
+        batch form of `on_result`. Returns (fresh, bad) masks as
+        `ShardAggregator.on_data_many` does; the rest were duplicates or late."""
+        n = len(payloads)
+        fresh = np.zeros(n, dtype=bool)
+        w = self.waiting.get(shard)
+        if w is None:
+            self.duplicates += n
+            return fresh, np.zeros(n, dtype=bool)
+        if sender != w.owner:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not own shard {shard}")
+        lay = self.layout
+        per = lay.per_packet
+        step = -(-per // lay.result_split)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        i = offsets // per
+        within = offsets - i * per
+        g = i * lay.result_split + within // step
+        local = g - (int(w.indices[0]) if w.indices.size else 0)
+        packet_end = np.minimum((i + 1) * per, lay.total)
+        bad = (
+            (w.indices.size == 0)
+            | (local < 0)
+            | (local >= w.indices.size)
+            | (within % step != 0)
+            | (offsets >= packet_end)
+            | (counts != np.minimum(step, packet_end - offsets))
+        )
+        good = np.flatnonzero(~bad)
+        loc = local[good]
+        _, first = np.unique(loc, return_index=True)
+        keep = np.zeros(good.size, dtype=bool)
+        keep[first] = True
+        keep &= ~w.received[loc]
+        take = good[keep]
+        fresh[take] = True
+        self.duplicates += good.size - take.size
+        if take.size == 0:
+            return fresh, bad
+        codec = lay.codec
+        sums = self.sums
+        for k in take.tolist():
+            off = int(offsets[k])
+            cnt = int(counts[k])
+            sums[off : off + cnt] = lane_ops.unpack(codec, payloads[k], cnt, True)
+        it = i[take]
+        self.contributors[it] = contributors[take]
+        self.block_max[it] = block_max[take]
+        w.received[local[take]] = True
+        w.last_arrival = now
+        if w.received.all():
+            del self.waiting[shard]
+        return fresh, bad
 
     def on_done(self, *, shard: int, sender: int, lost_lanes: int, now: float) -> None:
         """The owner's DONE for a shard: it has sent every result packet."""

@@ -20,6 +20,7 @@ import struct
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from dlcp.core.timing import Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import HEADER_DTYPE, decode_batch, encode_batch
 from dlcp.wire.header import (
+    LANE_BITS,
     Codec,
     Flags,
     Header,
@@ -39,6 +41,7 @@ from dlcp.wire.header import (
     header_of_valid,
     lane_bytes,
 )
+from dlcp.wire.mac import MAC_ALGORITHMS, MacKey, mac_state
 
 __all__ = [
     "Engine",
@@ -50,6 +53,9 @@ __all__ = [
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
+# header fields that packets of one run (`Engine.receive_many`) share
+_RUN_FIELDS = ("type", "job", "round", "bucket", "shard", "sender", "codec", "total")
+_RUN_FLAGS = int(Flags.SUMMED | Flags.RESULT_LEG)
 _U32 = struct.Struct("!I")
 _F32 = struct.Struct("!f")
 CONTROL_CLASS = 0
@@ -68,9 +74,10 @@ class JobSpec:
     owners: tuple[int, ...]  # owner node of shard s
     payload: int = DEFAULT_PAYLOAD
     window: int = 256  # rounds behind the newest that are still accepted
+    mac: str = "blake2b"  # the packet MAC function (dlcp/wire/mac.py), the same at every node
 
     @classmethod
-    def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: int) -> JobSpec:
+    def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: Any) -> JobSpec:
         nodes = tuple(range(hosts))
         return cls(job=job, key=key, me=me, contributors=nodes, owners=nodes, **kw)
 
@@ -85,6 +92,8 @@ class JobSpec:
             raise LocalError(f"job {self.job}: more than {lane_ops.MAX_CONTRIBUTORS} contributors")
         if len(self.key) < 16:
             raise LocalError(f"job {self.job}: MAC key shorter than 16 bytes")
+        if self.mac not in MAC_ALGORITHMS:
+            raise LocalError(f"job {self.job}: MAC {self.mac!r} is not one of {MAC_ALGORITHMS}")
 
     @property
     def members(self) -> frozenset[int]:
@@ -162,13 +171,27 @@ class _Finished:
     resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
 
+def _result_arrays(lay: Layout, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, counts) of a shard's result packets as arrays (cached with the ranges)."""
+    got = _RESULT_ARRAYS.get((lay, shard))
+    if got is None:
+        r = np.asarray(lay.shard_results(shard), dtype=np.int64).reshape(-1, 2)
+        if len(_RESULT_ARRAYS) >= 256:
+            _RESULT_ARRAYS.clear()
+        got = _RESULT_ARRAYS[(lay, shard)] = (r[:, 0].copy(), r[:, 1].copy())
+    return got
+
+
+_RESULT_ARRAYS: dict[tuple[Layout, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
 class Engine:
     """All rounds of all jobs at one node."""
 
     def __init__(self, *, timing: Timing | None = None) -> None:
         self.timing = timing or Timing()
         self.jobs: dict[int, JobSpec] = {}
-        self._keys: dict[int, bytes] = {}
+        self._keys: dict[int, MacKey] = {}
         self._aggs: dict[tuple[OpKey, int], ShardAggregator] = {}
         self._agg_meta: dict[tuple[OpKey, int], tuple[np.ndarray, np.ndarray]] = {}
         self._finished: dict[tuple[OpKey, int], _Finished] = {}
@@ -191,8 +214,12 @@ class Engine:
 
     # -- jobs -------------------------------------------------------------
     def add_job(self, spec: JobSpec) -> None:
+        try:
+            key = mac_state(spec.key, spec.mac)
+        except ValueError as exc:
+            raise LocalError(f"job {spec.job}: {exc}") from exc
         self.jobs[spec.job] = spec
-        self._keys[spec.job] = spec.key
+        self._keys[spec.job] = key
 
     def remove_job(self, job: int, now: float) -> None:
         self.jobs.pop(job, None)
@@ -213,8 +240,12 @@ class Engine:
         self._pruned_at.pop(job, None)
         self._newest.pop(job, None)
 
+    def _mac(self, spec: JobSpec) -> MacKey:
+        key = self._keys.get(spec.job)
+        return key if key is not None else mac_state(spec.key, spec.mac)
+
     @property
-    def keys(self) -> dict[int, bytes]:
+    def keys(self) -> dict[int, MacKey]:
         return self._keys
 
     # -- outputs ----------------------------------------------------------
@@ -332,20 +363,17 @@ class Engine:
         agg = self._aggregator(op, shard, c.layout, now)
         lay = c.layout
         pk = lay.shard_packets(shard)
-        for i in pk:
-            off, count = lay.packet_range(i)
-            agg.on_data(
-                sender=c.spec.me,
-                offset=off,
-                count=count,
-                payload=self._slice(c, off, count),
-                summed=c.summed,
-                weight=c.weight,
-                droppable=bool(c.droppable[i]),
-                scale=c.scale,
-                block_max=float(c.block_max[i]),
-                now=now,
-            )
+        off, count = lay.shard_range(shard)
+        agg.on_local(
+            sender=c.spec.me,
+            lanes=self._slice(c, off, count),
+            summed=c.summed,
+            weight=c.weight,
+            droppable=c.droppable[pk.start : pk.stop],
+            scale=c.scale,
+            block_max=c.block_max[pk.start : pk.stop],
+            now=now,
+        )
         self._note_meta(op, shard, pk, c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
         agg.on_manifest(sender=c.spec.me, droppable=np.zeros(len(pk), bool), bound=c.bound, now=now)
         self._progress(op, shard, now)
@@ -394,8 +422,12 @@ class Engine:
         h["total"] = lay.total
         h["param"] = c.scale
         h["aux"] = c.block_max[idx].view(np.uint32)
-        payloads = [self._slice(c, int(o), int(k)) for o, k in zip(offs, counts, strict=True)]
-        for dg, p, d in zip(encode_batch(h, payloads, c.spec.key), prio, drop, strict=True):
+        bits = LANE_BITS[lay.codec][1 if c.summed else 0]
+        starts = ((offs * bits + 7) // 8).tolist()  # lane_bytes, for every packet at once
+        ends = ((offs * bits + 7) // 8 + (counts * bits + 7) // 8).tolist()
+        lanes = c.lanes
+        payloads = [lanes[a:b] for a, b in zip(starts, ends, strict=True)]
+        for dg, p, d in zip(encode_batch(h, payloads, self._mac(c.spec)), prio, drop, strict=True):
             self._out.append(Send(owner, dg, int(p), bool(d), "data"))
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
@@ -417,44 +449,56 @@ class Engine:
             total=c.layout.total,
             param=c.bound,
         )
-        dg = encode(header, bitmap, c.spec.key)
+        dg = encode(header, bitmap, self._mac(c.spec))
         for _ in range(copies):
             self._out.append(Send(owner, dg, CONTROL_CLASS, False, "control"))
 
     def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
         lay = f.layout
-        ranges = lay.shard_results(f.result.shard)
-        pick = range(len(ranges)) if only is None else only
-        first_off = lay.shard_range(f.result.shard)[0]
-        first_pk = lay.shard_packets(f.result.shard).start
-        h = self._heads(len(pick))
-        payloads = []
-        for j, r in enumerate(pick):
-            off, count = ranges[r]
-            local = lay.packet_of(off) - first_pk
-            payloads.append(
-                lane_ops.pack(
-                    lay.codec, f.result.sums[off - first_off : off - first_off + count], True
-                )
-            )
-            h[j]["offset"] = off
-            h[j]["count"] = count
-            h[j]["contributors"] = f.result.contributors[local]
-            h[j]["param"] = f.result.block_max[local]
-            h[j]["priority"] = min(int(f.classes[local]), LOWEST_RELIABLE_CLASS)
-            h[j]["layer"] = f.layers[local]
+        shard = f.result.shard
+        ranges = _result_arrays(lay, shard)
+        pick = slice(None) if only is None else np.asarray(only, dtype=np.int64)
+        offs = ranges[0][pick]
+        counts = ranges[1][pick]
+        if offs.size == 0:
+            return
+        first_off = lay.shard_range(shard)[0]
+        local = offs // lay.per_packet - lay.shard_packets(shard).start
+        rel = (offs - first_off).tolist()
+        cnt = counts.tolist()
+        payloads: list[bytes | memoryview]
+        if only is None:  # the whole shard: packed once, sliced per packet
+            wire = np.ascontiguousarray(f.result.sums, lane_ops.wire_summed_dtype(lay.codec))
+            view = wire.data.cast("B")  # no copy where the sums are wire lanes already
+            width = lane_bytes(lay.codec, 1, True)  # summed lanes are whole bytes
+            payloads = [view[o * width : (o + k) * width] for o, k in zip(rel, cnt, strict=True)]
+        else:
+            sums = f.result.sums
+            payloads = [
+                lane_ops.pack(lay.codec, sums[o : o + k], True)
+                for o, k in zip(rel, cnt, strict=True)
+            ]
+        h = self._heads(offs.size)
+        h["offset"] = offs
+        h["count"] = counts
+        h["contributors"] = f.result.contributors[local]
+        h["param"] = f.result.block_max[local]
+        prio = np.minimum(f.classes[local], LOWEST_RELIABLE_CLASS)
+        h["priority"] = prio
+        h["layer"] = f.layers[local]
         h["type"] = PacketType.RESULT
         h["flags"] = int(Flags.RETRANSMIT) if only is not None else 0
         h["codec"] = lay.codec
         h["job"] = f.spec.job
         h["round"] = f.round
         h["bucket"] = f.bucket
-        h["shard"] = f.result.shard
+        h["shard"] = shard
         h["sender"] = f.spec.me
         h["total"] = lay.total
-        for dg, p in zip(encode_batch(h, payloads, f.spec.key), h["priority"], strict=True):
-            self._out.append(Send(node, dg, int(p), False, "result"))
-        self.stats["result_packets_sent" if only is None else "result_retransmits"] += len(pick)
+        out = self._out
+        for dg, p in zip(encode_batch(h, payloads, self._mac(f.spec)), prio.tolist(), strict=True):
+            out.append(Send(node, dg, p, False, "result"))
+        self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
     def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
         header = Header(
@@ -470,7 +514,7 @@ class Engine:
             total=f.layout.total,
             aux=f.result.lost_lanes,
         )
-        dg = encode(header, b"", f.spec.key)
+        dg = encode(header, b"", self._mac(f.spec))
         for _ in range(copies):
             self._out.append(Send(node, dg, CONTROL_CLASS, False, "control"))
 
@@ -493,7 +537,9 @@ class Engine:
         )
         payload = np.asarray(nack.packets, dtype=">u4").tobytes()
         self._out.append(
-            Send(nack.node, encode(header, payload, spec.key), CONTROL_CLASS, False, "control")
+            Send(
+                nack.node, encode(header, payload, self._mac(spec)), CONTROL_CLASS, False, "control"
+            )
         )
         self.stats["result_nacks_sent" if result else "data_nacks_sent"] += 1
 
@@ -511,7 +557,7 @@ class Engine:
             total=lay.total,
         )
         self._out.append(
-            Send(owner, encode(header, b"", spec.key), CONTROL_CLASS, False, "control")
+            Send(owner, encode(header, b"", self._mac(spec)), CONTROL_CLASS, False, "control")
         )
 
     # -- receiving ----------------------------------------------------------
@@ -537,18 +583,177 @@ class Engine:
         now: float,
         srcs: Sequence[int | None] | None = None,
     ) -> list[tuple[int, Header]]:
-        """Take many datagrams at once (batch decode: vectorised checks, per-packet
-        MAC); returns (position, header) of the accepted packets, rejects are counted."""
+        """Take many datagrams at once (see `receive_many`); returns (position,
+        header) of the accepted packets, rejects are counted."""
+        acc = self.receive_many(datagrams, now, srcs)
+        return [(i, header_of_valid(datagrams[i])) for i in acc.tolist()]
+
+    def receive_many(
+        self,
+        datagrams: Sequence[bytes | memoryview],
+        now: float,
+        srcs: Sequence[int | None] | None = None,
+    ) -> np.ndarray:
+        """Take many datagrams at once; returns the positions of the accepted ones.
+
+        Batch decode (vectorised checks, per-packet MAC), then consecutive data
+        or result packets of one sender for one shard are taken as a run: the
+        per-packet checks once, the aggregator's or collector's bookkeeping with
+        array operations. The outcome (state, sums, stats, rejects per reason)
+        is that of `receive` called per datagram in order.
+        """
         batch = decode_batch(datagrams, self._keys)
         if batch.rejects:
             self.rejects.update(batch.rejects)
-        accepted: list[tuple[int, Header]] = []
-        for k, i in enumerate(batch.index.tolist()):
-            h = header_of_valid(datagrams[i])
-            src = srcs[i] if srcs is not None else None
-            if self.receive_packet(h, batch.payloads[k], now, src):
-                accepted.append((i, h))
-        return accepted
+        n = len(batch)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        f = batch.fields
+        index = batch.index
+        if srcs is None:
+            src = np.full(n, -1, dtype=np.int64)
+        else:
+            src = np.fromiter(
+                (-1 if (s := srcs[i]) is None else s for i in index.tolist()), np.int64, n
+            )
+        ptype = f["type"]
+        flags = f["flags"]
+        lanes = (ptype == PacketType.DATA) | (ptype == PacketType.RESULT)
+        change = np.ones(n, dtype=bool)
+        same = lanes[1:] & lanes[:-1] & (src[1:] == src[:-1])
+        for name in _RUN_FIELDS:
+            col = f[name]
+            same &= col[1:] == col[:-1]
+        same &= ((flags[1:] ^ flags[:-1]) & _RUN_FLAGS) == 0
+        data = ptype[1:] == PacketType.DATA
+        same &= ~data | (
+            (f["contributors"][1:] == f["contributors"][:-1]) & (f["param"][1:] == f["param"][:-1])
+        )
+        change[1:] = ~same
+        starts = np.flatnonzero(change).tolist()
+        ends = [*starts[1:], n]
+        ok = np.zeros(n, dtype=bool)
+        payloads = batch.payloads
+        for a, b in zip(starts, ends, strict=True):
+            if lanes[a]:
+                h = header_of_valid(datagrams[int(index[a])])
+                s_ = int(src[a])
+                ok[a:b] = self._receive_run(h, f[a:b], payloads[a:b], now, None if s_ < 0 else s_)
+                continue
+            for k in range(a, b):
+                s_ = int(src[k])
+                h = header_of_valid(datagrams[int(index[k])])
+                ok[k] = self.receive_packet(h, payloads[k], now, None if s_ < 0 else s_)
+        return index[ok]
+
+    def _receive_run(
+        self,
+        h: Header,
+        rec: np.ndarray,
+        payloads: Sequence[memoryview],
+        now: float,
+        src: int | None,
+    ) -> np.ndarray:
+        """A run of data or result packets that share everything `_dispatch`
+        checks (`h` is the first one's header); returns which were accepted."""
+        n = len(payloads)
+        try:
+            spec = self._check_dispatch(h, src)
+            op = (h.job, h.round, h.bucket)
+            if h.type == PacketType.DATA:
+                return self._data_run(spec, op, h, rec, payloads, now)
+            return self._result_run(spec, op, h, rec, payloads, now)
+        except RemoteError as exc:
+            self.rejects[exc.reason] += n
+        except (DlcpError, ValueError) as exc:  # a bug or inconsistency, never fatal here
+            self.rejects[Reason.BAD_RANGE] += n
+            self.stats["internal_errors"] += n
+            self.last_error = str(exc)
+        return np.zeros(n, dtype=bool)
+
+    def _data_run(
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        h: Header,
+        rec: np.ndarray,
+        payloads: Sequence[memoryview],
+        now: float,
+    ) -> np.ndarray:
+        n = len(payloads)
+        lay = self._owned_layout(spec, op, h)
+        if lay is None:
+            self.stats["late_packets"] += n - 1
+            return np.ones(n, dtype=bool)
+        key = (op, h.shard)
+        agg = self._aggregator(op, h.shard, lay, now)
+        flags = rec["flags"]
+        offsets = rec["offset"].astype(np.int64)
+        fresh, bad = agg.on_data_many(
+            sender=h.sender,
+            offsets=offsets,
+            counts=rec["count"].astype(np.int64),
+            payloads=payloads,
+            summed=bool(h.flags & Flags.SUMMED),
+            weight=h.contributors,
+            droppable=(flags & int(Flags.DROPPABLE)) != 0,
+            scale=h.param,
+            block_max=rec["aux"].astype("<u4").view(np.float32),
+            now=now,
+        )
+        n_bad = int(bad.sum())
+        n_fresh = int(fresh.sum())
+        if n_bad:
+            self.rejects[Reason.BAD_RANGE] += n_bad
+        if n - n_bad - n_fresh:
+            self.stats["duplicate_packets"] += n - n_bad - n_fresh
+        if n_fresh:
+            self.stats["data_packets_received"] += n_fresh
+            local = offsets[fresh] // lay.per_packet - agg.first_packet
+            classes, layers = self._agg_meta[key]
+            classes[local] = np.minimum(classes[local], rec["priority"][fresh])
+            layers[local] = rec["layer"][fresh]
+            if agg.may_complete():
+                self._progress(op, h.shard, now)
+        return ~bad
+
+    def _result_run(
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        h: Header,
+        rec: np.ndarray,
+        payloads: Sequence[memoryview],
+        now: float,
+    ) -> np.ndarray:
+        n = len(payloads)
+        col = self._collectors.get(op)
+        if col is None:
+            self.stats["late_packets"] += n
+            return np.ones(n, dtype=bool)
+        self._check_owner(spec, h)
+        if col.layout.total != h.total or col.layout.codec != h.codec:
+            raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        fresh, bad = col.on_results_many(
+            shard=h.shard,
+            sender=h.sender,
+            offsets=rec["offset"].astype(np.int64),
+            counts=rec["count"].astype(np.int64),
+            payloads=payloads,
+            contributors=rec["contributors"].astype(np.int64),
+            block_max=rec["param"].astype(np.float32),
+            now=now,
+        )
+        n_bad = int(bad.sum())
+        n_fresh = int(fresh.sum())
+        if n_bad:
+            self.rejects[Reason.BAD_RANGE] += n_bad
+        if n_fresh:
+            self.stats["result_packets_received"] += n_fresh
+        if n - n_bad - n_fresh:
+            self.stats["duplicate_packets"] += n - n_bad - n_fresh
+        self._check_complete(op, now)
+        return ~bad
 
     def receive_packet(
         self, h: Header, payload: memoryview, now: float, src: int | None = None
@@ -567,6 +772,11 @@ class Engine:
         return True
 
     def _dispatch(self, h: Header, payload: memoryview, now: float, src: int | None) -> None:
+        spec = self._check_dispatch(h, src)
+        self._route(spec, (h.job, h.round, h.bucket), h, payload, now)
+
+    def _check_dispatch(self, h: Header, src: int | None) -> JobSpec:
+        """The checks every packet passes before its type's handler; its job's spec."""
         spec = self.jobs.get(h.job)
         if spec is None:
             raise RemoteError(Reason.UNKNOWN_JOB, str(h.job))
@@ -578,7 +788,9 @@ class Engine:
             raise RemoteError(Reason.STALE_ROUND, f"round {h.round}")
         if h.shard >= len(spec.owners):
             raise RemoteError(Reason.BAD_RANGE, f"shard {h.shard} of {len(spec.owners)}")
-        op = (h.job, h.round, h.bucket)
+        return spec
+
+    def _route(self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float) -> None:
         result_leg = bool(h.flags & Flags.RESULT_LEG)
         t = h.type
         if t == PacketType.DATA:

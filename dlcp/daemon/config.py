@@ -17,6 +17,7 @@ from dlcp.core.timing import Timing
 from dlcp.errors import LocalError
 from dlcp.ipc import DEFAULT_SOCKET
 from dlcp.policies import DEFAULT_DSCP, check_dscp_table
+from dlcp.wire.mac import MAC_ALGORITHMS, mac_state
 
 __all__ = ["Config", "JobConfig", "PeerConfig", "load", "parse"]
 
@@ -70,6 +71,7 @@ class Config:
     payload: int = DEFAULT_PAYLOAD
     gso: bool = True
     gro: bool = True
+    mac: str = "blake2b"  # packet MAC of every job (dlcp/wire/mac.py)
     socket_buffer_bytes: int = 32 << 20
     peers: tuple[PeerConfig, ...] = ()
     # [policies]
@@ -99,7 +101,16 @@ _SECTIONS = {
         "drain_timeout_s",
         "log_level",
     },
-    "network": {"addresses", "udp_port", "payload", "gso", "gro", "socket_buffer_bytes", "peers"},
+    "network": {
+        "addresses",
+        "udp_port",
+        "payload",
+        "gso",
+        "gro",
+        "mac",
+        "socket_buffer_bytes",
+        "peers",
+    },
     "policies": {"priority", "drop", "balance", "dscp"},
     "rate": None,  # RateConfig.from_dict checks keys; plus "pacing"
     "timing": None,
@@ -229,6 +240,13 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
         if flag in n:
             _need(isinstance(n[flag], bool), f"network.{flag} must be true or false")
             setattr(cfg, flag, n[flag])
+    mac = n.get("mac", cfg.mac)
+    _need(mac in MAC_ALGORITHMS, f"network.mac {mac!r}: one of {', '.join(MAC_ALGORITHMS)}")
+    try:
+        mac_state(bytes(32), mac)  # fails now, not at the first join, without its library
+    except ValueError as exc:
+        raise LocalError(f"network.mac: {exc}") from None
+    cfg.mac = mac
     cfg.socket_buffer_bytes = _int(
         n.get("socket_buffer_bytes", cfg.socket_buffer_bytes),
         "network.socket_buffer_bytes",

@@ -28,12 +28,12 @@ from dlcp.core.layout import Layout
 from dlcp.daemon import notify
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
-from dlcp.daemon.outbox import Outbox
+from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.daemon.shm import RankSegment
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
-from dlcp.wire.header import HEADER_SIZE, Codec, PacketType, lane_bytes
+from dlcp.wire.header import HEADER_SIZE, Codec, PacketType, header_of_valid, lane_bytes
 
 __all__ = ["Daemon", "RequestError"]
 
@@ -41,6 +41,9 @@ log = logging.getLogger("dlcpd")
 
 _JOB = struct.Struct("!I")
 _NACK_COUNT = struct.Struct("!I")
+_DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
+_NACK = int(PacketType.NACK)
+_ACKING = frozenset({int(PacketType.RESULT), int(PacketType.ACK), int(PacketType.DONE)})
 _RX_BUDGET = 256  # recvmsg calls per readable event before yielding to the loop
 OpKey = tuple[int, int, int]
 
@@ -310,21 +313,29 @@ class Daemon:
             owners.append(job)
         if not dgs:
             return
-        for i, h in engine.receive_batch(dgs, now, nodes):
+        acked: dict[Peer, int] = {}
+        for i in engine.receive_many(dgs, now, nodes).tolist():
+            dg = dgs[i]
+            kind = dg[3]
+            if kind == _DATA:
+                continue
             job, node = owners[i], nodes[i]
             if job is None or node is None:
                 continue
             peer = job.peers.get(node)
             if peer is None:
                 continue
-            if h.type == PacketType.NACK:
+            if kind == _NACK:
+                h = header_of_valid(dg)
                 self.outbox.on_loss(peer, max(1, h.count), now)
                 spec = job.spec
                 self.outbox.on_nack(
-                    peer, h, dgs[i], shards=len(spec.owners), payload=spec.payload, now=now
+                    peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now
                 )
-            elif h.type in (PacketType.RESULT, PacketType.ACK, PacketType.DONE):
-                peer.rate.on_ack(len(dgs[i]), None, now)
+            elif kind in _ACKING:
+                acked[peer] = acked.get(peer, 0) + len(dg)
+        for peer, nbytes in acked.items():  # once per peer and batch
+            peer.rate.on_ack(nbytes, None, now)
         self.counters["rx_packets"] += rx
         self.counters["rx_bytes"] += rx_bytes
 
@@ -560,7 +571,7 @@ class Daemon:
                 f"({list(self.config.addresses)}:{self.config.udp_port})",
             )
         if mode == "transpose":
-            spec = JobSpec.transpose(job, key, me, H, payload=payload)
+            spec = JobSpec.transpose(job, key, me, H, payload=payload, mac=self.config.mac)
         elif mode == "ps":
             aggs = aggregators or (0,)
             contr = contributors or tuple(i for i in range(H) if i not in aggs)
@@ -568,7 +579,13 @@ class Daemon:
                 if not 0 <= i < H:
                     raise _bad(f"host index {i} out of range")
             spec = JobSpec(
-                job=job, key=key, me=me, contributors=contr, owners=aggs, payload=payload
+                job=job,
+                key=key,
+                me=me,
+                contributors=contr,
+                owners=aggs,
+                payload=payload,
+                mac=self.config.mac,
             )
         else:
             raise _bad(f"mode must be transpose or ps, not {mode!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,7 @@ from dlcp.wire.header import (
     Header,
     PacketType,
 )
+from dlcp.wire.mac import MacKey
 
 __all__ = ["HEADER_DTYPE", "Batch", "decode_batch", "encode_batch", "split_segments"]
 
@@ -118,18 +119,22 @@ def split_segments(buf: bytes | memoryview, segment: int) -> list[memoryview]:
     return [view[i : i + segment] for i in range(0, len(view), segment)]
 
 
-def decode_batch(datagrams: Sequence[bytes | memoryview], keys: dict[int, bytes]) -> Batch:
+def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, MacKey]) -> Batch:
     """Validate and authenticate a batch of datagrams; never raises for bad input."""
     n = len(datagrams)
     views = [memoryview(d).cast("B") for d in datagrams]
-    lengths = np.fromiter((len(v) for v in views), dtype=np.int64, count=n)
+    lengths = np.fromiter(map(len, views), dtype=np.int64, count=n)
     reasons = np.zeros(n, dtype=np.int64)
     full = lengths >= HEADER_SIZE
     reasons[~full] = Reason.TRUNCATED
-    heads = np.zeros(n, dtype=HEADER_DTYPE)
-    if full.any():
-        raw = b"".join(bytes(views[i][:HEADER_SIZE]) for i in np.flatnonzero(full))
-        heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
+    if full.all():  # the usual case: one join of the header views, no per-packet copies
+        heads = np.frombuffer(b"".join([v[:HEADER_SIZE] for v in views]), dtype=HEADER_DTYPE)
+        heads = heads.copy()  # writable, like the zeroed array below
+    else:
+        heads = np.zeros(n, dtype=HEADER_DTYPE)
+        if full.any():
+            raw = b"".join([views[i][:HEADER_SIZE] for i in np.flatnonzero(full).tolist()])
+            heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
 
     def reject(mask: np.ndarray, reason: Reason) -> None:
         hit = mask & (reasons == 0)
@@ -174,28 +179,34 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: dict[int, bytes]
 
     candidates = np.flatnonzero(reasons == 0)
     jobs = heads["job"]
-    payloads: list[memoryview] = []
-    accepted: list[int] = []
-    bases: dict[int, object] = {}
-    for i in candidates:
-        job = int(jobs[i])
-        base = bases.get(job)
-        if base is None:
+    verified = np.zeros(n, dtype=bool)
+    if candidates.size:
+        cand_jobs = jobs[candidates]
+        for job in np.unique(cand_jobs).tolist():
+            mine = candidates[cand_jobs == job].tolist()
             key = keys.get(job)
             if key is None:
-                reasons[i] = Reason.UNKNOWN_JOB
+                reasons[mine] = Reason.UNKNOWN_JOB
                 continue
-            base = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
-            bases[job] = base
-        v = views[i]
-        h = base.copy()  # type: ignore[attr-defined]
-        h.update(v[:MAC_OFFSET])
-        h.update(v[HEADER_SIZE:])
-        if not hmac.compare_digest(h.digest(), v[MAC_OFFSET:HEADER_SIZE]):
-            reasons[i] = Reason.BAD_MAC
-            continue
-        accepted.append(int(i))
-        payloads.append(v[HEADER_SIZE:])
+            if isinstance(key, bytes):
+                base = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+                for i in mine:
+                    v = views[i]
+                    h = base.copy()
+                    h.update(v[:MAC_OFFSET])
+                    h.update(v[HEADER_SIZE:])
+                    verified[i] = hmac.compare_digest(h.digest(), v[MAC_OFFSET:HEADER_SIZE])
+            else:  # one batched call for the job's packets
+                tags = key.tags(
+                    [views[i][:MAC_OFFSET] for i in mine], [views[i][HEADER_SIZE:] for i in mine]
+                )
+                for k, i in enumerate(mine):
+                    got = tags[k * MAC_SIZE : (k + 1) * MAC_SIZE]
+                    verified[i] = hmac.compare_digest(got, views[i][MAC_OFFSET:HEADER_SIZE])
+        bad_mac = candidates[~verified[candidates] & (reasons[candidates] == 0)]
+        reasons[bad_mac] = Reason.BAD_MAC
+    accepted = np.flatnonzero(verified).tolist()
+    payloads = [views[i][HEADER_SIZE:] for i in accepted]
 
     rejects: Counter[Reason] = Counter()
     bad = reasons[reasons != 0]
@@ -207,7 +218,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: dict[int, bytes]
 
 
 def encode_batch(
-    heads: np.ndarray, payloads: Sequence[bytes | memoryview], key: bytes
+    heads: np.ndarray, payloads: Sequence[bytes | memoryview], key: MacKey
 ) -> list[bytes]:
     """Serialise packets whose header fields were filled in a HEADER_DTYPE array.
 
@@ -218,6 +229,14 @@ def encode_batch(
     heads["magic"] = MAGIC
     heads["version"] = VERSION
     raw = heads.tobytes()
+    n = len(payloads)
+    if not isinstance(key, bytes):
+        head_list = [raw[i * HEADER_SIZE : i * HEADER_SIZE + MAC_OFFSET] for i in range(n)]
+        tags = key.tags(head_list, payloads)
+        return [
+            b"".join((head, tags[i * MAC_SIZE : (i + 1) * MAC_SIZE], payloads[i]))
+            for i, head in enumerate(head_list)
+        ]
     base = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
     out: list[bytes] = []
     for i, payload in enumerate(payloads):

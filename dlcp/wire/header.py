@@ -9,6 +9,7 @@ Layout (network byte order; offsets in bytes):
    28  offset u32          32 count u32   36 total u32
    40  param f32           44 aux u32
    48  mac 16 bytes: BLAKE2b-128 keyed with the job key over bytes 0..47 and the payload
+       (or the job's other MAC function, see dlcp/wire/mac.py)
 
 Every packet says where its data belongs (job, round, bucket, shard, element
 offset and count in a bucket of `total` lanes), so receivers write it in place
@@ -25,10 +26,12 @@ import hashlib
 import hmac
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dlcp.errors import Reason, WireError
+from dlcp.wire.mac import MacKey
 
 __all__ = [
     "HEADER_SIZE",
@@ -172,7 +175,9 @@ def mac_key(secret: bytes | str, job: int) -> bytes:
 _KEYED: dict[bytes, Any] = {}
 
 
-def compute_mac(key: bytes, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+def compute_mac(key: MacKey, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    if not isinstance(key, bytes):
+        return key.tag(head, payload)
     base = _KEYED.get(key)
     if base is None:  # keying BLAKE2b costs a compression; copy a keyed state instead
         if len(_KEYED) > 4096:
@@ -184,7 +189,7 @@ def compute_mac(key: bytes, head: bytes | memoryview, payload: bytes | memoryvie
     return h.digest()
 
 
-def encode(header: Header, payload: bytes | memoryview, key: bytes) -> bytes:
+def encode(header: Header, payload: bytes | memoryview, key: MacKey) -> bytes:
     """Serialize one packet; checks the header against the payload first."""
     head = header.pack()
     payload = memoryview(payload).cast("B")
@@ -231,10 +236,11 @@ def _check(h: Header, length: int) -> tuple[Reason, str] | None:
     return None
 
 
-def decode(datagram: bytes | memoryview, keys: dict[int, bytes]) -> tuple[Header, memoryview]:
+def decode(datagram: bytes | memoryview, keys: Mapping[int, MacKey]) -> tuple[Header, memoryview]:
     """Parse and authenticate one datagram; raises `WireError` with a reason.
 
-    `keys` maps job id to MAC key. Returns the header and a view of the payload.
+    `keys` maps job id to MAC key (`mac.mac_state`; bytes: BLAKE2b). Returns
+    the header and a view of the payload.
     """
     view = memoryview(datagram).cast("B")
     if len(view) < HEADER_SIZE:
