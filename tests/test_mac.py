@@ -15,8 +15,6 @@ from dlcp.wire.batch import decode_batch
 from dlcp.wire.header import HEADER_SIZE, MAC_OFFSET, encode
 from dlcp.wire.mac import MAC_ALGORITHMS, mac_state
 
-pytest.importorskip("cryptography")
-
 KEY = bytes(range(32))
 
 

@@ -151,7 +151,6 @@ def test_batched_receive_matches_per_packet(
 
 
 def test_batched_receive_matches_per_packet_with_ghash_aes_mac() -> None:
-    pytest.importorskip("cryptography")
     _run(Codec.FP32, 3, 8908, 5, mac="ghash-aes")
 
 
