@@ -33,8 +33,9 @@ every rank shares, so every rank issues them, failed or not.
 state learns bucket sizes, backward timing, the goodput of its exchanges and
 its iteration times; then, at decisions on a schedule every rank shares or
 when some rank's link rate moved (a flag in the step's agreement), all ranks
-average their time per codec (measured where the codec has run, else
-predicted) and switch together at the step boundary.
+average their time per codec (measured where the codec has run, else the
+model's prediction corrected by the measured ones) and switch together at
+the step boundary.
 """
 
 from __future__ import annotations
