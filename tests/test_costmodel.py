@@ -25,6 +25,7 @@ from dlcp.costmodel.exchange import average
 from dlcp.costmodel.model import (
     Network,
     choose_codec,
+    cpu_share_for,
     expected_max_normal,
     format_rate,
     parse_link,
@@ -205,6 +206,21 @@ def test_the_timeline_by_hand() -> None:
     assert free_enc.iteration_s == pytest.approx(0.16 + 0.004)
     half = predict(PROFILE, SMALL, FREE, 3, cpu_share=0.5)
     assert half.encode_s == pytest.approx(0.008)
+
+
+def test_hosts_sharing_cores_stretch_the_codec_steps_to_the_makespan() -> None:
+    assert cpu_share_for(1, 2) == 1.0 and cpu_share_for(2, 2) == 1.0
+    assert cpu_share_for(3, 2) == pytest.approx(2 / 3)
+    assert cpu_share_for(6, 2) == pytest.approx(1 / 3)
+    assert 0 < cpu_share_for(64) <= 1.0  # this machine's cores
+    for bad in ((0, 2), (3, 0)):
+        with pytest.raises(LocalError):
+            cpu_share_for(*bad)
+    # 3 hosts on 2 cores: each codec step ends on the last host at 1.5x its time alone
+    alone = predict(PROFILE, SMALL, FREE, 3)
+    shared = predict(PROFILE, SMALL, FREE, 3, cpu_share=cpu_share_for(3, 2))
+    assert shared.encode_s == pytest.approx(1.5 * alone.encode_s)
+    assert shared.iteration_s == pytest.approx(0.16 + 1.5 * (alone.iteration_s - 0.16))
 
 
 def test_stragglers_add_to_each_exchange() -> None:
