@@ -88,6 +88,7 @@ def decide(ranks: Sequence[AutoCodec], hosts: int = 3) -> list[str]:
 
 
 def ready_auto(link_bps: float | None = None, **kw: Any) -> AutoCodec:
+    kw = {"warmup_codec": "fp32", "warmup": 2, **kw}  # (the decisions as designed for fp32)
     auto = AutoCodec(link_bps=link_bps, **kw)
     auto.calibration = calibration()
     return auto
@@ -443,7 +444,7 @@ def test_ranks_with_different_views_agree_on_one_codec() -> None:
     # three hosts: other costs (slower / faster CPUs), link rates, backward times
     ranks = []
     for scale, link, slow in ((0.5, 150e6, 1.0), (1.0, 200e6, 1.5), (2.0, 10e9, 3.0)):
-        auto = AutoCodec(link_bps=link, warmup=1)
+        auto = AutoCodec(link_bps=link, warmup=1, warmup_codec="fp32")
         auto.calibration = calibration(scale)
         feed_step(auto, [(n, r * slow) for n, r in BUCKETS])
         ranks.append(auto)
@@ -484,7 +485,7 @@ def test_state_accepts_auto_and_pickles_its_decisions() -> None:
     state = dlcp.DlcpState(codec="auto", link_bps="200mbit", auto_options={"every": 7})
     assert state.auto is not None and state.auto.every == 7
     assert state.auto.fixed_link_bps == 200e6
-    assert state.auto_codec == "fp32"
+    assert state.auto_codec == "fp16"  # the warm-up codec
     state.auto.calibration = calibration()
     feed_step(state.auto)
     feed_step(state.auto)
@@ -555,7 +556,12 @@ def _auto_worker(rank: int, world: int, sockets: list[str], cache: str) -> dict[
     # 1: the link rate from the daemon's rate controller; then an all_reduce
     # (a trial longer than the run: the codecs follow the link, not measurements)
     options: dict[str, Any] = {
-        "auto_options": {"max_rel_error": 0.5, "probe": 2 * STEPS},
+        "auto_options": {
+            "max_rel_error": 0.5,
+            "probe": 2 * STEPS,
+            "warmup_codec": "fp32",
+            "warmup": 2,
+        },
         "round_timeout_s": 30.0,
     }
     state = dlcp.init(codec="auto", socket=sockets[rank], **options)
