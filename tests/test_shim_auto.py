@@ -9,6 +9,7 @@ averaging their vectors here as `DlcpState` does over the process group.
 from __future__ import annotations
 
 import pickle
+import statistics
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from dlcp.errors import LocalError
 from dlcp.shim.auto import (
     UNAVAILABLE_S,
     AutoCodec,
+    correction,
     host_calibration,
     judge,
     link_from_status,
@@ -312,12 +314,38 @@ def test_judge_corrects_untried_codecs_by_the_measured_ones() -> None:
     times, factor = judge(
         cands, {k: v for k, v in pred.items() if k != "thc4"}, {"fp32": 0.3}, 0.15
     )
-    assert factor == pytest.approx(3.0)
+    assert factor == pytest.approx((3.0, 3.0))
     assert times == pytest.approx([0.3, 0.24 / 1.15, 0.15 / 1.15, UNAVAILABLE_S])
-    # the correction is the median over the measured codecs
+    # without the CPU parts: one factor, the median over the measured codecs
     times, factor = judge(cands, pred, {"fp32": 0.3, "fp16": 0.16, "thc8": 0.5}, 0.0)
-    assert factor == pytest.approx(3.0)
+    assert factor == pytest.approx((3.0, 3.0))
     assert times == pytest.approx([0.3, 0.16, 0.5, 0.12])
+
+
+def test_the_correction_separates_cpu_work_from_the_rest() -> None:
+    # the model's CPU seconds are 3x too low (cores shared), the rest 1.2x:
+    # two measured codecs with different CPU shares give both factors, and
+    # the untried codecs' corrected predictions are their true times
+    cands = ("fp32", "fp16", "thc8", "thc4")
+    cpu = {"fp32": 0.002, "fp16": 0.01, "thc8": 0.03, "thc4": 0.032}
+    rest = {"fp32": 0.2, "fp16": 0.1, "thc8": 0.06, "thc4": 0.04}
+    pred = {c: cpu[c] + rest[c] for c in cands}
+    truth = {c: 3.0 * cpu[c] + 1.2 * rest[c] for c in cands}
+    seen = {c: truth[c] for c in ("fp16", "thc8")}
+    times, factor = judge(cands, pred, seen, 0.0, cpu)
+    assert factor == pytest.approx((3.0, 1.2))
+    assert times == pytest.approx([truth[c] for c in cands])
+    # one measured codec, or two with the same CPU share: one factor for both
+    assert correction(pred, cpu, {"fp16": truth["fp16"]}) == pytest.approx(
+        (truth["fp16"] / pred["fp16"],) * 2
+    )
+    same = {"a": 0.1, "b": 0.2}
+    both = correction(same, {"a": 0.05, "b": 0.1}, {"a": 0.2, "b": 0.5})
+    assert both == pytest.approx((2.25, 2.25))  # the median of 2 and 2.5
+    # a fit that would make a factor negative falls back to the median
+    assert correction(pred, cpu, {"fp16": 0.5, "thc8": 0.01}) == pytest.approx(
+        (statistics.median([0.5 / pred["fp16"], 0.01 / pred["thc8"]]),) * 2
+    )
 
 
 def test_codecs_the_corrected_model_puts_well_behind_are_never_tried() -> None:
@@ -327,7 +355,7 @@ def test_codecs_the_corrected_model_puts_well_behind_are_never_tried() -> None:
     auto = ready_auto(1e9, warmup=2, every=10, explore=0.15)
     assert run_auto(auto, took, 30) == ["fp32"] * 30
     assert auto.explored_steps == 0 and set(auto.describe()["measured_s"]) == {"fp32"}
-    assert auto.correction == pytest.approx(took["fp32"] / 0.0615, rel=0.05)
+    assert auto.correction == pytest.approx((took["fp32"] / 0.0615,) * 2, rel=0.05)
     # with a wider margin, fp16 (within 50 % once corrected) is worth a try, and kept
     bold = ready_auto(1e9, warmup=2, every=10, explore=0.5)
     ran = run_auto(bold, took, 30)
@@ -347,7 +375,7 @@ def test_a_clearly_worse_trial_ends_after_its_probe_steps() -> None:
     assert auto.explored_steps == 3
     assert auto.measured("thc4") == pytest.approx(0.9, abs=0.005)
     assert auto.predicted["thc4"] == pytest.approx(0.9, abs=0.005)
-    assert auto.correction is not None and auto.correction > 1
+    assert auto.correction is not None and min(auto.correction) > 1
 
 
 def test_a_new_codecs_first_step_is_not_counted() -> None:

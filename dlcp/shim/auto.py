@@ -24,11 +24,11 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   measured so far.
 * Correcting: a calibration taken on an idle host and a link rate say little
   about a host whose daemons and ranks share a few cores, so the model's
-  absolute times are off, by a similar factor for every codec (the same
-  machine, the same contention). Auto corrects them online: the correction is
-  the median over the codecs measured so far of measured / predicted (both
-  with the current profile and network), and a codec not run yet is judged by
-  its corrected prediction.
+  absolute times are off. Auto corrects them online (`correction`): one
+  factor, measured / predicted, while one codec has been measured; from two
+  on, one factor for the codec steps' CPU time (how many processes share the
+  cores) and one for the rest (the transport), fitted to the measured codecs.
+  A codec not run yet is judged by its corrected prediction.
 * Exploring: an untried codec is worth trying only when its corrected
   prediction is within `explore` of the best measured time (it enters the
   choice as corrected prediction / (1 + `explore`), optimistic by the model's
@@ -80,6 +80,7 @@ __all__ = [
     "UNAVAILABLE_S",
     "AutoCodec",
     "available",
+    "correction",
     "host_calibration",
     "judge",
     "link_from_status",
@@ -113,37 +114,75 @@ def pick(times: Sequence[float], candidates: Sequence[str], min_gain: float = 0.
     raise AssertionError("unreachable: the fastest is within any gain of itself")
 
 
+def correction(
+    predicted: Mapping[str, float],
+    cpu: Mapping[str, float],
+    measured: Mapping[str, float],
+) -> tuple[float, float] | None:
+    """How far off the model is, from the codecs measured so far: factors
+    (on the CPU steps, on the rest) such that measured ~ f_cpu * cpu + f_rest *
+    (predicted - cpu), where `cpu` is the predicted seconds of codec work.
+
+    The model's errors differ by part: the codec steps' CPU time depends on
+    how many processes share the cores (unknown to a rank), the rest on the
+    transport. With two measured codecs or more whose CPU shares differ, both
+    factors are fitted (least squares on relative errors); otherwise, or when
+    a fitted factor is not positive, one factor for both: the median of
+    measured / predicted. None when nothing was measured."""
+    seen = [c for c in measured if predicted.get(c, 0.0) > 0]
+    if not seen:
+        return None
+    one = statistics.median(measured[c] / predicted[c] for c in seen)
+    if len(seen) >= 2 and all(c in cpu for c in seen):
+        sxx = sxy = syy = sxm = sym = 0.0
+        for c in seen:
+            w = 1.0 / measured[c] ** 2 if measured[c] > 0 else 0.0
+            x = min(max(cpu[c], 0.0), predicted[c])
+            y, m = predicted[c] - x, measured[c]
+            sxx, sxy, syy = sxx + w * x * x, sxy + w * x * y, syy + w * y * y
+            sxm, sym = sxm + w * x * m, sym + w * y * m
+        det = sxx * syy - sxy * sxy
+        if det > 1e-6 * sxx * syy > 0:
+            f_cpu = (sxm * syy - sym * sxy) / det
+            f_rest = (sym * sxx - sxm * sxy) / det
+            if f_cpu > 0 and f_rest > 0:
+                return f_cpu, f_rest
+    return one, one
+
+
 def judge(
     candidates: Sequence[str],
     predicted: Mapping[str, float],
     measured: Mapping[str, float],
     explore: float,
-) -> tuple[list[float], float | None]:
+    cpu: Mapping[str, float] | None = None,
+) -> tuple[list[float], tuple[float, float] | None]:
     """The times a decision compares, one per candidate (`UNAVAILABLE_S` for a
     candidate with no prediction):
 
     * a codec with a `measured` time: that time;
-    * any other: its `predicted` time times the correction (the median over the
-      measured codecs of measured / predicted; 1 when none has been measured),
+    * any other: its `predicted` time corrected by the measured ones
+      (`correction`; `cpu`: the predicted seconds of codec work of each),
       divided by 1 + `explore` when some codec has been measured: an untried
       codec is tried only when its corrected prediction is within `explore` of
       the best measured time (and within `pick`'s gain of the fastest).
 
     Returns the times and the correction (None when nothing was measured)."""
-    ratios = [measured[c] / predicted[c] for c in measured if predicted.get(c, 0.0) > 0]
-    factor = statistics.median(ratios) if ratios else None
+    cpu = cpu or {}
+    factors = correction(predicted, cpu, measured)
     out = []
     for name in candidates:
         if name in measured and name in predicted:
             out.append(float(measured[name]))
         elif name in predicted:
             t = predicted[name]
-            if factor is not None:
-                t = t * factor / (1.0 + explore)
+            if factors is not None:
+                x = min(max(cpu.get(name, 0.0), 0.0), t)
+                t = (factors[0] * x + factors[1] * (t - x)) / (1.0 + explore)
             out.append(t)
         else:
             out.append(UNAVAILABLE_S)
-    return out, factor
+    return out, factors
 
 
 def link_from_status(status: Mapping[str, Any], peers: Sequence[str] | None = None) -> float | None:
@@ -206,8 +245,8 @@ class AutoCodec:
     link_bps (latest), decided_link_bps, goodput_bps (measured per codec,
     median of its last steps), measured_s (iteration seconds per codec, the
     same way), predicted (the ranks' averaged seconds per candidate at the
-    last decision, measured or corrected predictions), correction (measured /
-    predicted, the factor applied at the last decision), explored_steps (steps
+    last decision, measured or corrected predictions), correction (the factors
+    on the CPU steps and on the rest applied at the last decision), explored_steps (steps
     spent in codecs tried and then left), history ([step, codec] at every
     change).
     """
@@ -281,7 +320,7 @@ class AutoCodec:
         self.decided_link_bps: float | None = None
         self.predicted: dict[str, float] = {}
         self.history: list[list[Any]] = []
-        self.correction: float | None = None
+        self.correction: tuple[float, float] | None = None
         self.explored_steps = 0
         # this step's buckets, and the last steps' (sizes, ready times)
         self._sizes: list[int] = []
@@ -463,6 +502,7 @@ class AutoCodec:
         if prof is None or cal is None:
             return [0.0 if c == self.current else UNAVAILABLE_S for c in self.candidates]
         predicted: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for name in self.candidates:
             cost = cal.codecs.get(name)
             if cost is None or (
@@ -473,8 +513,9 @@ class AutoCodec:
             p = predict(prof, cost, net, hosts, cpu_share=self.cpu_share, jitter_s=self.jitter_s)
             if math.isfinite(p.iteration_s) and p.iteration_s > 0:
                 predicted[name] = p.iteration_s
+                cpu[name] = p.encode_s
         took = {c: m for c in predicted if self.measure and (m := self.measured(c)) is not None}
-        times, self.correction = judge(self.candidates, predicted, took, self.explore)
+        times, self.correction = judge(self.candidates, predicted, took, self.explore, cpu)
         return times
 
     def proposal(self, times: Sequence[float]) -> int:
