@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -420,3 +421,9 @@ def test_plan_cli_prints_every_codec_and_auto(
     out = json.loads(capsys.readouterr().out)
     assert out[0]["auto"] == "small"
     assert {c["codec"] for c in out[0]["codecs"]} == {"fp32", "small"}
+    # --sharing: N processes run their codec steps at once on this machine's cores
+    alone = {c["codec"]: c for c in out[0]["codecs"]}
+    args.sharing = 64 * (os.cpu_count() or 1)
+    assert args.func(args) == 0
+    shared = {c["codec"]: c for c in json.loads(capsys.readouterr().out)[0]["codecs"]}
+    assert shared["small"]["codec_cpu_s"] == pytest.approx(64 * alone["small"]["codec_cpu_s"])
