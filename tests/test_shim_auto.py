@@ -272,7 +272,7 @@ def test_codecs_that_ran_are_judged_by_their_measured_iterations() -> None:
     # the model (an idle host's calibration) favours thc4; this host's iterations
     # say fp16: auto tries what the model favours and settles on what ran fastest
     took = {"fp32": 0.9, "fp16": 0.4, "thc8": 0.55, "thc4": 0.6}
-    auto = ready_auto(200e6, warmup=2, every=1000, window=3)
+    auto = ready_auto(200e6, warmup=2, every=1000, window=3, explore=0.6)  # tries them all
     for step in range(30):
         feed_step(auto, t0=10.0 * step, took=took[auto.current])
         if auto.scheduled():

@@ -30,11 +30,13 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   cores) and one for the rest (the transport), fitted to the measured codecs.
   A codec not run yet is judged by its corrected prediction.
 * Exploring: an untried codec is worth trying only when its corrected
-  prediction is within `explore` of the best measured time (it enters the
-  choice as corrected prediction / (1 + `explore`), optimistic by the model's
-  uncertainty); otherwise it is never run. A codec being tried is judged
-  `probe` counted steps after the switch (one clearly worse window ends its
-  trial: from then on its measured time, not the prediction, speaks for it).
+  prediction is within a margin of the best measured time (it enters the
+  choice as corrected prediction / (1 + margin), optimistic by the model's
+  uncertainty); otherwise it is never run. The margin is `explore` over the
+  number of codecs measured: each measurement adds a point to the correction.
+  A codec being tried is judged `probe` counted steps after the switch (one
+  clearly worse window ends its trial: from then on its measured time, not
+  the prediction, speaks for it).
   `explored_steps` counts the steps spent in codecs that were tried and then
   left, the cost of exploring.
 * Agreeing: at a decision every rank averages its vector of times (measured,
@@ -163,13 +165,17 @@ def judge(
     * a codec with a `measured` time: that time;
     * any other: its `predicted` time corrected by the measured ones
       (`correction`; `cpu`: the predicted seconds of codec work of each),
-      divided by 1 + `explore` when some codec has been measured: an untried
-      codec is tried only when its corrected prediction is within `explore` of
-      the best measured time (and within `pick`'s gain of the fastest).
+      divided by 1 + `explore` / (the number of measured codecs) when some
+      codec has been measured: an untried codec is tried only when its
+      corrected prediction is within that margin of the best measured time
+      (and within `pick`'s gain of the fastest). The margin is the model's
+      uncertainty after correction, which shrinks as measurements accumulate.
 
     Returns the times and the correction (None when nothing was measured)."""
     cpu = cpu or {}
     factors = correction(predicted, cpu, measured)
+    seen = sum(1 for c in measured if c in predicted)
+    margin = explore / seen if seen else 0.0
     out = []
     for name in candidates:
         if name in measured and name in predicted:
@@ -178,7 +184,7 @@ def judge(
             t = predicted[name]
             if factors is not None:
                 x = min(max(cpu.get(name, 0.0), 0.0), t)
-                t = (factors[0] * x + factors[1] * (t - x)) / (1.0 + explore)
+                t = (factors[0] * x + factors[1] * (t - x)) / (1.0 + margin)
             out.append(t)
         else:
             out.append(UNAVAILABLE_S)
