@@ -22,9 +22,15 @@ codec alike; each round is predicted from its own inputs):
   * compute: forward, backward (bucket ready times) and step of the ranks
     training without communication;
   * codec costs: `dlcp.costmodel.calibrate`. `--costs insitu` (default): run by
-    every rank at once just before the codec's run, so the costs include the
-    CPU sharing of emulated hosts and the load of that moment; `--costs host`:
-    once in this process, alone, scaled by cores / hosts.
+    every rank at once just before the codec's run (the median rank), so the
+    costs carry the machine's speed and other programs' load of that moment;
+    `--costs host`: once in this process, alone;
+  * CPU contention, either way: the emulated hosts run their codec steps at
+    once on this machine's cores, and the exchange after a step waits for the
+    last host, so the steps are scaled by hosts / cores
+    (`dlcp.costmodel.model.cpu_share_for`). The ranks' calibrations do not
+    carry that sharing: out of step, they measure about what one process
+    alone measures (see BENCHMARKS.md).
 The reported prediction and measurement are medians over rounds.
 """
 
@@ -47,7 +53,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dlcp.costmodel.calibrate import Calibration, CodecCost, Linear, calibrate  # noqa: E402
-from dlcp.costmodel.model import Network, format_rate, parse_link, predict  # noqa: E402
+from dlcp.costmodel.model import (  # noqa: E402
+    Network,
+    cpu_share_for,
+    format_rate,
+    parse_link,
+    predict,
+)
 from dlcp.costmodel.profile import Bucket, ModelProfile  # noqa: E402
 
 DEFAULT_CODECS = "fp32;fp16;thc8;thc4;fft;sketch;sketch:keep=0.05"
@@ -225,7 +237,8 @@ def analyse(
     a: argparse.Namespace,
     host_cal: Calibration | None,
 ) -> list[dict[str, Any]]:
-    share = a.cpu_share or (1.0 if host_cal is None else min(1.0, (os.cpu_count() or 1) / a.hosts))
+    # the emulated hosts encode, aggregate and decode at once on this machine's cores
+    share = a.cpu_share or cpu_share_for(a.hosts)
     results = []
     for spec in specs:
         per_round = []

@@ -46,6 +46,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, default=32, help="batch per rank (digits-mlp)")
     p.add_argument("--cpu-share", type=float, default=1.0, help="share of a core per host")
     p.add_argument(
+        "--sharing",
+        type=int,
+        default=None,
+        help="processes running codec steps at once on this machine's cores (emulated "
+        "hosts, daemons): sets --cpu-share to cores / N (dlcp.costmodel.model.cpu_share_for)",
+    )
+    p.add_argument(
         "--jitter-ms", type=float, default=0.0, help="hosts' compute jitter (straggler waits)"
     )
     p.add_argument("--calibration", default=None, help="calibration JSON file (cache)")
@@ -93,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
         profile = load_profile(args.model)
     cal = _calibration(args, specs)
     out: list[dict[str, Any]] = []
+    if args.sharing is not None:
+        from dlcp.costmodel.model import cpu_share_for
+
+        args.cpu_share = cpu_share_for(args.sharing)
     for bps in links:
         net = Network.from_rate(bps)
         preds = predict_all(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from dlcp.costmodel.exchange import average
 from dlcp.costmodel.model import (
     Network,
     choose_codec,
+    cpu_share_for,
     expected_max_normal,
     format_rate,
     parse_link,
@@ -205,6 +207,21 @@ def test_the_timeline_by_hand() -> None:
     assert free_enc.iteration_s == pytest.approx(0.16 + 0.004)
     half = predict(PROFILE, SMALL, FREE, 3, cpu_share=0.5)
     assert half.encode_s == pytest.approx(0.008)
+
+
+def test_hosts_sharing_cores_stretch_the_codec_steps_to_the_makespan() -> None:
+    assert cpu_share_for(1, 2) == 1.0 and cpu_share_for(2, 2) == 1.0
+    assert cpu_share_for(3, 2) == pytest.approx(2 / 3)
+    assert cpu_share_for(6, 2) == pytest.approx(1 / 3)
+    assert 0 < cpu_share_for(64) <= 1.0  # this machine's cores
+    for bad in ((0, 2), (3, 0)):
+        with pytest.raises(LocalError):
+            cpu_share_for(*bad)
+    # 3 hosts on 2 cores: each codec step ends on the last host at 1.5x its time alone
+    alone = predict(PROFILE, SMALL, FREE, 3)
+    shared = predict(PROFILE, SMALL, FREE, 3, cpu_share=cpu_share_for(3, 2))
+    assert shared.encode_s == pytest.approx(1.5 * alone.encode_s)
+    assert shared.iteration_s == pytest.approx(0.16 + 1.5 * (alone.iteration_s - 0.16))
 
 
 def test_stragglers_add_to_each_exchange() -> None:
@@ -404,3 +421,9 @@ def test_plan_cli_prints_every_codec_and_auto(
     out = json.loads(capsys.readouterr().out)
     assert out[0]["auto"] == "small"
     assert {c["codec"] for c in out[0]["codecs"]} == {"fp32", "small"}
+    # --sharing: N processes run their codec steps at once on this machine's cores
+    alone = {c["codec"]: c for c in out[0]["codecs"]}
+    args.sharing = 64 * (os.cpu_count() or 1)
+    assert args.func(args) == 0
+    shared = {c["codec"]: c for c in json.loads(capsys.readouterr().out)[0]["codecs"]}
+    assert shared["small"]["codec_cpu_s"] == pytest.approx(64 * alone["small"]["codec_cpu_s"])

@@ -9,6 +9,7 @@ averaging their vectors here as `DlcpState` does over the process group.
 from __future__ import annotations
 
 import pickle
+import statistics
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,15 @@ import dlcp.shim as dlcp
 from dlcp.costmodel.calibrate import Calibration, CodecCost, Linear, default_cache
 from dlcp.costmodel.model import choose_codec
 from dlcp.errors import LocalError
-from dlcp.shim.auto import UNAVAILABLE_S, AutoCodec, host_calibration, link_from_status, pick
+from dlcp.shim.auto import (
+    UNAVAILABLE_S,
+    AutoCodec,
+    correction,
+    host_calibration,
+    judge,
+    link_from_status,
+    pick,
+)
 from tests.daemons import loopback_daemons
 from tests.test_shim import make_model, reference_grads, spawn, train_steps
 
@@ -81,6 +90,7 @@ def decide(ranks: Sequence[AutoCodec], hosts: int = 3) -> list[str]:
 
 
 def ready_auto(link_bps: float | None = None, **kw: Any) -> AutoCodec:
+    kw = {"warmup_codec": "fp32", "warmup": 2, **kw}  # (the decisions as designed for fp32)
     auto = AutoCodec(link_bps=link_bps, **kw)
     auto.calibration = calibration()
     return auto
@@ -262,7 +272,7 @@ def test_codecs_that_ran_are_judged_by_their_measured_iterations() -> None:
     # the model (an idle host's calibration) favours thc4; this host's iterations
     # say fp16: auto tries what the model favours and settles on what ran fastest
     took = {"fp32": 0.9, "fp16": 0.4, "thc8": 0.55, "thc4": 0.6}
-    auto = ready_auto(200e6, warmup=2, every=1000, window=3)
+    auto = ready_auto(200e6, warmup=2, every=1000, window=3, explore=0.6)  # tries them all
     for step in range(30):
         feed_step(auto, t0=10.0 * step, took=took[auto.current])
         if auto.scheduled():
@@ -275,6 +285,117 @@ def test_codecs_that_ran_are_judged_by_their_measured_iterations() -> None:
     assert auto.predicted["fp16"] == pytest.approx(took["fp16"], abs=0.005)
     assert auto.measured("fp32") == pytest.approx(took["fp32"], abs=0.005)  # step 1 only
     assert len(auto.describe()["measured_s"]) == len(tried) + 1
+
+
+def run_auto(auto: AutoCodec, took: dict[str, Any], steps: int) -> list[str]:
+    """`steps` steps of one rank; `took[codec]`: its iteration seconds, or a list
+    of them (one per step in that codec, the last repeated). Returns the codec
+    of every step."""
+    ran: list[str] = []
+    for step in range(steps):
+        c = auto.current
+        t = took[c]
+        if isinstance(t, list):
+            t = t[min(ran.count(c), len(t) - 1)]
+        ran.append(c)
+        feed_step(auto, t0=10.0 * step, took=t)
+        if auto.scheduled():
+            decide([auto])
+    return ran
+
+
+def test_judge_corrects_untried_codecs_by_the_measured_ones() -> None:
+    cands = ("fp32", "fp16", "thc8", "thc4")
+    pred = {"fp32": 0.1, "fp16": 0.08, "thc8": 0.05, "thc4": 0.04}
+    # nothing measured: the model's predictions as they are
+    assert judge(cands, pred, {}, 0.15) == (list(pred.values()), None)
+    # fp32 took 3x its prediction: the others are corrected by 3 and made
+    # optimistic by the margin; a codec without a prediction cannot be chosen
+    times, factor = judge(
+        cands, {k: v for k, v in pred.items() if k != "thc4"}, {"fp32": 0.3}, 0.15
+    )
+    assert factor == pytest.approx((3.0, 3.0))
+    assert times == pytest.approx([0.3, 0.24 / 1.15, 0.15 / 1.15, UNAVAILABLE_S])
+    # without the CPU parts: one factor, the median over the measured codecs
+    times, factor = judge(cands, pred, {"fp32": 0.3, "fp16": 0.16, "thc8": 0.5}, 0.0)
+    assert factor == pytest.approx((3.0, 3.0))
+    assert times == pytest.approx([0.3, 0.16, 0.5, 0.12])
+
+
+def test_the_correction_separates_cpu_work_from_the_rest() -> None:
+    # the model's CPU seconds are 3x too low (cores shared), the rest 1.2x:
+    # two measured codecs with different CPU shares give both factors, and
+    # the untried codecs' corrected predictions are their true times
+    cands = ("fp32", "fp16", "thc8", "thc4")
+    cpu = {"fp32": 0.002, "fp16": 0.01, "thc8": 0.03, "thc4": 0.032}
+    rest = {"fp32": 0.2, "fp16": 0.1, "thc8": 0.06, "thc4": 0.04}
+    pred = {c: cpu[c] + rest[c] for c in cands}
+    truth = {c: 3.0 * cpu[c] + 1.2 * rest[c] for c in cands}
+    seen = {c: truth[c] for c in ("fp16", "thc8")}
+    times, factor = judge(cands, pred, seen, 0.0, cpu)
+    assert factor == pytest.approx((3.0, 1.2))
+    assert times == pytest.approx([truth[c] for c in cands])
+    # one measured codec, or two with the same CPU share: one factor for both
+    assert correction(pred, cpu, {"fp16": truth["fp16"]}) == pytest.approx(
+        (truth["fp16"] / pred["fp16"],) * 2
+    )
+    same = {"a": 0.1, "b": 0.2}
+    both = correction(same, {"a": 0.05, "b": 0.1}, {"a": 0.2, "b": 0.5})
+    assert both == pytest.approx((2.25, 2.25))  # the median of 2 and 2.5
+    # a fit that would make a factor negative falls back to the median
+    assert correction(pred, cpu, {"fp16": 0.5, "thc8": 0.01}) == pytest.approx(
+        (statistics.median([0.5 / pred["fp16"], 0.01 / pred["thc8"]]),) * 2
+    )
+
+
+def test_codecs_the_corrected_model_puts_well_behind_are_never_tried() -> None:
+    # 1 Gbit/s: the model puts fp16 17 % and THC 30 % behind fp32; fp32 runs
+    # at 2x its prediction, and (unknown to auto) the others would be faster
+    took = {"fp32": 0.12, "fp16": 0.05, "thc8": 0.05, "thc4": 0.05}
+    auto = ready_auto(1e9, warmup=2, every=10, explore=0.15)
+    assert run_auto(auto, took, 30) == ["fp32"] * 30
+    assert auto.explored_steps == 0 and set(auto.describe()["measured_s"]) == {"fp32"}
+    assert auto.correction == pytest.approx((took["fp32"] / 0.0615,) * 2, rel=0.05)
+    # with a wider margin, fp16 (within 50 % once corrected) is worth a try, and kept
+    bold = ready_auto(1e9, warmup=2, every=10, explore=0.5)
+    ran = run_auto(bold, took, 30)
+    assert ran[:2] == ["fp32", "fp32"] and ran[2:] == ["fp16"] * 28
+    assert bold.explored_steps == 0
+
+
+def test_a_clearly_worse_trial_ends_after_its_probe_steps() -> None:
+    took = {"fp32": 0.5, "fp16": 0.6, "thc8": 0.6, "thc4": 0.9}
+    auto = ready_auto(200e6, warmup=2, every=1000, probe=2)
+    ran = run_auto(auto, took, 20)
+    # thc4, the model's favourite, is tried for 1 + 2 steps (the first not
+    # counted), measures worse than fp32, and auto goes back for good: the
+    # corrected predictions of fp16 and thc8 are no longer within the margin
+    assert ran == ["fp32"] * 2 + ["thc4"] * 3 + ["fp32"] * 15
+    assert auto.history == [[2, "thc4"], [5, "fp32"]]
+    assert auto.explored_steps == 3
+    assert auto.measured("thc4") == pytest.approx(0.9, abs=0.005)
+    assert auto.predicted["thc4"] == pytest.approx(0.9, abs=0.005)
+    assert auto.correction is not None and min(auto.correction) > 1
+
+
+def test_a_new_codecs_first_step_is_not_counted() -> None:
+    took = {"fp32": 0.5, "fp16": 0.6, "thc8": 0.6, "thc4": [3.0, 0.2]}
+    auto = ready_auto(200e6, warmup=2, every=1000, probe=2)
+    ran = run_auto(auto, took, 12)
+    assert ran == ["fp32"] * 2 + ["thc4"] * 10  # its slow first step did not count
+    assert auto.measured("thc4") == pytest.approx(0.2, abs=0.005)
+    assert auto.explored_steps == 0 and auto.decisions == 2
+
+
+def test_ranks_with_their_own_corrections_agree() -> None:
+    ranks = [ready_auto(200e6, warmup=2, every=1000, probe=2) for _ in range(3)]
+    for i, r in enumerate(ranks):  # each rank measured its own times
+        took = 0.3 + 0.2 * i
+        feed_step(r, took=took)
+        feed_step(r, took=took)
+    chosen = decide(ranks)
+    assert len(set(chosen)) == 1
+    assert len({r.correction for r in ranks}) == 3
 
 
 def test_a_link_change_counts_where_the_link_is_the_bottleneck() -> None:
@@ -329,7 +450,7 @@ def test_each_codec_is_judged_by_its_own_goodput() -> None:
 
 
 def test_switches_when_the_link_rate_changes() -> None:
-    auto = ready_auto(warmup=1, every=1000, change=0.3)
+    auto = ready_auto(warmup=1, every=1000, change=0.3, probe=10)
     auto.observe_link(200e6)
     feed_step(auto)
     assert auto.scheduled() and decide([auto]) == ["thc4"]
@@ -351,7 +472,7 @@ def test_ranks_with_different_views_agree_on_one_codec() -> None:
     # three hosts: other costs (slower / faster CPUs), link rates, backward times
     ranks = []
     for scale, link, slow in ((0.5, 150e6, 1.0), (1.0, 200e6, 1.5), (2.0, 10e9, 3.0)):
-        auto = AutoCodec(link_bps=link, warmup=1)
+        auto = AutoCodec(link_bps=link, warmup=1, warmup_codec="fp32")
         auto.calibration = calibration(scale)
         feed_step(auto, [(n, r * slow) for n, r in BUCKETS])
         ranks.append(auto)
@@ -392,7 +513,7 @@ def test_state_accepts_auto_and_pickles_its_decisions() -> None:
     state = dlcp.DlcpState(codec="auto", link_bps="200mbit", auto_options={"every": 7})
     assert state.auto is not None and state.auto.every == 7
     assert state.auto.fixed_link_bps == 200e6
-    assert state.auto_codec == "fp32"
+    assert state.auto_codec == "fp16"  # the warm-up codec
     state.auto.calibration = calibration()
     feed_step(state.auto)
     feed_step(state.auto)
@@ -461,7 +582,16 @@ def _auto_worker(rank: int, world: int, sockets: list[str], cache: str) -> dict[
     os.environ["XDG_CACHE_HOME"] = cache  # the calibration the test wrote
     out: dict[str, Any] = {"ref": reference_grads(rank, STEPS, **DDP)}
     # 1: the link rate from the daemon's rate controller; then an all_reduce
-    options: dict[str, Any] = {"auto_options": {"max_rel_error": 0.5}, "round_timeout_s": 30.0}
+    # (a trial longer than the run: the codecs follow the link, not measurements)
+    options: dict[str, Any] = {
+        "auto_options": {
+            "max_rel_error": 0.5,
+            "probe": 2 * STEPS,
+            "warmup_codec": "fp32",
+            "warmup": 2,
+        },
+        "round_timeout_s": 30.0,
+    }
     state = dlcp.init(codec="auto", socket=sockets[rank], **options)
     model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
     model.register_comm_hook(state, dlcp.hook)

@@ -21,6 +21,7 @@ when both backward and the last bucket are done, plus the optimizer step.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ __all__ = [
     "Network",
     "Prediction",
     "choose_codec",
+    "cpu_share_for",
     "expected_max_normal",
     "format_rate",
     "parse_link",
@@ -155,6 +157,26 @@ class Prediction:
         return self.iteration_s - self.compute_s
 
 
+def cpu_share_for(busy: int, cores: int | None = None) -> float:
+    """The share of a core each of `busy` processes gets while all of them run
+    their codec steps at once on `cores` cores (default: this machine's):
+    min(1, cores / busy).
+
+    Hosts of one data-parallel job reach a codec step together (each waits for
+    the previous exchange), so when several emulated hosts (or daemons) share a
+    machine, `busy` of them compete for its cores in every encode, aggregate
+    and decode. With a fair scheduler a step of W seconds alone then ends on
+    the last host at busy * W / cores (the makespan), and the next exchange
+    waits for that last host: `predict` divides the codec steps by this share.
+    """
+    if busy < 1:
+        raise LocalError(f"busy processes must be >= 1, got {busy}")
+    n = cores if cores is not None else (os.cpu_count() or 1)
+    if n < 1:
+        raise LocalError(f"cores must be >= 1, got {n}")
+    return min(1.0, n / busy)
+
+
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normals] (0 for n = 1; 0.846 for n = 3)."""
     if n <= 1:
@@ -183,7 +205,7 @@ def predict(
     """Predicted iteration time of `profile` with `cost`'s codec on `network`.
 
     cpu_share: the share of a core each worker's codec steps get (below 1 when
-        emulated hosts share the machine's cores).
+        emulated hosts share the machine's cores: `cpu_share_for`).
     jitter_s: standard deviation of the hosts' arrival at an exchange (their
         compute jitter, seconds). A push or pull completes when the slowest host
         arrives, `expected_max_normal(hosts) * jitter_s` after the average one

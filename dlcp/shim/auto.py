@@ -9,36 +9,52 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   inside the hook, so they are not counted); the first bucket's share is
   extrapolated by its size. The profile is the latest step's bucket sizes with
   the element-wise median ready times of the last `window` steps of that shape.
+* Measuring: a codec that has run is judged by what it measurably took: the
+  median of its last `window` iterations as the model counts them (from
+  backward's start, extrapolated, to the step's results decoded). The first
+  step of the run and the first step after every switch are left out (they
+  carry one-off costs: start-up, a new codec's first scale agreement).
 * Predicting: `dlcp.costmodel.model.predict` per candidate (the wire codecs
   the daemon carries) with this host's calibration (`host_calibration`, cached
   per host) and the network: the link rate (the daemon's per-peer rates from
   its rate controller, or a fixed `link_bps` / `DLCP_LINK_BPS`), capped by the
   goodput the transport measurably achieved with that codec in its last
   steps (`measure`): bytes on the wire over the time buckets were in flight
-  between submit and reply. On a host whose daemon is CPU-bound the link rate
-  alone overstates the network, and the daemon's work per byte differs by
-  codec (THC's lanes cost more than float sums), so each codec has its own
-  measurement; a codec not run yet is given the best goodput measured so
-  far. A codec that has run (`measure`) is judged by what it measurably
-  took instead: the median of its last iterations as the model counts them
-  (from backward's start, extrapolated, to the step's results decoded; the
-  first step is left out), so an error of the model (a calibration taken on
-  an idle host, THC's per-bucket scale agreement) costs at most the steps
-  spent trying. After switching to a codec not tried before, auto decides
-  again `window` steps later, with that codec's measurements in. With
-  `max_rel_error`, codecs whose calibrated one-round error exceeds it are
-  left out (infinite).
-* Agreeing: at a decision every rank averages its vector of predicted times
-  (float32 all-reduce), takes `pick` of the average (the first candidate, in
-  the fixed order fp32, fp16, thc8, thc4, within `min_gain` of the fastest),
-  then all ranks take the MAX of their picks, so even a rank that rounded
-  differently follows. The new codec applies from the next step on.
-* When: after `warmup` steps (in `warmup_codec`), then every `every` steps,
-  `window` steps after a switch to a codec not tried before, and at the end
-  of any step where some rank saw its link rate move by more than `change`
-  from the rate of the last decision while the link was or becomes the
-  bottleneck (within `change` of the best measured goodput; a flag carried by
-  the step's agreement all-reduce, MAX over the ranks). Such a decision
+  between submit and reply; a codec not run yet is given the best goodput
+  measured so far.
+* Correcting: a calibration taken on an idle host and a link rate say little
+  about a host whose daemons and ranks share a few cores, so the model's
+  absolute times are off. Auto corrects them online (`correction`): one
+  factor, measured / predicted, while one codec has been measured; from two
+  on, one factor for the codec steps' CPU time (how many processes share the
+  cores) and one for the rest (the transport), fitted to the measured codecs.
+  A codec not run yet is judged by its corrected prediction.
+* Exploring: an untried codec is worth trying only when its corrected
+  prediction is within a margin of the best measured time (it enters the
+  choice as corrected prediction / (1 + margin), optimistic by the model's
+  uncertainty); otherwise it is never run. The margin is `explore` over the
+  number of codecs measured: each measurement adds a point to the correction.
+  A codec being tried is judged `probe` counted steps after the switch (one
+  clearly worse window ends its trial: from then on its measured time, not
+  the prediction, speaks for it).
+  `explored_steps` counts the steps spent in codecs that were tried and then
+  left, the cost of exploring.
+* Agreeing: at a decision every rank averages its vector of times (measured,
+  or corrected predictions; float32 all-reduce), takes `pick` of the average
+  (the first candidate, in the fixed order fp32, fp16, thc8, thc4, within
+  `min_gain` of the fastest), then all ranks take the MAX of their picks, so
+  even a rank that rounded differently follows. The new codec applies from
+  the next step on.
+* When: after `warmup` steps (in `warmup_codec`: fp16 by default, whose
+  error is negligible (1e-4) and which halves the bytes at little CPU cost, so
+  the steps before auto knows anything are never far from the best; the first
+  step is not counted, so the first correction rests on `warmup` - 1 steps),
+  then every `every` steps, `probe` counted steps after a switch to a codec
+  not tried before, and at the end of any step where some rank saw its link
+  rate move by more than `change` from the rate of the last decision while
+  the link was or becomes the bottleneck (within `change` of the best
+  measured goodput; a flag carried by the step's agreement all-reduce, MAX
+  over the ranks). Such a decision
   forgets all measurements first: they were taken on another link. All but
   the flag depend only on the step count and the agreed decisions, which
   every rank shares.
@@ -66,7 +82,9 @@ __all__ = [
     "UNAVAILABLE_S",
     "AutoCodec",
     "available",
+    "correction",
     "host_calibration",
+    "judge",
     "link_from_status",
     "pick",
 ]
@@ -96,6 +114,81 @@ def pick(times: Sequence[float], candidates: Sequence[str], min_gain: float = 0.
         if t <= best * (1.0 + min_gain):
             return name
     raise AssertionError("unreachable: the fastest is within any gain of itself")
+
+
+def correction(
+    predicted: Mapping[str, float],
+    cpu: Mapping[str, float],
+    measured: Mapping[str, float],
+) -> tuple[float, float] | None:
+    """How far off the model is, from the codecs measured so far: factors
+    (on the CPU steps, on the rest) such that measured ~ f_cpu * cpu + f_rest *
+    (predicted - cpu), where `cpu` is the predicted seconds of codec work.
+
+    The model's errors differ by part: the codec steps' CPU time depends on
+    how many processes share the cores (unknown to a rank), the rest on the
+    transport. With two measured codecs or more whose CPU shares differ, both
+    factors are fitted (least squares on relative errors); otherwise, or when
+    a fitted factor is not positive, one factor for both: the median of
+    measured / predicted. None when nothing was measured."""
+    seen = [c for c in measured if predicted.get(c, 0.0) > 0]
+    if not seen:
+        return None
+    one = statistics.median(measured[c] / predicted[c] for c in seen)
+    if len(seen) >= 2 and all(c in cpu for c in seen):
+        sxx = sxy = syy = sxm = sym = 0.0
+        for c in seen:
+            w = 1.0 / measured[c] ** 2 if measured[c] > 0 else 0.0
+            x = min(max(cpu[c], 0.0), predicted[c])
+            y, m = predicted[c] - x, measured[c]
+            sxx, sxy, syy = sxx + w * x * x, sxy + w * x * y, syy + w * y * y
+            sxm, sym = sxm + w * x * m, sym + w * y * m
+        det = sxx * syy - sxy * sxy
+        if det > 1e-6 * sxx * syy > 0:
+            f_cpu = (sxm * syy - sym * sxy) / det
+            f_rest = (sym * sxx - sxm * sxy) / det
+            if f_cpu > 0 and f_rest > 0:
+                return f_cpu, f_rest
+    return one, one
+
+
+def judge(
+    candidates: Sequence[str],
+    predicted: Mapping[str, float],
+    measured: Mapping[str, float],
+    explore: float,
+    cpu: Mapping[str, float] | None = None,
+) -> tuple[list[float], tuple[float, float] | None]:
+    """The times a decision compares, one per candidate (`UNAVAILABLE_S` for a
+    candidate with no prediction):
+
+    * a codec with a `measured` time: that time;
+    * any other: its `predicted` time corrected by the measured ones
+      (`correction`; `cpu`: the predicted seconds of codec work of each),
+      divided by 1 + `explore` / (the number of measured codecs) when some
+      codec has been measured: an untried codec is tried only when its
+      corrected prediction is within that margin of the best measured time
+      (and within `pick`'s gain of the fastest). The margin is the model's
+      uncertainty after correction, which shrinks as measurements accumulate.
+
+    Returns the times and the correction (None when nothing was measured)."""
+    cpu = cpu or {}
+    factors = correction(predicted, cpu, measured)
+    seen = sum(1 for c in measured if c in predicted)
+    margin = explore / seen if seen else 0.0
+    out = []
+    for name in candidates:
+        if name in measured and name in predicted:
+            out.append(float(measured[name]))
+        elif name in predicted:
+            t = predicted[name]
+            if factors is not None:
+                x = min(max(cpu.get(name, 0.0), 0.0), t)
+                t = (factors[0] * x + factors[1] * (t - x)) / (1.0 + margin)
+            out.append(t)
+        else:
+            out.append(UNAVAILABLE_S)
+    return out, factors
 
 
 def link_from_status(status: Mapping[str, Any], peers: Sequence[str] | None = None) -> float | None:
@@ -149,15 +242,18 @@ class AutoCodec:
     """The decision state of `codec="auto"` for one `DlcpState` (picklable).
 
     Settings: candidates, warmup_codec, warmup, every, min_gain, max_rel_error,
-    change, poll_steps, window, cpu_share, jitter_s, link_bps (fixed: the
-    daemon's rates are then not read), measure (cap the link by the measured
-    goodput).
+    change, poll_steps, window, probe, explore, cpu_share, jitter_s, link_bps
+    (fixed: the daemon's rates are then not read), measure (cap the link by the
+    measured goodput, judge codecs that ran by their measured iterations and
+    correct the model by them).
     Stats: codec (the current choice; None before the first decision), steps,
     decisions, switches (choices that changed the codec after the first),
     link_bps (latest), decided_link_bps, goodput_bps (measured per codec,
     median of its last steps), measured_s (iteration seconds per codec, the
     same way), predicted (the ranks' averaged seconds per candidate at the
-    last decision, measured or predicted), history ([step, codec] at every
+    last decision, measured or corrected predictions), correction (the factors
+    on the CPU steps and on the rest applied at the last decision), explored_steps (steps
+    spent in codecs tried and then left), history ([step, codec] at every
     change).
     """
 
@@ -165,14 +261,16 @@ class AutoCodec:
         self,
         *,
         candidates: Sequence[str] | None = None,
-        warmup_codec: str = "fp32",
-        warmup: int = 2,
+        warmup_codec: str = "fp16",
+        warmup: int = 3,
         every: int = 50,
         min_gain: float = 0.05,
         max_rel_error: float | None = None,
         change: float = 0.3,
         poll_steps: int = 5,
         window: int = 5,
+        probe: int = 2,
+        explore: float = 0.15,
         cpu_share: float = 1.0,
         jitter_s: float = 0.0,
         link_bps: float | str | None = None,
@@ -193,7 +291,13 @@ class AutoCodec:
         self.every = _positive_int("every", every)
         self.poll_steps = _positive_int("poll_steps", poll_steps)
         self.window = _positive_int("window", window)
-        for name, value in (("min_gain", min_gain), ("change", change), ("jitter_s", jitter_s)):
+        self.probe = _positive_int("probe", probe)
+        for name, value in (
+            ("min_gain", min_gain),
+            ("change", change),
+            ("jitter_s", jitter_s),
+            ("explore", explore),
+        ):
             if not (math.isfinite(value) and value >= 0):
                 raise LocalError(f"auto {name} must be >= 0, got {value!r}")
         if not 0 < cpu_share <= 1:
@@ -201,6 +305,7 @@ class AutoCodec:
         if max_rel_error is not None and not max_rel_error >= 0:
             raise LocalError(f"auto max_rel_error must be >= 0 or None, got {max_rel_error!r}")
         self.min_gain = float(min_gain)
+        self.explore = float(explore)
         self.max_rel_error = max_rel_error
         self.change = float(change)
         self.cpu_share = float(cpu_share)
@@ -221,6 +326,8 @@ class AutoCodec:
         self.decided_link_bps: float | None = None
         self.predicted: dict[str, float] = {}
         self.history: list[list[Any]] = []
+        self.correction: tuple[float, float] | None = None
+        self.explored_steps = 0
         # this step's buckets, and the last steps' (sizes, ready times)
         self._sizes: list[int] = []
         self._gaps: list[float] = []
@@ -231,6 +338,9 @@ class AutoCodec:
         self._tried: set[str] = {self.warmup_codec}  # since the last link change (shared)
         self._followup: int | None = None  # step of a decision after a switch
         self._first_in: float | None = None  # when this step's first bucket entered
+        self._fresh = True  # the step under way is the run's or a new codec's first
+        self._trial: str | None = None  # the codec on trial (tried, not yet judged)
+        self._trial_steps = 0
 
     # -- what the hook reports ---------------------------------------------------------
     @property
@@ -266,8 +376,10 @@ class AutoCodec:
         self._learn_goodput(exchanges, hosts)
         sizes, gaps, first_in = self._sizes, self._gaps, self._first_in
         self._sizes, self._gaps, self._left, self._first_in = [], [], None, None
-        first_step = self.steps == 0
+        first_step, self._fresh = self._fresh, False
         self.steps += 1
+        if self._trial is not None:
+            self._trial_steps += 1
         if not sizes or len(gaps) != len(sizes) - 1:
             return
         total = sum(sizes)
@@ -386,29 +498,31 @@ class AutoCodec:
         return ModelProfile("ddp", buckets, 0.0, backward)
 
     def local_times(self, hosts: int) -> list[float]:
-        """This rank's predicted iteration seconds per candidate (`UNAVAILABLE_S`
-        for codecs it cannot judge); forward and the optimizer step are left out:
-        they cost every codec the same."""
+        """This rank's iteration seconds per candidate: measured for codecs that
+        ran, the corrected prediction for the others, made optimistic by
+        `explore` (see the module's "Correcting" and "Exploring");
+        `UNAVAILABLE_S` for codecs it cannot judge. Forward and the optimizer
+        step are left out: they cost every codec the same."""
         prof = self.profile()
         cal = self.calibration
         if prof is None or cal is None:
             return [0.0 if c == self.current else UNAVAILABLE_S for c in self.candidates]
-        out = []
+        predicted: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for name in self.candidates:
             cost = cal.codecs.get(name)
             if cost is None or (
                 self.max_rel_error is not None and cost.rel_error > self.max_rel_error
             ):
-                out.append(UNAVAILABLE_S)
-                continue
-            took = self.measured(name) if self.measure else None
-            if took is not None:
-                out.append(took)
                 continue
             net = self.network(name)
             p = predict(prof, cost, net, hosts, cpu_share=self.cpu_share, jitter_s=self.jitter_s)
-            out.append(p.iteration_s if math.isfinite(p.iteration_s) else UNAVAILABLE_S)
-        return out
+            if math.isfinite(p.iteration_s) and p.iteration_s > 0:
+                predicted[name] = p.iteration_s
+                cpu[name] = p.encode_s
+        took = {c: m for c in predicted if self.measure and (m := self.measured(c)) is not None}
+        times, self.correction = judge(self.candidates, predicted, took, self.explore, cpu)
+        return times
 
     def proposal(self, times: Sequence[float]) -> int:
         """The index of the candidate for the ranks' averaged `times`."""
@@ -424,9 +538,15 @@ class AutoCodec:
         self.codec = name
         self._followup = None
         if name == before:
+            self._trial = None  # the codec on trial (if any) stays: it was no detour
             return None
+        if self._trial is not None:  # leaving the codec on trial: exploring cost its steps
+            self.explored_steps += self._trial_steps
+            self._trial = None
+        self._fresh = True
         if self.measure and name not in self._tried:
-            self._followup = self.steps + self.window
+            self._trial, self._trial_steps = name, 0
+            self._followup = self.steps + self.probe + 1  # its first step is not counted
         self._tried.add(name)
         if before is not None:
             self.switches += 1
@@ -448,5 +568,7 @@ class AutoCodec:
             "goodput_bps": self.goodput_bps,
             "measured_s": {c: m for c in self._iteration if (m := self.measured(c)) is not None},
             "predicted_s": {c: (t if available(t) else None) for c, t in self.predicted.items()},
+            "correction": self.correction,
+            "explored_steps": self.explored_steps,
             "history": [list(h) for h in self.history],
         }

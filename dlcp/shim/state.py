@@ -29,12 +29,13 @@ exceeds them (error feedback resends it). A bucket's first round always
 agrees exactly. The decision to run these collectives depends only on state
 every rank shares, so every rank issues them, failed or not.
 
-`codec="auto"` (`dlcp.shim.auto`): the first steps run in fp32 while the
+`codec="auto"` (`dlcp.shim.auto`): the first steps run in fp16 while the
 state learns bucket sizes, backward timing, the goodput of its exchanges and
 its iteration times; then, at decisions on a schedule every rank shares or
 when some rank's link rate moved (a flag in the step's agreement), all ranks
-average their time per codec (measured where the codec has run, else
-predicted) and switch together at the step boundary.
+average their time per codec (measured where the codec has run, else the
+model's prediction corrected by the measured ones) and switch together at
+the step boundary.
 """
 
 from __future__ import annotations
