@@ -163,11 +163,20 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
         cpu = sum(proc_cpu(p) for p in pids) + time.process_time() - cpu0
         got = np.frombuffer(segs[0].buf[nbytes:2 * nbytes], np.float32)
         assert np.array_equal(got, x + x), "dlcp result is not the exact sum"
+        stats = []
+        for c in clients:  # what the rate controllers and sockets did (diagnostics)
+            st = c.status()
+            stats.append({
+                "peers": [{k: p[k] for k in ("rate_bps", "lost_packets", "sent_packets")}
+                          for p in st["peers"]],
+                "paths": [{k: p[k] for k in ("sendmsg_calls", "recvmsg_calls")}
+                          for p in st["paths"]],
+            })
         for c in clients:
             c.close()
         for s in segs:
             s.close()
-        return {"times_s": times, "cpu_s": cpu}
+        return {"times_s": times, "cpu_s": cpu, "daemons": stats}
     finally:
         for d in daemons:
             d.terminate()
@@ -219,6 +228,7 @@ def main() -> int:
                 "times_s": r["times_s"], "p50_s": med,
                 "busbw_gbps": size * 8 / med / 1e9, "cpu_s": r["cpu_s"],
                 "cpu_s_per_gb": r["cpu_s"] / moved_gb,
+                **({"daemons": r["daemons"]} if "daemons" in r else {}),
             })
     finally:
         teardown()
@@ -232,6 +242,8 @@ def main() -> int:
     g = {r["backend"]: r for r in rows}
     ratio = g["dlcp"]["busbw_gbps"] / g["gloo"]["busbw_gbps"]
     print(f"dlcp/gloo bus bandwidth ratio: {ratio:.2f}")
+    for i, d in enumerate(g["dlcp"]["daemons"]):
+        print(f"dlcp daemon {i}: {json.dumps(d)}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0

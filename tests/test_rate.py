@@ -269,6 +269,42 @@ def test_pacer_tokens_and_rate_change() -> None:
         pacer.consume(-1, 2.0)
 
 
+@FAST
+@given(
+    st.lists(st.integers(64, 9000), min_size=1, max_size=400),
+    st.floats(1e6, 1e10),
+    st.floats(0.0, 0.01),
+    st.booleans(),
+)
+def test_pacer_burst_time_bounds_any_window(
+    sizes: list[int], rate: float, burst_seconds: float, idle: bool
+) -> None:
+    """With `burst_seconds` the pacer runs ahead by at most that long at its rate
+    (or the fixed burst, if more): the rate still holds over any window."""
+    arr = np.array(sizes, dtype=np.float64)
+    rng = np.random.default_rng(len(sizes))
+    gaps = rng.exponential(2 * 9000 * 8 / rate, size=len(arr)) if idle else np.zeros(len(arr))
+    pacer = Pacer(rate_bps=rate, burst_bytes=1500, burst_seconds=burst_seconds)
+    assert pacer.burst_bytes == max(1500, rate * burst_seconds / 8)
+    times, _ = paced_sends(pacer, arr, gaps)
+    allowance = max(1500, rate * burst_seconds / 8, arr.max())
+    assert max_window_excess(times, arr, rate) <= allowance * (1 + 1e-9) + 1e-6
+
+
+def test_pacer_burst_time_follows_the_rate() -> None:
+    pacer = Pacer(rate_bps=8e9, burst_bytes=3000, burst_seconds=0.002)  # 1 GB/s: 2 MB burst
+    assert pacer.tokens(0.0) == pytest.approx(2e6)
+    assert pacer.tokens(1.0) == pytest.approx(2e6)  # idle a second: still 2 ms worth
+    pacer.set_rate(8e6, 1.0)  # 1 MB/s: the burst shrinks to the fixed floor, tokens too
+    assert pacer.burst_bytes == 3000 and pacer.tokens(1.0) == 3000
+    pacer.set_rate(80e9, 1.0)  # 10 GB/s: a 20 MB burst, earned at the new rate
+    assert pacer.burst_bytes == pytest.approx(20e6)
+    assert pacer.tokens(1.0) == 3000
+    assert pacer.tokens(1.001) == pytest.approx(3000 + 10e6)
+    with pytest.raises(LocalError):
+        Pacer(rate_bps=1e9, burst_seconds=-1.0)
+
+
 def test_pacer_follows_controller() -> None:
     """The daemon's loop: the controller's rate drives the pacer."""
     rc = RateController(RateConfig(link_rate_bps=1e9, initial_rate_bps=100e6))

@@ -293,15 +293,35 @@ class Pacer:
     than max(burst_bytes, largest reservation) + rate * window in any window.
     A reservation larger than the burst always waits for the difference, so
     set burst_bytes to at least the largest batch (GSO send) the daemon makes.
+
+    With `burst_seconds` the burst is at least that much time at the current
+    rate (`rate_bps * burst_seconds / 8` bytes, following `set_rate`): a sender
+    whose event loop comes back to send only every few milliseconds at high
+    rates would otherwise lose every token beyond a fixed burst and fall far
+    below its rate; scaled with the rate, the burst stays a fixed time of the
+    path's share (small on slow or congested paths).
     """
 
-    def __init__(self, *, rate_bps: float, burst_bytes: float = 15000, now: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        rate_bps: float,
+        burst_bytes: float = 15000,
+        now: float = 0.0,
+        burst_seconds: float = 0.0,
+    ) -> None:
         _positive("rate_bps", rate_bps)
         _positive("burst_bytes", burst_bytes)
+        _positive("burst_seconds", burst_seconds, allow_zero=True)
         self._rate = float(rate_bps)
-        self.burst_bytes = float(burst_bytes)
+        self._min_burst = float(burst_bytes)
+        self._burst_seconds = float(burst_seconds)
+        self.burst_bytes = self._burst_for(self._rate)
         self._tokens = self.burst_bytes
         self._updated = now
+
+    def _burst_for(self, rate_bps: float) -> float:
+        return max(self._min_burst, rate_bps * self._burst_seconds / 8.0)
 
     @property
     def rate_bps(self) -> float:
@@ -313,6 +333,8 @@ class Pacer:
         _positive("rate_bps", rate_bps)
         self._refill(now)
         self._rate = float(rate_bps)
+        self.burst_bytes = self._burst_for(self._rate)
+        self._tokens = min(self._tokens, self.burst_bytes)
 
     def tokens(self, now: float) -> float:
         """Bytes that may go at `now` without waiting (negative: debt)."""

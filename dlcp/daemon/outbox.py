@@ -52,6 +52,10 @@ TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two g
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
 BURST_BYTES = 256 * 1024  # pacer burst: several batches
+# ... or this long at the path's rate, if more: the daemon's loop comes back to
+# send only every millisecond or few when busy receiving; a fixed burst lost
+# the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
+BURST_SECONDS = 0.004
 PACING_SLACK = 1e-6  # seconds: a path due this soon has budget (rounding at wake-ups)
 
 
@@ -136,7 +140,10 @@ class Outbox:
             n_paths = max(1, min(len(addresses), len(self.paths)))
             rate = PathRates(n_paths, self.rate_config, decrease_interval=self.loss_interval)
             pacers = (
-                [Pacer(rate_bps=r, burst_bytes=BURST_BYTES, now=now) for r in rate.rates()]
+                [
+                    Pacer(rate_bps=r, burst_bytes=BURST_BYTES, now=now, burst_seconds=BURST_SECONDS)
+                    for r in rate.rates()
+                ]
                 if self.pacing
                 else None
             )
