@@ -28,15 +28,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-
 def parse_size(text: str) -> int:
     """'100MB', '32MiB', '4096' -> bytes (MB = 10**6, MiB = 2**20)."""
     t = text.strip().upper()
-    for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
-                       ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+    for unit, mult in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+    ):
         if t.endswith(unit):
             return int(float(t[: -len(unit)]) * mult)
     return int(t)
+
 
 NS = ("dlcpbw-a", "dlcpbw-b")
 ADDR = ("10.78.0.1", "10.78.0.2")
@@ -79,10 +86,28 @@ def run_gloo(elements: int, iters: int) -> dict:
         e["GLOO_SOCKET_IFNAME"] = f"bw{r}"
         procs.append(
             subprocess.Popen(
-                ["ip", "netns", "exec", NS[r], sys.executable, str(ROOT / "bench/_gloo_worker.py"),
-                 "--rank", str(r), "--world", "2", "--master", ADDR[0],
-                 "--elements", str(elements), "--iters", str(iters)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    NS[r],
+                    sys.executable,
+                    str(ROOT / "bench/_gloo_worker.py"),
+                    "--rank",
+                    str(r),
+                    "--world",
+                    "2",
+                    "--master",
+                    ADDR[0],
+                    "--elements",
+                    str(elements),
+                    "--iters",
+                    str(iters),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=e,
             )
         )
     outs = []
@@ -95,8 +120,15 @@ def run_gloo(elements: int, iters: int) -> dict:
     return {"times_s": times, "cpu_s": sum(o["cpu_s"] for o in outs)}
 
 
-def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = True,
-             profile: str | None = None, mac: str = "blake2b") -> dict:
+def run_dlcp(
+    elements: int,
+    iters: int,
+    payload: int,
+    tmp: Path,
+    pacing: bool = True,
+    profile: str | None = None,
+    mac: str = "blake2b",
+) -> dict:
     from dlcp.core.layout import Layout
     from dlcp.shim.client import DaemonClient, Segment
     from dlcp.wire.header import Codec, lane_bytes
@@ -114,9 +146,24 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
                 f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
             )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
-                daemons.append(subprocess.Popen(
-                    ["ip", "netns", "exec", NS[i], sys.executable, "-m", "dlcp.daemon",
-                     "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env))
+                daemons.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            NS[i],
+                            sys.executable,
+                            "-m",
+                            "dlcp.daemon",
+                            "--config",
+                            str(cfg),
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
         for i in range(2):
             deadline = time.monotonic() + 30
             while not (tmp / f"d{i}.sock").exists():
@@ -125,11 +172,26 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
                 time.sleep(0.05)
         if profile:  # sampling profiles of both daemons (py-spy writes them when they exit)
             Path(profile).mkdir(parents=True, exist_ok=True)
-            spies = [subprocess.Popen(
-                ["py-spy", "record", "--nonblocking", "-r", "100", "-f", "raw", "-o",
-                 f"{profile}/d{i}.txt", "--pid", str(d.pid)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for i, d in enumerate(daemons)]
+            spies = [
+                subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "--nonblocking",
+                        "-r",
+                        "100",
+                        "-f",
+                        "raw",
+                        "-o",
+                        f"{profile}/d{i}.txt",
+                        "--pid",
+                        str(d.pid),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                for i, d in enumerate(daemons)
+            ]
         nbytes = 4 * elements
         lay = Layout(elements, Codec.FP32, 2, payload)
         out_len = lane_bytes(Codec.FP32, elements, True) + 6 * lay.packets
@@ -152,8 +214,18 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
         cpu0 = sum(proc_cpu(p) for p in pids) + time.process_time()
         for it in range(iters + 1):
             t = time.perf_counter()
-            futs = [c.submit(job=1, round=it, bucket=0, codec="fp32", total=elements,
-                             data=[0, nbytes], out=[nbytes, out_len]) for c in clients]
+            futs = [
+                c.submit(
+                    job=1,
+                    round=it,
+                    bucket=0,
+                    codec="fp32",
+                    total=elements,
+                    data=[0, nbytes],
+                    out=[nbytes, out_len],
+                )
+                for c in clients
+            ]
             for f in futs:
                 f.result(300)
             if it == 0:  # warm-up
@@ -161,17 +233,22 @@ def run_dlcp(elements: int, iters: int, payload: int, tmp: Path, pacing: bool = 
                 continue
             times.append(time.perf_counter() - t)
         cpu = sum(proc_cpu(p) for p in pids) + time.process_time() - cpu0
-        got = np.frombuffer(segs[0].buf[nbytes:2 * nbytes], np.float32)
+        got = np.frombuffer(segs[0].buf[nbytes : 2 * nbytes], np.float32)
         assert np.array_equal(got, x + x), "dlcp result is not the exact sum"
         stats = []
         for c in clients:  # what the rate controllers and sockets did (diagnostics)
             st = c.status()
-            stats.append({
-                "peers": [{k: p[k] for k in ("rate_bps", "lost_packets", "sent_packets")}
-                          for p in st["peers"]],
-                "paths": [{k: p[k] for k in ("sendmsg_calls", "recvmsg_calls")}
-                          for p in st["paths"]],
-            })
+            stats.append(
+                {
+                    "peers": [
+                        {k: p[k] for k in ("rate_bps", "lost_packets", "sent_packets")}
+                        for p in st["peers"]
+                    ],
+                    "paths": [
+                        {k: p[k] for k in ("sendmsg_calls", "recvmsg_calls")} for p in st["paths"]
+                    ],
+                }
+            )
         for c in clients:
             c.close()
         for s in segs:
@@ -200,10 +277,18 @@ def main() -> int:
     p.add_argument("--payload", type=int, default=None, help="dlcp payload (default MTU - 92)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-pacing", action="store_true", help="dlcp daemons send unpaced")
-    p.add_argument("--mac", default="blake2b", choices=("blake2b", "ghash-aes"),
-                   help="packet MAC of the dlcp daemons (dlcp/wire/mac.py)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="sample the dlcp daemons with py-spy: folded stacks in DIR/d<i>.txt")
+    p.add_argument(
+        "--mac",
+        default="blake2b",
+        choices=("blake2b", "ghash-aes"),
+        help="packet MAC of the dlcp daemons (dlcp/wire/mac.py)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="sample the dlcp daemons with py-spy: folded stacks in DIR/d<i>.txt",
+    )
     a = p.parse_args()
     if os.geteuid() != 0:
         print("veth_busbw: needs root (network namespaces)", file=sys.stderr)
@@ -215,29 +300,41 @@ def main() -> int:
     rows = []
     try:
         setup(a.mtu)
-        for name, fn in (("gloo", lambda: run_gloo(elements, a.iters)),
-                         ("dlcp", lambda: run_dlcp(elements, a.iters, payload, tmp,
-                                                   not a.no_pacing, a.profile, a.mac))):
+        for name, fn in (
+            ("gloo", lambda: run_gloo(elements, a.iters)),
+            (
+                "dlcp",
+                lambda: run_dlcp(
+                    elements, a.iters, payload, tmp, not a.no_pacing, a.profile, a.mac
+                ),
+            ),
+        ):
             r = fn()
             med = statistics.median(r["times_s"])
             moved_gb = size * a.iters / 1e9  # bus bytes for 2 ranks = size per iteration
-            rows.append({
-                "backend": name, "size_bytes": size, "iters": a.iters, "mtu": a.mtu,
-                "payload": payload if name == "dlcp" else None,
-                "mac": a.mac if name == "dlcp" else None,
-                "times_s": r["times_s"], "p50_s": med,
-                "busbw_gbps": size * 8 / med / 1e9, "cpu_s": r["cpu_s"],
-                "cpu_s_per_gb": r["cpu_s"] / moved_gb,
-                **({"daemons": r["daemons"]} if "daemons" in r else {}),
-            })
+            rows.append(
+                {
+                    "backend": name,
+                    "size_bytes": size,
+                    "iters": a.iters,
+                    "mtu": a.mtu,
+                    "payload": payload if name == "dlcp" else None,
+                    "mac": a.mac if name == "dlcp" else None,
+                    "times_s": r["times_s"],
+                    "p50_s": med,
+                    "busbw_gbps": size * 8 / med / 1e9,
+                    "cpu_s": r["cpu_s"],
+                    "cpu_s_per_gb": r["cpu_s"] / moved_gb,
+                    **({"daemons": r["daemons"]} if "daemons" in r else {}),
+                }
+            )
     finally:
         teardown()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'backend':8} {'p50 s':>8} {'busbw Gbit/s':>13} {'CPU s/GB':>9}")
     for r in rows:
         print(
-            f"{r['backend']:8} {r['p50_s']:8.3f} {r['busbw_gbps']:13.2f} "
-            f"{r['cpu_s_per_gb']:9.2f}"
+            f"{r['backend']:8} {r['p50_s']:8.3f} {r['busbw_gbps']:13.2f} {r['cpu_s_per_gb']:9.2f}"
         )
     g = {r["backend"]: r for r in rows}
     ratio = g["dlcp"]["busbw_gbps"] / g["gloo"]["busbw_gbps"]
