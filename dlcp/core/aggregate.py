@@ -106,11 +106,6 @@ class ShardAggregator:
         self.n_received = 0
         self.n_manifests = 0
         self._need: int | None = None
-        # next_timer() is asked on every wake-up of the daemon: its answer is
-        # kept until one of the inputs it depends on changes (see _timer_key).
-        self._nack_gen = 0  # bumped whenever poll() sets last_nack
-        self._timer_key_seen: tuple[object, ...] | None = None
-        self._timer_at: float | None = None
 
     # -- inputs -----------------------------------------------------------
     def on_data(
@@ -347,13 +342,11 @@ class ShardAggregator:
                 if missing.size:
                     nacks.append(Nack(node, self.shard, tuple(int(m) for m in missing)))
                     self.last_nack[row] = now
-                    self._nack_gen += 1
             elif now >= self.created + self.timing.grace and (
                 now >= self.last_arrival + self.timing.grace
             ):  # no DONE, and nothing at all has arrived for a while
                 nacks.append(Nack(node, self.shard, (), need_manifest=True))
                 self.last_nack[row] = now
-                self._nack_gen += 1
         return nacks, False
 
     def _to_reach_bound(self, row: int, missing_lanes: int, total: int) -> np.ndarray:
@@ -363,46 +356,30 @@ class ShardAggregator:
         take = np.searchsorted(np.cumsum(self.counts[gone]), need) + 1
         return gone[:take]
 
-    def _timer_key(self) -> tuple[object, ...]:
-        """Everything `next_timer` depends on that changes: `received`,
-        `droppable` and `manifest` only change together with `n_received` or
-        `n_manifests`, `last_nack` only with `_nack_gen`."""
-        return (self.n_received, self.n_manifests, self.done_at, self.last_arrival, self._nack_gen)
-
     def next_timer(self) -> float | None:
         """When `poll` next has something to do (never a time it would idle at)."""
         if self.result is not None:
             return None
-        key = self._timer_key()
-        if key != self._timer_key_seen:
-            self._timer_at = self._compute_timer()
-            self._timer_key_seen = key
-        return self._timer_at
-
-    def _compute_timer(self) -> float | None:
-        """`next_timer` from scratch; the masks only when some DONE is in."""
-        tm = self.timing
         t = _Tick()
-        t.arm(self.created + tm.timeout)
+        t.arm(self.created + self.timing.timeout)
         if self.done_at is not None:
-            t.arm(self.done_at + tm.linger)
+            t.arm(self.done_at + self.timing.linger)
             return t.at
-        man = self.manifest
-        req_any: list[bool] = []  # per sender with its DONE in: a required packet missing
-        recv_all: list[bool] = []
-        short = False
-        if man.any():
-            req_any = np.asarray((~self.received & ~self.droppable).any(axis=1)).tolist()
-            short = bool(man.all()) and not any(req_any)  # only the bound is unmet
-            if short:
-                recv_all = np.asarray(self.received.all(axis=1)).tolist()
+        required = self._required_missing()
+        short = self.manifest.all() and not required.any()  # only the bound is unmet
         for row in range(len(self.senders)):
-            again = self.last_nack[row] + tm.nack_interval
-            if man[row]:
-                if req_any[row] or (short and not recv_all[row]):
-                    t.arm(max(again, self.last_arrival + tm.nack_delay))
+            again = self.last_nack[row] + self.timing.nack_interval
+            if self.manifest[row]:
+                if required[row].any() or (short and not self.received[row].all()):
+                    t.arm(max(again, self.last_arrival + self.timing.nack_delay))
             else:
-                t.arm(max(again, self.created + tm.grace, self.last_arrival + tm.grace))
+                t.arm(
+                    max(
+                        again,
+                        self.created + self.timing.grace,
+                        self.last_arrival + self.timing.grace,
+                    )
+                )
         return t.at
 
     def timed_out(self, now: float) -> bool:
@@ -465,10 +442,6 @@ class ResultCollector:
     lost_lanes: int = 0
     total_lanes: int = 0
     duplicates: int = 0
-    # bumped by every method that may change what next_timer() answers
-    _gen: int = field(default=0, init=False, repr=False)
-    _timer_gen: int = field(default=-1, init=False, repr=False)
-    _timer_at: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -495,7 +468,6 @@ class ResultCollector:
 
     def on_local(self, result: ShardResult) -> None:
         """The shard this node owns, straight from its aggregator."""
-        self._gen += 1
         off, count = self.layout.shard_range(result.shard)
         self.sums[off : off + count] = result.sums
         pk = self.layout.shard_packets(result.shard)
@@ -518,7 +490,6 @@ class ResultCollector:
         now: float,
     ) -> bool:
         """Store one result packet; False if it was a duplicate or late."""
-        self._gen += 1
         w = self.waiting.get(shard)
         if w is None:
             self.duplicates += 1
@@ -558,7 +529,6 @@ class ResultCollector:
         """Store a run of one owner's result packets of one shard, in order; the
         batch form of `on_result`. Returns (fresh, bad) masks as
         `ShardAggregator.on_data_many` does; the rest were duplicates or late."""
-        self._gen += 1
         n = len(payloads)
         fresh = np.zeros(n, dtype=bool)
         w = self.waiting.get(shard)
@@ -613,7 +583,6 @@ class ResultCollector:
 
     def on_done(self, *, shard: int, sender: int, lost_lanes: int, now: float) -> None:
         """The owner's DONE for a shard: it has sent every result packet."""
-        self._gen += 1
         w = self.waiting.get(shard)
         if w is None or sender != w.owner or w.done:
             return
@@ -624,7 +593,6 @@ class ResultCollector:
 
     def poll(self, now: float) -> list[Nack]:
         """NACKs for result packets that are overdue (result leg is reliable)."""
-        self._gen += 1
         nacks: list[Nack] = []
         t = self.timing
         for shard, w in self.waiting.items():
@@ -652,13 +620,6 @@ class ResultCollector:
         return nacks
 
     def next_timer(self) -> float | None:
-        """When `poll` next has something to do; kept until a method changes state."""
-        if self._timer_gen != self._gen:
-            self._timer_at = self._compute_timer()
-            self._timer_gen = self._gen
-        return self._timer_at
-
-    def _compute_timer(self) -> float | None:
         t = _Tick()
         for w in self.waiting.values():
             if w.last_arrival is None and not w.done:
