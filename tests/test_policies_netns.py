@@ -486,9 +486,14 @@ def test_spray_uses_both_paths_flow_one_adaptive_weighs_loss() -> None:
         # enough that no switch queue overflows, and NACKs late enough that no
         # packet merely queued behind higher classes is NACKed: the only losses
         # are the random ones, and the NACKs must charge them to path 1.
+        # Unpaced, so that the shares follow the loss alone: paced, they also
+        # weigh each path's rate estimate, and on this 50 Mbit/s link those say
+        # nothing (a lossy path's cut rate, far above the link, against the
+        # clean path's slow-start rate; see BENCHMARKS.md "Multipath").
         tb.start_daemons(
             {
                 "timing": {"timeout": 60.0, "nack_delay": 0.2, "nack_interval": 0.3},
+                "rate": {"pacing": False},
                 "daemon": {"metrics_port": 0},
                 "policies": {"balance": "adaptive"},
             }
