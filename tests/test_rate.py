@@ -219,6 +219,13 @@ def max_window_excess(times: np.ndarray, sizes: np.ndarray, rate_bps: float) -> 
     return float((suffix_max - before).max())
 
 
+def _gaps(n: int, rate: float, idle: bool) -> np.ndarray:
+    """Gaps before each of n sends: none (back to back) or, when idle, random
+    pauses of about two jumbo packets at `rate`."""
+    rng = np.random.default_rng(n)
+    return rng.exponential(2 * 9000 * 8 / rate, size=n) if idle else np.zeros(n)
+
+
 @FAST
 @given(
     st.lists(st.integers(64, 9000), min_size=1, max_size=400),
@@ -230,8 +237,7 @@ def test_pacer_respects_rate_over_any_window(
     sizes: list[int], rate: float, burst: int, idle: bool
 ) -> None:
     arr = np.array(sizes, dtype=np.float64)
-    rng = np.random.default_rng(len(sizes))
-    gaps = rng.exponential(2 * 9000 * 8 / rate, size=len(arr)) if idle else np.zeros(len(arr))
+    gaps = _gaps(len(arr), rate, idle)
     times, _ = paced_sends(Pacer(rate_bps=rate, burst_bytes=burst), arr, gaps)
     assert (np.diff(times) >= 0).all()
     # A packet larger than the burst goes whole once its tokens are earned.
@@ -282,8 +288,7 @@ def test_pacer_burst_time_bounds_any_window(
     """With `burst_seconds` the pacer runs ahead by at most that long at its rate
     (or the fixed burst, if more): the rate still holds over any window."""
     arr = np.array(sizes, dtype=np.float64)
-    rng = np.random.default_rng(len(sizes))
-    gaps = rng.exponential(2 * 9000 * 8 / rate, size=len(arr)) if idle else np.zeros(len(arr))
+    gaps = _gaps(len(arr), rate, idle)
     pacer = Pacer(rate_bps=rate, burst_bytes=1500, burst_seconds=burst_seconds)
     assert pacer.burst_bytes == max(1500, rate * burst_seconds / 8)
     times, _ = paced_sends(pacer, arr, gaps)

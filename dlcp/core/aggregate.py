@@ -62,6 +62,21 @@ class _Tick:
             self.at = t
 
 
+def _first_fresh(
+    local: np.ndarray, bad: np.ndarray, received: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """Of a run of packets at positions `local` (`received` indexed the same way),
+    the indices of those to store: the first occurrence of each good one not
+    received before. Also how many were good (the rest of them are duplicates)."""
+    good = np.flatnonzero(~bad)
+    loc = local[good]
+    _, first = np.unique(loc, return_index=True)
+    keep = np.zeros(good.size, dtype=bool)
+    keep[first] = True
+    keep &= ~received[loc]
+    return good[keep], good.size
+
+
 class ShardAggregator:
     """Sums one shard of one round from every sender, within a loss bound."""
 
@@ -124,10 +139,7 @@ class ShardAggregator:
     ) -> bool:
         """Store one data packet; False if it was a duplicate. Raises RemoteError."""
         row, local = self._locate(sender, offset, count)
-        if self.scale is None:
-            self.scale = scale
-        elif scale != self.scale:
-            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
+        self._adopt_scale(scale)
         if self.received[row, local]:
             self.duplicates += 1
             return False
@@ -164,9 +176,7 @@ class ShardAggregator:
         shard (BAD_RANGE); the rest were duplicates. Raises RemoteError for what
         rejects the whole run (unknown sender, a scale differing from the shard's).
         """
-        row = self._row.get(sender)
-        if row is None:
-            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        row = self._sender_row(sender)
         n = len(payloads)
         offsets = np.asarray(offsets, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
@@ -182,21 +192,11 @@ class ShardAggregator:
         )
         if bad.all():
             return np.zeros(n, dtype=bool), bad
-        if self.scale is None:
-            self.scale = scale
-        elif scale != self.scale:
-            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
-        good = np.flatnonzero(~bad)
-        loc = local[good]
-        # first occurrence of each packet in the run, and not received before
-        _, first = np.unique(loc, return_index=True)
-        keep = np.zeros(good.size, dtype=bool)
-        keep[first] = True
-        keep &= ~self.received[row, loc]
+        self._adopt_scale(scale)
+        take, n_good = _first_fresh(local, bad, self.received[row])
         fresh = np.zeros(n, dtype=bool)
-        fresh[good[keep]] = True
-        self.duplicates += good.size - int(keep.sum())
-        take = good[keep]
+        fresh[take] = True
+        self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
         codec = lay.codec
@@ -234,13 +234,8 @@ class ShardAggregator:
         reference, not copied; the caller must not change them until the shard
         completes. Same outcome as `on_data` for each of the shard's packets.
         """
-        row = self._row.get(sender)
-        if row is None:
-            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
-        if self.scale is None:
-            self.scale = scale
-        elif scale != self.scale:
-            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
+        row = self._sender_row(sender)
+        self._adopt_scale(scale)
         if self.received[row].any():
             raise RemoteError(Reason.BAD_RANGE, f"node {sender} already sent to this shard")
         values = lane_ops.unpack(self.layout.codec, lanes, self.lanes, summed)
@@ -258,9 +253,7 @@ class ShardAggregator:
 
     def on_manifest(self, *, sender: int, droppable: np.ndarray, bound: float, now: float) -> None:
         """A sender's DONE: which of its packets were droppable, and its bound."""
-        row = self._row.get(sender)
-        if row is None:
-            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        row = self._sender_row(sender)
         if droppable.shape != (self.n_packets,):
             raise RemoteError(Reason.BAD_RANGE, f"manifest of {droppable.size} packets")
         if not 0.0 <= bound <= 1.0:
@@ -274,9 +267,7 @@ class ShardAggregator:
         self.last_arrival = now
 
     def _locate(self, sender: int, offset: int, count: int) -> tuple[int, int]:
-        row = self._row.get(sender)
-        if row is None:
-            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        row = self._sender_row(sender)
         i = self.layout.packet_of(offset)
         local = i - self.first_packet
         if not 0 <= local < self.n_packets or self.layout.packet_range(i) != (offset, count):
@@ -284,6 +275,19 @@ class ShardAggregator:
                 Reason.BAD_RANGE, f"lanes {offset}+{count} are not a packet of shard {self.shard}"
             )
         return row, local
+
+    def _sender_row(self, sender: int) -> int:
+        row = self._row.get(sender)
+        if row is None:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not contribute")
+        return row
+
+    def _adopt_scale(self, scale: float) -> None:
+        """The shard's scale is its first packet's; every later one must match."""
+        if self.scale is None:
+            self.scale = scale
+        elif scale != self.scale:
+            raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
 
     # -- decisions --------------------------------------------------------
     def may_complete(self) -> bool:
@@ -555,15 +559,9 @@ class ResultCollector:
             | (offsets >= packet_end)
             | (counts != np.minimum(step, packet_end - offsets))
         )
-        good = np.flatnonzero(~bad)
-        loc = local[good]
-        _, first = np.unique(loc, return_index=True)
-        keep = np.zeros(good.size, dtype=bool)
-        keep[first] = True
-        keep &= ~w.received[loc]
-        take = good[keep]
+        take, n_good = _first_fresh(local, bad, w.received)
         fresh[take] = True
-        self.duplicates += good.size - take.size
+        self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
         codec = lay.codec

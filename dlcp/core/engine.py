@@ -15,6 +15,7 @@ in "ps" mode dedicated aggregator nodes do.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections import Counter, deque
@@ -171,18 +172,11 @@ class _Finished:
     resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=256)
 def _result_arrays(lay: Layout, shard: int) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, counts) of a shard's result packets as arrays (cached with the ranges)."""
-    got = _RESULT_ARRAYS.get((lay, shard))
-    if got is None:
-        r = np.asarray(lay.shard_results(shard), dtype=np.int64).reshape(-1, 2)
-        if len(_RESULT_ARRAYS) >= 256:
-            _RESULT_ARRAYS.clear()
-        got = _RESULT_ARRAYS[(lay, shard)] = (r[:, 0].copy(), r[:, 1].copy())
-    return got
-
-
-_RESULT_ARRAYS: dict[tuple[Layout, int], tuple[np.ndarray, np.ndarray]] = {}
+    r = np.asarray(lay.shard_results(shard), dtype=np.int64).reshape(-1, 2)
+    return r[:, 0].copy(), r[:, 1].copy()
 
 
 class Engine:
@@ -701,14 +695,7 @@ class Engine:
             block_max=rec["aux"].astype("<u4").view(np.float32),
             now=now,
         )
-        n_bad = int(bad.sum())
-        n_fresh = int(fresh.sum())
-        if n_bad:
-            self.rejects[Reason.BAD_RANGE] += n_bad
-        if n - n_bad - n_fresh:
-            self.stats["duplicate_packets"] += n - n_bad - n_fresh
-        if n_fresh:
-            self.stats["data_packets_received"] += n_fresh
+        if self._count_run(fresh, bad, "data_packets_received"):
             local = offsets[fresh] // lay.per_packet - agg.first_packet
             classes, layers = self._agg_meta[key]
             classes[local] = np.minimum(classes[local], rec["priority"][fresh])
@@ -744,16 +731,21 @@ class Engine:
             block_max=rec["param"].astype(np.float32),
             now=now,
         )
+        self._count_run(fresh, bad, "result_packets_received")
+        self._check_complete(op, now)
+        return ~bad
+
+    def _count_run(self, fresh: np.ndarray, bad: np.ndarray, received: str) -> int:
+        """Count a run's outcome (stored, BAD_RANGE, duplicate); how many were stored."""
         n_bad = int(bad.sum())
         n_fresh = int(fresh.sum())
         if n_bad:
             self.rejects[Reason.BAD_RANGE] += n_bad
         if n_fresh:
-            self.stats["result_packets_received"] += n_fresh
-        if n - n_bad - n_fresh:
-            self.stats["duplicate_packets"] += n - n_bad - n_fresh
-        self._check_complete(op, now)
-        return ~bad
+            self.stats[received] += n_fresh
+        if bad.size - n_bad - n_fresh:
+            self.stats["duplicate_packets"] += bad.size - n_bad - n_fresh
+        return n_fresh
 
     def receive_packet(
         self, h: Header, payload: memoryview, now: float, src: int | None = None
