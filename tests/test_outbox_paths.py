@@ -223,6 +223,30 @@ def test_each_path_is_paced_and_cut_on_its_own(monkeypatch: Any) -> None:
     assert 0 < ps.loss_rate <= 0.15 and peer.rate.rates()[0] == 8e6
 
 
+def test_a_fast_path_is_woken_once_a_quantum_and_keeps_its_rate() -> None:
+    # at 1 Gbit/s a batch is about 0.5 ms of tokens: without the quantum the
+    # outbox would ask to be woken for every batch
+    ob, peer, paths = make(1, rate=RateConfig(initial_rate_bps=1e9, min_rate_bps=1e6))
+    lay = layout(4000 * 352)
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    wakes = []
+    now = 0.0
+    ob.flush(now)
+    while ob.queued():
+        assert ob.next_wake is not None
+        wakes.append(ob.next_wake - now)
+        now = ob.next_wake
+        ob.flush(now)
+    assert len(wakes) > 5  # the burst did not cover it all: it was paced
+    assert min(wakes) >= outbox_mod.PACING_QUANTUM
+    nbytes = sum(len(d) for d in paths[0].sent)
+    burst = max(outbox_mod.BURST_BYTES, 1e9 * outbox_mod.BURST_SECONDS / 8)
+    # the rate still holds both ways: the tokens earned while asleep are spent
+    # at the wake-up (the burst holds a quantum's worth), none beyond them
+    assert 1e9 * now / 8 <= nbytes <= 1e9 * now / 8 + burst + outbox_mod.BATCH_BYTES
+
+
 def test_flow_waits_for_its_own_path(monkeypatch: Any) -> None:
     monkeypatch.setattr(outbox_mod, "BURST_BYTES", 3000)
     ob, peer, paths = make(2, "flow", rate=RateConfig(initial_rate_bps=8e6, min_rate_bps=1e6))

@@ -57,6 +57,13 @@ BURST_BYTES = 256 * 1024  # pacer burst: several batches
 # the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
 BURST_SECONDS = 0.004
 PACING_SLACK = 1e-6  # seconds: a path due this soon has budget (rounding at wake-ups)
+# A pacer short of budget is woken no sooner than this: at high rates one batch
+# costs tens of microseconds of tokens, and waking for each (a loop iteration,
+# a receive poll and the engine's timers apiece) spends the CPU the sending
+# needs. Later wake-ups send what the tokens earned meanwhile at once, so the
+# rate over time is the same (the token bucket), in bursts of at most
+# rate x PACING_QUANTUM (within the BURST_SECONDS burst).
+PACING_QUANTUM = 0.001
 
 
 @dataclass(eq=False)
@@ -369,7 +376,7 @@ class Outbox:
                     waits = [pacer.delay(1.0, now) for pacer in pacers]
                     waits = [0.0 if w < PACING_SLACK else w for w in waits]
                     if min(waits) > 0:
-                        return now + min(waits)
+                        return now + max(min(waits), PACING_QUANTUM)
                 sent, held, full = self._send(peer, batch, cls, waits, now)
                 for _ in range(sent):
                     dg = q.popleft()
@@ -381,7 +388,7 @@ class Outbox:
                     return None
                 if held:  # the balancer chose paths without budget: they wait for it
                     assert waits is not None
-                    return now + min(w for w in waits if w > 0)
+                    return now + max(min(w for w in waits if w > 0), PACING_QUANTUM)
         return None
 
     def _send(
