@@ -71,11 +71,17 @@ def teardown() -> None:
         sh("ip", "netns", "del", ns, check=False)
 
 
-def proc_cpu(pid: int) -> float:
+def proc_stat(pid: int) -> tuple[float, float, int]:
+    """(user CPU s, system CPU s, minor page faults) of a process so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick
+    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
+
+
+def proc_cpu(pid: int) -> float:
+    user, system, _ = proc_stat(pid)
+    return user + system
 
 
 def run_gloo(elements: int, iters: int) -> dict:
@@ -127,7 +133,7 @@ def run_dlcp(
     tmp: Path,
     pacing: bool = True,
     profile: str | None = None,
-    mac: str = "blake2b",
+    mac: str = "ghash-aes",
 ) -> dict:
     from dlcp.core.layout import Layout
     from dlcp.shim.client import DaemonClient, Segment
@@ -144,6 +150,7 @@ def run_dlcp(
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
                 f'mac = "{mac}"\n'
                 f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
+                + os.environ.get("BW_RATE_EXTRA", "")
             )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
                 daemons.append(
@@ -178,6 +185,7 @@ def run_dlcp(
                         "py-spy",
                         "record",
                         "--nonblocking",
+                        *(["--idle"] if os.environ.get("BW_IDLE") else []),
                         "-r",
                         "100",
                         "-f",
@@ -233,6 +241,7 @@ def run_dlcp(
                 continue
             times.append(time.perf_counter() - t)
         cpu = sum(proc_cpu(p) for p in pids) + time.process_time() - cpu0
+        split = [proc_stat(p) for p in pids]
         got = np.frombuffer(segs[0].buf[nbytes : 2 * nbytes], np.float32)
         assert np.array_equal(got, x + x), "dlcp result is not the exact sum"
         stats = []
@@ -253,6 +262,8 @@ def run_dlcp(
             c.close()
         for s in segs:
             s.close()
+        for st, (user, system, minflt) in zip(stats, split, strict=True):
+            st.update(user_s=user, sys_s=system, minflt=minflt)  # whole life, warm-up included
         return {"times_s": times, "cpu_s": cpu, "daemons": stats}
     finally:
         for d in daemons:
@@ -270,6 +281,9 @@ def run_dlcp(
 
 
 def main() -> int:
+    from dlcp.daemon.config import Config
+    from dlcp.wire.mac import MAC_ALGORITHMS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size", default="100MB")
     p.add_argument("--iters", type=int, default=5)
@@ -279,9 +293,9 @@ def main() -> int:
     p.add_argument("--no-pacing", action="store_true", help="dlcp daemons send unpaced")
     p.add_argument(
         "--mac",
-        default="blake2b",
-        choices=("blake2b", "ghash-aes"),
-        help="packet MAC of the dlcp daemons (dlcp/wire/mac.py)",
+        default=Config().mac,
+        choices=MAC_ALGORITHMS,
+        help="packet MAC of the dlcp daemons (default: dlcpd's; dlcp/wire/mac.py)",
     )
     p.add_argument(
         "--profile",

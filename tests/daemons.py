@@ -18,11 +18,19 @@ from typing import Any
 import numpy as np
 
 from dlcp.core.layout import Layout
+from dlcp.daemon.config import Config
 from dlcp.ipc import CODEC_BY_NAME
 from dlcp.shim.client import DaemonClient, Segment
 from dlcp.wire.header import Codec, lane_bytes
+from dlcp.wire.mac import MacKey, mac_state
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def wire_key(key: bytes) -> MacKey:
+    """`key` as the MAC state of daemons with the default `[network] mac`: what a
+    test that crafts datagrams for a running daemon must sign them with."""
+    return mac_state(key, Config().mac)
 
 
 def free_udp_port() -> int:

@@ -53,6 +53,7 @@ from dlcp.wire.header import (
     encode,
     lane_bytes,
 )
+from dlcp.wire.mac import MacKey
 
 __all__ = [
     "FIELDS",
@@ -99,7 +100,7 @@ _F32_SPECIAL = (
 )
 
 
-def templates(job: int, key: bytes, rnd: int = 1_000_000) -> list[bytes]:
+def templates(job: int, key: MacKey, rnd: int = 1_000_000) -> list[bytes]:
     """Valid packets of every type and codec for `job` (MAC'd with `key`).
 
     Round numbers far from any a test runs, so that even a verbatim copy could
@@ -302,7 +303,7 @@ class Mutator:
 
 
 def expected_reason(
-    datagram: bytes, keys: dict[int, bytes], members: dict[int, frozenset[str]], src: str
+    datagram: bytes, keys: dict[int, MacKey], members: dict[int, frozenset[str]], src: str
 ) -> str:
     """The reject label a daemon must count for `datagram` from `src` (the oracle).
 
@@ -495,7 +496,7 @@ def run_daemon_fuzz(
     rounds (job rounds completed), job_failures, daemons_alive, seconds.
     """
     from dlcp.shim.client import DaemonClient
-    from tests.daemons import Rank, hosts_of, loopback_daemons
+    from tests.daemons import Rank, hosts_of, loopback_daemons, wire_key
 
     key = os.urandom(32)
     t0 = time.monotonic()
@@ -508,8 +509,8 @@ def run_daemon_fuzz(
         try:
             for i, r in enumerate(ranks):
                 r.join(job, key, hosts, i)
-            keys = {job: key}
-            mutator = Mutator(templates(job, key), seed)
+            keys = {job: wire_key(key)}  # signed as the daemons sign (their default MAC)
+            mutator = Mutator(templates(job, keys[job]), seed)
             addrs = [d.address for d in ds]
             outsider = "127.0.0.9"
             before = [w.status()["rejects"] for w in watchers]

@@ -25,7 +25,15 @@ import pytest
 from dlcp import ipc
 from dlcp.shim.client import DaemonClient, DaemonError
 from dlcp.wire.header import Header, PacketType, encode
-from tests.daemons import ROOT, Rank, hosts_of, loopback_daemons, packet_norms, submit
+from tests.daemons import (
+    ROOT,
+    Rank,
+    hosts_of,
+    loopback_daemons,
+    packet_norms,
+    submit,
+    wire_key,
+)
 
 KEY = bytes(range(32))
 JOB = 4242
@@ -141,17 +149,17 @@ def test_malformed_and_spoofed_datagrams_are_counted_and_change_nothing(
 ) -> None:
     target = trio[0]
     before = ranks[0].client.status()["rejects"]
-    good = encode(_datagram(sender=1, round=10**6), b"\0\0\0\0", KEY)
+    good = encode(_datagram(sender=1, round=10**6), b"\0\0\0\0", wire_key(KEY))
     from_outsider = {
         "truncated": [b"", b"\xd1", good[:63]],
         "bad_magic": [b"\0\0" + good[2:]],
-        "unknown_job": [encode(_datagram(job=JOB + 1, sender=1), b"\0" * 4, KEY)],
+        "unknown_job": [encode(_datagram(job=JOB + 1, sender=1), b"\0" * 4, wire_key(KEY))],
         "bad_address": [good],  # a valid packet from an address outside the job
     }
     from_member = [  # sent from host 2's address
         good[:-1] + bytes([good[-1] ^ 1]),  # bad_mac: corrupted payload
-        encode(_datagram(sender=2), b"\0" * 4, b"w" * 32),  # bad_mac: wrong key
-        encode(_datagram(sender=1), b"\0" * 4, KEY),  # bad_sender: claims to be host 1
+        encode(_datagram(sender=2), b"\0" * 4, wire_key(b"w" * 32)),  # bad_mac: wrong key
+        encode(_datagram(sender=1), b"\0" * 4, wire_key(KEY)),  # bad_sender: claims host 1
     ]
     rng = np.random.default_rng(4)
     garbage = [rng.bytes(int(n)) for n in rng.integers(0, 1500, 300)]

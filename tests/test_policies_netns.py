@@ -50,7 +50,7 @@ from dlcp.shim.client import DaemonClient, Segment
 from dlcp.testbed import Testbed, TestbedSpec
 from dlcp.wire import Flags, Header, PacketType, decode
 from dlcp.wire.header import Codec
-from tests.daemons import submit
+from tests.daemons import submit, wire_key
 
 pytestmark = pytest.mark.netns
 
@@ -225,7 +225,7 @@ class Capture:
 
     def read(self) -> list[Captured]:
         out: list[Captured] = []
-        keys = {self.job: KEY}
+        keys = {self.job: wire_key(KEY)}
         for port, s in self.socks:
             s.setblocking(False)
             while True:

@@ -43,7 +43,7 @@ from dlcp.wire.header import (
     compute_mac,
     header_of_valid,
 )
-from tests.daemons import ROOT, Daemon, Rank, hosts_of, loopback_daemons, submit
+from tests.daemons import ROOT, Daemon, Rank, hosts_of, loopback_daemons, submit, wire_key
 from tests.netsim import Network
 
 KEY_A = bytes(range(100, 132))
@@ -240,11 +240,11 @@ def test_datagrams_without_the_jobs_mac_are_rejected(
 
     port = trio[0].port
     h = Header(type=PacketType.DATA, job=JOB_A, round=5_000, bucket=0, sender=1, count=4, total=4)
-    good = encode(h, bytes(16), KEY_A)
+    good = encode(h, bytes(16), wire_key(KEY_A))
     forged = [
         good[:MAC_OFFSET] + bytes(16) + good[HEADER_SIZE:],
-        encode(h, bytes(16), KEY_B),
-        encode(h, bytes(16), os.urandom(32)),
+        encode(h, bytes(16), wire_key(KEY_B)),
+        encode(h, bytes(16), wire_key(os.urandom(32))),
         good[:MAC_OFFSET] + good[MAC_OFFSET:HEADER_SIZE][::-1] + good[HEADER_SIZE:],
         good[:-1] + b"\x01",
     ]
@@ -416,7 +416,8 @@ def test_a_replay_after_the_closed_round_memory_expired_is_not_amplified(tmp_pat
             before = _counters(ds[0])
             tx = Sender()
             try:
-                tx.send(ds[1].address, (ds[0].address, ds[0].port), encode(h, bytes(1408), KEY_A))
+                replay = encode(h, bytes(1408), wire_key(KEY_A))
+                tx.send(ds[1].address, (ds[0].address, ds[0].port), replay)
             finally:
                 tx.close()
             time.sleep(timeout + 1.0)

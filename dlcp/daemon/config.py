@@ -71,7 +71,7 @@ class Config:
     payload: int = DEFAULT_PAYLOAD
     gso: bool = True
     gro: bool = True
-    mac: str = "blake2b"  # packet MAC of every job (dlcp/wire/mac.py)
+    mac: str = "ghash-aes"  # packet MAC of every job (dlcp/wire/mac.py)
     socket_buffer_bytes: int = 32 << 20
     peers: tuple[PeerConfig, ...] = ()
     # [policies]
