@@ -179,9 +179,22 @@ def run_dlcp(
                 time.sleep(0.05)
         if profile:  # sampling profiles of both daemons (py-spy writes them when they exit)
             Path(profile).mkdir(parents=True, exist_ok=True)
+            perf = os.environ.get("BW_PERF")  # kernel and native frames too: perf, not py-spy
             spies = [
                 subprocess.Popen(
                     [
+                        "perf",
+                        "record",
+                        "-g",
+                        "-F",
+                        "499",
+                        "-o",
+                        f"{profile}/d{i}.perf",
+                        "-p",
+                        f"{d.pid}",
+                    ]
+                    if perf
+                    else [
                         "py-spy",
                         "record",
                         "--nonblocking",

@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s dlcpd[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    from dlcp.daemon.memory import tune_process
     from dlcp.daemon.server import Daemon
+
+    tune_process()
 
     try:
         import uvloop

@@ -6,13 +6,14 @@ payload, keyed with the job's key (`header.mac_key`). Two functions:
 - ``blake2b``: keyed BLAKE2b-128 over header and payload. About 1 GB/s per
   core in CPython's hashlib, which was a quarter of the daemon's CPU at high
   rates; the core's default (`JobSpec.mac`, raw key bytes).
-- ``ghash-aes`` (dlcpd's default, `[network] mac`): hash, then encrypt. GHASH (the polynomial hash of AES-GCM, run
-  by OpenSSL with carry-less multiplication, several GB/s) of the payload and
-  the header, under a subkey H derived from the job key, and then one AES-256
-  block encryption of that 16-byte hash under a second derived key. It is the
-  classic universal-hash-then-PRP MAC (Wegman-Carter-Shoup; the construction
-  of AES-GCM-SIV's tag): deterministic, no nonce to manage, forgery chance
-  about q^2 * l / 2^128 after q packets of l blocks. Needs the `cryptography`
+- ``ghash-aes`` (dlcpd's default, `[network] mac`): hash, then encrypt. GHASH
+  (the polynomial hash of AES-GCM, run by OpenSSL with carry-less
+  multiplication, several GB/s) of the payload and the header, under a subkey H
+  derived from the job key, and then one AES-256 block encryption of that
+  16-byte hash under a second derived key. It is the classic
+  universal-hash-then-PRP MAC (Wegman-Carter-Shoup; the construction of
+  AES-GCM-SIV's tag): deterministic, no nonce to manage, forgery chance about
+  q^2 * l / 2^128 after q packets of l blocks. Needs the `cryptography`
   package. The GHASH is taken from AES-GCM run with a fixed nonce, the header
   as plaintext and the payload as associated data: its tag is then
   GHASH_H(payload, header XOR a fixed keystream) XOR a constant, an injective
