@@ -6,7 +6,12 @@ Both backends run in the same invocation on the same unthrottled veth pair
 (no switch, no rate limit). Reports per backend: median time, bus bandwidth
 (2(n-1)/n * size / time; = size / time for 2 ranks) and CPU seconds per GB
 moved (all processes of the backend: Gloo's two ranks; dlcp's two daemons and
-the two client ranks).
+the two client ranks), and per dlcp daemon its user and system CPU seconds and
+minor page faults over its whole life.
+
+With `--profile DIR` both daemons are sampled by py-spy (BW_IDLE=1: idle
+samples too) or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
+DIR/d<i>.perf).
 """
 
 from __future__ import annotations
@@ -150,7 +155,6 @@ def run_dlcp(
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
                 f'mac = "{mac}"\n'
                 f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
-                + os.environ.get("BW_RATE_EXTRA", "")
             )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
                 daemons.append(
