@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from dlcp.core.buffers import pool
 from dlcp.errors import LocalError
 from dlcp.ipc import SEGMENT_NAME
 
@@ -83,7 +84,7 @@ class RankSegment:
 
     def read(self, off: int, n: int) -> np.ndarray:
         """A private copy of bytes [off, off + n) as a uint8 array."""
-        out = np.empty(n, np.uint8)
+        out = pool.empty(n, np.uint8)  # a buffer of an earlier round's once free
         self.read_into(off, out)
         return out
 
