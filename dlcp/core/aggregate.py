@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core.buffers import pool
 from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import Reason, RemoteError
@@ -103,7 +102,7 @@ class ShardAggregator:
             layout.packet_counts()[pk.start : pk.stop] if self.n_packets else np.zeros(0, np.int64)
         )
         s = len(self.senders)
-        self.slots = pool.zeros((s, self.lanes), lane_ops.sum_dtype(layout.codec))
+        self.slots = np.zeros((s, self.lanes), dtype=lane_ops.sum_dtype(layout.codec))
         # rows held by reference instead of in `slots` (this node's own lanes)
         self._held: dict[int, np.ndarray] = {}
         self.received = np.zeros((s, self.n_packets), dtype=bool)
@@ -397,16 +396,13 @@ class ShardAggregator:
         sdt = self.slots.dtype
         if self._held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
             rows = [self._held.get(r, self.slots[r]) for r in range(len(self.senders))]
-            sums = pool.empty(rows[0].shape, sdt)
-            np.copyto(sums, rows[0], casting="unsafe")
+            sums = rows[0].astype(sdt, copy=True)
             for r in rows[1:]:
                 np.add(sums, r, out=sums)
             self._held = {}
         else:
             sums = (
-                np.add.reduce(self.slots, axis=0, dtype=sdt, out=pool.empty(self.lanes, sdt))
-                if len(self.senders)
-                else self.slots[0]
+                np.add.reduce(self.slots, axis=0, dtype=sdt) if len(self.senders) else self.slots[0]
             )
         contributors = (self.received * self.weight[:, None]).sum(axis=0)
         lost = int(((~self.received) * self.counts).sum())
@@ -453,7 +449,7 @@ class ResultCollector:
 
     def __post_init__(self) -> None:
         lay = self.layout
-        self.sums = pool.zeros(lay.total, lane_ops.sum_dtype(lay.codec))
+        self.sums = np.zeros(lay.total, dtype=lane_ops.sum_dtype(lay.codec))
         self.contributors = np.zeros(lay.packets, dtype=np.int64)
         self.block_max = np.zeros(lay.packets, dtype=np.float32)
         self.waiting = {}

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from dlcp.core.buffers import pool
 from dlcp.errors import LocalError
 from dlcp.ipc import SEGMENT_NAME
 
@@ -84,7 +83,7 @@ class RankSegment:
 
     def read(self, off: int, n: int) -> np.ndarray:
         """A private copy of bytes [off, off + n) as a uint8 array."""
-        out = pool.empty(n, np.uint8)  # a buffer of an earlier round's once free
+        out = np.empty(n, np.uint8)
         self.read_into(off, out)
         return out
 
