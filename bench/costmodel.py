@@ -22,15 +22,16 @@ codec alike; each round is predicted from its own inputs):
   * compute: forward, backward (bucket ready times) and step of the ranks
     training without communication;
   * codec costs: `dlcp.costmodel.calibrate`. `--costs insitu` (default): run by
-    every rank at once just before the codec's run (the median rank), so the
-    costs carry the machine's speed and other programs' load of that moment;
-    `--costs host`: once in this process, alone;
-  * CPU contention, either way: the emulated hosts run their codec steps at
-    once on this machine's cores, and the exchange after a step waits for the
-    last host, so the steps are scaled by hosts / cores
-    (`dlcp.costmodel.model.cpu_share_for`). The ranks' calibrations do not
-    carry that sharing: out of step, they measure about what one process
-    alone measures (see BENCHMARKS.md).
+    every rank at once, in step, just before the codec's run: each step starts
+    on all ranks together and counts until the slowest is done (the median of
+    `--cal-repeats` rounds), so the costs carry the machine's speed, other
+    programs' load of that moment and the ranks' contention for the cores, as
+    the exchange after a step waits for the last host; `--costs host`: once in
+    this process, alone;
+  * CPU contention of costs timed alone (`--costs host`): the emulated hosts
+    run their codec steps at once on this machine's cores, so those steps are
+    scaled by hosts / cores (`dlcp.costmodel.model.cpu_share_for`). In-situ
+    costs carry it already (`CodecCost.together`), so they are not scaled.
 The reported prediction and measurement are medians over rounds.
 """
 
@@ -72,6 +73,7 @@ def _worker_argv(rank: int, master: str, a: argparse.Namespace) -> list[str]:
     argv += ["--world", str(a.hosts), "--master", master, "--port", str(PORT)]
     argv += ["--codecs", a.codecs, "--iters", str(a.iters), "--warmup", str(a.warmup)]
     argv += ["--bucket-mb", str(a.bucket_mb), "--rounds", str(a.rounds)]
+    argv += ["--cal-repeats", str(a.cal_repeats)]
     return argv + (["--calibrate"] if a.costs == "insitu" else [])
 
 
@@ -195,6 +197,7 @@ def _median_cost(costs: list[CodecCost]) -> CodecCost:
         decode=lin("decode"),
         rel_error=med(lambda c: c.rel_error),
         hosts=first.hosts,
+        together=min(c.together for c in costs),
     )
 
 
@@ -238,10 +241,10 @@ def analyse(
     host_cal: Calibration | None,
 ) -> list[dict[str, Any]]:
     # the emulated hosts encode, aggregate and decode at once on this machine's cores
-    share = a.cpu_share or cpu_share_for(a.hosts)
+    alone_share = a.cpu_share or cpu_share_for(a.hosts)
     results = []
     for spec in specs:
-        per_round = []
+        per_round: list[dict[str, Any]] = []
         for rnd in range(a.rounds):
             rows = _rows(ranks, "codec", rnd, spec)
             if not rows:
@@ -255,6 +258,8 @@ def analyse(
             else:
                 cals = _rows(ranks, "calibration", rnd, spec)
                 cost = _median_cost([CodecCost.from_json(r["cost"]) for r in cals])
+            # costs timed by all hosts at once carry their contention already
+            share = 1.0 if cost.together >= a.hosts and not a.cpu_share else alone_share
             pred = predict(profile, cost, network, a.hosts, cpu_share=share, jitter_s=jitter)
             measured_steps = {k: statistics.median(r["steps"][k] for r in rows) for k in pred.steps}
             per_round.append(
@@ -268,6 +273,7 @@ def analyse(
                         profile, cost, network, a.hosts, share, measured_steps
                     ),
                     "compute_s": profile.compute_s,
+                    "cpu_share": share,
                     "jitter_s": jitter,
                     "network": {
                         "push_bytes_s": network.push_bytes_s,
@@ -291,7 +297,7 @@ def analyse(
                 "codec": spec,
                 "hosts": a.hosts,
                 "costs": a.costs,
-                "cpu_share": share,
+                "cpu_share": statistics.median(r["cpu_share"] for r in per_round),
                 "predicted_s": predicted,
                 "measured_s": measured,
                 "error": predicted / measured - 1.0,
@@ -337,6 +343,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=1.0)
     p.add_argument("--costs", choices=("insitu", "host"), default="insitu")
+    p.add_argument("--cal-repeats", type=int, default=5, help="in-situ calibration rounds")
     p.add_argument("--cpu-share", type=float, default=None, help="override the CPU share")
     p.add_argument(
         "--jitter",

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -326,6 +327,65 @@ def test_calibration_measures_bytes_and_round_trips(tmp_path: Path) -> None:
         Calibration.load(tmp_path / "nope.json")
     with pytest.raises(LocalError):
         cal["thc4"]
+
+
+def test_calibrating_in_step_costs_each_step_its_slowest_ranks_time() -> None:
+    """With `sync`, every step's time is what sync reports (the slowest rank's),
+    not this process's own: a sync that says each step took 10 ms gives costs of
+    exactly those steps, whatever this process measured."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(4096, generator=gen) for _ in range(3)]
+    calls: list[str] = []
+
+    def sync(step: Callable[[], None]) -> float:
+        step()
+        calls.append("step")
+        return 0.010
+
+    cal = calibrate(
+        ["fp32", "sketch"], grads, hosts=3, small=1024, repeats=2, sync=sync, together=3
+    )
+    fp32, sketch = cal["fp32"], cal["sketch"]
+    # fp32, per worker of 3: (begin + encode) / 3; aggregate 1 step; decode 1 step
+    assert fp32.encode(4096) == pytest.approx(0.020 / 3)
+    assert fp32.aggregate(4096) == pytest.approx(0.010)
+    assert fp32.decode(1024) == pytest.approx(0.010)
+    # sketch, two phases: begin, 2 encodes and 1 absorb per worker; 2 aggregates
+    assert sketch.encode(4096) == pytest.approx(0.040 / 3)
+    assert sketch.aggregate(4096) == pytest.approx(0.020)
+    assert fp32.together == 3 and sketch.together == 3
+    assert len(calls) == 2 * 3 * 4 + 2 * 3 * 7  # sizes x rounds (1 warm-up) x steps, per codec
+    again = CodecCost.from_json(fp32.to_json())
+    assert again == fp32
+    old = fp32.to_json()
+    del old["together"]  # a calibration saved before `together` existed: timed alone
+    assert CodecCost.from_json(old).together == 1
+    assert calibrate(["fp32"], grads, hosts=3, small=1024, repeats=1)["fp32"].together == 1
+    with pytest.raises(LocalError):
+        calibrate(["fp32"], grads, hosts=3, together=3)  # `together` without a sync
+
+
+def test_emulated_ranks_sync_a_step_to_the_slowest(tmp_path: Path) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from dlcp.costmodel.emulate import _together
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        ran: list[int] = []
+
+        def step() -> None:
+            ran.append(1)
+            time.sleep(0.02)
+
+        took = _together(step)
+        assert ran == [1] and took >= 0.02
+    finally:
+        dist.destroy_process_group()
 
 
 def test_simulated_average_of_lane_codecs() -> None:

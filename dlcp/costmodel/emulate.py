@@ -14,7 +14,10 @@ are the codec's; TCP (Gloo) carries them instead of dlcp's UDP.
 
 prints one JSON line per measurement: {"kind": "netcal"|"compute"|"calibration"|"codec", ...}.
 With --calibrate every rank times the next codec's steps on sample gradients just
-before running it, all ranks at once (so the costs carry the load of that moment).
+before running it, all ranks at once and in step: each step starts on every rank
+together (a barrier) and counts until the slowest rank is done (an all-reduce MAX),
+so the costs carry the load of that moment and the ranks' contention for the
+cores, as the exchange after the step waits for the slowest rank.
 """
 
 from __future__ import annotations
@@ -241,6 +244,16 @@ class _Trainer:
         self.jobs.put(None)
 
 
+def _together(step: Any) -> float:
+    """`calibrate`'s sync: `step` on every rank at once; the slowest rank's seconds."""
+    dist.barrier()
+    t = time.perf_counter()
+    step()
+    took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took.item())
+
+
 def _netcal(sizes: Sequence[int], reps: int, world: int) -> dict[str, Any]:
     """Times of a bare push (all-to-all) and pull (all-gather) of `sizes` bytes."""
     rows = []
@@ -305,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="before each codec run, time its steps here (dlcp.costmodel.calibrate)",
     )
+    p.add_argument("--cal-repeats", type=int, default=5, help="calibration rounds per size")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     dist.init_process_group(
@@ -314,7 +328,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = _Trainer(a)
         buckets = [sum(trainer.params[i].numel() for i in g) for g in trainer.groups]
         specs = [s.strip() for s in a.codecs.split(";") if s.strip()]
-        sample = sample_gradients(a.world, hidden=a.hidden) if a.calibrate else []
+        # calibrated between the smallest and the largest shard the exchanges carry,
+        # so the fitted line interpolates the sizes it predicts (codec costs are not
+        # linear over decades of sizes: caches, sketch's sorting)
+        shards = [b // a.world for b in buckets]
+        sample = (
+            [g[: max(shards)].clone() for g in sample_gradients(a.world, hidden=a.hidden)]
+            if a.calibrate
+            else []
+        )
         for rnd in range(a.rounds):  # interleaved, so that load changes hit every run alike
             if a.netcal:
                 sizes = [int(s) for s in a.netcal.split(",")]
@@ -323,8 +345,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             _emit("compute", rank=a.rank, round=rnd, buckets=buckets, **_summary(runs))
             for spec in specs:
                 if a.calibrate:
-                    dist.barrier()  # every rank calibrates at once, as they encode at once
-                    cost = calibrate([spec], sample, hosts=a.world, repeats=2).codecs[spec]
+                    cost = calibrate(  # every rank at once, in step, as they encode at once
+                        [spec],
+                        sample,
+                        hosts=a.world,
+                        small=min(shards),
+                        repeats=a.cal_repeats,
+                        sync=_together,
+                        together=a.world,
+                    ).codecs[spec]
                     _emit("calibration", rank=a.rank, round=rnd, codec=spec, cost=cost.to_json())
                 runs = trainer.run(spec, a.iters, a.warmup)
                 _emit("codec", rank=a.rank, round=rnd, codec=spec, **_summary(runs))
