@@ -20,7 +20,9 @@ codec alike; each round is predicted from its own inputs):
   * network: bare all-to-all and all-gather of two sizes on the link (fixed
     time + bytes / goodput fit);
   * compute: forward, backward (bucket ready times) and step of the ranks
-    training without communication;
+    training without communication, each iteration started by all ranks at
+    once and timed as the slowest rank's (an exchange cannot start before the
+    last rank's bucket is ready);
   * codec costs: `dlcp.costmodel.calibrate`. `--costs insitu` (default): run by
     every rank at once, in step, just before the codec's run: each step starts
     on all ranks together and counts until the slowest is done (the median of
@@ -251,7 +253,8 @@ def analyse(
                 continue
             network = _network(_rows(ranks, "netcal", rnd), a.hosts, bps)
             compute = _rows(ranks, "compute", rnd)
-            profile = _profile(compute)
+            # the last rank's readiness where measured (runs before that: the median rank's)
+            profile = _profile(_rows(ranks, "compute_in_step", rnd) or compute)
             jitter = a.jitter if a.jitter is not None else _jitter(compute)
             if host_cal is not None:
                 cost = host_cal[spec]

@@ -388,6 +388,30 @@ def test_emulated_ranks_sync_a_step_to_the_slowest(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_in_step_compute_times_the_slowest_rank(tmp_path: Path) -> None:
+    """`run_in_step`: iterations every rank starts at once, each bucket's ready time
+    as the last rank reaches it (one rank here: its own, within its backward)."""
+    import torch.distributed as dist
+
+    from dlcp.costmodel.emulate import _Trainer
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        args = argparse.Namespace(rank=0, world=1, hidden=(2048, 256), bucket_mb=1.0, batch=8)
+        trainer = _Trainer(args)
+        runs = trainer.run_in_step(3, 1)
+        trainer.close()
+        assert len(runs) == 3
+        for r in runs:
+            assert len(r["ready_s"]) == len(trainer.groups) >= 2
+            assert all(0 <= t <= r["backward_s"] + 1e-9 for t in r["ready_s"])
+            assert r["iteration_s"] >= r["forward_s"] + r["backward_s"] > 0
+    finally:
+        dist.destroy_process_group()
+
+
 def test_simulated_average_of_lane_codecs() -> None:
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(5000, generator=gen) for _ in range(3)]

@@ -12,7 +12,9 @@ are the codec's; TCP (Gloo) carries them instead of dlcp's UDP.
     python -m dlcp.costmodel.emulate --rank R --world H --master ADDR --port P \
         --codecs fp32,fft --iters 20
 
-prints one JSON line per measurement: {"kind": "netcal"|"compute"|"calibration"|"codec", ...}.
+prints one JSON line per measurement: {"kind": "netcal"|"compute"|"compute_in_step"|
+"calibration"|"codec", ...}; "compute_in_step" times the slowest rank of
+iterations that every rank starts at once (`_Trainer.run_in_step`).
 With --calibrate every rank times the next codec's steps on sample gradients just
 before running it, all ranks at once and in step: each step starts on every rank
 together (a barrier) and counts until the slowest rank is done (an all-reduce MAX),
@@ -240,6 +242,37 @@ class _Trainer:
         dist.barrier()
         return out
 
+    def run_in_step(self, iters: int, warmup: int) -> list[dict[str, Any]]:
+        """Iterations without communication, every rank starting each one at once
+        (a barrier), timed as the slowest rank's: forward, each bucket's ready time
+        and backward as the last rank reaches them, the optimizer step. An exchange
+        cannot start before the last rank's bucket is ready, and the ranks compute
+        at once on shared cores as they do between exchanges."""
+        self.exchanger = None
+        out = []
+        for i in range(warmup + iters):
+            dist.barrier()
+            r = self.iteration()
+            f = r["forward_s"]
+            ends = [f, f + r["backward_s"], r["step_s"], r["iteration_s"]]
+            ends += [f + t for t in r["ready_s"]]
+            slowest = torch.tensor(ends, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            m = slowest.tolist()
+            if i >= warmup:
+                out.append(
+                    {
+                        "iteration_s": m[3],
+                        "forward_s": m[0],
+                        "backward_s": m[1] - m[0],
+                        "wait_s": 0.0,
+                        "step_s": m[2],
+                        "ready_s": [max(0.0, t - m[0]) for t in m[4:]],
+                    }
+                )
+        dist.barrier()
+        return out
+
     def close(self) -> None:
         self.jobs.put(None)
 
@@ -343,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _emit("netcal", rank=a.rank, round=rnd, **_netcal(sizes, 5, a.world))
             runs = trainer.run(None, a.iters, a.warmup)
             _emit("compute", rank=a.rank, round=rnd, buckets=buckets, **_summary(runs))
+            runs = trainer.run_in_step(a.iters, a.warmup)
+            _emit("compute_in_step", rank=a.rank, round=rnd, buckets=buckets, **_summary(runs))
             for spec in specs:
                 if a.calibrate:
                     cost = calibrate(  # every rank at once, in step, as they encode at once
