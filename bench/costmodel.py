@@ -23,6 +23,10 @@ codec alike; each round is predicted from its own inputs):
     training without communication, each iteration started by all ranks at
     once and timed as the slowest rank's (an exchange cannot start before the
     last rank's bucket is ready);
+  * the ranks' skew leaving a collective: how much later than the median rank
+    the last one leaves the in-step calibrations' barriers (the median over
+    the round's calibrations); each exchange waits that much longer for the
+    last rank (`predict`'s exit_skew_s);
   * codec costs: `dlcp.costmodel.calibrate`. `--costs insitu` (default): run by
     every rank at once, in step, just before the codec's run: each step starts
     on all ranks together and counts until the slowest is done (the median of
@@ -256,6 +260,11 @@ def analyse(
             # the last rank's readiness where measured (runs before that: the median rank's)
             profile = _profile(_rows(ranks, "compute_in_step", rnd) or compute)
             jitter = a.jitter if a.jitter is not None else _jitter(compute)
+            # how far the ranks leave a collective out of step (in-step calibrations)
+            skews = [
+                r["exit_skew_s"] for r in _rows(ranks, "calibration", rnd) if "exit_skew_s" in r
+            ]
+            exit_skew = statistics.median(skews) if skews and not a.no_exit_skew else 0.0
             if host_cal is not None:
                 cost = host_cal[spec]
             else:
@@ -263,7 +272,15 @@ def analyse(
                 cost = _median_cost([CodecCost.from_json(r["cost"]) for r in cals])
             # costs timed by all hosts at once carry their contention already
             share = 1.0 if cost.together >= a.hosts and not a.cpu_share else alone_share
-            pred = predict(profile, cost, network, a.hosts, cpu_share=share, jitter_s=jitter)
+            pred = predict(
+                profile,
+                cost,
+                network,
+                a.hosts,
+                cpu_share=share,
+                jitter_s=jitter,
+                exit_skew_s=exit_skew,
+            )
             measured_steps = {k: statistics.median(r["steps"][k] for r in rows) for k in pred.steps}
             per_round.append(
                 {
@@ -278,6 +295,7 @@ def analyse(
                     "compute_s": profile.compute_s,
                     "cpu_share": share,
                     "jitter_s": jitter,
+                    "exit_skew_s": exit_skew,
                     "network": {
                         "push_bytes_s": network.push_bytes_s,
                         "pull_bytes_s": network.pull_bytes_s,
@@ -353,6 +371,11 @@ def main() -> int:
         type=float,
         default=None,
         help="hosts' compute jitter in seconds (default: measured in the compute runs)",
+    )
+    p.add_argument(
+        "--no-exit-skew",
+        action="store_true",
+        help="leave out the ranks' measured skew leaving a collective (see predict)",
     )
     p.add_argument("--reanalyse", default=None, help="predict again from a --json file's raw data")
     p.add_argument("--timeout", type=float, default=1800.0)

@@ -241,6 +241,22 @@ def test_stragglers_add_to_each_exchange() -> None:
         predict(PROFILE, SMALL, net, 3, jitter_s=-1)
 
 
+def test_ranks_leaving_a_collective_out_of_step_add_to_each_exchange() -> None:
+    net = Network(push_bytes_s=1e8, pull_bytes_s=1e8, push_s=0.001, pull_s=0.002)
+    base = predict(PROFILE, SMALL, net, 3)
+    skewed = predict(PROFILE, SMALL, net, 3, exit_skew_s=0.003)
+    # two buckets, a push and a pull each: four waits for the last host out
+    assert skewed.network_s == pytest.approx(base.network_s + 4 * 0.003)
+    assert skewed.iteration_s > base.iteration_s
+    # with compute jitter too, the two spreads add as standard deviations
+    both = predict(PROFILE, SMALL, net, 3, jitter_s=0.004, exit_skew_s=0.003)
+    lag = math.hypot(expected_max_normal(3) * 0.004, 0.003)
+    assert both.network_s == pytest.approx(base.network_s + 4 * lag)
+    assert predict(PROFILE, SMALL, net, 1, exit_skew_s=0.5).iteration_s == pytest.approx(0.16)
+    with pytest.raises(LocalError):
+        predict(PROFILE, SMALL, net, 3, exit_skew_s=-1)
+
+
 def test_compression_pays_on_slow_links_only() -> None:
     slow, fast = Network.from_rate(100e6), Network.from_rate(100e9)
     assert (
@@ -370,7 +386,7 @@ def test_emulated_ranks_sync_a_step_to_the_slowest(tmp_path: Path) -> None:
 
     import torch.distributed as dist
 
-    from dlcp.costmodel.emulate import _together
+    from dlcp.costmodel.emulate import _EXIT_SKEWS, _together
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
@@ -382,8 +398,10 @@ def test_emulated_ranks_sync_a_step_to_the_slowest(tmp_path: Path) -> None:
             ran.append(1)
             time.sleep(0.02)
 
+        _EXIT_SKEWS.clear()
         took = _together(step)
         assert ran == [1] and took >= 0.02
+        assert _EXIT_SKEWS == [0.0]  # one rank: the last one out is the median one
     finally:
         dist.destroy_process_group()
 

@@ -277,14 +277,26 @@ class _Trainer:
         self.jobs.put(None)
 
 
+_EXIT_SKEWS: list[float] = []  # of the barriers `_together` ran, since the last emit
+
+
 def _together(step: Any) -> float:
-    """`calibrate`'s sync: `step` on every rank at once; the slowest rank's seconds."""
+    """`calibrate`'s sync: `step` on every rank at once; the slowest rank's seconds.
+
+    Also notes how much later than the median rank the last one left the
+    barrier (`_EXIT_SKEWS`): ranks leave a collective out of step, and the
+    next one waits for the last. The times are on the clock the emulated hosts
+    share (CLOCK_MONOTONIC: one machine and its network namespaces).
+    """
     dist.barrier()
-    t = time.perf_counter()
+    t = time.monotonic()
     step()
-    took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took.item())
+    mine = torch.tensor([t, time.monotonic() - t], dtype=torch.float64)
+    every = [torch.empty(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    exits = [float(e[0].item()) for e in every]
+    _EXIT_SKEWS.append(max(exits) - statistics.median(exits))
+    return max(float(e[1].item()) for e in every)
 
 
 def _netcal(sizes: Sequence[int], reps: int, world: int) -> dict[str, Any]:
@@ -389,7 +401,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         sync=_together,
                         together=a.world,
                     ).codecs[spec]
-                    _emit("calibration", rank=a.rank, round=rnd, codec=spec, cost=cost.to_json())
+                    skew = statistics.median(_EXIT_SKEWS) if _EXIT_SKEWS else 0.0
+                    _EXIT_SKEWS.clear()
+                    _emit(
+                        "calibration",
+                        rank=a.rank,
+                        round=rnd,
+                        codec=spec,
+                        cost=cost.to_json(),
+                        exit_skew_s=skew,
+                    )
                 runs = trainer.run(spec, a.iters, a.warmup)
                 _emit("codec", rank=a.rank, round=rnd, codec=spec, **_summary(runs))
         trainer.close()
