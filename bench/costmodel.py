@@ -20,17 +20,24 @@ codec alike; each round is predicted from its own inputs):
   * network: bare all-to-all and all-gather of two sizes on the link (fixed
     time + bytes / goodput fit);
   * compute: forward, backward (bucket ready times) and step of the ranks
-    training without communication;
+    training without communication, each iteration started by all ranks at
+    once and timed as the slowest rank's (an exchange cannot start before the
+    last rank's bucket is ready);
+  * the ranks' skew leaving a collective: how much later than the median rank
+    the last one leaves the in-step calibrations' barriers (the median over
+    the round's calibrations); each exchange waits that much longer for the
+    last rank (`predict`'s exit_skew_s);
   * codec costs: `dlcp.costmodel.calibrate`. `--costs insitu` (default): run by
-    every rank at once just before the codec's run (the median rank), so the
-    costs carry the machine's speed and other programs' load of that moment;
-    `--costs host`: once in this process, alone;
-  * CPU contention, either way: the emulated hosts run their codec steps at
-    once on this machine's cores, and the exchange after a step waits for the
-    last host, so the steps are scaled by hosts / cores
-    (`dlcp.costmodel.model.cpu_share_for`). The ranks' calibrations do not
-    carry that sharing: out of step, they measure about what one process
-    alone measures (see BENCHMARKS.md).
+    every rank at once, in step, just before the codec's run: each step starts
+    on all ranks together and counts until the slowest is done (the median of
+    `--cal-repeats` rounds), so the costs carry the machine's speed, other
+    programs' load of that moment and the ranks' contention for the cores, as
+    the exchange after a step waits for the last host; `--costs host`: once in
+    this process, alone;
+  * CPU contention of costs timed alone (`--costs host`): the emulated hosts
+    run their codec steps at once on this machine's cores, so those steps are
+    scaled by hosts / cores (`dlcp.costmodel.model.cpu_share_for`). In-situ
+    costs carry it already (`CodecCost.together`), so they are not scaled.
 The reported prediction and measurement are medians over rounds.
 """
 
@@ -72,6 +79,7 @@ def _worker_argv(rank: int, master: str, a: argparse.Namespace) -> list[str]:
     argv += ["--world", str(a.hosts), "--master", master, "--port", str(PORT)]
     argv += ["--codecs", a.codecs, "--iters", str(a.iters), "--warmup", str(a.warmup)]
     argv += ["--bucket-mb", str(a.bucket_mb), "--rounds", str(a.rounds)]
+    argv += ["--cal-repeats", str(a.cal_repeats)]
     return argv + (["--calibrate"] if a.costs == "insitu" else [])
 
 
@@ -195,6 +203,7 @@ def _median_cost(costs: list[CodecCost]) -> CodecCost:
         decode=lin("decode"),
         rel_error=med(lambda c: c.rel_error),
         hosts=first.hosts,
+        together=min(c.together for c in costs),
     )
 
 
@@ -238,24 +247,40 @@ def analyse(
     host_cal: Calibration | None,
 ) -> list[dict[str, Any]]:
     # the emulated hosts encode, aggregate and decode at once on this machine's cores
-    share = a.cpu_share or cpu_share_for(a.hosts)
+    alone_share = a.cpu_share or cpu_share_for(a.hosts)
     results = []
     for spec in specs:
-        per_round = []
+        per_round: list[dict[str, Any]] = []
         for rnd in range(a.rounds):
             rows = _rows(ranks, "codec", rnd, spec)
             if not rows:
                 continue
             network = _network(_rows(ranks, "netcal", rnd), a.hosts, bps)
             compute = _rows(ranks, "compute", rnd)
-            profile = _profile(compute)
+            # the last rank's readiness where measured (runs before that: the median rank's)
+            profile = _profile(_rows(ranks, "compute_in_step", rnd) or compute)
             jitter = a.jitter if a.jitter is not None else _jitter(compute)
+            # how far the ranks leave a collective out of step (in-step calibrations)
+            skews = [
+                r["exit_skew_s"] for r in _rows(ranks, "calibration", rnd) if "exit_skew_s" in r
+            ]
+            exit_skew = statistics.median(skews) if skews and not a.no_exit_skew else 0.0
             if host_cal is not None:
                 cost = host_cal[spec]
             else:
                 cals = _rows(ranks, "calibration", rnd, spec)
                 cost = _median_cost([CodecCost.from_json(r["cost"]) for r in cals])
-            pred = predict(profile, cost, network, a.hosts, cpu_share=share, jitter_s=jitter)
+            # costs timed by all hosts at once carry their contention already
+            share = 1.0 if cost.together >= a.hosts and not a.cpu_share else alone_share
+            pred = predict(
+                profile,
+                cost,
+                network,
+                a.hosts,
+                cpu_share=share,
+                jitter_s=jitter,
+                exit_skew_s=exit_skew,
+            )
             measured_steps = {k: statistics.median(r["steps"][k] for r in rows) for k in pred.steps}
             per_round.append(
                 {
@@ -268,7 +293,9 @@ def analyse(
                         profile, cost, network, a.hosts, share, measured_steps
                     ),
                     "compute_s": profile.compute_s,
+                    "cpu_share": share,
                     "jitter_s": jitter,
+                    "exit_skew_s": exit_skew,
                     "network": {
                         "push_bytes_s": network.push_bytes_s,
                         "pull_bytes_s": network.pull_bytes_s,
@@ -291,7 +318,7 @@ def analyse(
                 "codec": spec,
                 "hosts": a.hosts,
                 "costs": a.costs,
-                "cpu_share": share,
+                "cpu_share": statistics.median(r["cpu_share"] for r in per_round),
                 "predicted_s": predicted,
                 "measured_s": measured,
                 "error": predicted / measured - 1.0,
@@ -337,12 +364,18 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=1.0)
     p.add_argument("--costs", choices=("insitu", "host"), default="insitu")
+    p.add_argument("--cal-repeats", type=int, default=5, help="in-situ calibration rounds")
     p.add_argument("--cpu-share", type=float, default=None, help="override the CPU share")
     p.add_argument(
         "--jitter",
         type=float,
         default=None,
         help="hosts' compute jitter in seconds (default: measured in the compute runs)",
+    )
+    p.add_argument(
+        "--no-exit-skew",
+        action="store_true",
+        help="leave out the ranks' measured skew leaving a collective (see predict)",
     )
     p.add_argument("--reanalyse", default=None, help="predict again from a --json file's raw data")
     p.add_argument("--timeout", type=float, default=1800.0)

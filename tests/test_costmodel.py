@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,22 @@ def test_stragglers_add_to_each_exchange() -> None:
         predict(PROFILE, SMALL, net, 3, jitter_s=-1)
 
 
+def test_ranks_leaving_a_collective_out_of_step_add_to_each_exchange() -> None:
+    net = Network(push_bytes_s=1e8, pull_bytes_s=1e8, push_s=0.001, pull_s=0.002)
+    base = predict(PROFILE, SMALL, net, 3)
+    skewed = predict(PROFILE, SMALL, net, 3, exit_skew_s=0.003)
+    # two buckets, a push and a pull each: four waits for the last host out
+    assert skewed.network_s == pytest.approx(base.network_s + 4 * 0.003)
+    assert skewed.iteration_s > base.iteration_s
+    # with compute jitter too, the two spreads add as standard deviations
+    both = predict(PROFILE, SMALL, net, 3, jitter_s=0.004, exit_skew_s=0.003)
+    lag = math.hypot(expected_max_normal(3) * 0.004, 0.003)
+    assert both.network_s == pytest.approx(base.network_s + 4 * lag)
+    assert predict(PROFILE, SMALL, net, 1, exit_skew_s=0.5).iteration_s == pytest.approx(0.16)
+    with pytest.raises(LocalError):
+        predict(PROFILE, SMALL, net, 3, exit_skew_s=-1)
+
+
 def test_compression_pays_on_slow_links_only() -> None:
     slow, fast = Network.from_rate(100e6), Network.from_rate(100e9)
     assert (
@@ -326,6 +343,91 @@ def test_calibration_measures_bytes_and_round_trips(tmp_path: Path) -> None:
         Calibration.load(tmp_path / "nope.json")
     with pytest.raises(LocalError):
         cal["thc4"]
+
+
+def test_calibrating_in_step_costs_each_step_its_slowest_ranks_time() -> None:
+    """With `sync`, every step's time is what sync reports (the slowest rank's),
+    not this process's own: a sync that says each step took 10 ms gives costs of
+    exactly those steps, whatever this process measured."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(4096, generator=gen) for _ in range(3)]
+    calls: list[str] = []
+
+    def sync(step: Callable[[], None]) -> float:
+        step()
+        calls.append("step")
+        return 0.010
+
+    cal = calibrate(
+        ["fp32", "sketch"], grads, hosts=3, small=1024, repeats=2, sync=sync, together=3
+    )
+    fp32, sketch = cal["fp32"], cal["sketch"]
+    # fp32, per worker of 3: (begin + encode) / 3; aggregate 1 step; decode 1 step
+    assert fp32.encode(4096) == pytest.approx(0.020 / 3)
+    assert fp32.aggregate(4096) == pytest.approx(0.010)
+    assert fp32.decode(1024) == pytest.approx(0.010)
+    # sketch, two phases: begin, 2 encodes and 1 absorb per worker; 2 aggregates
+    assert sketch.encode(4096) == pytest.approx(0.040 / 3)
+    assert sketch.aggregate(4096) == pytest.approx(0.020)
+    assert fp32.together == 3 and sketch.together == 3
+    assert len(calls) == 2 * 3 * 4 + 2 * 3 * 7  # sizes x rounds (1 warm-up) x steps, per codec
+    again = CodecCost.from_json(fp32.to_json())
+    assert again == fp32
+    old = fp32.to_json()
+    del old["together"]  # a calibration saved before `together` existed: timed alone
+    assert CodecCost.from_json(old).together == 1
+    assert calibrate(["fp32"], grads, hosts=3, small=1024, repeats=1)["fp32"].together == 1
+    with pytest.raises(LocalError):
+        calibrate(["fp32"], grads, hosts=3, together=3)  # `together` without a sync
+
+
+def test_emulated_ranks_sync_a_step_to_the_slowest(tmp_path: Path) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from dlcp.costmodel.emulate import _EXIT_SKEWS, _together
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        ran: list[int] = []
+
+        def step() -> None:
+            ran.append(1)
+            time.sleep(0.02)
+
+        _EXIT_SKEWS.clear()
+        took = _together(step)
+        assert ran == [1] and took >= 0.02
+        assert _EXIT_SKEWS == [0.0]  # one rank: the last one out is the median one
+    finally:
+        dist.destroy_process_group()
+
+
+def test_in_step_compute_times_the_slowest_rank(tmp_path: Path) -> None:
+    """`run_in_step`: iterations every rank starts at once, each bucket's ready time
+    as the last rank reaches it (one rank here: its own, within its backward)."""
+    import torch.distributed as dist
+
+    from dlcp.costmodel.emulate import _Trainer
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        args = argparse.Namespace(rank=0, world=1, hidden=(2048, 256), bucket_mb=1.0, batch=8)
+        trainer = _Trainer(args)
+        runs = trainer.run_in_step(3, 1)
+        trainer.close()
+        assert len(runs) == 3
+        for r in runs:
+            assert len(r["ready_s"]) == len(trainer.groups) >= 2
+            assert all(0 <= t <= r["backward_s"] + 1e-9 for t in r["ready_s"])
+            assert r["iteration_s"] >= r["forward_s"] + r["backward_s"] > 0
+    finally:
+        dist.destroy_process_group()
 
 
 def test_simulated_average_of_lane_codecs() -> None:

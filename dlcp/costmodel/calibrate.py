@@ -8,6 +8,11 @@ each step; wire bytes come from the same runs. Results are cached as JSON
 
 Codec specs are registry names with options: `fft`, `fft:theta=0.8`,
 `sketch:keep=0.05`, `thc4:rotate=false`.
+
+Several ranks sharing a machine (emulated hosts, daemons) can calibrate together
+with `sync`: every step then starts on all ranks at once and counts until the
+slowest rank is done with it (its makespan), which is what the exchange after
+the step waits for. Those costs carry the contention of `together` ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ __all__ = [
     "Calibration",
     "CodecCost",
     "Linear",
+    "StepSync",
     "calibrate",
     "default_cache",
     "make_codec",
@@ -38,6 +44,9 @@ __all__ = [
 
 DEFAULT_CODECS: tuple[str, ...] = ("fp32", "fp16", "thc8", "thc4", "fft", "sketch")
 FORMAT = 1
+# Runs `step` on every rank at once and returns the seconds the slowest rank took
+# (e.g. a barrier, the step, an all-reduce MAX of the time): see `calibrate`.
+StepSync = Callable[[Callable[[], None]], float]
 
 
 def _value(text: str) -> Any:
@@ -109,6 +118,7 @@ class CodecCost:
     decode: Linear  # a worker turning the result into the mean
     rel_error: float  # relative L2 error of one round's mean
     hosts: int
+    together: int = 1  # ranks that ran each step at once (its makespan over them)
 
     @property
     def phases(self) -> int:
@@ -133,6 +143,7 @@ class CodecCost:
             decode=Linear(**d["decode"]),
             rel_error=float(d["rel_error"]),
             hosts=int(d["hosts"]),
+            together=int(d.get("together", 1)),
         )
 
 
@@ -210,49 +221,67 @@ class _Round:
     pull: list[int]
 
 
-def _time_round(pipe: Any, grads: Sequence[Any], ctxs: Sequence[Any], seed: int) -> _Round:
-    """One round of `pipe` over all workers, timed step by step."""
+def _alone(step: Callable[[], None]) -> float:
     t = time.perf_counter()
-    for ctx, g in zip(ctxs, grads, strict=True):
-        pipe.begin(ctx, g, seed)
-    enc = time.perf_counter() - t
+    step()
+    return time.perf_counter() - t
+
+
+def _time_round(
+    pipe: Any, grads: Sequence[Any], ctxs: Sequence[Any], seed: int, sync: StepSync | None = None
+) -> _Round:
+    """One round of `pipe` over all workers, timed step by step (with `sync`, each
+    step's time is the slowest rank's)."""
+    timed = sync if sync is not None else _alone
+    result = b""
+    payloads: list[bytes] = []
+    push: list[int] = []
+    pull: list[int] = []
+
+    def begin() -> None:
+        for ctx, g in zip(ctxs, grads, strict=True):
+            pipe.begin(ctx, g, seed)
+
+    enc = timed(begin)
     agg = 0.0
     maxima = [pipe.local_max(c) for c in ctxs]  # THC's first-round agreement: not timed
     if all(m is not None for m in maxima):
         for c in ctxs:
             c.scale = max(m for m in maxima if m is not None)
-    result = b""
-    push: list[int] = []
-    pull: list[int] = []
     for phase in range(pipe.phases):
-        t = time.perf_counter()
-        payloads = [pipe.encode(c, phase) for c in ctxs]
-        enc += time.perf_counter() - t
-        t = time.perf_counter()
-        result = pipe.aggregate(phase, payloads, ctxs[0].numel)
-        agg += time.perf_counter() - t
+
+        def encode(phase: int = phase) -> None:
+            payloads[:] = [pipe.encode(c, phase) for c in ctxs]
+
+        def aggregate(phase: int = phase) -> None:
+            nonlocal result
+            result = pipe.aggregate(phase, payloads, ctxs[0].numel)
+
+        def absorb(phase: int = phase) -> None:
+            for c in ctxs:
+                pipe.absorb(c, phase, result)
+
+        enc += timed(encode)
+        agg += timed(aggregate)
         push.append(max(len(p) for p in payloads))
         pull.append(len(result))
         if phase < pipe.phases - 1:
-            t = time.perf_counter()
-            for c in ctxs:
-                pipe.absorb(c, phase, result)
-            enc += time.perf_counter() - t
-    t = time.perf_counter()
-    pipe.decode(ctxs[0], result, len(ctxs))
-    dec = time.perf_counter() - t
+            enc += timed(absorb)
+    dec = timed(lambda: pipe.decode(ctxs[0], result, len(ctxs)))
     for c in ctxs:
         c.scale = None
     return _Round(enc / len(ctxs), agg, dec, push, pull)
 
 
-def _rounds(spec: str, grads: Sequence[Any], repeats: int) -> list[_Round]:
+def _rounds(
+    spec: str, grads: Sequence[Any], repeats: int, sync: StepSync | None = None
+) -> list[_Round]:
     from dlcp.costmodel.pipeline import ShardContext, pipeline_for
 
     pipe = pipeline_for(make_codec(spec))
     ctxs = [ShardContext(grads[0].numel()) for _ in grads]
-    _time_round(pipe, grads, ctxs, 0)  # warm-up (and a first residual)
-    return [_time_round(pipe, grads, ctxs, r + 1) for r in range(repeats)]
+    _time_round(pipe, grads, ctxs, 0, sync)  # warm-up (and a first residual)
+    return [_time_round(pipe, grads, ctxs, r + 1, sync) for r in range(repeats)]
 
 
 def measure_steps(
@@ -279,6 +308,8 @@ def calibrate(
     small: int = 1 << 14,
     repeats: int = 3,
     threads: int | None = 1,
+    sync: StepSync | None = None,
+    together: int = 1,
 ) -> Calibration:
     """Time every codec of `specs` on this host.
 
@@ -288,6 +319,12 @@ def calibrate(
         bytes on the wire are those of the last timed round (error feedback on);
         the error is that of one round without error-feedback history.
     threads: torch intra-op threads while timing (None leaves it alone).
+    sync: when `together` ranks sharing this machine calibrate at once, runs each
+        step on all of them together and returns the slowest one's time. Each
+        step then costs its makespan over the ranks, what the exchange after it
+        waits for, as they contend for the cores as they do in training; without
+        it, steps are timed in this process alone (`together` 1). The fit takes
+        the median of `repeats` rounds at each size either way.
     """
     import torch
 
@@ -295,6 +332,8 @@ def calibrate(
 
     if hosts < 1:
         raise LocalError(f"hosts must be >= 1, got {hosts}")
+    if together < 1 or (sync is None and together != 1):
+        raise LocalError(f"together {together}: want 1 without sync, >= 1 with it")
     if grads is None:
         from dlcp.costmodel.digits import sample_gradients
 
@@ -313,8 +352,8 @@ def calibrate(
         for spec in specs:
             ex = average(make_codec(spec), grads, error_feedback=False)
             err = float((ex.mean - truth).norm() / truth.norm().clamp(min=1e-30))
-            small_runs = _rounds(spec, [g[:small].clone() for g in grads], repeats)
-            runs = _rounds(spec, grads, repeats)
+            small_runs = _rounds(spec, [g[:small].clone() for g in grads], repeats, sync)
+            runs = _rounds(spec, grads, repeats, sync)
             steady = runs[-1]  # bytes with error feedback under way (sketch's union grows)
 
             def fit(
@@ -333,6 +372,7 @@ def calibrate(
                 decode=fit("decode"),
                 rel_error=err,
                 hosts=hosts,
+                together=together,
             )
     finally:
         torch.set_num_threads(old_threads)

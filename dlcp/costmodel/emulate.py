@@ -12,9 +12,14 @@ are the codec's; TCP (Gloo) carries them instead of dlcp's UDP.
     python -m dlcp.costmodel.emulate --rank R --world H --master ADDR --port P \
         --codecs fp32,fft --iters 20
 
-prints one JSON line per measurement: {"kind": "netcal"|"compute"|"calibration"|"codec", ...}.
+prints one JSON line per measurement: {"kind": "netcal"|"compute"|"compute_in_step"|
+"calibration"|"codec", ...}; "compute_in_step" times the slowest rank of
+iterations that every rank starts at once (`_Trainer.run_in_step`).
 With --calibrate every rank times the next codec's steps on sample gradients just
-before running it, all ranks at once (so the costs carry the load of that moment).
+before running it, all ranks at once and in step: each step starts on every rank
+together (a barrier) and counts until the slowest rank is done (an all-reduce MAX),
+so the costs carry the load of that moment and the ranks' contention for the
+cores, as the exchange after the step waits for the slowest rank.
 """
 
 from __future__ import annotations
@@ -237,8 +242,61 @@ class _Trainer:
         dist.barrier()
         return out
 
+    def run_in_step(self, iters: int, warmup: int) -> list[dict[str, Any]]:
+        """Iterations without communication, every rank starting each one at once
+        (a barrier), timed as the slowest rank's: forward, each bucket's ready time
+        and backward as the last rank reaches them, the optimizer step. An exchange
+        cannot start before the last rank's bucket is ready, and the ranks compute
+        at once on shared cores as they do between exchanges."""
+        self.exchanger = None
+        out = []
+        for i in range(warmup + iters):
+            dist.barrier()
+            r = self.iteration()
+            f = r["forward_s"]
+            ends = [f, f + r["backward_s"], r["step_s"], r["iteration_s"]]
+            ends += [f + t for t in r["ready_s"]]
+            slowest = torch.tensor(ends, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            m = slowest.tolist()
+            if i >= warmup:
+                out.append(
+                    {
+                        "iteration_s": m[3],
+                        "forward_s": m[0],
+                        "backward_s": m[1] - m[0],
+                        "wait_s": 0.0,
+                        "step_s": m[2],
+                        "ready_s": [max(0.0, t - m[0]) for t in m[4:]],
+                    }
+                )
+        dist.barrier()
+        return out
+
     def close(self) -> None:
         self.jobs.put(None)
+
+
+_EXIT_SKEWS: list[float] = []  # of the barriers `_together` ran, since the last emit
+
+
+def _together(step: Any) -> float:
+    """`calibrate`'s sync: `step` on every rank at once; the slowest rank's seconds.
+
+    Also notes how much later than the median rank the last one left the
+    barrier (`_EXIT_SKEWS`): ranks leave a collective out of step, and the
+    next one waits for the last. The times are on the clock the emulated hosts
+    share (CLOCK_MONOTONIC: one machine and its network namespaces).
+    """
+    dist.barrier()
+    t = time.monotonic()
+    step()
+    mine = torch.tensor([t, time.monotonic() - t], dtype=torch.float64)
+    every = [torch.empty(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    exits = [float(e[0].item()) for e in every]
+    _EXIT_SKEWS.append(max(exits) - statistics.median(exits))
+    return max(float(e[1].item()) for e in every)
 
 
 def _netcal(sizes: Sequence[int], reps: int, world: int) -> dict[str, Any]:
@@ -305,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="before each codec run, time its steps here (dlcp.costmodel.calibrate)",
     )
+    p.add_argument("--cal-repeats", type=int, default=5, help="calibration rounds per size")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     dist.init_process_group(
@@ -314,18 +373,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = _Trainer(a)
         buckets = [sum(trainer.params[i].numel() for i in g) for g in trainer.groups]
         specs = [s.strip() for s in a.codecs.split(";") if s.strip()]
-        sample = sample_gradients(a.world, hidden=a.hidden) if a.calibrate else []
+        # calibrated between the smallest and the largest shard the exchanges carry,
+        # so the fitted line interpolates the sizes it predicts (codec costs are not
+        # linear over decades of sizes: caches, sketch's sorting)
+        shards = [b // a.world for b in buckets]
+        sample = (
+            [g[: max(shards)].clone() for g in sample_gradients(a.world, hidden=a.hidden)]
+            if a.calibrate
+            else []
+        )
         for rnd in range(a.rounds):  # interleaved, so that load changes hit every run alike
             if a.netcal:
                 sizes = [int(s) for s in a.netcal.split(",")]
                 _emit("netcal", rank=a.rank, round=rnd, **_netcal(sizes, 5, a.world))
             runs = trainer.run(None, a.iters, a.warmup)
             _emit("compute", rank=a.rank, round=rnd, buckets=buckets, **_summary(runs))
+            runs = trainer.run_in_step(a.iters, a.warmup)
+            _emit("compute_in_step", rank=a.rank, round=rnd, buckets=buckets, **_summary(runs))
             for spec in specs:
                 if a.calibrate:
-                    dist.barrier()  # every rank calibrates at once, as they encode at once
-                    cost = calibrate([spec], sample, hosts=a.world, repeats=2).codecs[spec]
-                    _emit("calibration", rank=a.rank, round=rnd, codec=spec, cost=cost.to_json())
+                    cost = calibrate(  # every rank at once, in step, as they encode at once
+                        [spec],
+                        sample,
+                        hosts=a.world,
+                        small=min(shards),
+                        repeats=a.cal_repeats,
+                        sync=_together,
+                        together=a.world,
+                    ).codecs[spec]
+                    skew = statistics.median(_EXIT_SKEWS) if _EXIT_SKEWS else 0.0
+                    _EXIT_SKEWS.clear()
+                    _emit(
+                        "calibration",
+                        rank=a.rank,
+                        round=rnd,
+                        codec=spec,
+                        cost=cost.to_json(),
+                        exit_skew_s=skew,
+                    )
                 runs = trainer.run(spec, a.iters, a.warmup)
                 _emit("codec", rank=a.rank, round=rnd, codec=spec, **_summary(runs))
         trainer.close()

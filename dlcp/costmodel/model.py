@@ -201,6 +201,7 @@ def predict(
     *,
     cpu_share: float = 1.0,
     jitter_s: float = 0.0,
+    exit_skew_s: float = 0.0,
 ) -> Prediction:
     """Predicted iteration time of `profile` with `cost`'s codec on `network`.
 
@@ -210,6 +211,13 @@ def predict(
         compute jitter, seconds). A push or pull completes when the slowest host
         arrives, `expected_max_normal(hosts) * jitter_s` after the average one
         (stragglers; 0 for identical, quiet hosts).
+    exit_skew_s: how much later than the median host the last one leaves a
+        collective (measured on hosts contending for cores). Each host's CPU
+        steps start when it leaves the previous exchange, and the next exchange
+        waits for the last host, so it starts up to this much after the
+        makespan of the steps alone. Independent of the compute jitter, the two
+        add as standard deviations: the wait per network step is
+        sqrt((expected_max_normal(hosts) * jitter_s) ** 2 + exit_skew_s ** 2).
     """
     if hosts < 1:
         raise LocalError(f"hosts must be >= 1, got {hosts}")
@@ -217,8 +225,10 @@ def predict(
         raise LocalError(f"cpu_share {cpu_share} outside (0, 1]")
     if not jitter_s >= 0:
         raise LocalError(f"jitter {jitter_s} must be >= 0")
+    if not exit_skew_s >= 0:
+        raise LocalError(f"exit skew {exit_skew_s} must be >= 0")
     slow = 1.0 / cpu_share
-    lag = expected_max_normal(hosts) * jitter_s
+    lag = math.hypot(expected_max_normal(hosts) * jitter_s, exit_skew_s)
     t = profile.forward_s
     done = 0.0  # backward seconds computed
     wire = 0.0
