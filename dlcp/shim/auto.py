@@ -83,9 +83,11 @@ __all__ = [
     "AutoCodec",
     "available",
     "correction",
+    "error_penalty",
     "host_calibration",
     "judge",
     "link_from_status",
+    "payback_step",
     "pick",
 ]
 
@@ -158,6 +160,7 @@ def judge(
     measured: Mapping[str, float],
     explore: float,
     cpu: Mapping[str, float] | None = None,
+    penalty: Mapping[str, float] | None = None,
 ) -> tuple[list[float], tuple[float, float] | None]:
     """The times a decision compares, one per candidate (`UNAVAILABLE_S` for a
     candidate with no prediction):
@@ -171,24 +174,64 @@ def judge(
       (and within `pick`'s gain of the fastest). The margin is the model's
       uncertainty after correction, which shrinks as measurements accumulate.
 
+    Either is then multiplied by the candidate's `penalty` (default 1: see
+    `error_penalty`), which makes it the time per exact step's worth of
+    progress. The correction is fitted to the plain times.
+
     Returns the times and the correction (None when nothing was measured)."""
     cpu = cpu or {}
+    penalty = penalty or {}
     factors = correction(predicted, cpu, measured)
     seen = sum(1 for c in measured if c in predicted)
     margin = explore / seen if seen else 0.0
     out = []
     for name in candidates:
         if name in measured and name in predicted:
-            out.append(float(measured[name]))
+            out.append(float(measured[name]) * penalty.get(name, 1.0))
         elif name in predicted:
             t = predicted[name]
             if factors is not None:
                 x = min(max(cpu.get(name, 0.0), 0.0), t)
                 t = (factors[0] * x + factors[1] * (t - x)) / (1.0 + margin)
-            out.append(t)
+            out.append(t * penalty.get(name, 1.0))
         else:
             out.append(UNAVAILABLE_S)
     return out, factors
+
+
+def error_penalty(rel_error: float, weight: float = 1.0) -> float:
+    """How many steps of a codec whose averaged gradient has relative L2 error
+    `rel_error` (one round, as calibrated) make the progress of one exact step:
+    1 + `weight` * rel_error ** 2.
+
+    An unbiased compressor with relative error e adds noise of e**2 times the
+    gradient's squared norm; SGD's step count to a target grows with the
+    gradient's second moment, so by up to that factor (the (1 + omega) of the
+    compressed-SGD bounds, omega = e**2). Error feedback carries the error into
+    later rounds and recovers part of it, so this is the pessimistic end;
+    `weight` (auto's `error_cost`) scales it, 0 ignores errors."""
+    if weight == 0:
+        return 1.0
+    if not (math.isfinite(rel_error) and rel_error >= 0):
+        return math.inf  # an error not known: as if unusable
+    return 1.0 + weight * rel_error * rel_error
+
+
+def payback_step(gain: float, trial_steps: int, payback: float = 1.0) -> float:
+    """The steps (since the last link change) after which trying a codec
+    predicted `gain` (relative: 0.2 = 20 % less time per step) faster has paid
+    for itself: the ski-rental break-even. A trial of `trial_steps` steps costs
+    at most about that many steps (if the codec turns out no faster, and its
+    error set training back), times `payback`; not trying it costs `gain` of
+    a step per step run, if the prediction holds. Trying once the steps run
+    times `gain` reach the trial's cost keeps either regret within twice the
+    other's, whether training then ends or goes on. `math.inf` for no gain;
+    0 with `payback` 0 (try at once)."""
+    if payback <= 0:
+        return 0.0
+    if not gain > 0:
+        return math.inf
+    return payback * trial_steps / gain
 
 
 def link_from_status(status: Mapping[str, Any], peers: Sequence[str] | None = None) -> float | None:
@@ -271,6 +314,8 @@ class AutoCodec:
         window: int = 5,
         probe: int = 2,
         explore: float = 0.15,
+        error_cost: float = 1.0,
+        payback: float = 1.0,
         cpu_share: float = 1.0,
         jitter_s: float = 0.0,
         link_bps: float | str | None = None,
@@ -297,6 +342,8 @@ class AutoCodec:
             ("change", change),
             ("jitter_s", jitter_s),
             ("explore", explore),
+            ("error_cost", error_cost),
+            ("payback", payback),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise LocalError(f"auto {name} must be >= 0, got {value!r}")
@@ -306,6 +353,8 @@ class AutoCodec:
             raise LocalError(f"auto max_rel_error must be >= 0 or None, got {max_rel_error!r}")
         self.min_gain = float(min_gain)
         self.explore = float(explore)
+        self.error_cost = float(error_cost)
+        self.payback = float(payback)
         self.max_rel_error = max_rel_error
         self.change = float(change)
         self.cpu_share = float(cpu_share)
@@ -328,6 +377,7 @@ class AutoCodec:
         self.history: list[list[Any]] = []
         self.correction: tuple[float, float] | None = None
         self.explored_steps = 0
+        self.deferred: dict[str, float] = {}  # untried codec -> step (of the epoch) it pays back
         # this step's buckets, and the last steps' (sizes, ready times)
         self._sizes: list[int] = []
         self._gaps: list[float] = []
@@ -336,6 +386,7 @@ class AutoCodec:
         self._goodput: dict[str, deque[float]] = {}  # bytes/s of the last steps, per codec
         self._iteration: dict[str, deque[float]] = {}  # seconds of the last steps, per codec
         self._tried: set[str] = {self.warmup_codec}  # since the last link change (shared)
+        self._epoch = 0  # the step of the last link change (shared)
         self._followup: int | None = None  # step of a decision after a switch
         self._first_in: float | None = None  # when this step's first bucket entered
         self._fresh = True  # the step under way is the run's or a new codec's first
@@ -424,6 +475,7 @@ class AutoCodec:
         self._goodput.clear()
         self._iteration.clear()
         self._tried = {self.current}
+        self._epoch = self.steps
 
     def goodput(self, codec: str) -> float | None:
         """The goodput (bytes/s) measured with `codec` (median of its last steps)."""
@@ -468,7 +520,26 @@ class AutoCodec:
         """A decision every rank makes at the same step (after `end_step`)."""
         if self.steps == self._followup:
             return True
-        return self.steps >= self.warmup and (self.steps - self.warmup) % self.every == 0
+        if self.steps >= self.warmup and (self.steps - self.warmup) % self.every == 0:
+            return True
+        return self.reviews and self._review(self.steps - self._epoch)
+
+    @property
+    def reviews(self) -> bool:
+        """Whether decisions are also made at the reviews (`_review`): where a
+        deferred trial may come due (with `measure` and a `payback`)."""
+        return self.measure and self.payback > 0
+
+    def _review(self, k: int) -> bool:
+        """Whether `k` steps since the last link change is a review: `warmup`
+        times a power of two (3, 6, 12, 24, ... steps). A trial deferred for
+        payback comes due when steps x gain reach its cost, so checking at
+        doubling step counts runs it at most twice as late as its break-even,
+        with only a logarithmic number of decisions."""
+        if k < self.warmup or k % self.warmup:
+            return False
+        n = k // self.warmup
+        return n & (n - 1) == 0
 
     def link_changed(self) -> bool:
         """This rank's wish for a decision: its link rate moved by more than
@@ -521,12 +592,48 @@ class AutoCodec:
                 predicted[name] = p.iteration_s
                 cpu[name] = p.encode_s
         took = {c: m for c in predicted if self.measure and (m := self.measured(c)) is not None}
-        times, self.correction = judge(self.candidates, predicted, took, self.explore, cpu)
-        return times
+        penalty = {c: error_penalty(cal.codecs[c].rel_error, self.error_cost) for c in predicted}
+        times, self.correction = judge(self.candidates, predicted, took, self.explore, cpu, penalty)
+        return [t if math.isfinite(t) else UNAVAILABLE_S for t in times]
 
     def proposal(self, times: Sequence[float]) -> int:
-        """The index of the candidate for the ranks' averaged `times`."""
-        return self.candidates.index(pick(times, self.candidates, self.min_gain))
+        """The index of the candidate for the ranks' averaged `times`: `pick`,
+        among the codecs tried since the last link change and the untried ones
+        whose trial has paid back (`due`)."""
+        due = self.due(times)
+        allowed = [
+            t if due[c] else UNAVAILABLE_S for c, t in zip(self.candidates, times, strict=True)
+        ]
+        return self.candidates.index(pick(allowed, self.candidates, self.min_gain))
+
+    def due(self, times: Sequence[float]) -> dict[str, bool]:
+        """Per candidate, for the ranks' averaged `times`: whether it may be
+        chosen now. A codec tried since the last link change always may; an
+        untried one only once its trial pays back (`payback_step`): its
+        relative gain over the fastest tried codec (its time being the
+        optimistic corrected prediction, error penalty included) times the
+        steps run since the last link change reaches `payback` x its trial's
+        steps (`probe` + 1). Without a measured codec to compare with (at the
+        first decision after a link change, or without `measure`), every
+        codec may: the model alone decides. Sets `deferred` (untried codec ->
+        the step since the last link change where it pays back)."""
+        self.deferred = {}
+        by_name = dict(zip(self.candidates, times, strict=True))
+        allowed = {c: True for c in self.candidates}
+        if not self.reviews or not any(self.measured(c) is not None for c in self._tried):
+            return allowed
+        base = min((by_name[c] for c in self._tried if c in by_name), default=UNAVAILABLE_S)
+        if not available(base) or base <= 0:
+            return allowed
+        ran = self.steps - self._epoch
+        for c, t in by_name.items():
+            if c in self._tried or not available(t):
+                continue
+            at = payback_step(1.0 - t / base, self.probe + 1, self.payback)
+            if ran < at:
+                allowed[c] = False
+                self.deferred[c] = at
+        return allowed
 
     def adopt(self, index: int, times: Sequence[float]) -> str | None:
         """Take the agreed candidate; returns the previous codec when it changed."""
@@ -570,5 +677,6 @@ class AutoCodec:
             "predicted_s": {c: (t if available(t) else None) for c, t in self.predicted.items()},
             "correction": self.correction,
             "explored_steps": self.explored_steps,
+            "deferred": dict(self.deferred),
             "history": [list(h) for h in self.history],
         }
