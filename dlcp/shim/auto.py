@@ -522,7 +522,8 @@ class AutoCodec:
             return True
         if self.steps >= self.warmup and (self.steps - self.warmup) % self.every == 0:
             return True
-        return self.reviews and self._review(self.steps - self._epoch)
+        # (a codec on trial is judged at its follow-up, not on fewer steps)
+        return self.reviews and self._trial is None and self._review(self.steps - self._epoch)
 
     @property
     def reviews(self) -> bool:
@@ -622,12 +623,13 @@ class AutoCodec:
         allowed = {c: True for c in self.candidates}
         if not self.reviews or not any(self.measured(c) is not None for c in self._tried):
             return allowed
-        base = min((by_name[c] for c in self._tried if c in by_name), default=UNAVAILABLE_S)
+        tried = self._tried | {c for c in self.candidates if self.measured(c) is not None}
+        base = min((by_name[c] for c in tried if c in by_name), default=UNAVAILABLE_S)
         if not available(base) or base <= 0:
             return allowed
         ran = self.steps - self._epoch
         for c, t in by_name.items():
-            if c in self._tried or not available(t):
+            if c in tried or not available(t):
                 continue
             at = payback_step(1.0 - t / base, self.probe + 1, self.payback)
             if ran < at:
