@@ -94,8 +94,15 @@ def decide(ranks: Sequence[AutoCodec], hosts: int = 3) -> list[str]:
 
 def ready_auto(link_bps: float | None = None, **kw: Any) -> AutoCodec:
     # the decisions as designed for fp32, by time alone: a codec's error costs
-    # nothing and a trial needs no payback (the tests of those set them)
-    kw = {"warmup_codec": "fp32", "warmup": 2, "error_cost": 0.0, "payback": 0.0, **kw}
+    # nothing and a trial needs no payback and has no budget (their tests set them)
+    kw = {
+        "warmup_codec": "fp32",
+        "warmup": 2,
+        "error_cost": 0.0,
+        "payback": 0.0,
+        "explore_budget": None,
+        **kw,
+    }
     auto = AutoCodec(link_bps=link_bps, **kw)
     auto.calibration = calibration()
     return auto
@@ -163,6 +170,8 @@ def test_link_rate_from_env_or_argument(monkeypatch: pytest.MonkeyPatch) -> None
         {"error_cost": -1.0},
         {"error_cost": float("nan")},
         {"payback": -1.0},
+        {"explore_budget": -0.1},
+        {"explore_budget": float("inf")},
     ],
 )
 def test_bad_settings_are_refused(kw: dict[str, Any]) -> None:
@@ -528,9 +537,9 @@ def test_a_lossy_codec_must_be_faster_by_more_than_its_error_costs() -> None:
     assert decide([fast8]) == ["thc8"]
 
 
-def first_decision(link: float) -> AutoCodec:
-    """An auto with the default settings (fp16 warm-up, 3 steps) after its first decision."""
-    auto = AutoCodec(link_bps=link, every=1000)
+def first_decision(link: float, **kw: Any) -> AutoCodec:
+    """An auto (fp16 warm-up, 3 steps) after its first decision."""
+    auto = AutoCodec(link_bps=link, every=1000, **kw)
     auto.calibration = calibration()
     run_auto(auto, BENCH_TOOK, auto.warmup)
     assert auto.decisions == 1
@@ -542,8 +551,9 @@ def test_an_untried_codec_is_tried_once_its_trial_pays_back(link: float) -> None
     # after the warm-up the corrected model predicts thc8 faster than fp16's
     # measured steps; the trial's 3 steps would cost 3 steps if it fails, so it
     # waits until the steps run x the predicted gain reach 3, checked at the
-    # reviews (3, 6, 12, 24, ... steps); thc4 is never tried (its error)
-    first = first_decision(link)
+    # reviews (3, 6, 12, 24, ... steps); thc4 is never tried (its error).
+    # (No budget here: its test follows.)
+    first = first_decision(link, explore_budget=None)
     gain = 1.0 - first.predicted["thc8"] / first.predicted["fp16"]
     assert 0.0 < gain < 1.0
     due = (first.probe + 1) / gain
@@ -551,7 +561,7 @@ def test_an_untried_codec_is_tried_once_its_trial_pays_back(link: float) -> None
     assert math.isinf(first.deferred["thc4"])  # no gain: its error outweighs its speed
     start = next(3 * 2**j for j in range(10) if 3 * 2**j >= due)
     assert start > first.warmup  # deferred: without payback it would start at the warm-up
-    auto = AutoCodec(link_bps=link, every=1000)
+    auto = AutoCodec(link_bps=link, every=1000, explore_budget=None)
     auto.calibration = calibration()
     ran = run_auto(auto, BENCH_TOOK, 60)
     assert ran[:start] == ["fp16"] * start
@@ -559,21 +569,24 @@ def test_an_untried_codec_is_tried_once_its_trial_pays_back(link: float) -> None
     assert "thc4" not in ran and ran[-1] == "fp16"
     assert auto.measured("thc8") == pytest.approx(BENCH_TOOK["thc8"], abs=0.005)
     # with payback 0 (no waiting) the same trial starts right after the warm-up
-    eager = AutoCodec(link_bps=link, every=1000, payback=0.0)
+    eager = AutoCodec(link_bps=link, every=1000, payback=0.0, explore_budget=None)
     eager.calibration = calibration()
     ran = run_auto(eager, BENCH_TOOK, 10)
     assert ran[:6] == ["fp16"] * 3 + ["thc8"] * 3
 
 
 def test_a_smaller_predicted_gain_waits_longer() -> None:
-    near, far = first_decision(20e6), first_decision(200e6)
+    near, far = (
+        first_decision(20e6, explore_budget=None),
+        first_decision(200e6, explore_budget=None),
+    )
     # at 20 Mbit/s compression gains more than at 200
     assert near.predicted["thc8"] / near.predicted["fp16"] < (
         far.predicted["thc8"] / far.predicted["fp16"]
     )
     assert near.deferred["thc8"] < far.deferred["thc8"]
     # and twice the payback, twice the wait
-    twice = AutoCodec(link_bps=200e6, every=1000, payback=2.0)
+    twice = AutoCodec(link_bps=200e6, every=1000, payback=2.0, explore_budget=None)
     twice.calibration = calibration()
     run_auto(twice, BENCH_TOOK, 3)
     assert twice.deferred["thc8"] == pytest.approx(2 * far.deferred["thc8"])
@@ -593,14 +606,40 @@ def test_reviews_at_doubling_step_counts_since_the_last_link_change() -> None:
 
     assert decisions() == [3, 6, 12, 24, 43, 46, 52, 64, 88]
     assert decisions(warmup=2) == [2, 4, 8, 16, 32, 42, 44, 48, 56, 72]
-    # without payback (or without measuring) nothing is deferred: no reviews
-    assert decisions(payback=0.0) == [3]
+    assert decisions(payback=0.0) == decisions(explore_budget=None) == decisions()
+    # without payback and budget (or without measuring) nothing is deferred: no reviews
+    assert decisions(payback=0.0, explore_budget=None) == [3]
     assert decisions(measure=False) == [3]
     # a codec on trial is judged at its follow-up, not at a review on fewer steps
-    auto = AutoCodec(link_bps=200e6, every=1000, probe=20, payback=1e-9)
+    auto = AutoCodec(link_bps=200e6, every=1000, probe=20, payback=1e-9, explore_budget=None)
     auto.calibration = calibration()
     ran = run_auto(auto, BENCH_TOOK, 23)
     assert ran == ["fp16"] * 3 + ["thc8"] * 20 and auto.decisions == 1
+
+
+@pytest.mark.parametrize(("budget", "first"), [(0.05, 96), (0.1, 48)])
+def test_failed_trials_stay_within_the_exploration_budget(budget: float, first: int) -> None:
+    # the trial of thc8 has paid back by step 12 (the test above), but failed
+    # trials may take only `budget` of the steps run: its 3 steps may start
+    # once 3 / budget steps ran (60, 30), at the review after (96, 48); after
+    # it failed, the next (fp32, predicted faster by the corrected model once
+    # thc8 is measured) waits for 6 / budget (120, 60: the reviews 192, 96)
+    at_first = first_decision(200e6, explore_budget=budget)
+    assert at_first.deferred["thc8"] == pytest.approx(3 / budget)
+    auto = AutoCodec(link_bps=200e6, every=1000, explore_budget=budget)
+    auto.calibration = calibration()
+    ran = run_auto(auto, BENCH_TOOK, 200)
+    second = next(3 * 2**j for j in range(10) if 3 * 2**j >= 6 / budget)
+    assert ran[:first] == ["fp16"] * first
+    assert ran[first : first + 3] == ["thc8"] * 3
+    assert ran[first + 3 : second] == ["fp16"] * (second - first - 3)
+    assert "thc4" not in ran
+    assert auto.explored_steps <= budget * len(ran)
+    # with a budget of 0 nothing is tried once a codec was measured
+    none = AutoCodec(link_bps=200e6, every=1000, explore_budget=0.0)
+    none.calibration = calibration()
+    assert run_auto(none, BENCH_TOOK, 200) == ["fp16"] * 200
+    assert none.deferred["thc8"] == math.inf
 
 
 def test_a_link_change_still_switches_at_once() -> None:
