@@ -8,6 +8,7 @@ averaging their vectors here as `DlcpState` does over the process group.
 
 from __future__ import annotations
 
+import math
 import pickle
 import statistics
 from collections.abc import Iterator, Sequence
@@ -26,9 +27,11 @@ from dlcp.shim.auto import (
     UNAVAILABLE_S,
     AutoCodec,
     correction,
+    error_penalty,
     host_calibration,
     judge,
     link_from_status,
+    payback_step,
     pick,
 )
 from tests.daemons import loopback_daemons
@@ -90,7 +93,16 @@ def decide(ranks: Sequence[AutoCodec], hosts: int = 3) -> list[str]:
 
 
 def ready_auto(link_bps: float | None = None, **kw: Any) -> AutoCodec:
-    kw = {"warmup_codec": "fp32", "warmup": 2, **kw}  # (the decisions as designed for fp32)
+    # the decisions as designed for fp32, by time alone: a codec's error costs
+    # nothing and a trial needs no payback and has no budget (their tests set them)
+    kw = {
+        "warmup_codec": "fp32",
+        "warmup": 2,
+        "error_cost": 0.0,
+        "payback": 0.0,
+        "explore_budget": None,
+        **kw,
+    }
     auto = AutoCodec(link_bps=link_bps, **kw)
     auto.calibration = calibration()
     return auto
@@ -155,6 +167,11 @@ def test_link_rate_from_env_or_argument(monkeypatch: pytest.MonkeyPatch) -> None
         {"cpu_share": 0.0},
         {"link_bps": "fast"},
         {"link_bps": -5.0},
+        {"error_cost": -1.0},
+        {"error_cost": float("nan")},
+        {"payback": -1.0},
+        {"explore_budget": -0.1},
+        {"explore_budget": float("inf")},
     ],
 )
 def test_bad_settings_are_refused(kw: dict[str, Any]) -> None:
@@ -468,6 +485,178 @@ def test_switches_when_the_link_rate_changes() -> None:
     assert [c for _, c in auto.history] == ["thc4", "fp32", "thc4"]
 
 
+# -- a codec's error, and when an untried codec is worth a trial ------------------------------
+
+# as in `dlcp bench train` on this host: the model (an idle host's costs) favours
+# THC at 200 Mbit/s, the iterations say fp16, and thc4, the fastest here, has a
+# one-round error of 170 % (`calibration`)
+BENCH_TOOK = {"fp32": 0.6, "fp16": 0.4, "thc8": 0.45, "thc4": 0.3}
+
+
+def test_error_penalty_and_payback_step() -> None:
+    assert error_penalty(0.0) == 1.0
+    assert error_penalty(0.12) == pytest.approx(1.0144)
+    assert error_penalty(1.7) == pytest.approx(3.89)
+    assert error_penalty(1.7, weight=0.5) == pytest.approx(2.445)
+    assert error_penalty(1.7, weight=0.0) == 1.0
+    assert error_penalty(float("nan")) == math.inf
+    # steps x gain = the trial's cost
+    assert payback_step(0.25, 3) == pytest.approx(12.0)
+    assert payback_step(0.5, 3, payback=2.0) == pytest.approx(12.0)
+    assert payback_step(0.0, 3) == math.inf and payback_step(-0.1, 3) == math.inf
+    assert payback_step(0.01, 3, payback=0.0) == 0.0
+
+
+def measure_all(auto: AutoCodec, took: dict[str, float]) -> None:
+    """Two steps in every codec (the first step of the run is not counted)."""
+    for c, t in took.items():
+        auto.codec = c
+        feed_step(auto, took=t)
+        feed_step(auto, took=t)
+
+
+def test_a_lossy_codec_must_be_faster_by_more_than_its_error_costs() -> None:
+    # every codec measured: thc4 runs the fastest iterations, but a step of it
+    # makes the progress of 1 / 3.89 of an exact step; thc8's 12 % error costs 1.4 %
+    auto = AutoCodec(link_bps=200e6, warmup_codec="fp32", warmup=2)
+    auto.calibration = calibration()
+    measure_all(auto, BENCH_TOOK)
+    assert decide([auto]) == ["fp16"]
+    for c, err in (("thc4", 1.7), ("thc8", 0.12), ("fp16", 1e-4)):
+        m = auto.measured(c)
+        assert m is not None and m == pytest.approx(BENCH_TOOK[c], abs=0.005)
+        assert auto.predicted[c] == pytest.approx(m * (1 + err**2), rel=1e-5)
+    # by time alone (error_cost 0) thc4 wins; a faster thc8 still wins with its error
+    blind = AutoCodec(link_bps=200e6, warmup_codec="fp32", warmup=2, error_cost=0.0)
+    blind.calibration = calibration()
+    measure_all(blind, BENCH_TOOK)
+    assert decide([blind]) == ["thc4"]
+    fast8 = AutoCodec(link_bps=200e6, warmup_codec="fp32", warmup=2)
+    fast8.calibration = calibration()
+    measure_all(fast8, {**BENCH_TOOK, "thc8": 0.3})
+    assert decide([fast8]) == ["thc8"]
+
+
+def first_decision(link: float, **kw: Any) -> AutoCodec:
+    """An auto (fp16 warm-up, 3 steps) after its first decision."""
+    auto = AutoCodec(link_bps=link, every=1000, **kw)
+    auto.calibration = calibration()
+    run_auto(auto, BENCH_TOOK, auto.warmup)
+    assert auto.decisions == 1
+    return auto
+
+
+@pytest.mark.parametrize("link", [20e6, 200e6])
+def test_an_untried_codec_is_tried_once_its_trial_pays_back(link: float) -> None:
+    # after the warm-up the corrected model predicts thc8 faster than fp16's
+    # measured steps; the trial's 3 steps would cost 3 steps if it fails, so it
+    # waits until the steps run x the predicted gain reach 3, checked at the
+    # reviews (3, 6, 12, 24, ... steps); thc4 is never tried (its error).
+    # (No budget here: its test follows.)
+    first = first_decision(link, explore_budget=None)
+    gain = 1.0 - first.predicted["thc8"] / first.predicted["fp16"]
+    assert 0.0 < gain < 1.0
+    due = (first.probe + 1) / gain
+    assert first.deferred["thc8"] == pytest.approx(due)
+    assert math.isinf(first.deferred["thc4"])  # no gain: its error outweighs its speed
+    start = next(3 * 2**j for j in range(10) if 3 * 2**j >= due)
+    assert start > first.warmup  # deferred: without payback it would start at the warm-up
+    auto = AutoCodec(link_bps=link, every=1000, explore_budget=None)
+    auto.calibration = calibration()
+    ran = run_auto(auto, BENCH_TOOK, 60)
+    assert ran[:start] == ["fp16"] * start
+    assert ran[start : start + 3] == ["thc8"] * 3  # its first step is not counted
+    assert "thc4" not in ran and ran[-1] == "fp16"
+    assert auto.measured("thc8") == pytest.approx(BENCH_TOOK["thc8"], abs=0.005)
+    # with payback 0 (no waiting) the same trial starts right after the warm-up
+    eager = AutoCodec(link_bps=link, every=1000, payback=0.0, explore_budget=None)
+    eager.calibration = calibration()
+    ran = run_auto(eager, BENCH_TOOK, 10)
+    assert ran[:6] == ["fp16"] * 3 + ["thc8"] * 3
+
+
+def test_a_smaller_predicted_gain_waits_longer() -> None:
+    near, far = (
+        first_decision(20e6, explore_budget=None),
+        first_decision(200e6, explore_budget=None),
+    )
+    # at 20 Mbit/s compression gains more than at 200
+    assert near.predicted["thc8"] / near.predicted["fp16"] < (
+        far.predicted["thc8"] / far.predicted["fp16"]
+    )
+    assert near.deferred["thc8"] < far.deferred["thc8"]
+    # and twice the payback, twice the wait
+    twice = AutoCodec(link_bps=200e6, every=1000, payback=2.0, explore_budget=None)
+    twice.calibration = calibration()
+    run_auto(twice, BENCH_TOOK, 3)
+    assert twice.deferred["thc8"] == pytest.approx(2 * far.deferred["thc8"])
+
+
+def test_reviews_at_doubling_step_counts_since_the_last_link_change() -> None:
+    def decisions(**kw: Any) -> list[int]:
+        auto = AutoCodec(link_bps=200e6, every=1000, **kw)
+        out = []
+        for _ in range(100):
+            feed_step(auto)
+            if auto.scheduled():
+                out.append(auto.steps)
+            if auto.steps == 40:
+                auto.forget()  # (a link change, as every rank sees it)
+        return out
+
+    assert decisions() == [3, 6, 12, 24, 43, 46, 52, 64, 88]
+    assert decisions(warmup=2) == [2, 4, 8, 16, 32, 42, 44, 48, 56, 72]
+    assert decisions(payback=0.0) == decisions(explore_budget=None) == decisions()
+    # without payback and budget (or without measuring) nothing is deferred: no reviews
+    assert decisions(payback=0.0, explore_budget=None) == [3]
+    assert decisions(measure=False) == [3]
+    # a codec on trial is judged at its follow-up, not at a review on fewer steps
+    auto = AutoCodec(link_bps=200e6, every=1000, probe=20, payback=1e-9, explore_budget=None)
+    auto.calibration = calibration()
+    ran = run_auto(auto, BENCH_TOOK, 23)
+    assert ran == ["fp16"] * 3 + ["thc8"] * 20 and auto.decisions == 1
+
+
+@pytest.mark.parametrize(("budget", "first"), [(0.05, 96), (0.1, 48)])
+def test_failed_trials_stay_within_the_exploration_budget(budget: float, first: int) -> None:
+    # the trial of thc8 has paid back by step 12 (the test above), but failed
+    # trials may take only `budget` of the steps run: its 3 steps may start
+    # once 3 / budget steps ran (60, 30), at the review after (96, 48); after
+    # it failed, the next (fp32, predicted faster by the corrected model once
+    # thc8 is measured) waits for 6 / budget (120, 60: the reviews 192, 96)
+    at_first = first_decision(200e6, explore_budget=budget)
+    assert at_first.deferred["thc8"] == pytest.approx(3 / budget)
+    auto = AutoCodec(link_bps=200e6, every=1000, explore_budget=budget)
+    auto.calibration = calibration()
+    ran = run_auto(auto, BENCH_TOOK, 200)
+    second = next(3 * 2**j for j in range(10) if 3 * 2**j >= 6 / budget)
+    assert ran[:first] == ["fp16"] * first
+    assert ran[first : first + 3] == ["thc8"] * 3
+    assert ran[first + 3 : second] == ["fp16"] * (second - first - 3)
+    assert "thc4" not in ran
+    assert auto.explored_steps <= budget * len(ran)
+    # with a budget of 0 nothing is tried once a codec was measured
+    none = AutoCodec(link_bps=200e6, every=1000, explore_budget=0.0)
+    none.calibration = calibration()
+    assert run_auto(none, BENCH_TOOK, 200) == ["fp16"] * 200
+    assert none.deferred["thc8"] == math.inf
+
+
+def test_a_link_change_still_switches_at_once() -> None:
+    # measured fp32 on a fast link; the link drops: the decision on the change
+    # has nothing measured on the new link, so the model alone decides, at once
+    auto = AutoCodec(link_bps=None, warmup_codec="fp32", warmup=2, every=1000)
+    auto.calibration = calibration()
+    auto.observe_link(10e9)
+    assert run_auto(auto, {"fp32": 0.05}, 10) == ["fp32"] * 10
+    assert auto.measured("fp32") is not None
+    auto.observe_link(50e6)
+    assert auto.link_changed()
+    auto.forget()
+    assert decide([auto]) == ["thc8"]  # (thc4's error outweighs its smaller bytes)
+    assert auto.deferred == {} and auto.history[-1] == [10, "thc8"]
+
+
 def test_ranks_with_different_views_agree_on_one_codec() -> None:
     # three hosts: other costs (slower / faster CPUs), link rates, backward times
     ranks = []
@@ -519,8 +708,9 @@ def test_state_accepts_auto_and_pickles_its_decisions() -> None:
     feed_step(state.auto)
     decide([state.auto])
     restored = pickle.loads(pickle.dumps(state))
-    assert restored.auto is not None and restored.auto_codec == "thc4"
-    assert restored.stats()["auto"]["chosen"] == "thc4"
+    # (nothing measured: the model alone, where thc4's error outweighs its bytes)
+    assert restored.auto is not None and restored.auto_codec == "thc8"
+    assert restored.stats()["auto"]["chosen"] == "thc8"
     assert restored.stats()["codec"] == "auto"
     assert dlcp.DlcpState(codec="fp32").auto is None
 

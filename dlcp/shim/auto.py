@@ -29,6 +29,15 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   on, one factor for the codec steps' CPU time (how many processes share the
   cores) and one for the rest (the transport), fitted to the measured codecs.
   A codec not run yet is judged by its corrected prediction.
+* Counting the error: compression pays only if it saves more than it costs,
+  accuracy included. Every time a decision compares (measured or predicted)
+  is multiplied by `error_penalty` of the codec's calibrated one-round
+  relative error e: 1 + `error_cost` * e**2, the steps of that codec that make
+  the progress of one exact step (compressed SGD's (1 + omega) bound; error
+  feedback recovers part of it, so this is the pessimistic end). With the
+  default `error_cost` 1: fp16 (e 3e-4) +0 %, thc8 (e 0.12) +1.5 %, thc4 (e 1.7)
+  x3.9, so thc4 runs only where it is measured or predicted ~4x faster.
+  `max_rel_error` still drops a codec outright.
 * Exploring: an untried codec is worth trying only when its corrected
   prediction is within a margin of the best measured time (it enters the
   choice as corrected prediction / (1 + margin), optimistic by the model's
@@ -39,6 +48,24 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   the prediction, speaks for it).
   `explored_steps` counts the steps spent in codecs that were tried and then
   left, the cost of exploring.
+* Paying for a trial (`due`): a trial costs its `probe` + 1 steps if the
+  codec proves no faster (in time, and in accuracy for a lossy one), and the
+  model is often wrong on a busy host, so once some codec has been measured a
+  trial must also pay for itself. (1) Payback, the ski-rental rule
+  (`payback_step`): steps run since the last link change x the codec's
+  predicted relative gain >= `payback` x its trial's steps; a small predicted
+  gain waits long, a large one briefly, and either regret (trying a codec
+  that loses, or not trying one that wins) stays within about twice the
+  other. (2) Budget: failed trials' steps (`explored_steps`), with the one to
+  come, stay within `explore_budget` of all steps run, so exploring never
+  costs more than that fraction of the steps (a failed trial's step costs
+  up to ~2 steps of the best codec: ~2x that in time), and never falls in
+  the first steps of training, where accuracy moves fastest. A deferred
+  codec is checked again at the reviews (`warmup` x 2**k steps after the
+  last link change: at most twice as late as it came due) and at the other
+  decisions; `deferred` lists, per untried codec, the step from which it may
+  run. The first decision after a link change has nothing measured on the
+  new link: the model alone decides, at once, as before.
 * Agreeing: at a decision every rank averages its vector of times (measured,
   or corrected predictions; float32 all-reduce), takes `pick` of the average
   (the first candidate, in the fixed order fp32, fp16, thc8, thc4, within
@@ -50,7 +77,9 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   the steps before auto knows anything are never far from the best; the first
   step is not counted, so the first correction rests on `warmup` - 1 steps),
   then every `every` steps, `probe` counted steps after a switch to a codec
-  not tried before, and at the end of any step where some rank saw its link
+  not tried before, at the reviews (`warmup` x 2**k steps after the last link
+  change, not while a codec is on trial; only with a `payback` or an
+  `explore_budget`), and at the end of any step where some rank saw its link
   rate move by more than `change` from the rate of the last decision while
   the link was or becomes the bottleneck (within `change` of the best
   measured goodput; a flag carried by the step's agreement all-reduce, MAX
@@ -83,9 +112,11 @@ __all__ = [
     "AutoCodec",
     "available",
     "correction",
+    "error_penalty",
     "host_calibration",
     "judge",
     "link_from_status",
+    "payback_step",
     "pick",
 ]
 
@@ -158,6 +189,7 @@ def judge(
     measured: Mapping[str, float],
     explore: float,
     cpu: Mapping[str, float] | None = None,
+    penalty: Mapping[str, float] | None = None,
 ) -> tuple[list[float], tuple[float, float] | None]:
     """The times a decision compares, one per candidate (`UNAVAILABLE_S` for a
     candidate with no prediction):
@@ -171,24 +203,64 @@ def judge(
       (and within `pick`'s gain of the fastest). The margin is the model's
       uncertainty after correction, which shrinks as measurements accumulate.
 
+    Either is then multiplied by the candidate's `penalty` (default 1: see
+    `error_penalty`), which makes it the time per exact step's worth of
+    progress. The correction is fitted to the plain times.
+
     Returns the times and the correction (None when nothing was measured)."""
     cpu = cpu or {}
+    penalty = penalty or {}
     factors = correction(predicted, cpu, measured)
     seen = sum(1 for c in measured if c in predicted)
     margin = explore / seen if seen else 0.0
     out = []
     for name in candidates:
         if name in measured and name in predicted:
-            out.append(float(measured[name]))
+            out.append(float(measured[name]) * penalty.get(name, 1.0))
         elif name in predicted:
             t = predicted[name]
             if factors is not None:
                 x = min(max(cpu.get(name, 0.0), 0.0), t)
                 t = (factors[0] * x + factors[1] * (t - x)) / (1.0 + margin)
-            out.append(t)
+            out.append(t * penalty.get(name, 1.0))
         else:
             out.append(UNAVAILABLE_S)
     return out, factors
+
+
+def error_penalty(rel_error: float, weight: float = 1.0) -> float:
+    """How many steps of a codec whose averaged gradient has relative L2 error
+    `rel_error` (one round, as calibrated) make the progress of one exact step:
+    1 + `weight` * rel_error ** 2.
+
+    An unbiased compressor with relative error e adds noise of e**2 times the
+    gradient's squared norm; SGD's step count to a target grows with the
+    gradient's second moment, so by up to that factor (the (1 + omega) of the
+    compressed-SGD bounds, omega = e**2). Error feedback carries the error into
+    later rounds and recovers part of it, so this is the pessimistic end;
+    `weight` (auto's `error_cost`) scales it, 0 ignores errors."""
+    if weight == 0:
+        return 1.0
+    if not (math.isfinite(rel_error) and rel_error >= 0):
+        return math.inf  # an error not known: as if unusable
+    return 1.0 + weight * rel_error * rel_error
+
+
+def payback_step(gain: float, trial_steps: int, payback: float = 1.0) -> float:
+    """The steps (since the last link change) after which trying a codec
+    predicted `gain` (relative: 0.2 = 20 % less time per step) faster has paid
+    for itself: the ski-rental break-even. A trial of `trial_steps` steps costs
+    at most about that many steps (if the codec turns out no faster, and its
+    error set training back), times `payback`; not trying it costs `gain` of
+    a step per step run, if the prediction holds. Trying once the steps run
+    times `gain` reach the trial's cost keeps either regret within twice the
+    other's, whether training then ends or goes on. `math.inf` for no gain;
+    0 with `payback` 0 (try at once)."""
+    if payback <= 0:
+        return 0.0
+    if not gain > 0:
+        return math.inf
+    return payback * trial_steps / gain
 
 
 def link_from_status(status: Mapping[str, Any], peers: Sequence[str] | None = None) -> float | None:
@@ -242,7 +314,11 @@ class AutoCodec:
     """The decision state of `codec="auto"` for one `DlcpState` (picklable).
 
     Settings: candidates, warmup_codec, warmup, every, min_gain, max_rel_error,
-    change, poll_steps, window, probe, explore, cpu_share, jitter_s, link_bps
+    change, poll_steps, window, probe, explore, error_cost (the weight of a
+    codec's squared error in its time, `error_penalty`; 0: time alone),
+    payback (a trial's cost in units of its steps, for the ski-rental rule;
+    0: no waiting), explore_budget (the largest fraction of the steps run
+    that failed trials may take; None: no limit), cpu_share, jitter_s, link_bps
     (fixed: the daemon's rates are then not read), measure (cap the link by the
     measured goodput, judge codecs that ran by their measured iterations and
     correct the model by them).
@@ -253,8 +329,9 @@ class AutoCodec:
     same way), predicted (the ranks' averaged seconds per candidate at the
     last decision, measured or corrected predictions), correction (the factors
     on the CPU steps and on the rest applied at the last decision), explored_steps (steps
-    spent in codecs tried and then left), history ([step, codec] at every
-    change).
+    spent in codecs tried and then left), deferred (untried codecs held back at
+    the last decision -> the step from which they may run), history ([step,
+    codec] at every change).
     """
 
     def __init__(
@@ -271,6 +348,9 @@ class AutoCodec:
         window: int = 5,
         probe: int = 2,
         explore: float = 0.15,
+        error_cost: float = 1.0,
+        payback: float = 1.0,
+        explore_budget: float | None = 0.05,
         cpu_share: float = 1.0,
         jitter_s: float = 0.0,
         link_bps: float | str | None = None,
@@ -297,15 +377,24 @@ class AutoCodec:
             ("change", change),
             ("jitter_s", jitter_s),
             ("explore", explore),
+            ("error_cost", error_cost),
+            ("payback", payback),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise LocalError(f"auto {name} must be >= 0, got {value!r}")
         if not 0 < cpu_share <= 1:
             raise LocalError(f"auto cpu_share must be in (0, 1], got {cpu_share!r}")
+        if explore_budget is not None and not (
+            math.isfinite(explore_budget) and explore_budget >= 0
+        ):
+            raise LocalError(f"auto explore_budget must be >= 0 or None, got {explore_budget!r}")
         if max_rel_error is not None and not max_rel_error >= 0:
             raise LocalError(f"auto max_rel_error must be >= 0 or None, got {max_rel_error!r}")
         self.min_gain = float(min_gain)
         self.explore = float(explore)
+        self.error_cost = float(error_cost)
+        self.payback = float(payback)
+        self.explore_budget = None if explore_budget is None else float(explore_budget)
         self.max_rel_error = max_rel_error
         self.change = float(change)
         self.cpu_share = float(cpu_share)
@@ -328,6 +417,7 @@ class AutoCodec:
         self.history: list[list[Any]] = []
         self.correction: tuple[float, float] | None = None
         self.explored_steps = 0
+        self.deferred: dict[str, float] = {}  # untried codec -> step (of the epoch) it pays back
         # this step's buckets, and the last steps' (sizes, ready times)
         self._sizes: list[int] = []
         self._gaps: list[float] = []
@@ -336,6 +426,7 @@ class AutoCodec:
         self._goodput: dict[str, deque[float]] = {}  # bytes/s of the last steps, per codec
         self._iteration: dict[str, deque[float]] = {}  # seconds of the last steps, per codec
         self._tried: set[str] = {self.warmup_codec}  # since the last link change (shared)
+        self._epoch = 0  # the step of the last link change (shared)
         self._followup: int | None = None  # step of a decision after a switch
         self._first_in: float | None = None  # when this step's first bucket entered
         self._fresh = True  # the step under way is the run's or a new codec's first
@@ -424,6 +515,7 @@ class AutoCodec:
         self._goodput.clear()
         self._iteration.clear()
         self._tried = {self.current}
+        self._epoch = self.steps
 
     def goodput(self, codec: str) -> float | None:
         """The goodput (bytes/s) measured with `codec` (median of its last steps)."""
@@ -468,7 +560,28 @@ class AutoCodec:
         """A decision every rank makes at the same step (after `end_step`)."""
         if self.steps == self._followup:
             return True
-        return self.steps >= self.warmup and (self.steps - self.warmup) % self.every == 0
+        if self.steps >= self.warmup and (self.steps - self.warmup) % self.every == 0:
+            return True
+        # (a codec on trial is judged at its follow-up, not on fewer steps)
+        return self.reviews and self._trial is None and self._review(self.steps - self._epoch)
+
+    @property
+    def reviews(self) -> bool:
+        """Whether trials can be deferred (`due`), and decisions are also made at
+        the reviews (`_review`), where they may come due: with `measure`, and a
+        `payback` or an `explore_budget`."""
+        return self.measure and (self.payback > 0 or self.explore_budget is not None)
+
+    def _review(self, k: int) -> bool:
+        """Whether `k` steps since the last link change is a review: `warmup`
+        times a power of two (3, 6, 12, 24, ... steps). A deferred trial comes
+        due at a step count proportional to its cost (payback, budget), so
+        checking at doubling step counts runs it at most twice as late, with
+        only a logarithmic number of decisions."""
+        if k < self.warmup or k % self.warmup:
+            return False
+        n = k // self.warmup
+        return n & (n - 1) == 0
 
     def link_changed(self) -> bool:
         """This rank's wish for a decision: its link rate moved by more than
@@ -521,12 +634,62 @@ class AutoCodec:
                 predicted[name] = p.iteration_s
                 cpu[name] = p.encode_s
         took = {c: m for c in predicted if self.measure and (m := self.measured(c)) is not None}
-        times, self.correction = judge(self.candidates, predicted, took, self.explore, cpu)
-        return times
+        penalty = {c: error_penalty(cal.codecs[c].rel_error, self.error_cost) for c in predicted}
+        times, self.correction = judge(self.candidates, predicted, took, self.explore, cpu, penalty)
+        return [t if math.isfinite(t) else UNAVAILABLE_S for t in times]
 
     def proposal(self, times: Sequence[float]) -> int:
-        """The index of the candidate for the ranks' averaged `times`."""
-        return self.candidates.index(pick(times, self.candidates, self.min_gain))
+        """The index of the candidate for the ranks' averaged `times`: `pick`,
+        among the codecs tried since the last link change and the untried ones
+        whose trial has paid back (`due`)."""
+        due = self.due(times)
+        allowed = [
+            t if due[c] else UNAVAILABLE_S for c, t in zip(self.candidates, times, strict=True)
+        ]
+        return self.candidates.index(pick(allowed, self.candidates, self.min_gain))
+
+    def due(self, times: Sequence[float]) -> dict[str, bool]:
+        """Per candidate, for the ranks' averaged `times`: whether it may be
+        chosen now. A codec tried (or measured) since the last link change
+        always may; an untried one only (1) once its trial pays back
+        (`payback_step`): its relative gain over the fastest tried codec (its
+        time being the optimistic corrected prediction, error penalty
+        included) times the steps run since the last link change reaches
+        `payback` x its trial's steps (`probe` + 1), and (2) while the steps of
+        failed trials (`explored_steps`) and its trial's stay within
+        `explore_budget` of the steps run. Without a measured codec to compare
+        with (at the first decision after a link change, or without
+        `measure`), every codec may: the model alone decides. Sets `deferred`
+        (untried codec -> the step count from which both hold; inf: never, for
+        a codec predicted no faster). Depends only on `times` and state every
+        rank shares (steps, decisions, trials), so the ranks agree."""
+        self.deferred = {}
+        by_name = dict(zip(self.candidates, times, strict=True))
+        allowed = {c: True for c in self.candidates}
+        if not self.reviews or not any(self.measured(c) is not None for c in self._tried):
+            return allowed
+        tried = self._tried | {c for c in self.candidates if self.measured(c) is not None}
+        base = min((by_name[c] for c in tried if c in by_name), default=UNAVAILABLE_S)
+        if not available(base) or base <= 0:
+            return allowed
+        trial = self.probe + 1
+        budget = self.explore_budget
+        if budget is None:
+            afford = 0.0
+        elif budget > 0:
+            # (a codec on trial being judged: its steps are lost if another is tried)
+            spent = self.explored_steps + (self._trial_steps if self._trial is not None else 0)
+            afford = (spent + trial) / budget
+        else:
+            afford = math.inf
+        for c, t in by_name.items():
+            if c in tried or not available(t):
+                continue
+            at = max(self._epoch + payback_step(1.0 - t / base, trial, self.payback), afford)
+            if self.steps < at:
+                allowed[c] = False
+                self.deferred[c] = at
+        return allowed
 
     def adopt(self, index: int, times: Sequence[float]) -> str | None:
         """Take the agreed candidate; returns the previous codec when it changed."""
@@ -570,5 +733,6 @@ class AutoCodec:
             "predicted_s": {c: (t if available(t) else None) for c, t in self.predicted.items()},
             "correction": self.correction,
             "explored_steps": self.explored_steps,
+            "deferred": dict(self.deferred),
             "history": [list(h) for h in self.history],
         }
