@@ -138,7 +138,7 @@ def run_dlcp(
     tmp: Path,
     pacing: bool = True,
     profile: str | None = None,
-    mac: str = "ghash-aes",
+    mac: str | None = None,
 ) -> dict:
     from dlcp.core.layout import Layout
     from dlcp.shim.client import DaemonClient, Segment
@@ -153,8 +153,8 @@ def run_dlcp(
             cfg.write_text(
                 f'[daemon]\nsocket = "{tmp}/d{i}.sock"\nmetrics_port = 0\nhost_index = {i}\n'
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
-                f'mac = "{mac}"\n'
-                f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
+                + (f'mac = "{mac}"\n' if mac is not None else "")  # None: dlcpd's default
+                + f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
             )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
                 daemons.append(

@@ -183,12 +183,15 @@ def done_packet(lay: Layout, shard: int) -> bytes:
     return encode(h, b"", KEY)
 
 
-def run_paced(ob: Outbox, until: float = 60.0) -> float:
-    """Flush at every wake-up the outbox asks for until its queues are empty."""
+def run_paced(ob: Outbox, until: float = 60.0, waits: list[float] | None = None) -> float:
+    """Flush at every wake-up the outbox asks for until its queues are empty
+    (each wait appended to `waits`, if given); returns the time of the last."""
     now = 0.0
     ob.flush(now)
     while ob.queued():
         assert ob.next_wake is not None and ob.next_wake > now
+        if waits is not None:
+            waits.append(ob.next_wake - now)
         now = ob.next_wake
         assert now < until
         ob.flush(now)
@@ -230,14 +233,8 @@ def test_a_fast_path_is_woken_once_a_quantum_and_keeps_its_rate() -> None:
     lay = layout(4000 * 352)
     for dg in data_packets(lay, 1):
         ob.push(peer, dg, 2)
-    wakes = []
-    now = 0.0
-    ob.flush(now)
-    while ob.queued():
-        assert ob.next_wake is not None
-        wakes.append(ob.next_wake - now)
-        now = ob.next_wake
-        ob.flush(now)
+    wakes: list[float] = []
+    now = run_paced(ob, waits=wakes)
     assert len(wakes) > 5  # the burst did not cover it all: it was paced
     assert min(wakes) >= outbox_mod.PACING_QUANTUM
     nbytes = sum(len(d) for d in paths[0].sent)

@@ -49,12 +49,10 @@ def tune_process() -> dict[str, bool]:
     per setting (False: not glibc, or refused)."""
     applied: dict[str, bool] = {}
     libc_name = ctypes.util.find_library("c")
-    mallopt = None
-    if libc_name is not None:
-        try:
-            mallopt = ctypes.CDLL(libc_name).mallopt
-        except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-            mallopt = None
+    try:
+        mallopt = ctypes.CDLL(libc_name).mallopt if libc_name is not None else None
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        mallopt = None
     for name, (param, value) in MALLOPT.items():
         applied[name] = bool(
             mallopt is not None and mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1

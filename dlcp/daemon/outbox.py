@@ -66,6 +66,12 @@ PACING_SLACK = 1e-6  # seconds: a path due this soon has budget (rounding at wak
 PACING_QUANTUM = 0.001
 
 
+def _pacing_wake(now: float, waits: list[float]) -> float:
+    """When to come back for the paths still short of budget (`waits` > 0): the
+    first of them due, but no sooner than PACING_QUANTUM."""
+    return now + max(min(w for w in waits if w > 0), PACING_QUANTUM)
+
+
 @dataclass(eq=False)
 class Peer:
     """A remote daemon: its path addresses, pacing and path statistics.
@@ -376,7 +382,7 @@ class Outbox:
                     waits = [pacer.delay(1.0, now) for pacer in pacers]
                     waits = [0.0 if w < PACING_SLACK else w for w in waits]
                     if min(waits) > 0:
-                        return now + max(min(waits), PACING_QUANTUM)
+                        return _pacing_wake(now, waits)
                 sent, held, full = self._send(peer, batch, cls, waits, now)
                 for _ in range(sent):
                     dg = q.popleft()
@@ -388,7 +394,7 @@ class Outbox:
                     return None
                 if held:  # the balancer chose paths without budget: they wait for it
                     assert waits is not None
-                    return now + max(min(w for w in waits if w > 0), PACING_QUANTUM)
+                    return _pacing_wake(now, waits)
         return None
 
     def _send(
