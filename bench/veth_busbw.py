@@ -84,6 +84,15 @@ def proc_stat(pid: int) -> tuple[float, float, int]:
     return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
 
 
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident size so far, MB (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def proc_cpu(pid: int) -> float:
     user, system, _ = proc_stat(pid)
     return user + system
@@ -155,6 +164,8 @@ def run_dlcp(
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
                 + (f'mac = "{mac}"\n' if mac is not None else "")  # None: dlcpd's default
                 + f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
+                + os.environ.get("BW_RATE", "").replace(";", "\n")
+                + "\n"
             )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
                 daemons.append(
@@ -259,6 +270,7 @@ def run_dlcp(
             times.append(time.perf_counter() - t)
         cpu = sum(proc_cpu(p) for p in pids) + time.process_time() - cpu0
         split = [proc_stat(p) for p in pids]
+        peaks = [peak_rss_mb(p) for p in pids]
         got = np.frombuffer(segs[0].buf[nbytes : 2 * nbytes], np.float32)
         assert np.array_equal(got, x + x), "dlcp result is not the exact sum"
         stats = []
@@ -279,8 +291,9 @@ def run_dlcp(
             c.close()
         for s in segs:
             s.close()
-        for st, (user, system, minflt) in zip(stats, split, strict=True):
-            st.update(user_s=user, sys_s=system, minflt=minflt)  # whole life, warm-up included
+        for st, (user, system, minflt), peak in zip(stats, split, peaks, strict=True):
+            # whole life, warm-up included
+            st.update(user_s=user, sys_s=system, minflt=minflt, peak_rss_mb=peak)
         return {"times_s": times, "cpu_s": cpu, "daemons": stats}
     finally:
         for d in daemons:

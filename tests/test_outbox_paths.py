@@ -183,16 +183,19 @@ def done_packet(lay: Layout, shard: int) -> bytes:
     return encode(h, b"", KEY)
 
 
-def run_paced(ob: Outbox, until: float = 60.0, waits: list[float] | None = None) -> float:
-    """Flush at every wake-up the outbox asks for until its queues are empty
-    (each wait appended to `waits`, if given); returns the time of the last."""
+def run_paced(
+    ob: Outbox, until: float = 60.0, waits: list[float] | None = None, late: float = 0.0
+) -> float:
+    """Flush at every wake-up the outbox asks for, `late` seconds after it,
+    until its queues are empty (each wait appended to `waits`, if given);
+    returns the time of the last."""
     now = 0.0
     ob.flush(now)
     while ob.queued():
         assert ob.next_wake is not None and ob.next_wake > now
         if waits is not None:
             waits.append(ob.next_wake - now)
-        now = ob.next_wake
+        now = ob.next_wake + late
         assert now < until
         ob.flush(now)
     return now
@@ -242,6 +245,31 @@ def test_a_fast_path_is_woken_once_a_quantum_and_keeps_its_rate() -> None:
     # the rate still holds both ways: the tokens earned while asleep are spent
     # at the wake-up (the burst holds a quantum's worth), none beyond them
     assert 1e9 * now / 8 <= nbytes <= 1e9 * now / 8 + burst + outbox_mod.BATCH_BYTES
+
+
+@pytest.mark.parametrize("late", [0.003, 0.009, 0.05])
+def test_a_late_daemon_keeps_its_rate_within_the_catch_up(late: float) -> None:
+    # the daemon comes back `late` after each wake-up it asked for (busy, or
+    # not scheduled): the tokens earned meanwhile are kept up to CATCH_UP_SECONDS
+    # beyond the 4 ms burst, so the rate holds; lateness beyond that is lost
+    rate = 1e9
+    ob, peer, paths = make(1, rate=RateConfig(initial_rate_bps=rate, min_rate_bps=1e6))
+    lay = layout(60000 * 352)  # about 85 MB: many wake-ups
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    wakes: list[float] = []
+    now = run_paced(ob, waits=wakes, late=late)
+    nbytes = sum(len(d) for d in paths[0].sent)
+    burst = max(outbox_mod.BURST_BYTES, rate * outbox_mod.BURST_SECONDS / 8)
+    catch_up = rate * outbox_mod.CATCH_UP_SECONDS / 8
+    kept = min(late, outbox_mod.CATCH_UP_SECONDS)  # per wake-up, of the lateness
+    # never ahead of the rate by more than the burst, the catch-up and a batch
+    assert nbytes <= rate * now / 8 + burst + catch_up + outbox_mod.BATCH_BYTES
+    # behind it by no more than the lateness beyond the catch-up
+    lost = len(wakes) * (late - kept)
+    assert nbytes >= rate * (now - lost) / 8 - burst - catch_up
+    # and a late pacer left with tokens beyond its burst drops them once idle
+    assert peer.pacers is not None and peer.pacers[0].tokens(now) <= burst
 
 
 def test_flow_waits_for_its_own_path(monkeypatch: Any) -> None:

@@ -310,6 +310,73 @@ def test_pacer_burst_time_follows_the_rate() -> None:
         Pacer(rate_bps=1e9, burst_seconds=-1.0)
 
 
+def late_sends(
+    pacer: Pacer, sizes: np.ndarray, lates: np.ndarray, cap: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """A backlogged sender like the outbox: at each wake-up it sends while the
+    pacer has budget (the last send into debt) and asks to be woken when the
+    budget returns, but comes back `lates[k]` after that and claims the
+    lateness (at most `cap` seconds). Returns (send times, sizes)."""
+    times = np.empty(len(sizes))
+    due, i, k = 0.0, 0, 0
+    while i < len(sizes):
+        late = float(lates[k % len(lates)])
+        k += 1
+        now = due + late
+        pacer.catch_up(min(late, cap), now)
+        while i < len(sizes) and pacer.delay(1.0, now) < 1e-9:  # the outbox's slack
+            pacer.consume(float(sizes[i]), now)
+            times[i] = now
+            i += 1
+        due = now + max(pacer.delay(1.0, now), 1e-9)
+    return times, sizes
+
+
+@FAST
+@given(
+    st.lists(st.integers(64, 65536), min_size=1, max_size=300),
+    st.floats(1e6, 1e10),
+    st.floats(0.0, 0.02),
+    st.floats(0.0, 0.01),
+)
+def test_pacer_catch_up_keeps_the_rate_and_bounds_any_window(
+    sizes: list[int], rate: float, cap: float, late: float
+) -> None:
+    """A late sender that claims its lateness sends no more than rate x window +
+    burst + rate x cap (and one send into debt) in any window, and over the run
+    it keeps the rate, less only the lateness beyond the cap."""
+    arr = np.array(sizes, dtype=np.float64)
+    lates = np.random.default_rng(len(sizes)).uniform(0, late, len(arr))
+    pacer = Pacer(rate_bps=rate, burst_bytes=1500, burst_seconds=0.001)
+    times, _ = late_sends(pacer, arr, lates, cap)
+    allowance = pacer.burst_bytes + rate * cap / 8 + arr.max()
+    assert max_window_excess(times, arr, rate) <= allowance * (1 + 1e-9) + 1e-6
+    lost = np.maximum(lates - cap, 0).sum()  # lateness beyond the cap is not made up
+    unspent = pacer.burst_bytes + rate * cap / 8  # at most, when the last wake-up ran dry
+    assert arr.sum() >= (rate / 8 * (times[-1] - lost) - unspent) * (1 - 1e-9) - 1e-6
+
+
+def test_pacer_catch_up_only_while_late_and_settle_drops_it() -> None:
+    pacer = Pacer(rate_bps=8e6, burst_bytes=1000)  # 1 MB/s, 1 ms burst
+    assert pacer.consume(1000, 0.0) == 0.0  # the burst spent: due again at once
+    pacer.catch_up(0.004, 0.005)  # came back 4 ms late of the 5 ms away
+    assert pacer.tokens(0.005) == pytest.approx(1000 + 4000)  # burst + 4 ms at the rate
+    assert pacer.tokens(0.006) == pytest.approx(5000)  # earns nothing while above the burst
+    pacer.settle(0.006)  # nothing waits: back to the burst
+    assert pacer.tokens(0.006) == pytest.approx(1000)
+    pacer.catch_up(0.0, 0.010)  # on time: an ordinary refill
+    assert pacer.tokens(0.010) == pytest.approx(1000)
+    pacer.consume(1000, 0.010)
+    pacer.catch_up(0.05, 0.012)  # claims more than it was away: capped at the 2 ms
+    assert pacer.tokens(0.012) == pytest.approx(2000)
+    pacer.set_rate(16e6, 0.012)  # a higher rate keeps the tokens
+    assert pacer.tokens(0.012) == pytest.approx(2000)
+    pacer.set_rate(4e6, 0.012)  # a lower one keeps at most its burst
+    assert pacer.tokens(0.012) == pytest.approx(1000)
+    with pytest.raises(LocalError):
+        pacer.catch_up(-1.0, 0.02)
+
+
 def test_pacer_follows_controller() -> None:
     """The daemon's loop: the controller's rate drives the pacer."""
     rc = RateController(RateConfig(link_rate_bps=1e9, initial_rate_bps=100e6))

@@ -329,11 +329,33 @@ class Pacer:
         return self._rate
 
     def set_rate(self, rate_bps: float, now: float) -> None:
-        """Pace at `rate_bps` from `now` on (tokens earned so far are kept)."""
+        """Pace at `rate_bps` from `now` on (tokens earned so far are kept; a
+        lower rate keeps at most its burst)."""
         _positive("rate_bps", rate_bps)
         self._refill(now)
+        lower = rate_bps < self._rate
         self._rate = float(rate_bps)
         self.burst_bytes = self._burst_for(self._rate)
+        if lower:
+            self._tokens = min(self._tokens, self.burst_bytes)
+
+    def catch_up(self, late: float, now: float) -> None:
+        """The sender, with bytes waiting, came back `late` seconds after the
+        time it was told (busy elsewhere, or not scheduled): the tokens earned
+        in those seconds are kept even beyond the burst, so that a late sender
+        still holds its rate over time instead of losing them. It may then send
+        up to burst + rate x late at once; `settle` drops what is left of that
+        once nothing waits."""
+        _positive("late", late, allow_zero=True)
+        elapsed = now - self._updated
+        if elapsed > 0:
+            cap = self.burst_bytes + min(late, elapsed) * self._rate / 8.0
+            self._tokens = max(self._tokens, min(cap, self._tokens + elapsed * self._rate / 8.0))
+            self._updated = now
+
+    def settle(self, now: float) -> None:
+        """Nothing waits any more: tokens beyond the burst (a catch-up's) are dropped."""
+        self._refill(now)
         self._tokens = min(self._tokens, self.burst_bytes)
 
     def tokens(self, now: float) -> float:
@@ -361,5 +383,6 @@ class Pacer:
     def _refill(self, now: float) -> None:
         elapsed = now - self._updated
         if elapsed > 0:  # a clock that steps back earns nothing
-            self._tokens = min(self.burst_bytes, self._tokens + elapsed * self._rate / 8.0)
+            if self._tokens < self.burst_bytes:  # a catch-up's tokens beyond it stay
+                self._tokens = min(self.burst_bytes, self._tokens + elapsed * self._rate / 8.0)
             self._updated = now
