@@ -45,7 +45,14 @@ def _forge(dg: bytes, rng: np.random.Generator, me: int, mac: str) -> list[bytes
         cut = lane_bytes(h.codec, 1, bool(h.flags & Flags.SUMMED))
         out.append(encode(h.with_(offset=h.offset + 1, count=h.count - 1), payload[cut:], KEY))
     out.append(encode(h, payload, mac_state(b"w" * 32, mac)))  # wrong key
-    return [out[int(i)] for i in rng.permutation(len(out))]
+    out = [out[int(i)] for i in rng.permutation(len(out))]
+    if h.type == PacketType.DATA and h.count > 1:
+        # one run, authenticated, with a scale the shard does not have: the
+        # packet outside the layout is BAD_RANGE, the other one MISMATCH
+        other = h.with_(param=h.param * 2 + 1)
+        out.append(encode(other.with_(offset=h.offset + 1, count=h.count - 1), payload[cut:], KEY))
+        out.append(encode(other, payload, KEY))
+    return out
 
 
 def _run(codec: Codec, hosts: int, payload: int, seed: int, mac: str = "blake2b") -> None:
@@ -166,3 +173,33 @@ def test_a_batch_of_only_bad_datagrams_changes_nothing() -> None:
     assert b.receive_batch(dgs, 0.0, [1] * len(dgs)) == []
     assert b.rejects[Reason.BAD_SENDER] == len(dgs)
     assert b.stats["data_packets_received"] == 0
+
+
+def test_a_run_with_another_scale_counts_bad_ranges_apart() -> None:
+    """One run: a packet outside the layout and one inside, both with a scale
+    the shard does not have: BAD_RANGE and MISMATCH, as per packet."""
+    total = 5000
+    a, _ = _cluster(2, 1408)
+    a.submit(
+        job=JOB, round=0, bucket=0, codec=Codec.FP32, total=total, lanes=bytes(4 * total), now=0
+    )
+    dgs = [s.datagram for s in a.datagrams_to_send()]
+    data = [d for d in dgs if d[3] == PacketType.DATA]
+    first, second = header_of_valid(data[0]), header_of_valid(data[1])
+    other = second.with_(param=second.param * 2 + 1)
+    cut = lane_bytes(Codec.FP32, 1, False)
+    pair = [
+        encode(
+            other.with_(offset=other.offset + 1, count=other.count - 1), data[1][64 + cut :], KEY
+        ),
+        encode(other, data[1][64:], KEY),
+    ]
+    engines = [_cluster(2, 1408)[1], _cluster(2, 1408)[1]]
+    engines[0].receive(data[0], 0.0, src=0)  # the shard's scale: the first packet's
+    assert engines[1].receive_batch([data[0]], 0.0, [0]) != []
+    for dg in pair:
+        engines[0].receive(dg, 0.0, src=0)
+    assert engines[1].receive_batch(pair, 0.0, [0, 0]) == []
+    assert first.shard == second.shard
+    want = Counter({Reason.BAD_RANGE: 1, Reason.MISMATCH: 1})
+    assert engines[0].rejects == engines[1].rejects == want

@@ -26,7 +26,7 @@ from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import Reason, RemoteError
 
-__all__ = ["Nack", "ResultCollector", "ShardAggregator", "ShardResult"]
+__all__ = ["Nack", "ResultCollector", "RunRejected", "ShardAggregator", "ShardResult"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,15 @@ class _Tick:
     def arm(self, t: float) -> None:
         if self.at is None or t < self.at:
             self.at = t
+
+
+class RunRejected(RemoteError):
+    """A run of packets rejected for `reason`, except those of `bad`, which
+    are BAD_RANGE (not packets of the shard)."""
+
+    def __init__(self, reason: Reason, detail: str, bad: np.ndarray) -> None:
+        super().__init__(reason, detail)
+        self.bad = bad
 
 
 def _first_fresh(
@@ -174,7 +183,9 @@ class ShardAggregator:
 
         Returns (fresh, bad) masks: stored, and rejected as not a packet of this
         shard (BAD_RANGE); the rest were duplicates. Raises RemoteError for what
-        rejects the whole run (unknown sender, a scale differing from the shard's).
+        rejects the whole run (unknown sender), or RunRejected for a scale
+        differing from the shard's (MISMATCH for the packets of the shard; its
+        `bad` mask names those that are BAD_RANGE, as `on_data` would say).
         """
         row = self._sender_row(sender)
         n = len(payloads)
@@ -192,7 +203,10 @@ class ShardAggregator:
         )
         if bad.all():
             return np.zeros(n, dtype=bool), bad
-        self._adopt_scale(scale)
+        try:
+            self._adopt_scale(scale)
+        except RemoteError as exc:
+            raise RunRejected(exc.reason, exc.detail, bad) from None
         take, n_good = _first_fresh(local, bad, self.received[row])
         fresh = np.zeros(n, dtype=bool)
         fresh[take] = True

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core.aggregate import Nack, ResultCollector, ShardAggregator, ShardResult
+from dlcp.core.aggregate import Nack, ResultCollector, RunRejected, ShardAggregator, ShardResult
 from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
@@ -657,6 +657,10 @@ class Engine:
             if h.type == PacketType.DATA:
                 return self._data_run(spec, op, h, rec, payloads, now)
             return self._result_run(spec, op, h, rec, payloads, now)
+        except RunRejected as exc:
+            n_bad = int(exc.bad.sum())
+            self.rejects[Reason.BAD_RANGE] += n_bad
+            self.rejects[exc.reason] += n - n_bad
         except RemoteError as exc:
             self.rejects[exc.reason] += n
         except (DlcpError, ValueError) as exc:  # a bug or inconsistency, never fatal here
