@@ -55,6 +55,13 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--jitter-ms", type=float, default=0.0, help="hosts' compute jitter (straggler waits)"
     )
+    p.add_argument(
+        "--exit-skew-ms",
+        type=float,
+        default=0.0,
+        help="how much later than the median host the last leaves an exchange (hosts "
+        "contending for cores; each exchange waits for it)",
+    )
     p.add_argument("--calibration", default=None, help="calibration JSON file (cache)")
     p.add_argument("--recalibrate", action="store_true", help="time the codecs again")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -90,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.hosts < 1:
         raise LocalError(f"--hosts must be >= 1, got {args.hosts}")
+    for name in ("jitter_ms", "exit_skew_ms"):
+        value = getattr(args, name)
+        if not value >= 0:  # NaN too
+            raise LocalError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     links = [parse_link(x) for x in (args.link or ["1gbit"])]
     specs = [s.strip() for s in (args.codecs or ";".join(DEFAULT_CODECS)).split(";") if s.strip()]
     if args.model == DIGITS:
@@ -114,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             specs=specs,
             cpu_share=args.cpu_share,
             jitter_s=args.jitter_ms / 1e3,
+            exit_skew_s=args.exit_skew_ms / 1e3,
         )
         auto = choose_codec(
             profile,
@@ -123,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             candidates=specs,
             cpu_share=args.cpu_share,
             jitter_s=args.jitter_ms / 1e3,
+            exit_skew_s=args.exit_skew_ms / 1e3,
         )
         base = next((p.iteration_s for p in preds if p.codec == "fp32"), None)
         out.append(

@@ -529,3 +529,18 @@ def test_plan_cli_prints_every_codec_and_auto(
     assert args.func(args) == 0
     shared = {c["codec"]: c for c in json.loads(capsys.readouterr().out)[0]["codecs"]}
     assert shared["small"]["codec_cpu_s"] == pytest.approx(64 * alone["small"]["codec_cpu_s"])
+    # --exit-skew-ms: every exchange waits that much longer for the last host
+    args.sharing = None
+    args.cpu_share = 1.0
+    args.exit_skew_ms = 3.0
+    assert args.func(args) == 0
+    skewed = {c["codec"]: c for c in json.loads(capsys.readouterr().out)[0]["codecs"]}
+    for codec, c in skewed.items():
+        assert c["iteration_s"] > alone[codec]["iteration_s"], codec
+    net = Network.from_rate(200e6)
+    want = predict(load_profile(model), CAL["small"], net, 3, exit_skew_s=0.003)
+    assert skewed["small"]["iteration_s"] == pytest.approx(want.iteration_s)
+    for bad in (-1.0, float("nan")):
+        args.exit_skew_ms = bad
+        with pytest.raises(LocalError, match="--exit-skew-ms"):
+            args.func(args)

@@ -279,11 +279,20 @@ def predict_all(
     specs: Sequence[str] | None = None,
     cpu_share: float = 1.0,
     jitter_s: float = 0.0,
+    exit_skew_s: float = 0.0,
 ) -> list[Prediction]:
     """Predictions for every calibrated codec (or `specs`), fastest first."""
     chosen = list(specs) if specs is not None else list(calibration.codecs)
     preds = [
-        predict(profile, calibration[s], network, hosts, cpu_share=cpu_share, jitter_s=jitter_s)
+        predict(
+            profile,
+            calibration[s],
+            network,
+            hosts,
+            cpu_share=cpu_share,
+            jitter_s=jitter_s,
+            exit_skew_s=exit_skew_s,
+        )
         for s in chosen
     ]
     return sorted(preds, key=lambda p: p.iteration_s)
@@ -301,6 +310,7 @@ def choose_codec(
     max_rel_error: float | None = None,
     cpu_share: float = 1.0,
     jitter_s: float = 0.0,
+    exit_skew_s: float = 0.0,
 ) -> str:
     """The codec `auto` stands for: the fastest predicted one, unless a more
     accurate codec (smaller calibrated error) is within `min_gain` of it.
@@ -324,7 +334,14 @@ def choose_codec(
     if not specs:
         raise LocalError("no calibrated codec to choose from")
     preds = predict_all(
-        profile, calibration, net, hosts, specs=specs, cpu_share=cpu_share, jitter_s=jitter_s
+        profile,
+        calibration,
+        net,
+        hosts,
+        specs=specs,
+        cpu_share=cpu_share,
+        jitter_s=jitter_s,
+        exit_skew_s=exit_skew_s,
     )
     best = preds[0].iteration_s
     close = [p for p in preds if p.iteration_s <= best * (1 + min_gain)]
