@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -138,6 +139,68 @@ def run_gloo(elements: int, iters: int) -> dict:
         outs.append(json.loads(out.strip().splitlines()[-1]))
     times = [max(a, b) for a, b in zip(outs[0]["times_s"], outs[1]["times_s"], strict=True)]
     return {"times_s": times, "cpu_s": sum(o["cpu_s"] for o in outs)}
+
+
+def run_floor(nbytes: int, iters: int, segment: int) -> dict:
+    """The UDP floor: each side sends `nbytes` to the other while receiving its
+    `nbytes` (what one dlcp all-reduce of `nbytes` moves per host with 2 hosts:
+    half the data out, half the results back), as fast as plain Python moves
+    datagrams of `segment` bytes with UDP GSO and GRO, doing nothing else
+    (bench/_udp_floor_worker.py). A bound on any UDP transport in Python here."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    times, cpu, lost = [], 0.0, 0
+    for _ in range(iters + 1):
+        procs = [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    NS[i],
+                    sys.executable,
+                    str(ROOT / "bench/_udp_floor_worker.py"),
+                    "--me",
+                    ADDR[i],
+                    "--peer",
+                    ADDR[1 - i],
+                    "--bytes",
+                    str(nbytes),
+                    "--segment",
+                    str(segment),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for i in range(2)
+        ]
+        try:
+            for pr in procs:
+                assert pr.stdout is not None
+                if pr.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"udp floor worker failed: {pr.stderr.read()[-2000:]}")
+            for pr in procs:
+                assert pr.stdin is not None
+                pr.stdin.write("go\n")
+                pr.stdin.flush()
+            outs = []
+            for pr in procs:
+                out, err = pr.communicate(timeout=120)
+                if pr.returncode:
+                    raise RuntimeError(f"udp floor worker failed: {err[-2000:]}")
+                outs.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for pr in procs:
+                if pr.poll() is None:
+                    pr.kill()
+        if _ == 0:
+            continue  # warm-up
+        times.append(max(o["seconds"] for o in outs))
+        cpu += sum(o["user_s"] + o["sys_s"] for o in outs)
+        lost += sum(nbytes - o["received"] for o in outs)
+    return {"times_s": times, "cpu_s": cpu, "lost_bytes": lost}
 
 
 def run_dlcp(
@@ -312,6 +375,7 @@ def run_dlcp(
 
 def main() -> int:
     from dlcp.daemon.config import Config
+    from dlcp.wire.header import HEADER_SIZE
     from dlcp.wire.mac import MAC_ALGORITHMS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -321,6 +385,12 @@ def main() -> int:
     p.add_argument("--payload", type=int, default=None, help="dlcp payload (default MTU - 92)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-pacing", action="store_true", help="dlcp daemons send unpaced")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the UDP floor: the same bytes per host moved by plain Python "
+        "sockets (GSO/GRO, no header, MAC or sums; bench/_udp_floor_worker.py)",
+    )
     p.add_argument(
         "--mac",
         default=Config().mac,
@@ -344,15 +414,18 @@ def main() -> int:
     rows = []
     try:
         setup(a.mtu)
-        for name, fn in (
-            ("gloo", lambda: run_gloo(elements, a.iters)),
+        runs: list[tuple[str, Any]] = [("gloo", lambda: run_gloo(elements, a.iters))]
+        if a.floor:  # datagrams as large as dlcp's: its header and payload
+            runs.append(("udp-floor", lambda: run_floor(size, a.iters, payload + HEADER_SIZE)))
+        runs.append(
             (
                 "dlcp",
                 lambda: run_dlcp(
                     elements, a.iters, payload, tmp, not a.no_pacing, a.profile, a.mac
                 ),
-            ),
-        ):
+            )
+        )
+        for name, fn in runs:
             r = fn()
             med = statistics.median(r["times_s"])
             moved_gb = size * a.iters / 1e9  # bus bytes for 2 ranks = size per iteration
@@ -370,6 +443,7 @@ def main() -> int:
                     "cpu_s": r["cpu_s"],
                     "cpu_s_per_gb": r["cpu_s"] / moved_gb,
                     **({"daemons": r["daemons"]} if "daemons" in r else {}),
+                    **({"lost_bytes": r["lost_bytes"]} if "lost_bytes" in r else {}),
                 }
             )
     finally:
@@ -383,6 +457,13 @@ def main() -> int:
     g = {r["backend"]: r for r in rows}
     ratio = g["dlcp"]["busbw_gbps"] / g["gloo"]["busbw_gbps"]
     print(f"dlcp/gloo bus bandwidth ratio: {ratio:.2f}")
+    if "udp-floor" in g:
+        f = g["udp-floor"]
+        print(
+            f"udp-floor/gloo: {f['busbw_gbps'] / g['gloo']['busbw_gbps']:.2f} "
+            f"({f['lost_bytes']} bytes lost); dlcp/udp-floor: "
+            f"{g['dlcp']['busbw_gbps'] / f['busbw_gbps']:.2f}"
+        )
     for i, d in enumerate(g["dlcp"]["daemons"]):
         print(f"dlcp daemon {i}: {json.dumps(d)}")
     if a.json:
