@@ -99,3 +99,38 @@ def test_max_contributors_is_the_bound_of_the_summed_lanes() -> None:
 @pytest.mark.parametrize("codec", [Codec.FP32, Codec.FP16])
 def test_float_sums_accumulate_in_fp32(codec: Codec) -> None:
     assert lanes.sum_dtype(codec) == np.float32
+
+
+@pytest.mark.parametrize(
+    ("codec", "summed"),
+    [
+        (Codec.FP32, False),
+        (Codec.FP32, True),
+        (Codec.FP16, False),
+        (Codec.FP16, True),
+        (Codec.THC8, False),
+        (Codec.THC8, True),
+        (Codec.THC4, False),
+        (Codec.THC4, True),
+    ],
+)
+def test_store_many_is_unpack_and_assign(codec: Codec, summed: bool) -> None:
+    """The copy straight into the accumulator (fp32, THC sums) and the general
+    path give what unpacking each payload and assigning it gives."""
+    rng = np.random.default_rng(int(codec) * 2 + summed)
+    dtype = lanes.sum_dtype(codec)
+    items = []
+    for start, count in ((0, 5), (9, 7), (20, 1)):  # gaps stay untouched
+        nbytes = lane_bytes(codec, count, summed)
+        items.append((start, count, memoryview(rng.integers(0, 256, nbytes, np.uint8).tobytes())))
+    got = np.full(24, 7, dtype=dtype)
+    want = got.copy()
+    lanes.store_many(got, codec, summed, items)
+    for start, count, payload in items:
+        want[start : start + count] = lanes.unpack(codec, payload, count, summed)
+    np.testing.assert_array_equal(got, want)  # NaN payload bits compare equal too
+    assert got[5:9].tolist() == want[5:9].tolist() == [7] * 4
+    short = [(0, 5, items[0][2][:-1])]
+    with pytest.raises(RemoteError) as err:
+        lanes.store_many(got, codec, summed, short)
+    assert err.value.reason == Reason.BAD_LENGTH

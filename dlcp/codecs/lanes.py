@@ -9,12 +9,14 @@ independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from dlcp.errors import Reason, RemoteError
 from dlcp.wire.header import Codec, lane_bytes
 
-__all__ = ["MAX_CONTRIBUTORS", "pack", "sum_dtype", "unpack"]
+__all__ = ["MAX_CONTRIBUTORS", "pack", "store_many", "sum_dtype", "unpack"]
 
 # Contributions whose sum is guaranteed to fit the summed lanes of every codec.
 MAX_CONTRIBUTORS = 257  # 257 * 255 = 65535 for thc8; fp lanes have no such limit
@@ -59,6 +61,33 @@ def unpack(codec: int, payload: bytes | memoryview, count: int, summed: bool) ->
         out[1::2] = packed >> 4
         return out[:count]
     return np.frombuffer(payload, dtype=_WIRE_DATA[codec], count=count)
+
+
+def store_many(
+    dest: np.ndarray,
+    codec: int,
+    summed: bool,
+    items: Iterable[tuple[int, int, bytes | memoryview]],
+) -> None:
+    """`dest[start : start + count] = unpack(codec, payload, count, summed)` for
+    each (start, count, payload), with the same BAD_LENGTH check.
+
+    Where the wire lanes are already `dest`'s dtype (fp32 data and sums, the
+    integer sums of THC), each payload's bytes are copied straight into `dest`
+    (a memoryview assignment: about half the per-packet cost of making an
+    array of each payload and assigning it).
+    """
+    wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
+    if wire is not None and wire == dest.dtype and dest.flags.c_contiguous:
+        raw = memoryview(dest).cast("B")
+        size = dest.itemsize
+        for start, count, payload in items:
+            if len(payload) != count * size:
+                raise RemoteError(Reason.BAD_LENGTH, f"{len(payload)} bytes for {count} lanes")
+            raw[start * size : (start + count) * size] = payload
+        return
+    for start, count, payload in items:
+        dest[start : start + count] = unpack(codec, payload, count, summed)
 
 
 def wire_summed_dtype(codec: int) -> np.dtype:

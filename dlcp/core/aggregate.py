@@ -213,13 +213,14 @@ class ShardAggregator:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        codec = lay.codec
-        slot = self.slots[row]
         base = self.offset
-        for k in take.tolist():
-            off = int(offsets[k])
-            cnt = int(counts[k])
-            slot[off - base : off - base + cnt] = lane_ops.unpack(codec, payloads[k], cnt, summed)
+        starts = (offsets[take] - base).tolist()
+        lane_ops.store_many(
+            self.slots[row],
+            lay.codec,
+            summed,
+            zip(starts, counts[take].tolist(), [payloads[k] for k in take.tolist()], strict=True),
+        )
         lt = local[take]
         self.received[row, lt] = True
         self.n_received += take.size
@@ -578,12 +579,17 @@ class ResultCollector:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        codec = lay.codec
-        sums = self.sums
-        for k in take.tolist():
-            off = int(offsets[k])
-            cnt = int(counts[k])
-            sums[off : off + cnt] = lane_ops.unpack(codec, payloads[k], cnt, True)
+        lane_ops.store_many(
+            self.sums,
+            lay.codec,
+            True,
+            zip(
+                offsets[take].tolist(),
+                counts[take].tolist(),
+                [payloads[k] for k in take.tolist()],
+                strict=True,
+            ),
+        )
         it = i[take]
         self.contributors[it] = contributors[take]
         self.block_max[it] = block_max[take]
