@@ -79,7 +79,7 @@ def store_many(
     """
     wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
     if wire is not None and wire == dest.dtype and dest.flags.c_contiguous:
-        raw = memoryview(dest).cast("B")
+        raw = dest.data.cast("B")
         size = dest.itemsize
         for start, count, payload in items:
             if len(payload) != count * size:
