@@ -24,3 +24,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="needs root for network namespaces"))
             elif no_ip:
                 item.add_marker(pytest.mark.skip(reason="iproute2 (ip) is not installed"))
+
+
+@pytest.fixture(autouse=True)
+def _poison_uninitialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The aggregation core leaves its big accumulators unzeroed and writes every
+    element before reading it (`dlcp.core.aggregate._uninitialised`). In every
+    test they start as all-ones bytes instead (NaN in float lanes, 65535 in
+    integer ones), so a lane the core forgot to write shows in the sums."""
+    import numpy as np
+
+    from dlcp.core import aggregate
+
+    def poisoned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        out = np.empty(shape, dtype=dtype)
+        out.reshape(-1).view(np.uint8)[:] = 0xFF
+        return out
+
+    monkeypatch.setattr(aggregate, "_uninitialised", poisoned)

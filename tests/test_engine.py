@@ -118,6 +118,19 @@ def test_four_hosts_4mb_bucket_with_loss_reordering_duplication() -> None:
     for i in np.flatnonzero(full):
         o, c = lay.packet_range(int(i))
         np.testing.assert_array_equal(first.sums[o : o + c], expected[o : o + c])
+    # Lost contributions count as zeros, never as stale memory: every lane is
+    # finite (the accumulators start as NaN in tests), and where every droppable
+    # contribution of a packet was lost the sum is exactly that of the others.
+    assert np.isfinite(first.sums).all()
+    checked = 0
+    for i in np.flatnonzero(~full).tolist():
+        miss = [bool(d[i]) for d in droppable]
+        if 4 - int(first.contributors[i]) == sum(miss):
+            o, c = lay.packet_range(i)
+            rows = [np.where(m, np.float32(0), x[o : o + c]) for x, m in zip(xs, miss, strict=True)]
+            np.testing.assert_array_equal(first.sums[o : o + c], np.sum(np.stack(rows), axis=0))
+            checked += 1
+    assert checked > 0
     # The lost share of droppable lanes stays within the bound.
     assert first.total_lanes == 4 * n
     assert first.lost_lanes / first.total_lanes <= bound
@@ -153,6 +166,18 @@ def test_dropping_every_droppable_packet_still_completes_within_bound() -> None:
     ev = done[0]
     assert 0 < ev.lost_lanes <= 0.05 * ev.total_lanes
     assert ev.contributors.min() < 4
+    # every droppable packet sent was lost (a host's own shard is not sent):
+    # their lanes sum the others' exactly
+    lay = Layout(200_000, Codec.FP32, 4)
+    drops = [smallest_norm_droppable(x, lay, 0.05) for x in xs]
+    for h, d in enumerate(drops):
+        pk = lay.shard_packets(h)  # host h owns shard h
+        d[pk.start : pk.stop] = False
+    rows = [
+        np.where(np.repeat(d, lay.packet_counts()), np.float32(0), x)
+        for x, d in zip(xs, drops, strict=True)
+    ]
+    np.testing.assert_array_equal(ev.sums, np.sum(np.stack(rows), axis=0))
 
 
 def test_results_survive_heavy_loss_of_result_and_control_packets() -> None:

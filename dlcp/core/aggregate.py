@@ -71,6 +71,12 @@ class RunRejected(RemoteError):
         self.bad = bad
 
 
+def _uninitialised(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array whose every element the caller writes before reading (tests
+    poison it to check that they do)."""
+    return np.empty(shape, dtype=dtype)
+
+
 def _first_fresh(
     local: np.ndarray, bad: np.ndarray, received: np.ndarray
 ) -> tuple[np.ndarray, int]:
@@ -111,7 +117,11 @@ class ShardAggregator:
             layout.packet_counts()[pk.start : pk.stop] if self.n_packets else np.zeros(0, np.int64)
         )
         s = len(self.senders)
-        self.slots = np.zeros((s, self.lanes), dtype=lane_ops.sum_dtype(layout.codec))
+        # Not zeroed: every packet stored overwrites its lanes, and `_finish`
+        # zeroes the lanes of the packets that never came. Zeroing up front cost
+        # a pass over every row, this node's own too (held by reference, never
+        # written here): 4-7 % of the core's time for 100 MB fp32 rounds.
+        self.slots = _uninitialised((s, self.lanes), lane_ops.sum_dtype(layout.codec))
         # rows held by reference instead of in `slots` (this node's own lanes)
         self._held: dict[int, np.ndarray] = {}
         self.received = np.zeros((s, self.n_packets), dtype=bool)
@@ -407,7 +417,27 @@ class ShardAggregator:
     def missing_senders(self) -> list[int]:
         return [n for r, n in enumerate(self.senders) if not self.received[r].any()]
 
+    def _zero_missing(self) -> None:
+        """Zero the lanes, in `slots`, of every packet a sender's row lacks."""
+        starts: np.ndarray | None = None
+        for r in range(len(self.senders)):
+            if r in self._held:
+                continue
+            missing = np.flatnonzero(~self.received[r])
+            if missing.size == 0:
+                continue
+            if starts is None:
+                starts = np.concatenate(([0], np.cumsum(self.counts)))
+            # runs of consecutive missing packets: one slice each
+            cut = np.flatnonzero(np.diff(missing) != 1) + 1
+            firsts = missing[np.concatenate(([0], cut))]
+            lasts = missing[np.concatenate((cut - 1, [missing.size - 1]))]
+            row = self.slots[r]
+            for a, b in zip(starts[firsts].tolist(), starts[lasts + 1].tolist(), strict=True):
+                row[a:b] = 0
+
     def _finish(self) -> None:
+        self._zero_missing()
         sdt = self.slots.dtype
         if self._held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
             rows = [self._held.get(r, self.slots[r]) for r in range(len(self.senders))]
@@ -464,7 +494,9 @@ class ResultCollector:
 
     def __post_init__(self) -> None:
         lay = self.layout
-        self.sums = np.zeros(lay.total, dtype=lane_ops.sum_dtype(lay.codec))
+        # Not zeroed: a round completes only with every result packet stored
+        # (the result leg is reliable) and the local shard, which tile the bucket.
+        self.sums = _uninitialised((lay.total,), lane_ops.sum_dtype(lay.codec))
         self.contributors = np.zeros(lay.packets, dtype=np.int64)
         self.block_max = np.zeros(lay.packets, dtype=np.float32)
         self.waiting = {}
