@@ -453,3 +453,72 @@ def test_droppable_and_last_flags_on_the_wire() -> None:
     assert data[0].flags & Flags.DROPPABLE
     assert data[-1].flags & Flags.LAST
     assert sum(bool(h.flags & Flags.DROPPABLE) for h in data) == 1
+
+
+def _owner_shard(out: np.ndarray | None, held: bool) -> tuple[np.ndarray, np.ndarray, object]:
+    """Shard 0 of a 2-host fp32 bucket summed by its owner (node 0): node 0's
+    lanes local (held by reference when `held`, else sent like a peer's), node
+    1's as data packets. Returns (sums, expected, the completed aggregator)."""
+    from dlcp.core.aggregate import ShardAggregator
+
+    lay = Layout(total=5000, codec=Codec.FP32, shards=2, payload=1408)
+    off, n = lay.shard_range(0)
+    pk = lay.shard_packets(0)
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal(n).astype("<f4") for _ in range(2)]
+    agg = ShardAggregator(layout=lay, shard=0, senders=[0, 1], now=0.0, timing=Timing())
+    if out is not None:
+        agg.sum_into(out)
+    nothing = np.zeros(len(pk), dtype=bool)
+    starts = np.array([lay.packet_range(i)[0] for i in pk], dtype=np.int64)
+    counts = np.array([lay.packet_range(i)[1] for i in pk], dtype=np.int64)
+    for node, x in enumerate(xs):
+        if node == 0 and held:
+            agg.on_local(sender=0, lanes=x.tobytes(), summed=False, weight=1, droppable=nothing,
+                         scale=0.0, block_max=np.zeros(len(pk), np.float32), now=0.0)  # fmt: skip
+            continue
+        payloads = [x[a - off : a - off + c].tobytes() for a, c in zip(starts, counts, strict=True)]
+        agg.on_data_many(sender=node, offsets=starts, counts=counts, payloads=payloads,
+                         summed=False, weight=1, droppable=nothing, scale=0.0,
+                         block_max=np.zeros(len(pk), np.float32), now=0.0)  # fmt: skip
+    for node in range(2):
+        agg.on_manifest(sender=node, droppable=nothing, bound=0.0, now=0.0)
+    _, finished = agg.poll(1.0)
+    assert finished and agg.result is not None
+    return agg.result.sums, xs[0] + xs[1], agg
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_owner_sums_a_shard_into_the_collector_without_a_copy(held: bool) -> None:
+    from dlcp.core.aggregate import ResultCollector
+
+    lay = Layout(total=5000, codec=Codec.FP32, shards=2, payload=1408)
+    alone, want, _ = _owner_shard(None, held)
+    col = ResultCollector(layout=lay, owners=[0, 1], me=0, senders=2, now=0.0, timing=Timing())
+    target = col.shard_sums(0)
+    sums, _, agg = _owner_shard(target, held)
+    assert sums is target and np.shares_memory(sums, col.sums)
+    assert sums.tobytes() == alone.tobytes() == want.tobytes()  # same sums, same order
+    col.on_local(agg.result)  # type: ignore[attr-defined]
+    off, n = lay.shard_range(0)
+    assert col.sums[off : off + n].tobytes() == want.tobytes()
+    # a result summed elsewhere is copied in
+    other = ResultCollector(layout=lay, owners=[0, 1], me=0, senders=2, now=0.0, timing=Timing())
+    _, _, separate = _owner_shard(None, held)
+    other.on_local(separate.result)  # type: ignore[attr-defined]
+    assert other.sums[off : off + n].tobytes() == want.tobytes()
+
+
+def test_sum_into_refuses_a_wrong_target() -> None:
+    from dlcp.core.aggregate import ShardAggregator
+
+    lay = Layout(total=5000, codec=Codec.FP32, shards=2, payload=1408)
+    agg = ShardAggregator(layout=lay, shard=0, senders=[0, 1], now=0.0, timing=Timing())
+    n = lay.shard_range(0)[1]
+    with pytest.raises(LocalError, match="lanes"):
+        agg.sum_into(np.zeros(n + 1, np.float32))
+    with pytest.raises(LocalError, match="lanes"):
+        agg.sum_into(np.zeros(n, np.float64))
+    _, _, done = _owner_shard(np.zeros(n, np.float32), True)
+    with pytest.raises(LocalError, match="completed"):
+        done.sum_into(np.zeros(n, np.float32))  # type: ignore[attr-defined]

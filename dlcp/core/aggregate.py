@@ -24,7 +24,7 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
-from dlcp.errors import Reason, RemoteError
+from dlcp.errors import LocalError, Reason, RemoteError
 
 __all__ = ["Nack", "ResultCollector", "RunRejected", "ShardAggregator", "ShardResult"]
 
@@ -136,6 +136,9 @@ class ShardAggregator:
         self.last_nack = np.full(s, -math.inf)
         self.last_arrival = now
         self.result: ShardResult | None = None
+        # where `_finish` puts the sums, when set (`sum_into`): the collector's
+        # range of this shard, so that the sums are not copied there again
+        self.out: np.ndarray | None = None
         self.duplicates = 0
         self.n_received = 0
         self.n_manifests = 0
@@ -436,19 +439,38 @@ class ShardAggregator:
             for a, b in zip(starts[firsts].tolist(), starts[lasts + 1].tolist(), strict=True):
                 row[a:b] = 0
 
+    def sum_into(self, out: np.ndarray) -> None:
+        """Put the sums, when the shard completes, in `out` (this shard's lanes in
+        the accumulator dtype, e.g. the result collector's range of the shard)
+        instead of a new array; `result.sums` is then `out`."""
+        if self.result is not None:
+            raise LocalError(f"shard {self.shard} has completed already")
+        if out.shape != (self.lanes,) or out.dtype != self.slots.dtype:
+            raise LocalError(
+                f"sums of shard {self.shard} need {self.lanes} lanes of {self.slots.dtype}, "
+                f"not {out.shape} of {out.dtype}"
+            )
+        self.out = out
+
     def _finish(self) -> None:
         self._zero_missing()
         sdt = self.slots.dtype
+        out = self.out
         if self._held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
             rows = [self._held.get(r, self.slots[r]) for r in range(len(self.senders))]
-            sums = rows[0].astype(sdt, copy=True)
-            for r in rows[1:]:
+            if len(rows) == 1:
+                sums = rows[0].astype(sdt, copy=True) if out is None else out
+                if out is not None:
+                    np.copyto(out, rows[0], casting="unsafe")
+            else:  # the first two in one pass, then the others
+                sums = np.add(rows[0], rows[1], out=out, dtype=sdt)
+            for r in rows[2:]:
                 np.add(sums, r, out=sums)
             self._held = {}
+        elif not len(self.senders):
+            sums = self.slots[0] if out is None else out
         else:
-            sums = (
-                np.add.reduce(self.slots, axis=0, dtype=sdt) if len(self.senders) else self.slots[0]
-            )
+            sums = np.add.reduce(self.slots, axis=0, dtype=sdt, out=out)
         contributors = (self.received * self.weight[:, None]).sum(axis=0)
         lost = int(((~self.received) * self.counts).sum())
         self.result = ShardResult(
@@ -517,10 +539,17 @@ class ResultCollector:
     def complete(self) -> bool:
         return not self.waiting
 
+    def shard_sums(self, shard: int) -> np.ndarray:
+        """This shard's lanes of `sums` (a view): where its aggregator may put
+        the sums (`ShardAggregator.sum_into`) before `on_local`."""
+        off, count = self.layout.shard_range(shard)
+        return self.sums[off : off + count]
+
     def on_local(self, result: ShardResult) -> None:
         """The shard this node owns, straight from its aggregator."""
         off, count = self.layout.shard_range(result.shard)
-        self.sums[off : off + count] = result.sums
+        if not np.may_share_memory(result.sums, self.sums):  # else summed in place already
+            self.sums[off : off + count] = result.sums
         pk = self.layout.shard_packets(result.shard)
         self.contributors[pk.start : pk.stop] = result.contributors
         self.block_max[pk.start : pk.stop] = result.block_max

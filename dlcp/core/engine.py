@@ -1054,6 +1054,12 @@ class Engine:
         agg = self._aggs.get((op, shard))
         if agg is None:
             return
+        if agg.out is None and agg.result is None:
+            col = self._collectors.get(op)
+            if col is not None and col.layout == agg.layout:
+                sums = col.shard_sums(shard)
+                if sums.dtype == agg.slots.dtype:
+                    agg.sum_into(sums)  # the owner's sums go straight where they are collected
         nacks, finished = agg.poll(now)
         spec = self.jobs[op[0]]
         for nack in nacks:
