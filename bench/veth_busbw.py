@@ -72,6 +72,11 @@ def setup(mtu: int) -> None:
         sh("ip", "addr", "add", f"{ADDR[i]}/24", "dev", dev, ns=ns)
 
 
+def python_in(ns: int, *argv: str) -> list[str]:
+    """argv running this Python in namespace NS[ns]."""
+    return ["ip", "netns", "exec", NS[ns], sys.executable, *argv]
+
+
 def teardown() -> None:
     for ns in NS:
         sh("ip", "netns", "del", ns, check=False)
@@ -107,12 +112,8 @@ def run_gloo(elements: int, iters: int) -> dict:
         e["GLOO_SOCKET_IFNAME"] = f"bw{r}"
         procs.append(
             subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    NS[r],
-                    sys.executable,
+                python_in(
+                    r,
                     str(ROOT / "bench/_gloo_worker.py"),
                     "--rank",
                     str(r),
@@ -124,7 +125,7 @@ def run_gloo(elements: int, iters: int) -> dict:
                     str(elements),
                     "--iters",
                     str(iters),
-                ],
+                ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -149,15 +150,11 @@ def run_floor(nbytes: int, iters: int, segment: int) -> dict:
     (bench/_udp_floor_worker.py). A bound on any UDP transport in Python here."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     times, cpu, lost = [], 0.0, 0
-    for _ in range(iters + 1):
+    for it in range(iters + 1):
         procs = [
             subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    NS[i],
-                    sys.executable,
+                python_in(
+                    i,
                     str(ROOT / "bench/_udp_floor_worker.py"),
                     "--me",
                     ADDR[i],
@@ -167,7 +164,7 @@ def run_floor(nbytes: int, iters: int, segment: int) -> dict:
                     str(nbytes),
                     "--segment",
                     str(segment),
-                ],
+                ),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -195,7 +192,7 @@ def run_floor(nbytes: int, iters: int, segment: int) -> dict:
             for pr in procs:
                 if pr.poll() is None:
                     pr.kill()
-        if _ == 0:
+        if it == 0:
             continue  # warm-up
         times.append(max(o["seconds"] for o in outs))
         cpu += sum(o["user_s"] + o["sys_s"] for o in outs)
@@ -233,17 +230,7 @@ def run_dlcp(
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
                 daemons.append(
                     subprocess.Popen(
-                        [
-                            "ip",
-                            "netns",
-                            "exec",
-                            NS[i],
-                            sys.executable,
-                            "-m",
-                            "dlcp.daemon",
-                            "--config",
-                            str(cfg),
-                        ],
+                        python_in(i, "-m", "dlcp.daemon", "--config", str(cfg)),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         env=env,
