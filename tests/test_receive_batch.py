@@ -46,6 +46,10 @@ def _forge(dg: bytes, rng: np.random.Generator, me: int, mac: str) -> list[bytes
         out.append(encode(h.with_(offset=h.offset + 1, count=h.count - 1), payload[cut:], KEY))
     out.append(encode(h, payload, mac_state(b"w" * 32, mac)))  # wrong key
     out = [out[int(i)] for i in rng.permutation(len(out))]
+    for pos in (48, 63):  # one bit of the tag's first or last byte: 15 bytes still match
+        near = bytearray(dg)
+        near[pos] ^= 0x01
+        out.append(bytes(near))
     if h.type == PacketType.DATA and h.count > 1:
         # one run, authenticated, with a scale the shard does not have: the
         # packet outside the layout is BAD_RANGE, the other one MISMATCH

@@ -196,13 +196,15 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
                     h.update(v[:MAC_OFFSET])
                     h.update(v[HEADER_SIZE:])
                     verified[i] = hmac.compare_digest(h.digest(), v[MAC_OFFSET:HEADER_SIZE])
-            else:  # one batched call for the job's packets
+            else:  # one batched call for the job's packets, one array comparison
                 tags = key.tags(
                     [views[i][:MAC_OFFSET] for i in mine], [views[i][HEADER_SIZE:] for i in mine]
                 )
-                for k, i in enumerate(mine):
-                    got = tags[k * MAC_SIZE : (k + 1) * MAC_SIZE]
-                    verified[i] = hmac.compare_digest(got, views[i][MAC_OFFSET:HEADER_SIZE])
+                want = np.frombuffer(tags, np.uint8).reshape(len(mine), MAC_SIZE)
+                got = heads["mac"][mine].view(np.uint8).reshape(len(mine), MAC_SIZE)
+                # every byte of every tag is compared (no early exit per tag), so the
+                # time taken says nothing about where a forged tag goes wrong
+                verified[mine] = (want == got).all(axis=1)
         bad_mac = candidates[~verified[candidates] & (reasons[candidates] == 0)]
         reasons[bad_mac] = Reason.BAD_MAC
     accepted = np.flatnonzero(verified).tolist()
