@@ -108,3 +108,32 @@ def test_unknown_mac_is_refused() -> None:
     assert parse({"network": {"mac": "blake2b"}}).mac == "blake2b"
     assert parse({}).mac == "ghash-aes"  # dlcpd's default
     assert Codec.FP32 == 0
+
+
+def test_ghash_aes_tags_follow_the_construction() -> None:
+    """Tags made in a batch are the module's construction, packet by packet:
+    AES-256 (second derived key) of the tag of AES-GCM (first derived key, the
+    zero nonce) over the header as plaintext and the payload as associated data."""
+    import hashlib
+
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    k_hash = hashlib.blake2b(KEY, digest_size=32, person=b"dlcp-ghash-key").digest()
+    k_prp = hashlib.blake2b(KEY, digest_size=32, person=b"dlcp-prp-key").digest()
+
+    def one(head: bytes, payload: bytes) -> bytes:
+        inner = AESGCM(k_hash).encrypt(bytes(12), head, payload)[-16:]
+        enc = Cipher(algorithms.AES(k_prp), modes.ECB()).encryptor()
+        return enc.update(inner) + enc.finalize()
+
+    k = mac_state(KEY, "ghash-aes")
+    assert not isinstance(k, bytes)
+    heads = [bytes([i]) * 48 for i in range(5)]
+    payloads = [bytes([7 * i]) * (100 * i) for i in range(5)]  # the first one empty
+    assert k.tags(heads, payloads) == b"".join(map(one, heads, payloads))
+    assert k.tags([], []) == b""
+    with pytest.raises(ValueError, match="payloads"):
+        k.tags(heads, payloads[:-1])
+    with pytest.raises(ValueError, match="48 bytes"):
+        k.tags([b"h" * 47], [b"p"])
