@@ -28,16 +28,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _poison_uninitialised(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The aggregation core leaves its big accumulators unzeroed and writes every
-    element before reading it (`dlcp.core.aggregate._uninitialised`). In every
-    test they start as all-ones bytes instead (NaN in float lanes, 65535 in
-    integer ones), so a lane the core forgot to write shows in the sums."""
+    """The aggregation core leaves its big accumulators unzeroed (new or reused
+    buffers) and writes every element before reading it
+    (`dlcp.core.aggregate._uninitialised`). In every test they start as
+    all-ones bytes instead (NaN in float lanes, 65535 in integer ones), so a
+    lane the core forgot to write shows in the sums."""
     import numpy as np
 
     from dlcp.core import aggregate
 
+    real = aggregate._uninitialised
+
     def poisoned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        out = np.empty(shape, dtype=dtype)
+        out = real(shape, dtype)
         out.reshape(-1).view(np.uint8)[:] = 0xFF
         return out
 

@@ -522,3 +522,26 @@ def test_sum_into_refuses_a_wrong_target() -> None:
     _, _, done = _owner_shard(np.zeros(n, np.float32), True)
     with pytest.raises(LocalError, match="completed"):
         done.sum_into(np.zeros(n, np.float32))  # type: ignore[attr-defined]
+
+
+def test_rounds_reuse_large_buffers_and_sum_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets over a MiB take their accumulators from reused buffers once the
+    previous round's are free; each round's sums are still exact (the buffers
+    start poisoned in tests, so a lane left from the last round would show)."""
+    from dlcp.core import aggregate
+    from dlcp.core.buffers import SpareBuffers
+
+    monkeypatch.setattr(aggregate, "_SPARE", SpareBuffers())  # none held by other tests
+    rng = np.random.default_rng(13)
+    net = Network(cluster(2), seed=13, loss=0.02)
+    before = aggregate._SPARE.reused
+    for rnd in range(3):
+        xs = [rng.standard_normal(600_000).astype(np.float32) for _ in range(2)]
+        submit_all(net, xs, round=rnd)
+        net.run()
+        done = completions(net)
+        assert sorted(done) == [0, 1]
+        for ev in done.values():
+            assert ev.sums.tobytes() == (xs[0] + xs[1]).tobytes()
+        del done
+    assert aggregate._SPARE.reused > before

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
+from dlcp.core.buffers import SpareBuffers
 from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import LocalError, Reason, RemoteError
@@ -73,8 +74,17 @@ class RunRejected(RemoteError):
 
 def _uninitialised(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An array whose every element the caller writes before reading (tests
-    poison it to check that they do)."""
-    return np.empty(shape, dtype=dtype)
+    poison it to check that they do); a large one is a reused buffer when one
+    is free (`dlcp.core.buffers.SpareBuffers`)."""
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes < MIN_SPARE_BYTES:
+        return np.empty(shape, dtype=dt)
+    return _SPARE.take(nbytes).view(dt).reshape(shape)
+
+
+_SPARE = SpareBuffers()
+MIN_SPARE_BYTES = 1 << 20  # smaller arrays come from the allocator as they are
 
 
 def _first_fresh(

@@ -23,6 +23,7 @@ import numpy as np
 
 from dlcp import ipc
 from dlcp.codecs import lanes as lane_ops
+from dlcp.core.buffers import SpareBuffers
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, Send
 from dlcp.core.layout import Layout
 from dlcp.daemon import notify
@@ -44,6 +45,7 @@ _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _NACK = int(PacketType.NACK)
 _ACKING = frozenset({int(PacketType.RESULT), int(PacketType.ACK), int(PacketType.DONE)})
+INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
 _RX_BUDGET = 256  # recvmsg calls per readable event before yielding to the loop
 OpKey = tuple[int, int, int]
 
@@ -82,6 +84,8 @@ class Client:
         self.jobs: set[int] = set()
         self.pending = 0
         self.closed = False
+        # this rank's submitted lanes, copied into buffers reused across rounds
+        self.inputs = SpareBuffers(INPUT_BUFFERS)
 
     def reply(self, rid: Any, **fields: Any) -> None:
         if self.closed:
@@ -864,7 +868,8 @@ class Daemon:
         # A private copy by preadv, never the mapping: a rank that shrinks its
         # segment gets bad_request instead of killing the daemon with SIGBUS. The
         # copy answers retransmissions until the round has its results.
-        data = seg.read(d_off, d_len)
+        data = client.inputs.take(d_len)
+        seg.read_into(d_off, data)
         if lr is None:
             lr = LocalRound(
                 job_id,
