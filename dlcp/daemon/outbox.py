@@ -11,9 +11,11 @@ socket hold back waits for the next `flush` (the daemon calls it again at
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, islice, repeat
 
 import numpy as np
 
@@ -41,13 +43,24 @@ _F_DROPPABLE = int(Flags.DROPPABLE)
 
 
 def _barrier_key(datagram: bytes) -> bytes:
-    """(job, round, bucket, shard) and the leg: what a DONE vouches for."""
-    result_leg = datagram[3] == _RESULT or (datagram[3] == _DONE and datagram[4] & _F_RESULT_LEG)
-    return datagram[8:22] + (b"r" if result_leg else b"d")
+    """The leg (the type byte of its DATA or RESULT packets) and (job, round,
+    bucket, shard): what a DONE vouches for. For a DATA/RESULT packet it is the
+    head of its identity (`_identity(dg)[:_BKEY]`)."""
+    t = datagram[3]
+    if t == _DONE:
+        return (_RESULT_LEG if datagram[4] & _F_RESULT_LEG else _DATA_LEG) + datagram[8:22]
+    return datagram[3:4] + datagram[8:22]
 
 
 _F_RESULT_LEG = int(Flags.RESULT_LEG)
 _F_RETRANSMIT = int(Flags.RETRANSMIT)
+# bytes.translate tables over type and flags bytes
+_NOT_DR_TABLE = bytes(0 if t in (_DATA, _RESULT) else 1 for t in range(256))
+_DROPPABLE_TABLE = bytes(f & _F_DROPPABLE for f in range(256))
+_DR = frozenset((_DATA, _RESULT))
+_DATA_LEG, _RESULT_LEG = bytes((_DATA,)), bytes((_RESULT,))
+_BKEY = 15  # `_barrier_key` of a DATA/RESULT packet: the first bytes of its identity
+_MIN_RUN = 4  # shorter runs of DATA/RESULT packets are queued one by one
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
@@ -71,6 +84,24 @@ PACING_QUANTUM = 0.001
 # every token beyond the burst was lost, and pacing at a 10 Gbit/s rate held a
 # veth at 0.7x its unpaced throughput while sending a fraction of that rate.
 CATCH_UP_SECONDS = 0.02
+
+
+def _batch(q: deque[bytes]) -> tuple[list[bytes], list[int]]:
+    """The batch at the head of `q`: as many packets as fit in BATCH_BYTES (at
+    least one, at most MAX_GSO_SEGMENTS), and their bytes so far, packet by
+    packet (running sums)."""
+    limit = min(len(q), MAX_GSO_SEGMENTS)
+    take = min(limit, BATCH_BYTES // len(q[0]) + 1)
+    head = list(islice(q, take))
+    sizes = list(accumulate(map(len, head)))
+    while sizes[-1] <= BATCH_BYTES and take < limit:  # all fit: there may be room for more
+        take = min(limit, 2 * take)
+        head = list(islice(q, take))
+        sizes = list(accumulate(map(len, head)))
+    k = max(1, bisect_right(sizes, BATCH_BYTES))
+    if k < len(head):
+        del head[k:], sizes[k:]
+    return head, sizes
 
 
 def _pacing_wake(now: float, waits: list[float]) -> float:
@@ -187,8 +218,14 @@ class Outbox:
         peer.pending.add(key)
         peer.queued += 1
         self.backlog.add(peer)
+        self._queue(peer, datagram, min(max(priority, 0), N_CLASSES - 1))
+        return True
+
+    @staticmethod
+    def _queue(peer: Peer, datagram: bytes, cls: int) -> None:
+        """Put a datagram that is not a repeat (already in `pending` and `queued`)
+        in class `cls`'s queue, or hold it (a DONE behind its shard)."""
         kind = datagram[3]
-        cls = min(max(priority, 0), N_CLASSES - 1)
         if kind == _DONE:
             # A DONE says "all my packets of this shard are out". It waits here
             # until they have left, and then travels in the class of the last of
@@ -201,7 +238,7 @@ class Outbox:
             else:
                 cls = peer.trail_class.get(bkey, cls)
                 peer.queues[cls].append(datagram)
-            return True
+            return
         if kind in (_DATA, _RESULT):
             bkey = _barrier_key(datagram)
             peer.inflight[bkey] += 1
@@ -213,7 +250,107 @@ class Outbox:
                         del trail[old]
                 trail[bkey] = cls
         peer.queues[cls].append(datagram)
-        return True
+
+    def push_many(self, peer: Peer, datagrams: Sequence[bytes], priorities: Sequence[int]) -> int:
+        """Queue `datagrams` (with their `priorities`) in order, exactly as `push`
+        one after the other would; returns how many were queued (the rest were
+        repeats). The per-packet bookkeeping is done in bulk where it can be: a
+        run of DATA/RESULT packets of one class (the bulk of a shard) costs a
+        few list comprehensions and C-level set/Counter/deque operations."""
+        n = len(datagrams)
+        if n != len(priorities):
+            raise LocalError(f"{n} datagrams but {len(priorities)} priorities")
+        pending = peer.pending
+        ids = [dg[3:4] + dg[8:36] for dg in datagrams]
+        before = len(pending)
+        if n < 2 or not pending.isdisjoint(ids):
+            return self._push_each(peer, datagrams, priorities)
+        pending.update(ids)
+        if len(pending) - before != n:  # a repeat within the batch: one by one
+            pending.difference_update(ids)  # all of them were new
+            return self._push_each(peer, datagrams, priorities)
+        peer.queued += n
+        self.backlog.add(peer)
+        if min(priorities) < 0 or max(priorities) >= N_CLASSES:
+            priorities = [min(max(p, 0), N_CLASSES - 1) for p in priorities]
+        kinds = bytes([dg[3] for dg in datagrams])
+        others = kinds.translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT (a DONE)
+        # runs of DATA/RESULT packets between the others, in order: each of the
+        # others sees what the packets before it left (a DONE is held by them)
+        start = 0
+        while start < n:
+            stop = others.find(1, start)
+            if stop < 0:
+                stop = n
+            if stop - start >= _MIN_RUN:
+                self._queue_run(
+                    peer, datagrams[start:stop], ids[start:stop], priorities[start:stop]
+                )
+            else:
+                for i in range(start, stop):
+                    self._queue(peer, datagrams[i], priorities[i])
+            if stop < n:
+                self._queue(peer, datagrams[stop], priorities[stop])
+            start = stop + 1
+        return n
+
+    def _push_each(self, peer: Peer, datagrams: Sequence[bytes], priorities: Sequence[int]) -> int:
+        push = self.push
+        k = 0
+        for dg, priority in zip(datagrams, priorities, strict=True):
+            if push(peer, dg, priority):
+                k += 1
+        return k
+
+    @staticmethod
+    def _queue_run(
+        peer: Peer, dgs: Sequence[bytes], ids: list[bytes], classes: Sequence[int]
+    ) -> None:
+        """`_queue` for each of `dgs`, DATA/RESULT packets (with their identities
+        and classes) that are not repeats, in bulk: same queues, barriers, trail."""
+        n = len(dgs)
+        bkeys = [i[:_BKEY] for i in ids]
+        inflight = peer.inflight
+        distinct: Iterable[bytes]  # in order of first appearance
+        if bkeys.count(bkeys[0]) == n:  # one shard and leg (the usual run)
+            inflight[bkeys[0]] += n
+            distinct = bkeys[:1]
+        else:
+            counts = Counter(bkeys)
+            for bkey, k in counts.items():
+                inflight[bkey] += k
+            distinct = counts
+        cls0 = classes[0]
+        uniform = classes.count(cls0) == n
+        # the trail class of each shard: the highest class of its non-droppable
+        # packets below the droppable class (in order of first appearance)
+        drop = bytes([dg[4] for dg in dgs]).translate(_DROPPABLE_TABLE)
+        want: dict[bytes, int]
+        if uniform and 1 not in drop:
+            want = dict.fromkeys(distinct, cls0) if cls0 < N_CLASSES - 1 else {}
+        else:
+            want = {}
+            for bkey, cls, d in zip(bkeys, classes, drop, strict=True):
+                if not d and cls < N_CLASSES - 1 and cls > want.get(bkey, -1):
+                    want[bkey] = cls
+        trail = peer.trail_class
+        if len(trail) + len(want) <= SHARDS_TRACKED:  # no eviction: same as one by one
+            for bkey, cls in want.items():
+                if cls > trail.get(bkey, -1):
+                    trail[bkey] = cls
+        else:  # the oldest shards are forgotten on the way: one by one
+            for bkey, cls, d in zip(bkeys, classes, drop, strict=True):
+                if not d and cls < N_CLASSES - 1 and cls > trail.get(bkey, -1):
+                    if bkey not in trail and len(trail) >= SHARDS_TRACKED:
+                        for old in list(trail)[: len(trail) // 2]:
+                            del trail[old]
+                    trail[bkey] = cls
+        if uniform:
+            peer.queues[cls0].extend(dgs)
+        else:
+            queues = peer.queues
+            for dg, cls in zip(dgs, classes, strict=True):
+                queues[cls].append(dg)
 
     def drop_head(self) -> None:
         """After a send error: drop the first datagram of every backlogged peer's
@@ -232,14 +369,34 @@ class Outbox:
     @staticmethod
     def _left(peer: Peer, datagram: bytes) -> None:
         """`datagram` left the queue: release DONEs it was holding back."""
-        if datagram[3] not in (_DATA, _RESULT):
+        if datagram[3] in _DR:
+            Outbox._release(peer, _barrier_key(datagram), 1)
+
+    @staticmethod
+    def _left_many(peer: Peer, ids: list[bytes]) -> None:
+        """`_left` for each of the datagrams whose identities are `ids`, in order,
+        with one barrier update per shard: a shard's held DONEs are released when
+        its last packet of them left, so in the order of the shards' last packets."""
+        bkeys = [i[:_BKEY] for i in ids]
+        first = bkeys[0]
+        if bkeys.count(first) == len(bkeys):  # one shard and leg (the usual batch)
+            if first[0] in _DR:
+                Outbox._release(peer, first, len(bkeys))
             return
-        bkey = _barrier_key(datagram)
-        left = peer.inflight[bkey] - 1
+        counts = Counter(reversed([b for b in bkeys if b[0] in _DR]))
+        for bkey in reversed(counts):  # in the order of their last packet
+            Outbox._release(peer, bkey, counts[bkey])
+
+    @staticmethod
+    def _release(peer: Peer, bkey: bytes, n: int) -> None:
+        """`n` DATA/RESULT packets of shard and leg `bkey` left the queue: release
+        the DONEs they were holding back once none is left."""
+        inflight = peer.inflight
+        left = inflight[bkey] - n
         if left > 0:
-            peer.inflight[bkey] = left
+            inflight[bkey] = left
             return
-        del peer.inflight[bkey]
+        del inflight[bkey]
         held = peer.held.pop(bkey, None)
         if held:
             trail = peer.trail_class.get(bkey)
@@ -327,18 +484,19 @@ class Outbox:
     def _track(peer: Peer, dgs: list[bytes], path: int) -> None:
         """Remember the path each DATA/RESULT datagram of `dgs` went on, and count
         them per shard and path for the shard's DONE."""
-        tracked = peer.tracked
-        shard_paths = peer.shard_paths
-        for dg in dgs:
-            t = dg[3]
-            if t in (_DATA, _RESULT):
-                prefix = dg[8:22]
-                tracked[prefix + dg[28:32] + dg[3:4]] = path
-                bkey = prefix + (b"r" if t == _RESULT else b"d")
+        dr = [dg for dg in dgs if dg[3] in _DR]
+        if dr:
+            tracked = peer.tracked
+            tracked.update(zip([dg[8:22] + dg[28:32] + dg[3:4] for dg in dr], repeat(path)))
+            shard_paths = peer.shard_paths
+            for bkey, k in Counter([dg[3:4] + dg[8:22] for dg in dr]).items():
                 counts = shard_paths.get(bkey)
                 if counts is None:
                     counts = shard_paths[bkey] = [0] * len(peer.paths)
-                counts[path] += 1
+                counts[path] += k
+        else:
+            tracked = peer.tracked
+            shard_paths = peer.shard_paths
         if len(shard_paths) > SHARDS_TRACKED:  # DONEs that never went: forget the oldest
             for bkey in list(shard_paths)[: len(shard_paths) // 2]:
                 del shard_paths[bkey]
@@ -380,16 +538,13 @@ class Outbox:
                     pacer.catch_up(late, now)
                 pacer.set_rate(rate, now)
             self._show_rates(peer)
+        pending = peer.pending
+        left_many = self._left_many
         for cls in range(N_CLASSES):
             q = peer.queues[cls]
+            popleft = q.popleft
             while q:
-                # one batch: at most a GSO super-datagram's worth
-                batch = [q[0]]
-                size = len(q[0])
-                limit = min(len(q), MAX_GSO_SEGMENTS)
-                while len(batch) < limit and size + len(q[len(batch)]) <= BATCH_BYTES:
-                    size += len(q[len(batch)])
-                    batch.append(q[len(batch)])
+                batch, sizes = _batch(q)
                 waits: list[float] | None = None
                 if pacers is not None:
                     # a path with any budget may take its part of the batch (into
@@ -398,12 +553,15 @@ class Outbox:
                     waits = [0.0 if w < PACING_SLACK else w for w in waits]
                     if min(waits) > 0:
                         return _pacing_wake(now, waits)
-                sent, held, full = self._send(peer, batch, cls, waits, now)
-                for _ in range(sent):
-                    dg = q.popleft()
-                    peer.pending.discard(_identity(dg))
-                    self._left(peer, dg)
-                peer.queued -= sent
+                sent, held, full = self._send(peer, batch, sizes, cls, waits, now)
+                if sent:
+                    done = batch if sent == len(batch) else batch[:sent]
+                    for _ in range(sent):
+                        popleft()
+                    ids = [dg[3:4] + dg[8:36] for dg in done]
+                    pending.difference_update(ids)
+                    left_many(peer, ids)
+                    peer.queued -= sent
                 if full:
                     self.blocked = True
                     return None
@@ -413,55 +571,68 @@ class Outbox:
         return None
 
     def _send(
-        self, peer: Peer, batch: list[bytes], cls: int, waits: list[float] | None, now: float
+        self,
+        peer: Peer,
+        batch: list[bytes],
+        sizes: list[int],
+        cls: int,
+        waits: list[float] | None,
+        now: float,
     ) -> tuple[int, bool, bool]:
-        """Send what of `batch` the balancer puts on paths with budget (`waits` 0,
-        or no pacing); returns (sent from the head, some held for a path without
-        budget, socket full). Packets sent behind an unsent one leave the queue
-        here; the unsent stay at its head, to be assigned again."""
+        """Send what of `batch` (`sizes`: its bytes so far, packet by packet) the
+        balancer puts on paths with budget (`waits` 0, or no pacing); returns
+        (sent from the head, some held for a path without budget, socket full).
+        Packets sent behind an unsent one leave the queue here; the unsent stay
+        at its head, to be assigned again."""
         paths = peer.paths
         tos = self.tos[cls]
         if len(paths) == 1:
             n = peer.local[0].send(batch, peer.dest(0), tos)
             if n:
-                nbytes = sum(len(d) for d in batch[:n])
-                self._sent(peer, cls, 0, n, nbytes, now)
+                self._sent(peer, cls, 0, n, sizes[n - 1], now)
             return n, False, n < len(batch)
-        ready = None if waits is None else np.array([w == 0 for w in waits])
-        assign = peer.balancer.assign(n=len(batch), paths=paths, ready=ready)
+        ready = None if waits is None else [w == 0 for w in waits]
+        chosen = peer.balancer.assign(
+            n=len(batch), paths=paths, ready=None if ready is None else np.array(ready)
+        )
+        assign: list[int] = (
+            chosen.tolist() if isinstance(chosen, np.ndarray) else [int(p) for p in chosen]
+        )
         safest = -1
+        shard_paths = peer.shard_paths
         for i, dg in enumerate(batch):
             t = dg[3]
             if t == _DONE:
                 # The DONE takes the path that carried most of its shard, whose
                 # switch queue it should not overtake: a DONE that arrives first
                 # on an idle path makes the receiver NACK packets still queued.
-                counts = peer.shard_paths.get(_barrier_key(dg))
+                counts = shard_paths.get(_barrier_key(dg))
                 if counts is not None:
                     assign[i] = counts.index(max(counts))
-            elif dg[4] & _F_RETRANSMIT and t in (_DATA, _RESULT):
+            elif dg[4] & _F_RETRANSMIT and t in _DR:
                 # A retransmission takes the path that loses least, among those
                 # the balancer uses: losing it again costs another NACK round.
                 if safest < 0:
                     safest = _least_lossy(paths)
-                if paths[safest].loss_rate < paths[int(assign[i])].loss_rate:
+                if paths[safest].loss_rate < paths[assign[i]].loss_rate:
                     assign[i] = safest
         # send per path in order; a partial send on any path stops the batch there
-        order = np.argsort(assign, kind="stable")
         done = 0
         full = held = False
-        sent_mask = np.zeros(len(batch), dtype=bool)
-        for p in np.unique(assign).tolist():
+        sent_mask = [False] * len(batch)
+        for p in sorted(set(assign)):
             if ready is not None and not ready[p]:
                 held = True  # no budget on this path: its packets wait
                 continue
-            idx = order[assign[order] == p]
-            dgs = [batch[i] for i in idx.tolist()]
+            idx = [i for i, a in enumerate(assign) if a == p]
+            dgs = [batch[i] for i in idx]
             n = peer.local[p].send(dgs, peer.dest(p), tos)
-            sent_mask[idx[:n]] = True
+            for i in idx[:n]:
+                sent_mask[i] = True
             if n:
-                self._sent(peer, cls, p, n, sum(len(d) for d in dgs[:n]), now)
-                self._track(peer, dgs[:n], p)
+                out = dgs if n == len(dgs) else dgs[:n]
+                self._sent(peer, cls, p, n, sum(map(len, out)), now)
+                self._track(peer, out, p)
             done += n
             if n < len(dgs):
                 full = True
@@ -469,7 +640,7 @@ class Outbox:
         if done == len(batch):
             return done, False, False
         # keep the unsent ones at the head of the queue, in their order
-        prefix = int(np.argmin(sent_mask))
+        prefix = sent_mask.index(False)
         q = peer.queues[cls]
         for i in range(len(batch) - 1, prefix - 1, -1):
             if sent_mask[i]:

@@ -368,8 +368,13 @@ class Daemon:
         self._arm(now)
 
     def _enqueue(self, sends: list[Send], now: float) -> None:
+        """Queue the engine's datagrams: each run of consecutive ones for the same
+        peer at once (`Outbox.push_many`, as `push` one by one, in order)."""
         jobs = self.jobs
-        push = self.outbox.push
+        push_many = self.outbox.push_many
+        run: Peer | None = None
+        dgs: list[bytes] = []
+        priorities: list[int] = []
         for s in sends:
             job = jobs.get(_JOB.unpack_from(s.datagram, 8)[0])
             if job is None:
@@ -377,7 +382,14 @@ class Daemon:
             peer = job.peers.get(s.node)
             if peer is None:
                 continue
-            push(peer, s.datagram, s.priority)
+            if peer is not run:
+                if run is not None:
+                    push_many(run, dgs, priorities)
+                run, dgs, priorities = peer, [], []
+            dgs.append(s.datagram)
+            priorities.append(s.priority)
+        if run is not None:
+            push_many(run, dgs, priorities)
 
     def _wait_writable(self) -> None:
         assert self._loop is not None
