@@ -451,7 +451,7 @@ class Outbox:
         new, old = peer.tracked, peer.tracked_old
         raw = offsets.astype(">u4").tobytes()
         for i in range(0, len(raw), 4):
-            key = prefix + raw[i : i + 4] + kind
+            key = kind + prefix + raw[i : i + 4]
             p = new.pop(key, None)
             q = old.pop(key, None)
             if p is None:
@@ -481,22 +481,21 @@ class Outbox:
             ps.rate_bps = c.rate_bps if known else None
 
     @staticmethod
-    def _track(peer: Peer, dgs: list[bytes], path: int) -> None:
-        """Remember the path each DATA/RESULT datagram of `dgs` went on, and count
-        them per shard and path for the shard's DONE."""
-        dr = [dg for dg in dgs if dg[3] in _DR]
-        if dr:
-            tracked = peer.tracked
-            tracked.update(zip([dg[8:22] + dg[28:32] + dg[3:4] for dg in dr], repeat(path)))
-            shard_paths = peer.shard_paths
-            for bkey, k in Counter([dg[3:4] + dg[8:22] for dg in dr]).items():
-                counts = shard_paths.get(bkey)
-                if counts is None:
-                    counts = shard_paths[bkey] = [0] * len(peer.paths)
-                counts[path] += k
-        else:
-            tracked = peer.tracked
-            shard_paths = peer.shard_paths
+    def _track(peer: Peer, keys: list[bytes], bkeys: list[bytes], path: int) -> None:
+        """Remember the path of DATA/RESULT datagrams that went on `path` (`keys`:
+        their leg, job, round, bucket, shard and offset, as `on_nack` looks them
+        up; `bkeys`: their barrier keys), and count them per shard and path for
+        the shard's DONE."""
+        tracked = peer.tracked
+        shard_paths = peer.shard_paths
+        tracked.update(zip(keys, repeat(path)))
+        first = bkeys[0]
+        per_shard = {first: len(bkeys)} if bkeys.count(first) == len(bkeys) else Counter(bkeys)
+        for bkey, k in per_shard.items():
+            counts = shard_paths.get(bkey)
+            if counts is None:
+                counts = shard_paths[bkey] = [0] * len(peer.paths)
+            counts[path] += k
         if len(shard_paths) > SHARDS_TRACKED:  # DONEs that never went: forget the oldest
             for bkey in list(shard_paths)[: len(shard_paths) // 2]:
                 del shard_paths[bkey]
@@ -538,27 +537,43 @@ class Outbox:
                     pacer.catch_up(late, now)
                 pacer.set_rate(rate, now)
             self._show_rates(peer)
+        one = len(peer.paths) == 1
+        pacer0 = pacers[0] if pacers is not None and one else None
         pending = peer.pending
         left_many = self._left_many
         for cls in range(N_CLASSES):
             q = peer.queues[cls]
             popleft = q.popleft
             while q:
-                batch, sizes = _batch(q)
                 waits: list[float] | None = None
-                if pacers is not None:
+                if pacer0 is not None:  # one path: its budget alone
+                    wait = pacer0.delay(1.0, now)
+                    if wait >= PACING_SLACK:
+                        return _pacing_wake(now, [wait])
+                elif pacers is not None:
                     # a path with any budget may take its part of the batch (into
                     # debt that its later sends pay off: the rate holds over time)
                     waits = [pacer.delay(1.0, now) for pacer in pacers]
                     waits = [0.0 if w < PACING_SLACK else w for w in waits]
                     if min(waits) > 0:
                         return _pacing_wake(now, waits)
-                sent, held, full = self._send(peer, batch, sizes, cls, waits, now)
+                batch, sizes = _batch(q)
+                ids: list[bytes] | None = None
+                if one:
+                    sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
+                    if sent:
+                        self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
+                    held, full = False, sent < len(batch)
+                else:
+                    ids = [dg[3:4] + dg[8:36] for dg in batch]
+                    sent, held, full = self._send(peer, batch, ids, cls, waits, now)
                 if sent:
-                    done = batch if sent == len(batch) else batch[:sent]
+                    if ids is None:
+                        ids = [dg[3:4] + dg[8:36] for dg in batch[:sent]]
+                    elif sent < len(ids):
+                        ids = ids[:sent]
                     for _ in range(sent):
                         popleft()
-                    ids = [dg[3:4] + dg[8:36] for dg in done]
                     pending.difference_update(ids)
                     left_many(peer, ids)
                     peer.queued -= sent
@@ -574,23 +589,18 @@ class Outbox:
         self,
         peer: Peer,
         batch: list[bytes],
-        sizes: list[int],
+        ids: list[bytes],
         cls: int,
         waits: list[float] | None,
         now: float,
     ) -> tuple[int, bool, bool]:
-        """Send what of `batch` (`sizes`: its bytes so far, packet by packet) the
-        balancer puts on paths with budget (`waits` 0, or no pacing); returns
-        (sent from the head, some held for a path without budget, socket full).
-        Packets sent behind an unsent one leave the queue here; the unsent stay
-        at its head, to be assigned again."""
+        """Send what of `batch` (`ids`: their identities) the balancer puts on
+        paths with budget (`waits` 0, or no pacing), for a peer with several
+        paths; returns (sent from the head, some held for a path without budget,
+        socket full). Packets sent behind an unsent one leave the queue here;
+        the unsent stay at its head, to be assigned again."""
         paths = peer.paths
         tos = self.tos[cls]
-        if len(paths) == 1:
-            n = peer.local[0].send(batch, peer.dest(0), tos)
-            if n:
-                self._sent(peer, cls, 0, n, sizes[n - 1], now)
-            return n, False, n < len(batch)
         ready = None if waits is None else [w == 0 for w in waits]
         chosen = peer.balancer.assign(
             n=len(batch), paths=paths, ready=None if ready is None else np.array(ready)
@@ -598,41 +608,54 @@ class Outbox:
         assign: list[int] = (
             chosen.tolist() if isinstance(chosen, np.ndarray) else [int(p) for p in chosen]
         )
+        special = [i for i, dg in enumerate(batch) if dg[3] == _DONE or dg[4] & _F_RETRANSMIT]
         safest = -1
-        shard_paths = peer.shard_paths
-        for i, dg in enumerate(batch):
+        for i in special:
+            dg = batch[i]
             t = dg[3]
             if t == _DONE:
                 # The DONE takes the path that carried most of its shard, whose
                 # switch queue it should not overtake: a DONE that arrives first
                 # on an idle path makes the receiver NACK packets still queued.
-                counts = shard_paths.get(_barrier_key(dg))
+                counts = peer.shard_paths.get(_barrier_key(dg))
                 if counts is not None:
                     assign[i] = counts.index(max(counts))
-            elif dg[4] & _F_RETRANSMIT and t in _DR:
+            elif t in _DR:  # a retransmission
                 # A retransmission takes the path that loses least, among those
                 # the balancer uses: losing it again costs another NACK round.
                 if safest < 0:
                     safest = _least_lossy(paths)
                 if paths[safest].loss_rate < paths[assign[i]].loss_rate:
                     assign[i] = safest
+        # what `_track` remembers: (leg, job, round, bucket, shard) and offset
+        kinds = b"".join(ids)[:: len(ids[0])]  # the type bytes (identities: same length)
+        all_dr = kinds.translate(_NOT_DR_TABLE).count(0) == len(kinds)
+        heads = [i[:_BKEY] for i in ids]
+        keys = [h + i[21:25] for h, i in zip(heads, ids, strict=True)]
         # send per path in order; a partial send on any path stops the batch there
-        done = 0
+        order = sorted(range(len(batch)), key=assign.__getitem__)  # stable: by path
+        start = done = 0
         full = held = False
-        sent_mask = [False] * len(batch)
+        sent_idx: list[int] = []
         for p in sorted(set(assign)):
+            end = start + assign.count(p)
+            idx = order[start:end]
+            start = end
             if ready is not None and not ready[p]:
                 held = True  # no budget on this path: its packets wait
                 continue
-            idx = [i for i, a in enumerate(assign) if a == p]
-            dgs = [batch[i] for i in idx]
+            dgs = list(map(batch.__getitem__, idx))
             n = peer.local[p].send(dgs, peer.dest(p), tos)
-            for i in idx[:n]:
-                sent_mask[i] = True
             if n:
-                out = dgs if n == len(dgs) else dgs[:n]
-                self._sent(peer, cls, p, n, sum(map(len, out)), now)
-                self._track(peer, out, p)
+                out = idx if n == len(idx) else idx[:n]
+                sent_idx += out
+                self._sent(peer, cls, p, n, sum(map(len, dgs[:n])), now)
+                if not all_dr:
+                    out = [i for i in out if kinds[i] in _DR]
+                if out:
+                    self._track(
+                        peer, list(map(keys.__getitem__, out)), list(map(heads.__getitem__, out)), p
+                    )
             done += n
             if n < len(dgs):
                 full = True
@@ -640,6 +663,9 @@ class Outbox:
         if done == len(batch):
             return done, False, False
         # keep the unsent ones at the head of the queue, in their order
+        sent_mask = [False] * len(batch)
+        for i in sent_idx:
+            sent_mask[i] = True
         prefix = sent_mask.index(False)
         q = peer.queues[cls]
         for i in range(len(batch) - 1, prefix - 1, -1):
