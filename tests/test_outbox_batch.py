@@ -53,7 +53,7 @@ def make(
     paths = [ScriptedPath(f"10.0.{p}.1", seed + p) for p in range(n_paths)]
     rate = RateConfig(initial_rate_bps=1e9, min_rate_bps=1e6) if paced else RateConfig()
     ob = cls(
-        paths,  # type: ignore[arg-type]
+        paths,
         dscp=(48, 40, 34, 26, 18, 10, 0, 8),
         rate=rate,
         pacing=paced,
@@ -117,8 +117,8 @@ def script(seed: int, steps: int = 60) -> list[Op]:
                 next_index[key] = i + 1
                 run.append((packet(kind, shard, i), prio))
             if rng.random() < 0.5:  # and its DONE, held behind it
-                leg = Flags.RESULT_LEG if kind == PacketType.RESULT else Flags.NONE
-                run.append((packet(PacketType.DONE, shard, 0, flags=Flags.LAST | leg), 0))
+                run_leg = Flags.RESULT_LEG if kind == PacketType.RESULT else Flags.NONE
+                run.append((packet(PacketType.DONE, shard, 0, flags=Flags.LAST | run_leg), 0))
             if rng.random() < 0.5:  # on its own
                 sent.extend(dg for dg, _ in chunk)
                 ops.append(("push", chunk))
