@@ -2,7 +2,8 @@
 
 Pushes the DATA datagrams of one jumbo shard and flushes them through fake
 paths: unpaced over 1 path, paced at 1 Gbit/s over 1 path (driven by
-tests/test_outbox_paths.run_paced), and sprayed over 2 paths. Prints the median
+tests/test_outbox_paths.run_paced), sprayed over 2 paths, and (trickle) as a
+busy daemon does: 7 packets pushed and flushed at a time, paced at 10 Gbit/s. Prints the median
 over `--reps` repetitions of push and flush CPU microseconds per packet (process
 time: what the daemon's core pays, less sensitive to a loaded machine).
 `--baseline FILE` times another outbox.py (say main's) in the same process,
@@ -52,7 +53,39 @@ def make(mod: ModuleType, n_paths: int, rate: RateConfig | None) -> tuple[Any, A
     return ob, peer
 
 
+def trickle(mod: ModuleType, dgs: list[bytes], batch: bool) -> tuple[float, float]:
+    """As in a busy daemon: a few packets at a time (`TRICKLE`), each lot
+    pushed and flushed at once by a pacer at 10 Gbit/s, the clock moving on by
+    their time on the wire."""
+    ob, peer = make(mod, 1, RateConfig(initial_rate_bps=1e10, min_rate_bps=1e6))
+    clock = time.process_time
+    push = flush = 0.0
+    now = 0.0
+    for i in range(0, len(dgs), TRICKLE):
+        lot = dgs[i : i + TRICKLE]
+        t0 = clock()
+        if batch:
+            ob.push_many(peer, lot, [2] * len(lot))
+        else:
+            for dg in lot:
+                ob.push(peer, dg, 2)
+        t1 = clock()
+        ob.flush(now)
+        t2 = clock()
+        push += t1 - t0
+        flush += t2 - t1
+        now += sum(map(len, lot)) * 8 / 1e10
+    t.run_paced(ob)
+    assert ob.queued() == 0
+    return push / len(dgs) * 1e6, flush / len(dgs) * 1e6
+
+
+TRICKLE = 7  # packets per lot: one GSO batch of jumbo datagrams
+
+
 def one(mod: ModuleType, case: str, dgs: list[bytes], batch: bool) -> tuple[float, float]:
+    if case == "trickle":
+        return trickle(mod, dgs, batch)
     rate = RateConfig(initial_rate_bps=1e9, min_rate_bps=1e6) if case == "paced" else None
     ob, peer = make(mod, 2 if case == "spray2" else 1, rate)
     clock = time.process_time
@@ -86,7 +119,7 @@ def main() -> None:
     variants.append(("push", this_outbox, False))
     if hasattr(this_outbox.Outbox, "push_many"):
         variants.append(("push_many", this_outbox, True))
-    for case in ("unpaced", "paced", "spray2"):
+    for case in ("unpaced", "paced", "spray2", "trickle"):
         res: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in variants}
         for _ in range(args.reps):  # alternate the variants: the same load for each
             for name, mod, batch in variants:

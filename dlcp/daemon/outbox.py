@@ -273,8 +273,9 @@ class Outbox:
         self.backlog.add(peer)
         if min(priorities) < 0 or max(priorities) >= N_CLASSES:
             priorities = [min(max(p, 0), N_CLASSES - 1) for p in priorities]
-        kinds = bytes([dg[3] for dg in datagrams])
-        others = kinds.translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT (a DONE)
+        heads = b"".join([dg[3:5] for dg in datagrams])  # type and flags bytes
+        flags = heads[1::2]
+        others = heads[0::2].translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT (a DONE)
         # runs of DATA/RESULT packets between the others, in order: each of the
         # others sees what the packets before it left (a DONE is held by them)
         start = 0
@@ -284,7 +285,11 @@ class Outbox:
                 stop = n
             if stop - start >= _MIN_RUN:
                 self._queue_run(
-                    peer, datagrams[start:stop], ids[start:stop], priorities[start:stop]
+                    peer,
+                    datagrams[start:stop],
+                    ids[start:stop],
+                    priorities[start:stop],
+                    flags[start:stop],
                 )
             else:
                 for i in range(start, stop):
@@ -304,10 +309,11 @@ class Outbox:
 
     @staticmethod
     def _queue_run(
-        peer: Peer, dgs: Sequence[bytes], ids: list[bytes], classes: Sequence[int]
+        peer: Peer, dgs: Sequence[bytes], ids: list[bytes], classes: Sequence[int], flags: bytes
     ) -> None:
-        """`_queue` for each of `dgs`, DATA/RESULT packets (with their identities
-        and classes) that are not repeats, in bulk: same queues, barriers, trail."""
+        """`_queue` for each of `dgs`, DATA/RESULT packets (with their identities,
+        classes and flags bytes) that are not repeats, in bulk: same queues,
+        barriers, trail."""
         n = len(dgs)
         bkeys = [i[:_BKEY] for i in ids]
         inflight = peer.inflight
@@ -324,7 +330,7 @@ class Outbox:
         uniform = classes.count(cls0) == n
         # the trail class of each shard: the highest class of its non-droppable
         # packets below the droppable class (in order of first appearance)
-        drop = bytes([dg[4] for dg in dgs]).translate(_DROPPABLE_TABLE)
+        drop = flags.translate(_DROPPABLE_TABLE)
         want: dict[bytes, int]
         if uniform and 1 not in drop:
             want = dict.fromkeys(distinct, cls0) if cls0 < N_CLASSES - 1 else {}
