@@ -379,11 +379,11 @@ class Outbox:
             Outbox._release(peer, _barrier_key(datagram), 1)
 
     @staticmethod
-    def _left_many(peer: Peer, ids: list[bytes]) -> None:
-        """`_left` for each of the datagrams whose identities are `ids`, in order,
-        with one barrier update per shard: a shard's held DONEs are released when
-        its last packet of them left, so in the order of the shards' last packets."""
-        bkeys = [i[:_BKEY] for i in ids]
+    def _left_many(peer: Peer, bkeys: list[bytes]) -> None:
+        """`_left` for each of the datagrams whose identities begin with `bkeys`
+        (`_BKEY` bytes: the barrier key of DATA/RESULT packets), in order, with
+        one barrier update per shard: a shard's held DONEs are released when its
+        last packet of them left, so in the order of the shards' last packets."""
         first = bkeys[0]
         if bkeys.count(first) == len(bkeys):  # one shard and leg (the usual batch)
             if first[0] in _DR:
@@ -487,17 +487,17 @@ class Outbox:
             ps.rate_bps = c.rate_bps if known else None
 
     @staticmethod
-    def _track(peer: Peer, keys: list[bytes], bkeys: list[bytes], path: int) -> None:
+    def _track(
+        peer: Peer, keys: Iterable[bytes], per_shard: Iterable[tuple[bytes, int]], path: int
+    ) -> None:
         """Remember the path of DATA/RESULT datagrams that went on `path` (`keys`:
         their leg, job, round, bucket, shard and offset, as `on_nack` looks them
-        up; `bkeys`: their barrier keys), and count them per shard and path for
-        the shard's DONE."""
+        up), and count them per shard and path for the shard's DONE (`per_shard`:
+        (barrier key, packets), in order of first appearance)."""
         tracked = peer.tracked
         shard_paths = peer.shard_paths
         tracked.update(zip(keys, repeat(path)))
-        first = bkeys[0]
-        per_shard = {first: len(bkeys)} if bkeys.count(first) == len(bkeys) else Counter(bkeys)
-        for bkey, k in per_shard.items():
+        for bkey, k in per_shard:
             counts = shard_paths.get(bkey)
             if counts is None:
                 counts = shard_paths[bkey] = [0] * len(peer.paths)
@@ -547,8 +547,9 @@ class Outbox:
         pacer0 = pacers[0] if pacers is not None and one else None
         pending = peer.pending
         left_many = self._left_many
-        for cls in range(N_CLASSES):
-            q = peer.queues[cls]
+        for cls, q in enumerate(peer.queues):
+            if not q:
+                continue
             popleft = q.popleft
             while q:
                 waits: list[float] | None = None
@@ -564,24 +565,24 @@ class Outbox:
                     if min(waits) > 0:
                         return _pacing_wake(now, waits)
                 batch, sizes = _batch(q)
-                ids: list[bytes] | None = None
                 if one:
                     sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
+                    held, full = False, sent < len(batch)
                     if sent:
                         self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
-                    held, full = False, sent < len(batch)
+                        ids = [dg[3:4] + dg[8:36] for dg in (batch[:sent] if full else batch)]
+                        heads = [i[:_BKEY] for i in ids]
                 else:
                     ids = [dg[3:4] + dg[8:36] for dg in batch]
-                    sent, held, full = self._send(peer, batch, ids, cls, waits, now)
+                    heads = [i[:_BKEY] for i in ids]
+                    sent, held, full = self._send(peer, batch, ids, heads, cls, waits, now)
+                    if sent < len(ids):
+                        del ids[sent:], heads[sent:]
                 if sent:
-                    if ids is None:
-                        ids = [dg[3:4] + dg[8:36] for dg in batch[:sent]]
-                    elif sent < len(ids):
-                        ids = ids[:sent]
                     for _ in range(sent):
                         popleft()
                     pending.difference_update(ids)
-                    left_many(peer, ids)
+                    left_many(peer, heads)
                     peer.queued -= sent
                 if full:
                     self.blocked = True
@@ -596,11 +597,13 @@ class Outbox:
         peer: Peer,
         batch: list[bytes],
         ids: list[bytes],
+        heads: list[bytes],
         cls: int,
         waits: list[float] | None,
         now: float,
     ) -> tuple[int, bool, bool]:
-        """Send what of `batch` (`ids`: their identities) the balancer puts on
+        """Send what of `batch` (`ids`: their identities, `heads` the first `_BKEY`
+        bytes of those) the balancer puts on
         paths with budget (`waits` 0, or no pacing), for a peer with several
         paths; returns (sent from the head, some held for a path without budget,
         socket full). Packets sent behind an unsent one leave the queue here;
@@ -636,8 +639,8 @@ class Outbox:
         # what `_track` remembers: (leg, job, round, bucket, shard) and offset
         kinds = b"".join(ids)[:: len(ids[0])]  # the type bytes (identities: same length)
         all_dr = kinds.translate(_NOT_DR_TABLE).count(0) == len(kinds)
-        heads = [i[:_BKEY] for i in ids]
         keys = [h + i[21:25] for h, i in zip(heads, ids, strict=True)]
+        one_shard = all_dr and heads.count(heads[0]) == len(heads)
         # send per path in order; a partial send on any path stops the batch there
         order = sorted(range(len(batch)), key=assign.__getitem__)  # stable: by path
         start = done = 0
@@ -655,13 +658,14 @@ class Outbox:
             if n:
                 out = idx if n == len(idx) else idx[:n]
                 sent_idx += out
-                self._sent(peer, cls, p, n, sum(map(len, dgs[:n])), now)
-                if not all_dr:
+                self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
+                if one_shard:
+                    self._track(peer, map(keys.__getitem__, out), ((heads[0], n),), p)
+                else:
                     out = [i for i in out if kinds[i] in _DR]
-                if out:
-                    self._track(
-                        peer, list(map(keys.__getitem__, out)), list(map(heads.__getitem__, out)), p
-                    )
+                    if out:
+                        per_shard = Counter(map(heads.__getitem__, out))  # first seen first
+                        self._track(peer, map(keys.__getitem__, out), per_shard.items(), p)
             done += n
             if n < len(dgs):
                 full = True
