@@ -260,15 +260,34 @@ class Outbox:
         n = len(datagrams)
         if n != len(priorities):
             raise LocalError(f"{n} datagrams but {len(priorities)} priorities")
+        if n < 2:
+            return self._push_each(peer, datagrams, priorities)
         pending = peer.pending
         ids = [dg[3:4] + dg[8:36] for dg in datagrams]
         before = len(pending)
-        if n < 2 or not pending.isdisjoint(ids):
-            return self._push_each(peer, datagrams, priorities)
-        pending.update(ids)
-        if len(pending) - before != n:  # a repeat within the batch: one by one
-            pending.difference_update(ids)  # all of them were new
-            return self._push_each(peer, datagrams, priorities)
+        fresh = pending.isdisjoint(ids)
+        if fresh:
+            pending.update(ids)
+            if len(pending) - before != n:  # a repeat within the batch
+                pending.difference_update(ids)  # all of them were new
+                fresh = False
+        if not fresh:
+            # repeats: a datagram whose identity is queued already, or was
+            # earlier in the batch, is left out (and counted), as by `push`
+            seen: set[bytes] = set()
+            keep = []
+            for k, key in enumerate(ids):
+                if key not in pending and key not in seen:
+                    seen.add(key)
+                    keep.append(k)
+            self.repeats += n - len(keep)
+            if not keep:
+                return 0
+            pending.update(seen)
+            n = len(keep)
+            datagrams = [datagrams[k] for k in keep]
+            priorities = [priorities[k] for k in keep]
+            ids = [ids[k] for k in keep]
         peer.queued += n
         self.backlog.add(peer)
         if min(priorities) < 0 or max(priorities) >= N_CLASSES:
