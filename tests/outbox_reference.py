@@ -186,12 +186,14 @@ class Outbox:
             p.balancer = factory()  # type: ignore[operator]
 
     def push(self, peer: Peer, datagram: bytes, priority: int) -> bool:
-        """Queue a datagram; False when the same bytes are already waiting (a repeat)."""
-        key = _identity(datagram)
-        if key in peer.pending:
-            self.repeats += 1
-            return False
-        peer.pending.add(key)
+        """Queue a datagram; False when the same bytes are already waiting (a repeat).
+        A DONE is never a repeat (as in dlcp/daemon/outbox.py since the copy)."""
+        if datagram[3] != _DONE:
+            key = _identity(datagram)
+            if key in peer.pending:
+                self.repeats += 1
+                return False
+            peer.pending.add(key)
         peer.queued += 1
         self.backlog.add(peer)
         kind = datagram[3]

@@ -329,3 +329,29 @@ def test_retransmissions_take_the_least_lossy_path() -> None:
     resent = [sent[(PacketType.DATA, 1, lay.packet_range(first + i)[0])] for i in range(6)]
     fresh = [sent[(PacketType.DATA, 1, lay.packet_range(first + i)[0])] for i in range(6, 12)]
     assert resent == [0] * 6 and sorted(set(fresh)) == [0, 1]
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+def test_both_copies_of_a_done_go_out(bulk: bool) -> None:
+    """The engine sends every DONE twice, as insurance against losing it: neither
+    copy is a repeat, whether the DONE goes at once or waits behind its shard."""
+    ob, peer, paths = make(1)
+    lay = layout()
+    done = done_packet(lay, 1)
+    data = data_packets(lay, 1)
+    batch = [*data, done, done]
+    if bulk:
+        assert ob.push_many(peer, batch, [2] * len(batch)) == len(batch)
+    else:
+        assert all(ob.push(peer, dg, 2) for dg in batch)
+    assert ob.repeats == 0 and peer.queued == len(batch)
+    # a repeated DATA packet is still one
+    assert not ob.push(peer, data[0], 2) and ob.repeats == 1
+    ob.flush(0.0)
+    sent = paths[0].sent
+    assert sent.count(done) == 2 and sent[-2:] == [done, done]  # behind their shard
+    assert len(sent) == len(batch) and peer.queued == 0
+    # and again when there is nothing left to wait for
+    assert ob.push_many(peer, [done, done], [0, 0]) == 2 if bulk else ob.push(peer, done, 0)
+    ob.flush(1.0)
+    assert sent.count(done) == (4 if bulk else 3)

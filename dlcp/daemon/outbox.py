@@ -39,6 +39,7 @@ def _identity(datagram: bytes) -> bytes:
 
 
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
+_DONE_TOKEN = b"\xff"  # + position: a DONE's key in push_many (no identity starts with it)
 _F_DROPPABLE = int(Flags.DROPPABLE)
 
 
@@ -210,12 +211,17 @@ class Outbox:
             p.balancer = factory()  # type: ignore[operator]
 
     def push(self, peer: Peer, datagram: bytes, priority: int) -> bool:
-        """Queue a datagram; False when the same bytes are already waiting (a repeat)."""
-        key = _identity(datagram)
-        if key in peer.pending:
-            self.repeats += 1
-            return False
-        peer.pending.add(key)
+        """Queue a datagram; False when the same bytes are already waiting (a repeat).
+
+        A DONE is never a repeat: the engine sends each one twice, as insurance
+        against losing it (and again when a receiver asks), and every copy goes.
+        """
+        if datagram[3] != _DONE:
+            key = _identity(datagram)
+            if key in peer.pending:
+                self.repeats += 1
+                return False
+            peer.pending.add(key)
         peer.queued += 1
         self.backlog.add(peer)
         self._queue(peer, datagram, min(max(priority, 0), N_CLASSES - 1))
@@ -264,6 +270,11 @@ class Outbox:
             return self._push_each(peer, datagrams, priorities)
         pending = peer.pending
         ids = [dg[3:4] + dg[8:36] for dg in datagrams]
+        # a DONE is never a repeat (see `push`): a key of its own, not kept
+        tokens = []
+        for k in [k for k, dg in enumerate(datagrams) if dg[3] == _DONE]:
+            ids[k] = _DONE_TOKEN + k.to_bytes(4, "little")
+            tokens.append(ids[k])
         before = len(pending)
         fresh = pending.isdisjoint(ids)
         if fresh:
@@ -284,6 +295,9 @@ class Outbox:
             if not keep:
                 return 0
             pending.update(seen)
+        if tokens:
+            pending.difference_update(tokens)
+        if not fresh:
             n = len(keep)
             datagrams = [datagrams[k] for k in keep]
             priorities = [priorities[k] for k in keep]
