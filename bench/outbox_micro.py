@@ -53,6 +53,15 @@ def make(mod: ModuleType, n_paths: int, rate: RateConfig | None) -> tuple[Any, A
     return ob, peer
 
 
+def push_all(ob: Any, peer: Any, dgs: list[bytes], batch: bool) -> None:
+    """Queue `dgs` in class 2: with one `push_many`, or `push` per datagram."""
+    if batch:
+        ob.push_many(peer, dgs, [2] * len(dgs))
+    else:
+        for dg in dgs:
+            ob.push(peer, dg, 2)
+
+
 def trickle(mod: ModuleType, dgs: list[bytes], batch: bool) -> tuple[float, float]:
     """As in a busy daemon: a few packets at a time (`TRICKLE`), each lot
     pushed and flushed at once by a pacer at 10 Gbit/s, the clock moving on by
@@ -64,11 +73,7 @@ def trickle(mod: ModuleType, dgs: list[bytes], batch: bool) -> tuple[float, floa
     for i in range(0, len(dgs), TRICKLE):
         lot = dgs[i : i + TRICKLE]
         t0 = clock()
-        if batch:
-            ob.push_many(peer, lot, [2] * len(lot))
-        else:
-            for dg in lot:
-                ob.push(peer, dg, 2)
+        push_all(ob, peer, lot, batch)
         t1 = clock()
         ob.flush(now)
         t2 = clock()
@@ -90,11 +95,7 @@ def one(mod: ModuleType, case: str, dgs: list[bytes], batch: bool) -> tuple[floa
     ob, peer = make(mod, 2 if case == "spray2" else 1, rate)
     clock = time.process_time
     t0 = clock()
-    if batch:
-        ob.push_many(peer, dgs, [2] * len(dgs))
-    else:
-        for dg in dgs:
-            ob.push(peer, dg, 2)
+    push_all(ob, peer, dgs, batch)
     t1 = clock()
     if case == "paced":
         t.run_paced(ob)

@@ -347,11 +347,7 @@ class Pacer:
         up to burst + rate x late at once; `settle` drops what is left of that
         once nothing waits."""
         _positive("late", late, allow_zero=True)
-        elapsed = now - self._updated
-        if elapsed > 0:
-            cap = self.burst_bytes + min(late, elapsed) * self._rate / 8.0
-            self._tokens = max(self._tokens, min(cap, self._tokens + elapsed * self._rate / 8.0))
-            self._updated = now
+        self._refill(now, late)
 
     def settle(self, now: float) -> None:
         """Nothing waits any more: tokens beyond the burst (a catch-up's) are dropped."""
@@ -380,9 +376,13 @@ class Pacer:
         self._tokens -= nbytes
         return max(0.0, -self._tokens) * 8.0 / self._rate
 
-    def _refill(self, now: float) -> None:
+    def _refill(self, now: float, late: float = 0.0) -> None:
+        """Earn tokens for the time since the last refill, up to the burst, or
+        beyond it by what `late` of that time earned (`catch_up`). Tokens already
+        beyond the cap (a catch-up's) stay."""
         elapsed = now - self._updated
         if elapsed > 0:  # a clock that steps back earns nothing
-            if self._tokens < self.burst_bytes:  # a catch-up's tokens beyond it stay
-                self._tokens = min(self.burst_bytes, self._tokens + elapsed * self._rate / 8.0)
+            cap = self.burst_bytes + min(late, elapsed) * self._rate / 8.0
+            if self._tokens < cap:
+                self._tokens = min(cap, self._tokens + elapsed * self._rate / 8.0)
             self._updated = now

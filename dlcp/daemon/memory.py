@@ -42,8 +42,9 @@ MALLOPT: dict[str, tuple[int, int]] = {
     "mmap_threshold": (_M_MMAP_THRESHOLD, 32 << 20),
     # ... and larger ones too (a 100 MB rank's input, its sums): no block is
     # mmapped on its own, so none is unmapped at free and zeroed again by the
-    # kernel at the next round's first touch (`clear_page` fell from 15 % to 2 %
-    # of a daemon's samples at MTU 9000 with 100 MB buckets)
+    # kernel at the next round's first touch. That alone is not enough when one
+    # round's arrays are still alive as the next one's are made: the largest are
+    # also reused explicitly (dlcp/core/buffers.py)
     "mmap_max": (_M_MMAP_MAX, 0),
 }
 GC_THRESHOLDS = (50_000, 20, 100)
