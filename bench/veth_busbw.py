@@ -212,7 +212,7 @@ def run_dlcp(
     mac: str | None = None,
 ) -> dict:
     from dlcp.core.layout import Layout
-    from dlcp.shim.client import DaemonClient, Segment
+    from dlcp.shim.client import DaemonClient, SealedSegment, Segment
     from dlcp.wire.header import Codec, lane_bytes
 
     daemons = []
@@ -290,7 +290,8 @@ def run_dlcp(
         for i in range(2):
             c = DaemonClient(str(tmp / f"d{i}.sock"))
             c.hello()
-            s = Segment(f"dlcp-bw{os.getpid()}-{i}", nbytes + out_len)
+            kind = Segment if os.environ.get("BW_NAMED") else SealedSegment
+            s = kind(f"dlcp-bw{os.getpid()}-{i}", nbytes + out_len)
             s.buf[:nbytes] = x.tobytes()
             c.segment(s)
             c.join(job=1, key=key, hosts=hosts, me=i, local_ranks=1)

@@ -20,7 +20,7 @@ import numpy as np
 from dlcp.core.layout import Layout
 from dlcp.daemon.config import Config
 from dlcp.ipc import CODEC_BY_NAME
-from dlcp.shim.client import DaemonClient, Segment
+from dlcp.shim.client import DaemonClient, SealedSegment, Segment
 from dlcp.wire.header import Codec, lane_bytes
 from dlcp.wire.mac import MacKey, mac_state
 
@@ -163,10 +163,12 @@ def loopback_daemons(
 class Rank:
     """One rank's connection, segment and job, speaking the shim protocol."""
 
-    def __init__(self, daemon: Daemon, name: str, size: int) -> None:
+    def __init__(self, daemon: Daemon, name: str, size: int, *, sealed: bool = False) -> None:
+        """`sealed`: the segment is a sealed memfd the daemon maps, else a named
+        /dev/shm file it copies from and to."""
         self.client = DaemonClient(daemon.socket)
         self.info = self.client.hello()
-        self.seg = Segment(name, size)
+        self.seg: Segment | SealedSegment = (SealedSegment if sealed else Segment)(name, size)
         self.client.segment(self.seg)
 
     def join(self, job: int, key: bytes, hosts: list[dict[str, Any]], me: int, **kw: Any) -> None:

@@ -6,6 +6,7 @@ limits and nftables loss is in test_daemon_netns.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from dlcp import ipc
-from dlcp.shim.client import DaemonClient, DaemonError
+from dlcp.shim.client import DaemonClient, DaemonError, SealedSegment
 from dlcp.wire.header import Header, PacketType, encode
 from tests.daemons import (
     ROOT,
@@ -46,9 +47,11 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:  # type: i
         yield ds
 
 
-@pytest.fixture(scope="module")
-def ranks(trio: list) -> Iterator[list[Rank]]:  # type: ignore[type-arg]
-    rs = [Rank(d, f"dlcp-t{os.getpid()}-{i}", 8 << 20) for i, d in enumerate(trio)]
+@pytest.fixture(scope="module", params=["named", "sealed"])
+def ranks(trio: list, request: pytest.FixtureRequest) -> Iterator[list[Rank]]:  # type: ignore[type-arg]
+    """Ranks with named /dev/shm segments, or with sealed memfds the daemons map."""
+    sealed = request.param == "sealed"
+    rs = [Rank(d, f"dlcp-t{os.getpid()}-{i}", 8 << 20, sealed=sealed) for i, d in enumerate(trio)]
     for i, r in enumerate(rs):
         r.join(JOB, KEY, hosts_of(trio), i)
     yield rs
@@ -70,6 +73,7 @@ def allreduce(ranks: list[Rank], xs: list[np.ndarray], **kw: object) -> list:  #
 
 def test_fp32_sums_are_exact_over_three_daemons(ranks: list[Rank]) -> None:
     rng = np.random.default_rng(0)
+    in_place = [r.client.status()["counters"].get("results_in_place", 0) for r in ranks]
     for n in (1, 351, 352, 100_003):
         xs = [rng.standard_normal(n).astype(np.float32) for _ in ranks]
         expected = xs[0] + xs[1] + xs[2]  # the aggregator sums in sender order
@@ -77,6 +81,11 @@ def test_fp32_sums_are_exact_over_three_daemons(ranks: list[Rank]) -> None:
             np.testing.assert_array_equal(res.sums, expected)
             assert (res.contributors == 3).all()
             assert res.reply["lost_lanes"] == 0
+    # a mapped segment gets its result lanes stored in place, a named one by pwritev
+    sealed = isinstance(ranks[0].seg, SealedSegment)
+    for r, before in zip(ranks, in_place, strict=True):
+        now = r.client.status()["counters"].get("results_in_place", 0)
+        assert now - before == (4 if sealed else 0)
 
 
 def test_two_buckets_in_flight_at_once(ranks: list[Rank]) -> None:
@@ -494,3 +503,82 @@ def test_a_rank_gets_an_input_buffer_of_its_own() -> None:
     del first
     assert b.inputs.take(1000).ctypes.data != addr  # never another rank's
     assert a.inputs.take(1000).ctypes.data == addr
+
+
+def _raw_client(path: str) -> socket.socket:
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(10)
+    raw.connect(path)
+    return raw
+
+
+def _memfd(size: int, seals: int) -> int:
+    import fcntl
+
+    fd = os.memfd_create("dlcp-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _hand_over(raw: socket.socket, fd: int | None, size: int, payload: bytes = b"F") -> dict:  # type: ignore[type-arg]
+    """A memfd `segment` request by hand; returns the reply to the descriptor."""
+    import array
+
+    ipc.send_message(raw, {"op": "segment", "id": 1, "memfd": True, "size": size})
+    assert ipc.recv_message(raw) == {"id": 1, "ok": True, "send_fd": True}
+    anc = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+    raw.sendmsg([payload], anc)
+    return ipc.recv_message(raw)
+
+
+def test_a_memfd_segment_must_be_sealed_and_handed_over_as_announced(
+    trio: list,  # type: ignore[type-arg]
+) -> None:
+    import fcntl
+
+    from dlcp.shim.client import SealedSegment
+
+    d = trio[0]
+    # a sealed segment cannot shrink under the daemon's mapping
+    seg = SealedSegment(f"dlcp-seal{os.getpid()}", 1 << 16)
+    with pytest.raises(PermissionError):
+        os.ftruncate(seg.fd, 100)
+    seg.close()
+    raw = _raw_client(d.socket)
+    try:
+        fd = _memfd(4096, 0)  # not sealed: it could shrink, so it is not mapped
+        reply = _hand_over(raw, fd, 4096)
+        assert reply["ok"] is False and "F_SEAL_SHRINK" in reply["error"]
+        os.close(fd)
+        fd = _memfd(1024, fcntl.F_SEAL_SHRINK)  # sealed, but smaller than announced
+        reply = _hand_over(raw, fd, 4096)
+        assert reply["ok"] is False and "1024 bytes" in reply["error"]
+        os.close(fd)
+        fd = _memfd(4096, fcntl.F_SEAL_SHRINK)
+        assert _hand_over(raw, fd, 4096) == {"id": 1, "ok": True, "mapped": True}
+        os.close(fd)
+        ipc.send_message(raw, {"op": "hello", "id": 2})  # the connection is in step
+        assert ipc.recv_message(raw)["ok"] is True
+    finally:
+        raw.close()
+    # no descriptor with the byte, or a request in its place: the connection is
+    # out of step and closed; the daemon serves everyone else meanwhile
+    for payload in (b"F", struct.pack("!I", 2) + b"{}"):
+        raw = _raw_client(d.socket)
+        try:
+            ipc.send_message(raw, {"op": "segment", "id": 1, "memfd": True, "size": 4096})
+            assert ipc.recv_message(raw)["send_fd"] is True
+            with DaemonClient(d.socket) as other:  # while `raw` keeps its handover pending
+                assert other.hello()["id"]
+            raw.sendmsg([payload])
+            reply = ipc.recv_message(raw)
+            assert reply["ok"] is False and "descriptor" in reply["error"]
+            # closed (reset when the rest of the frame was left unread)
+            with contextlib.suppress(ConnectionResetError):
+                assert raw.recv(1) == b""
+        finally:
+            raw.close()
+    with DaemonClient(d.socket) as c:
+        assert c.hello()["id"]

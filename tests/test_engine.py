@@ -509,6 +509,50 @@ def test_owner_sums_a_shard_into_the_collector_without_a_copy(held: bool) -> Non
     assert other.sums[off : off + n].tobytes() == want.tobytes()
 
 
+def test_results_land_in_the_callers_out_and_retransmissions_survive_its_reuse() -> None:
+    """With `out` (the rank's mapped result lanes in dlcpd) results are stored
+    there and RoundComplete.sums is `out`. The owner's own shard is kept apart:
+    once the round completes the caller reuses `out` (here: NaN over it), and a
+    peer that lost result packets of that shard must still get the true sums."""
+    rng = np.random.default_rng(21)
+    xs = [rng.standard_normal(40_000).astype(np.float32) for _ in range(2)]
+    lost = {"n": 0}
+
+    def drop(src: int, s: Send) -> bool:  # node 0's first copies of 5 result packets
+        dg = s.datagram
+        if src == 0 and dg[3] == 2 and not dg[4] & Flags.RETRANSMIT and lost["n"] < 5:
+            lost["n"] += 1
+            return True
+        return False
+
+    net = Network(cluster(2), seed=21, drop=drop)
+    outs = [np.full(x.size, np.nan, np.float32) for x in xs]
+    seen: dict[int, bytes] = {}
+
+    def reuse_out() -> bool:  # the moment node 0 completes, its caller takes `out` back
+        for ev in net.events[0]:
+            if isinstance(ev, RoundComplete) and 0 not in seen:
+                assert ev.sums is outs[0]
+                seen[0] = ev.sums.tobytes()
+                outs[0][:] = np.nan
+        return False
+
+    for me, x in enumerate(xs):
+        net.engines[me].submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size,
+                               lanes=x.tobytes(), now=0.0, out=outs[me])  # fmt: skip
+    net.run(done=reuse_out)
+    reuse_out()
+    done = completions(net)
+    want = (xs[0] + xs[1]).tobytes()
+    assert lost["n"] == 5 and net.engines[1].stats["result_nacks_sent"] > 0
+    assert seen[0] == want
+    assert done[1].sums is outs[1] and done[1].sums.tobytes() == want
+    with pytest.raises(LocalError, match="lanes"):  # not the bucket's lanes of its sum dtype
+        net.engines[0].submit(job=JOB, round=1, bucket=0, codec=Codec.FP32, total=xs[0].size,
+                              lanes=xs[0].tobytes(), now=net.now,
+                              out=np.zeros(xs[0].size, np.float64))  # fmt: skip
+
+
 def test_sum_into_refuses_a_wrong_target() -> None:
     from dlcp.core.aggregate import ShardAggregator
 

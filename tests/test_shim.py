@@ -8,6 +8,7 @@ tests/test_shim_loopback.py and tests/test_shim_netns.py.
 
 from __future__ import annotations
 
+import fcntl
 import inspect
 import io
 import os
@@ -33,7 +34,7 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core.layout import Layout
 from dlcp.errors import LocalError
 from dlcp.shim.arena import Arena, Region
-from dlcp.shim.client import Segment
+from dlcp.shim.client import SealedSegment, Segment, memfd_supported
 from dlcp.shim.exchange import RoundPlan, decode_round, round_seed
 from dlcp.shim.layers import MAX_LAYER, LayerMap, packet_layers, param_offsets
 from dlcp.shim.regions import meta_size, read_out, region_sizes, write_meta
@@ -307,15 +308,31 @@ class _StubClient:
     def __init__(self) -> None:
         self.segments: list[str] = []
 
-    def segment(self, seg: Segment) -> None:
-        assert os.path.exists(seg.path)
+    def segment(self, seg: Segment | SealedSegment) -> None:
+        if isinstance(seg, Segment):
+            assert os.path.exists(seg.path)
         self.segments.append(seg.name)
+
+
+def test_arena_makes_sealed_segments_where_the_kernel_has_them() -> None:
+    client = _StubClient()
+    arena = Arena(client, f"dlcp-arena-s{os.getpid()}", 1)  # type: ignore[arg-type]
+    try:
+        assert isinstance(arena.segment, SealedSegment if memfd_supported() else Segment)
+        if memfd_supported():  # the daemon may map it: it cannot shrink
+            seals = fcntl.fcntl(arena.segment.fd, fcntl.F_GET_SEALS)
+            assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_SEAL
+            with pytest.raises(PermissionError):
+                os.ftruncate(arena.segment.fd, 0)
+            assert not os.path.exists(f"/dev/shm/{arena.segment.name}")
+    finally:
+        arena.close()
 
 
 def test_arena_cuts_aligned_regions_grows_and_unlinks() -> None:
     client = _StubClient()
     prefix = f"dlcp-arena-{os.getpid()}"
-    arena = Arena(client, prefix, 1)  # type: ignore[arg-type]
+    arena = Arena(client, prefix, 1, sealed=False)  # type: ignore[arg-type]
     try:
         assert not os.path.exists(f"/dev/shm/{prefix}-0")  # unlinked once mapped
         sizes = region_sizes(Layout(1000, Codec.FP32, 1, 1408))

@@ -516,6 +516,10 @@ class ResultCollector:
     senders: int  # contributing nodes (for the lost-lane share)
     now: float
     timing: Timing
+    # Where the sums go: the round's caller may give the bucket's lanes (`total`
+    # of the codec's sum dtype), e.g. a view of the rank's mapped output, so that
+    # result packets land where the rank reads them; else a private buffer.
+    out: np.ndarray | None = None
     sums: np.ndarray = field(init=False)
     contributors: np.ndarray = field(init=False)
     block_max: np.ndarray = field(init=False)
@@ -528,7 +532,16 @@ class ResultCollector:
         lay = self.layout
         # Not zeroed: a round completes only with every result packet stored
         # (the result leg is reliable) and the local shard, which tile the bucket.
-        self.sums = _uninitialised((lay.total,), lane_ops.sum_dtype(lay.codec))
+        dtype = lane_ops.sum_dtype(lay.codec)
+        if self.out is None:
+            self.sums = _uninitialised((lay.total,), dtype)
+        elif self.out.shape != (lay.total,) or self.out.dtype != dtype:
+            raise LocalError(
+                f"results of {lay.total} {lay.codec.name} lanes need {lay.total} lanes of "
+                f"{dtype}, not {self.out.shape} of {self.out.dtype}"
+            )
+        else:
+            self.sums = self.out
         self.contributors = np.zeros(lay.packets, dtype=np.int64)
         self.block_max = np.zeros(lay.packets, dtype=np.float32)
         self.waiting = {}
@@ -549,9 +562,14 @@ class ResultCollector:
     def complete(self) -> bool:
         return not self.waiting
 
-    def shard_sums(self, shard: int) -> np.ndarray:
+    def shard_sums(self, shard: int) -> np.ndarray | None:
         """This shard's lanes of `sums` (a view): where its aggregator may put
-        the sums (`ShardAggregator.sum_into`) before `on_local`."""
+        the sums (`ShardAggregator.sum_into`) before `on_local`. None where the
+        sums are the caller's `out`: the owner keeps its shard's sums to answer
+        result NACKs after the round completes here, when the caller may
+        already have reused `out`."""
+        if self.out is not None:
+            return None
         off, count = self.layout.shard_range(shard)
         return self.sums[off : off + count]
 

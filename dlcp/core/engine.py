@@ -278,12 +278,16 @@ class Engine:
         bound: float = 0.0,
         scale: float = 0.0,
         block_max: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> None:
         """Start a round with this node's contribution (`total` lanes of `codec`).
 
         `classes`, `droppable`, `layers` and `block_max` are per data packet of
         the bucket (policy decisions made by the caller); `bound` is the loss
-        bound the droppable packets were chosen under.
+        bound the droppable packets were chosen under. `out` (`total` lanes of
+        the codec's sum dtype, `lane_ops.sum_dtype`) is where the results are
+        put as they arrive, and `RoundComplete.sums` then is `out`; it is the
+        caller's only once the round has completed or failed.
         """
         spec = self.jobs.get(job)
         if spec is None:
@@ -333,15 +337,17 @@ class Engine:
         )
         if c.classes.max(initial=0) > 7:
             raise LocalError("priority classes must be 0..7")
-        self._contribs[op] = c
-        self._collectors[op] = ResultCollector(
+        collector = ResultCollector(
             layout=layout,
             owners=spec.owners,
             me=spec.me,
             senders=len(spec.contributors),
             now=now,
             timing=self.timing,
+            out=out,
         )
+        self._contribs[op] = c
+        self._collectors[op] = collector
         self._see_round(job, round)
         for shard, owner in enumerate(spec.owners):
             pk = layout.shard_packets(shard)
@@ -1059,7 +1065,7 @@ class Engine:
             col = self._collectors.get(op)
             if col is not None and col.layout == agg.layout:
                 sums = col.shard_sums(shard)
-                if sums.dtype == agg.slots.dtype:
+                if sums is not None and sums.dtype == agg.slots.dtype:
                     agg.sum_into(sums)  # the owner's sums go straight where they are collected
         nacks, finished = agg.poll(now)
         spec = self.jobs[op[0]]

@@ -7,12 +7,14 @@ module owns the sockets, the timers and the shared memory.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
 import os
 import secrets
 import signal
+import socket
 import struct
 import time
 from collections import Counter
@@ -30,7 +32,7 @@ from dlcp.daemon import notify
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
 from dlcp.daemon.outbox import Outbox, Peer
-from dlcp.daemon.shm import RankSegment
+from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
@@ -45,6 +47,8 @@ _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _NACK = int(PacketType.NACK)
 _ACKING = frozenset({int(PacketType.RESULT), int(PacketType.ACK), int(PacketType.DONE)})
+FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
+_INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
 _RX_BUDGET = 256  # recvmsg calls per readable event before yielding to the loop
 OpKey = tuple[int, int, int]
@@ -80,10 +84,11 @@ class Client:
     def __init__(self, daemon: Daemon, writer: asyncio.StreamWriter) -> None:
         self.daemon = daemon
         self.writer = writer
-        self.segment: RankSegment | None = None
+        self.segment: RankSegment | MappedSegment | None = None
         self.jobs: set[int] = set()
         self.pending = 0
         self.closed = False
+        self.awaiting_fd: tuple[int, int] | None = None  # (request id, size) of a memfd segment
         # this rank's submitted lanes, copied into buffers reused across rounds
         self.inputs = SpareBuffers(INPUT_BUFFERS)
 
@@ -464,8 +469,12 @@ class Daemon:
             if c.closed or c.segment is None:
                 continue
             c.pending -= 1
-            try:  # pwritev, never a mapping: a rank may have shrunk its segment
-                c.segment.write(part.out[0], (sums, contrib, bmax))
+            try:  # pwritev to a named segment, a copy into a mapped one
+                if c.segment.holds(part.out[0], sums):  # the engine stored them there
+                    c.segment.write(part.out[0] + sums.nbytes, (contrib, bmax))
+                    self.counters["results_in_place"] += 1
+                else:
+                    c.segment.write(part.out[0], (sums, contrib, bmax))
             except LocalError as exc:
                 self.requests[("submit", "bad_request")] += 1
                 c.error(part.rid, "bad_request", f"round completed, but {exc}")
@@ -501,9 +510,11 @@ class Daemon:
         spec = job.spec
         layout = Layout(total=lr.total, codec=codec, shards=len(spec.owners), payload=spec.payload)
         parts = lr.parts
+        out = None
         if len(parts) == 1:
             lanes: Any = parts[0].data
             summed = False
+            out = self._mapped_out(parts[0], codec, lr.total)
         else:
             acc = None
             for p in parts:
@@ -555,9 +566,21 @@ class Daemon:
             bound=lr.bound,
             scale=lr.scale,
             block_max=block_max,
+            out=out,
         )
         lr.submitted = True
         self._pump()
+
+    @staticmethod
+    def _mapped_out(part: LocalPart, codec: Codec, total: int) -> np.ndarray | None:
+        """The rank's result lanes in its mapped segment, where the engine may
+        store results as they arrive (no copy at the end), if the segment is
+        mapped and the codec sums in the wire's dtype (not fp16's fp32 sums)."""
+        seg = part.client.segment
+        dtype = lane_ops.sum_dtype(codec)
+        if seg is None or not seg.mapped or dtype != lane_ops.wire_summed_dtype(codec):
+            return None
+        return seg.lanes(part.out[0], dtype, total)
 
     # -- jobs -------------------------------------------------------------
     def _make_job(
@@ -668,6 +691,10 @@ class Daemon:
                 if client.closed:
                     break
                 await writer.drain()
+                if client.awaiting_fd is not None:
+                    await self._take_fd(client, reader, writer)
+                    if client.closed:
+                        break
         finally:
             self._drop_client(client)
             client.closed = True
@@ -742,11 +769,79 @@ class Daemon:
     def _op_segment(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         if client.pending:
             raise RequestError("conflict", "cannot replace the segment with submits outstanding")
+        if req.get("memfd") is True:
+            # the descriptor follows as SCM_RIGHTS with one byte; nothing else is
+            # read from this connection until it has come (_take_fd)
+            size = _int_field(req, "size", 1, MAX_SEGMENT)
+            client.awaiting_fd = (rid, size)
+            client.writer.transport.pause_reading()  # type: ignore[attr-defined]
+            client.reply(rid, send_fd=True)
+            return
         seg = RankSegment(req.get("name"), req.get("size"))  # type: ignore[arg-type]
+        self._set_segment(client, seg)
+        client.reply(rid)
+
+    @staticmethod
+    def _set_segment(client: Client, seg: RankSegment | MappedSegment) -> None:
         if client.segment is not None:
             client.segment.close()
         client.segment = seg
-        client.reply(rid)
+
+    async def _take_fd(
+        self, client: Client, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Receive the memfd a `segment` request announced and map it; the
+        request's second reply says whether that worked. A connection that
+        sends anything else first, or nothing within FD_TIMEOUT, is closed."""
+        assert client.awaiting_fd is not None
+        rid, size = client.awaiting_fd
+        client.awaiting_fd = None
+        fds: list[int] = []
+        try:
+            if getattr(reader, "_buffer", b""):  # the stream read ahead: out of step
+                raise ipc.ProtocolError("data sent after a memfd segment request")
+            sock = writer.get_extra_info("socket")
+            raw = socket.socket(fileno=os.dup(sock.fileno()))
+            try:
+                raw.setblocking(False)
+                loop = asyncio.get_running_loop()
+                ready: asyncio.Future[None] = loop.create_future()
+
+                def wake() -> None:
+                    if not ready.done():
+                        ready.set_result(None)
+
+                loop.add_reader(raw.fileno(), wake)
+                try:
+                    await asyncio.wait_for(ready, FD_TIMEOUT)
+                finally:
+                    loop.remove_reader(raw.fileno())
+                msg, anc, flags, _ = raw.recvmsg(1, socket.CMSG_SPACE(_INT_SIZE))
+            finally:
+                raw.close()
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", data[: len(data) - len(data) % _INT_SIZE]))
+            if msg != b"F" or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                raise ipc.ProtocolError("expected one byte 'F' carrying one descriptor")
+        except (ipc.ProtocolError, OSError, TimeoutError) as exc:
+            for fd in fds:
+                os.close(fd)
+            self.requests[("segment", "bad_request")] += 1
+            client.error(rid, "bad_request", f"no segment descriptor: {exc or 'timed out'}")
+            client.closed = True  # the stream is out of step: drop the connection
+            return
+        try:
+            seg = MappedSegment(fds[0], size)
+        except LocalError as exc:
+            self.requests[("segment", "bad_request")] += 1
+            client.error(rid, "bad_request", str(exc))
+        else:
+            self._set_segment(client, seg)
+            client.reply(rid, mapped=True)
+        finally:
+            os.close(fds[0])
+            writer.transport.resume_reading()  # type: ignore[attr-defined]
 
     def _op_join(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         if self.draining:
@@ -877,11 +972,15 @@ class Daemon:
             raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
         elif any(p.client is client for p in lr.parts):
             raise RequestError("conflict", "this client already submitted the bucket")
-        # A private copy by preadv, never the mapping: a rank that shrinks its
-        # segment gets bad_request instead of killing the daemon with SIGBUS. The
-        # copy answers retransmissions until the round has its results.
-        data = client.inputs.take(d_len)
-        seg.read_into(d_off, data)
+        # A named segment: a private copy by preadv, never a mapping (a rank that
+        # shrinks its file gets bad_request instead of killing the daemon with
+        # SIGBUS); the copy answers retransmissions until the round has its
+        # results. A sealed memfd cannot shrink: its lanes are read in place.
+        if seg.mapped:
+            data = seg.read(d_off, d_len)
+        else:
+            data = client.inputs.take(d_len)
+            seg.read_into(d_off, data)
         if lr is None:
             lr = LocalRound(
                 job_id,

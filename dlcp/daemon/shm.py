@@ -1,18 +1,27 @@
-"""The daemon's view of a rank's shared-memory segment (/dev/shm/dlcp-*).
+"""The daemon's view of a rank's shared-memory segment: two kinds.
 
-The daemon never maps the segment. A rank owns the file and may shrink it at
-any time (`ftruncate`); touching a mapped page past the new end would kill the
-daemon with SIGBUS, for every job on the host. Instead the daemon keeps the
-file's descriptor open and moves bytes with `preadv`/`pwritev`, which report a
-shrunk file as a short count (or an errno) rather than a fault. The copy this
-costs replaces the one a mapping would need anyway: the daemon keeps its own
-copy of the lanes for retransmissions, so a rank rewriting `data` early can no
-longer change what was sent either.
+`RankSegment`, a named file (/dev/shm/dlcp-*): the daemon never maps it. A
+rank owns the file and may shrink it at any time (`ftruncate`); touching a
+mapped page past the new end would kill the daemon with SIGBUS, for every job
+on the host. Instead the daemon keeps the file's descriptor open and moves
+bytes with `preadv`/`pwritev`, which report a shrunk file as a short count (or
+an errno) rather than a fault. The daemon keeps this copy of the lanes for
+retransmissions, so a rank rewriting `data` early cannot change what is sent.
+
+`MappedSegment`, a memfd the rank sealed against shrinking and handed over
+with SCM_RIGHTS (the shim's default where the kernel has sealed memfds): no
+page of it can vanish, so the daemon maps it, sends the lanes from the
+mapping and stores result lanes straight into the rank's `out` region. The
+two copies of every byte that a named segment costs (`preadv` in, `pwritev`
+out) are gone; a rank that rewrites its `data` during a round changes what
+retransmissions of its own job carry, nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import mmap
 import os
 import stat
 from collections.abc import Sequence
@@ -23,13 +32,39 @@ import numpy as np
 from dlcp.errors import LocalError
 from dlcp.ipc import SEGMENT_NAME
 
-__all__ = ["MAX_SEGMENT", "RankSegment"]
+__all__ = ["MAX_SEGMENT", "MappedSegment", "RankSegment"]
 
 MAX_SEGMENT = 64 << 30
 SHM_DIR = "/dev/shm"
 
 
-class RankSegment:
+class _Segment:
+    """What every kind of rank segment has: a name and a size, and regions in it."""
+
+    mapped = False
+    name: str
+    size: int
+
+    def holds(self, off: int, lanes: np.ndarray) -> bool:
+        """Whether `lanes` are this segment's own bytes from `off` (a view of
+        its mapping there); never for a segment that is not mapped."""
+        return False
+
+    def region(self, spec: object, what: str) -> tuple[int, int]:
+        """A validated (offset, length) pair inside the segment."""
+        if (
+            not isinstance(spec, list | tuple)
+            or len(spec) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in spec)
+        ):
+            raise LocalError(f"{what} must be [offset, length]")
+        off, n = int(spec[0]), int(spec[1])
+        if off < 0 or n < 0 or off + n > self.size:
+            raise LocalError(f"{what} [{off}, {n}] lies outside the {self.size}-byte segment")
+        return off, n
+
+
+class RankSegment(_Segment):
     def __init__(self, name: str, size: int) -> None:
         if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
             raise LocalError(f"segment name must match {SEGMENT_NAME.pattern}")
@@ -52,19 +87,6 @@ class RankSegment:
         self.fd: int | None = fd
         self.name = name
         self.size = size
-
-    def region(self, spec: object, what: str) -> tuple[int, int]:
-        """A validated (offset, length) pair inside the segment."""
-        if (
-            not isinstance(spec, list | tuple)
-            or len(spec) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in spec)
-        ):
-            raise LocalError(f"{what} must be [offset, length]")
-        off, n = int(spec[0]), int(spec[1])
-        if off < 0 or n < 0 or off + n > self.size:
-            raise LocalError(f"{what} [{off}, {n}] lies outside the {self.size}-byte segment")
-        return off, n
 
     def _fd(self) -> int:
         if self.fd is None:
@@ -137,3 +159,84 @@ class RankSegment:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class MappedSegment(_Segment):
+    """A rank's segment passed as a sealed memfd (the `segment` request with
+    `"memfd": true`): mapped, so lanes are read in place and results stored in
+    place (`lanes`) or written with a memory copy, no `preadv`/`pwritev`.
+
+    Mapping is safe only because the file cannot shrink: the descriptor must
+    carry F_SEAL_SHRINK (a memfd made with MFD_ALLOW_SEALING), so no page of the
+    mapping can vanish and fault with SIGBUS. The rank can still rewrite the
+    bytes: lanes it changes during a round change what retransmissions carry,
+    which only its own job's results can notice.
+    """
+
+    mapped = True
+
+    def __init__(self, fd: int, size: int) -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_SEGMENT:
+            raise LocalError(f"segment size must be 1..{MAX_SEGMENT} bytes")
+        try:
+            st = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise LocalError(f"cannot use the segment descriptor: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise LocalError("the segment descriptor is not a regular file")
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise LocalError("the segment memfd must be sealed against shrinking (F_SEAL_SHRINK)")
+        if st.st_size < size:
+            raise LocalError(f"the segment memfd has {st.st_size} bytes, not {size}")
+        try:
+            # populated: one pass now instead of a fault per 4 KiB page in the first rounds
+            self.mmap: mmap.mmap | None = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            )
+        except OSError as exc:
+            raise LocalError(f"cannot map the segment: {exc.strerror}") from None
+        self.name = f"memfd:{st.st_ino}"
+        self.size = size
+        self._bytes = np.frombuffer(self.mmap, np.uint8)
+
+    def _view(self, off: int, n: int) -> np.ndarray:
+        if self.mmap is None:
+            raise LocalError(f"segment {self.name} is closed")
+        return self._bytes[off : off + n]
+
+    def read(self, off: int, n: int) -> np.ndarray:
+        """Bytes [off, off + n) in place (a view of the mapping, not a copy)."""
+        return self._view(off, n)
+
+    def read_into(self, off: int, out: np.ndarray) -> None:
+        out.view(np.uint8).reshape(-1)[:] = self._view(off, out.nbytes)
+
+    def lanes(self, off: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """`count` lanes of `dtype` from `off`, in place (a writable view)."""
+        return self._view(off, count * dtype.itemsize).view(dtype)
+
+    def holds(self, off: int, lanes: np.ndarray) -> bool:
+        # one address space: the same address is the same memory
+        return (
+            self.mmap is not None
+            and 0 <= off <= self.size - lanes.nbytes
+            and lanes.flags.c_contiguous
+            and lanes.ctypes.data == self._bytes.ctypes.data + off
+        )
+
+    def write(self, off: int, parts: Sequence[Any]) -> None:
+        """Write the buffers back to back from `off`."""
+        pos = off
+        for p in parts:
+            raw = np.frombuffer(memoryview(p).cast("B"), np.uint8)
+            self._view(pos, raw.size)[:] = raw
+            pos += raw.size
+
+    def close(self) -> None:
+        m, self.mmap = self.mmap, None
+        self._bytes = np.zeros(0, np.uint8)
+        if m is not None:
+            # a round's views may still use it: then the mapping goes with them
+            with contextlib.suppress(BufferError):
+                m.close()

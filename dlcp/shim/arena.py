@@ -4,8 +4,10 @@ One segment per daemon connection. A bump allocator hands out regions for the
 submits of one step and is reset when the step's rounds are all read. When a
 step needs more than the segment holds, a larger one replaces it (the daemon
 maps the new one; the old stays mapped here until the step's results are
-read). Segment files are unlinked as soon as the daemon has mapped them, so a
-crashed rank leaves nothing in /dev/shm.
+read). Segments are sealed memfds handed to the daemon by descriptor where
+the kernel has them (the daemon then maps them: no copy in or out), else
+named /dev/shm files, unlinked as soon as the daemon has opened them; either
+way a crashed rank leaves nothing in /dev/shm.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from dlcp.errors import DlcpError
-from dlcp.shim.client import DaemonClient, Segment
+from dlcp.shim.client import DaemonClient, SealedSegment, Segment, memfd_supported
 from dlcp.shim.regions import RegionSizes, align
 
 __all__ = ["MIN_SEGMENT", "Arena", "Region"]
@@ -27,7 +29,7 @@ MIN_SEGMENT = 1 << 20
 class Region:
     """The data, meta and out regions of one submit, as byte offsets in `segment`."""
 
-    segment: Segment
+    segment: Segment | SealedSegment
     data: int
     meta: int
     out: int
@@ -54,25 +56,35 @@ class Arena:
     """Segments of one daemon connection and a bump allocator over the current one."""
 
     def __init__(
-        self, client: DaemonClient, prefix: str, size: int = MIN_SEGMENT, *, unlink: bool = True
+        self,
+        client: DaemonClient,
+        prefix: str,
+        size: int = MIN_SEGMENT,
+        *,
+        unlink: bool = True,
+        sealed: bool | None = None,
     ) -> None:
+        """`sealed`: sealed memfd segments (None: where the kernel has them),
+        else named ones, unlinked once the daemon has them if `unlink`."""
         self._client = client
         self._prefix = prefix
         self._unlink = unlink
+        self._sealed = memfd_supported() if sealed is None else sealed
         self._serial = 0
         self._top = 0
-        self._retired: list[Segment] = []
+        self._retired: list[Segment | SealedSegment] = []
         self.segment = self._new(max(size, MIN_SEGMENT))
 
-    def _new(self, size: int) -> Segment:
-        seg = Segment(f"{self._prefix}-{self._serial}", align(size))
+    def _new(self, size: int) -> Segment | SealedSegment:
+        kind = SealedSegment if self._sealed else Segment
+        seg = kind(f"{self._prefix}-{self._serial}", align(size))
         self._serial += 1
         try:
             self._client.segment(seg)
         except BaseException:
             seg.close()
             raise
-        if self._unlink:
+        if self._unlink and isinstance(seg, Segment):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(seg.path)
         return seg

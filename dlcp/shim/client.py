@@ -6,7 +6,9 @@ replies to requests by id and completes `concurrent.futures.Future`s.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import itertools
 import mmap
 import os
@@ -18,7 +20,7 @@ from typing import Any
 from dlcp import ipc
 from dlcp.errors import DlcpError
 
-__all__ = ["DaemonClient", "DaemonError", "Segment", "default_socket"]
+__all__ = ["DaemonClient", "DaemonError", "SealedSegment", "Segment", "default_socket"]
 
 
 class DaemonError(DlcpError):
@@ -69,6 +71,47 @@ class Segment:
             os.unlink(self.path)
 
 
+class SealedSegment:
+    """A segment in a memfd sealed against shrinking, which the daemon maps.
+
+    Handed to the daemon as a descriptor (`DaemonClient.segment`), never by
+    name: nothing is left in /dev/shm, and the daemon reads the lanes in place
+    and writes results straight into the mapping (no `preadv`/`pwritev` copy),
+    which it may do only because the seal keeps the file from shrinking under
+    its mapping. Same attributes as `Segment` (no `path`).
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        if not ipc.SEGMENT_NAME.fullmatch(name):
+            raise DlcpError(f"bad segment name {name!r}")
+        self.name = name
+        self.size = size
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            # it may grow, never shrink; and the seals themselves are final
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            self.mmap = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.buf = memoryview(self.mmap)
+
+    def close(self) -> None:
+        try:
+            self.buf.release()
+            self.mmap.close()
+        except BufferError:  # someone still holds a view; the mapping goes with the process
+            pass
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def memfd_supported() -> bool:
+    """Whether this system can make sealed memfd segments."""
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK")
+
+
 class DaemonClient:
     def __init__(self, path: str | None = None, *, timeout: float = 5.0) -> None:
         self.path = path or default_socket()
@@ -83,6 +126,9 @@ class DaemonClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[dict[str, Any]]] = {}
         self._lock = threading.Lock()
+        # held while sending, and across a memfd handover: nothing may reach the
+        # daemon between a memfd `segment` request and its descriptor
+        self._send = threading.RLock()
         self._closed = False
         self.error: BaseException | None = None
         self._reader = threading.Thread(target=self._read, name="dlcp-client", daemon=True)
@@ -114,8 +160,11 @@ class DaemonClient:
                     fut.set_exception(ConnectionError(f"lost the daemon: {self.error}"))
 
     def request(self, op: str, **fields: Any) -> Future[dict[str, Any]]:
+        return self._request(op, fields)[1]
+
+    def _request(self, op: str, fields: dict[str, Any]) -> tuple[int, Future[dict[str, Any]]]:
         fut: Future[dict[str, Any]] = Future()
-        with self._lock:
+        with self._send, self._lock:
             if self._closed:
                 raise ConnectionError(f"lost the daemon: {self.error}")
             rid = next(self._ids)
@@ -125,7 +174,7 @@ class DaemonClient:
             except OSError:
                 self._pending.pop(rid, None)
                 raise
-        return fut
+        return rid, fut
 
     def call(self, op: str, timeout: float | None = 30.0, **fields: Any) -> dict[str, Any]:
         return self.request(op, **fields).result(timeout)
@@ -152,8 +201,23 @@ class DaemonClient:
             "hello", version=ipc.PROTOCOL_VERSION, pid=os.getpid(), fallbacks=fallbacks
         )["daemon"]
 
-    def segment(self, seg: Segment) -> None:
-        self.call("segment", name=seg.name, size=seg.size)
+    def segment(self, seg: Segment | SealedSegment, timeout: float = 30.0) -> None:
+        if not isinstance(seg, SealedSegment):
+            self.call("segment", name=seg.name, size=seg.size)
+            return
+        # the request, then (once the daemon asks for it) one byte carrying the
+        # descriptor; the second reply to the same id says whether it was mapped
+        with self._send:
+            rid, first = self._request("segment", {"memfd": True, "size": seg.size})
+            if not first.result(timeout).get("send_fd"):
+                raise DaemonError("bad_request", "the daemon did not ask for the descriptor")
+            mapped: Future[dict[str, Any]] = Future()
+            with self._lock:
+                self._pending[rid] = mapped
+            self.sock.sendmsg(
+                [b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))]
+            )
+        mapped.result(timeout)
 
     def join(self, **fields: Any) -> dict[str, Any]:
         if isinstance(fields.get("key"), bytes | bytearray):
