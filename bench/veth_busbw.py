@@ -267,7 +267,7 @@ def run_dlcp(
                         "--nonblocking",
                         *(["--idle"] if os.environ.get("BW_IDLE") else []),
                         "-r",
-                        "100",
+                        os.environ.get("BW_SPY_RATE", "100"),
                         "-f",
                         "raw",
                         "-o",

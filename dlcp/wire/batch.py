@@ -39,6 +39,11 @@ from dlcp.wire.mac import MacKey
 
 __all__ = ["HEADER_DTYPE", "Batch", "decode_batch", "encode_batch", "split_segments"]
 
+# Packets encoded per MAC call: about 570 KB of 9 KB payloads, which stay in a
+# core's L2 cache between the MAC reading them and the copy into the datagrams
+# (14 % less time per packet than MACing a whole shard first: bench/encode_micro.py)
+ENCODE_CHUNK = 64
+
 HEADER_DTYPE = np.dtype(
     [
         ("magic", ">u2"),
@@ -234,13 +239,18 @@ def encode_batch(
     n = len(payloads)
     if not isinstance(key, bytes):
         head_list = [raw[i * HEADER_SIZE : i * HEADER_SIZE + MAC_OFFSET] for i in range(n)]
-        tags = key.tags(head_list, payloads)
-        return [
-            b"".join((head, tags[i * MAC_SIZE : (i + 1) * MAC_SIZE], payloads[i]))
-            for i, head in enumerate(head_list)
-        ]
+        out: list[bytes] = []
+        # ENCODE_CHUNK packets at a time: the payloads the MAC has just read are
+        # still in the core's cache when they are copied into the datagrams
+        for c in range(0, n, ENCODE_CHUNK):
+            hs = head_list[c : c + ENCODE_CHUNK]
+            ps = payloads[c : c + ENCODE_CHUNK]
+            tags = key.tags(hs, ps)
+            tag_list = [tags[i : i + MAC_SIZE] for i in range(0, len(tags), MAC_SIZE)]
+            out += map(b"".join, zip(hs, tag_list, ps, strict=True))
+        return out
     base = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
-    out: list[bytes] = []
+    out = []
     for i, payload in enumerate(payloads):
         head = raw[i * HEADER_SIZE : i * HEADER_SIZE + MAC_OFFSET]
         h = base.copy()
