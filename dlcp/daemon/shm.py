@@ -190,10 +190,9 @@ class MappedSegment(_Segment):
         if st.st_size < size:
             raise LocalError(f"the segment memfd has {st.st_size} bytes, not {size}")
         try:
-            # populated: one pass now instead of a fault per 4 KiB page in the first rounds
-            self.mmap: mmap.mmap | None = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            )
+            # not MAP_POPULATE: that would allocate every page of a sparse memfd (up
+            # to MAX_SEGMENT) in the daemon's name; pages fault in once, when touched
+            self.mmap: mmap.mmap | None = mmap.mmap(fd, size)
         except OSError as exc:
             raise LocalError(f"cannot map the segment: {exc.strerror}") from None
         self.name = f"memfd:{st.st_ino}"
