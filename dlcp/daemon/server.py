@@ -44,7 +44,8 @@ _JOB = struct.Struct("!I")
 _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _NACK = int(PacketType.NACK)
-_ACKING_TYPES = np.array([PacketType.RESULT, PacketType.ACK, PacketType.DONE], dtype=np.uint8)
+_ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
+_ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
 _JOB_IDS = np.dtype(">u4")  # the header's job field (bytes 8-11)
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
 _RX_BUDGET = 256  # recvmsg calls per readable event before yielding to the loop
@@ -415,13 +416,12 @@ class Daemon:
             self.outbox.on_loss(peer, max(1, h.count), now)
             spec = job.spec
             self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
-        acking = np.isin(kind, _ACKING_TYPES)
+        acking = _ACKING[kind]
         if not acking.any():
             return
-        at = positions[acking]
-        nbytes = np.bincount(
-            group[acking], weights=np.asarray(sizes, dtype=np.int64)[at], minlength=len(groups)
-        )
+        at = positions[acking].tolist()
+        weights = np.fromiter(map(sizes.__getitem__, at), np.int64, len(at))
+        nbytes = np.bincount(group[acking], weights=weights, minlength=len(groups))
         acked: dict[Peer, int] = {}
         for g in np.flatnonzero(nbytes).tolist():  # groups in arrival order
             job, node = groups[g]
