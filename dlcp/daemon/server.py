@@ -339,7 +339,8 @@ class Daemon:
                     dgs += segs[:full]
                     nodes += [node] * full
                     kinds.append(data[3 : (full - 1) * seg + 4 : seg])
-                    sizes += [seg] * full
+                    sizes += [seg] * (full - 1)
+                    sizes.append(last if full == k else seg)
                     groups.append((job, node))
                     runs.append(full)
             if len(segs) > full:  # a truncated last datagram: the engine counts it
