@@ -285,7 +285,7 @@ def _buffers(rng: np.random.Generator, n: int) -> list[tuple[bytes, int, str]]:
     out = []
     for _ in range(n):
         src = srcs[int(rng.integers(0, len(srcs)))]
-        seg = int(rng.choice([HEADER_SIZE, 100, 300, 1500]))
+        seg = int(rng.choice([5, 20, HEADER_SIZE, 100, 300, 1500, 1500]))
         k = int(rng.integers(1, 9))
         mixed = rng.random() < 0.2
         job0 = int(rng.choice([JOB_A, JOB_B, JOB_UNKNOWN]))

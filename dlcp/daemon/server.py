@@ -321,7 +321,9 @@ class Daemon:
             rx += k
             rx_bytes += size
             last = size - (k - 1) * seg
-            full = k if last >= HEADER_SIZE else k - 1  # only the last can be short
+            # datagrams with a whole header: none if the segments are shorter,
+            # else all but a shorter last one
+            full = 0 if seg < HEADER_SIZE else k if last >= HEADER_SIZE else k - 1
             if full:
                 ids: list[int] = np.ndarray((full,), _JOB_IDS, data, 8, (seg,)).tolist()
                 if ids.count(ids[0]) != full:  # more than one job: datagram by datagram
@@ -333,9 +335,7 @@ class Daemon:
                     node = job.node_of.get(src)
                     if node is None:
                         self.daemon_rejects["bad_address"] += full
-                        segs = segs[full:]
-                        full = 0
-                if full:
+                if job is None or node is not None:
                     dgs += segs[:full]
                     nodes += [node] * full
                     kinds.append(data[3 : (full - 1) * seg + 4 : seg])
@@ -343,11 +343,11 @@ class Daemon:
                     sizes.append(last if full == k else seg)
                     groups.append((job, node))
                     runs.append(full)
-            if len(segs) > full:  # a truncated last datagram: the engine counts it
-                dgs.append(segs[-1])
+            for dg in segs[full:]:  # truncated datagrams: the engine counts them
+                dgs.append(dg)
                 nodes.append(None)
                 kinds.append(b"\0")
-                sizes.append(last)
+                sizes.append(len(dg))
                 groups.append((None, None))
                 runs.append(1)
         if not dgs:
