@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -84,6 +85,7 @@ def _uninitialised(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 _SPARE = SpareBuffers()
+T = TypeVar("T")
 MIN_SPARE_BYTES = 1 << 20  # smaller arrays come from the allocator as they are
 
 
@@ -100,6 +102,13 @@ def _first_fresh(
     keep[first] = True
     keep &= ~received[loc]
     return good[keep], good.size
+
+
+def _taken(items: Sequence[T], take: np.ndarray) -> Sequence[T]:
+    """`items` at the positions `take` (increasing), without a copy when it is all of them."""
+    if take.size == len(items):
+        return items
+    return [items[k] for k in take.tolist()]
 
 
 class ShardAggregator:
@@ -236,13 +245,12 @@ class ShardAggregator:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        base = self.offset
-        starts = (offsets[take] - base).tolist()
+        starts = (offsets[take] - self.offset).tolist()
         lane_ops.store_many(
             self.slots[row],
             lay.codec,
             summed,
-            zip(starts, counts[take].tolist(), [payloads[k] for k in take.tolist()], strict=True),
+            zip(starts, counts[take].tolist(), _taken(payloads, take), strict=True),
         )
         lt = local[take]
         self.received[row, lt] = True
@@ -672,12 +680,7 @@ class ResultCollector:
             self.sums,
             lay.codec,
             True,
-            zip(
-                offsets[take].tolist(),
-                counts[take].tolist(),
-                [payloads[k] for k in take.tolist()],
-                strict=True,
-            ),
+            zip(offsets[take].tolist(), counts[take].tolist(), _taken(payloads, take), strict=True),
         )
         it = i[take]
         self.contributors[it] = contributors[take]

@@ -180,6 +180,18 @@ def _result_arrays(lay: Layout, shard: int) -> tuple[np.ndarray, np.ndarray]:
     return r[:, 0].copy(), r[:, 1].copy()
 
 
+def _sources(srcs: Sequence[int | None] | None, index: np.ndarray) -> np.ndarray:
+    """The source node of each accepted datagram (`index`: its position), -1 if unknown."""
+    if srcs is None:
+        return np.full(index.size, -1, dtype=np.int64)
+    try:  # the usual case, every source known: one conversion, no Python per datagram
+        return np.fromiter(srcs, np.int64, len(srcs))[index]
+    except TypeError:  # some None
+        return np.fromiter(
+            (-1 if (s := srcs[i]) is None else s for i in index.tolist()), np.int64, index.size
+        )
+
+
 class Engine:
     """All rounds of all jobs at one node."""
 
@@ -611,12 +623,7 @@ class Engine:
             return np.zeros(0, dtype=np.int64)
         f = batch.fields
         index = batch.index
-        if srcs is None:
-            src = np.full(n, -1, dtype=np.int64)
-        else:
-            src = np.fromiter(
-                (-1 if (s := srcs[i]) is None else s for i in index.tolist()), np.int64, n
-            )
+        src = _sources(srcs, index)
         ptype = f["type"]
         flags = f["flags"]
         lanes = (ptype == PacketType.DATA) | (ptype == PacketType.RESULT)

@@ -46,7 +46,9 @@ _JOB = struct.Struct("!I")
 _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _NACK = int(PacketType.NACK)
-_ACKING = frozenset({int(PacketType.RESULT), int(PacketType.ACK), int(PacketType.DONE)})
+_ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
+_ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
+_JOB_IDS = np.dtype(">u4")  # the header's job field (bytes 8-11)
 FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
 _INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
@@ -297,21 +299,91 @@ class Daemon:
         self._pump()
 
     def _receive(self, path: UdpPath) -> None:
+        """Take what waits on `path`'s socket: each recvmsg buffer (a GRO
+        super-datagram: one source, one segment size) is split and its job and
+        node looked up once when all its datagrams name one job; the engine
+        takes the whole drain at once; then the accepted control packets (NACKs,
+        and the bytes that acknowledge each peer) are acted on."""
         now = self.now
-        engine = self.engine
         jobs = self.jobs
         rx = 0
         rx_bytes = 0
         dgs: list[memoryview] = []
         nodes: list[int | None] = []
-        owners: list[JobState | None] = []
-        for dg, src in path.receive(_RX_BUDGET):
-            rx += 1
-            rx_bytes += len(dg)
-            node = None
-            job = None
-            if len(dg) >= HEADER_SIZE:
-                job = jobs.get(_JOB.unpack_from(dg, 8)[0])
+        kinds: list[bytes] = []  # the type byte of each of `dgs` (b"\0" for a truncated one)
+        sizes: list[int] = []
+        groups: list[tuple[JobState | None, int | None]] = []  # (job, node) of a run of `dgs`
+        runs: list[int] = []  # datagrams of each group
+        for data, seg, src in path.receive_buffers(_RX_BUDGET):
+            size = len(data)
+            view = memoryview(data)
+            if 0 < seg < size:
+                segs = [view[o : o + seg] for o in range(0, size, seg)]
+            else:
+                seg = size
+                segs = [view]
+            k = len(segs)
+            rx += k
+            rx_bytes += size
+            last = size - (k - 1) * seg
+            # datagrams with a whole header: none if the segments are shorter,
+            # else all but a shorter last one
+            full = 0 if seg < HEADER_SIZE else k if last >= HEADER_SIZE else k - 1
+            if full:
+                ids: list[int] = np.ndarray((full,), _JOB_IDS, data, 8, (seg,)).tolist()
+                if ids.count(ids[0]) != full:  # more than one job: datagram by datagram
+                    self._receive_mixed(segs, ids, src, dgs, nodes, kinds, sizes, groups, runs)
+                    continue
+                job = jobs.get(ids[0])
+                node = None
+                if job is not None:
+                    node = job.node_of.get(src)
+                    if node is None:
+                        self.daemon_rejects["bad_address"] += full
+                if job is None or node is not None:
+                    dgs += segs[:full]
+                    nodes += [node] * full
+                    kinds.append(data[3 : (full - 1) * seg + 4 : seg])
+                    sizes += [seg] * (full - 1)
+                    sizes.append(last if full == k else seg)
+                    groups.append((job, node))
+                    runs.append(full)
+            for dg in segs[full:]:  # truncated datagrams: the engine counts them
+                dgs.append(dg)
+                nodes.append(None)
+                kinds.append(b"\0")
+                sizes.append(len(dg))
+                groups.append((None, None))
+                runs.append(1)
+        if not dgs:
+            return
+        accepted = self.engine.receive_many(dgs, now, nodes)
+        if accepted.size:
+            kind = np.frombuffer(b"".join(kinds), np.uint8)[accepted]
+            control = kind != _DATA
+            if control.any():
+                self._on_control(accepted[control], kind[control], dgs, sizes, groups, runs, now)
+        self.counters["rx_packets"] += rx
+        self.counters["rx_bytes"] += rx_bytes
+
+    def _receive_mixed(
+        self,
+        segs: list[memoryview],
+        ids: list[int],
+        src: str,
+        dgs: list[memoryview],
+        nodes: list[int | None],
+        kinds: list[bytes],
+        sizes: list[int],
+        groups: list[tuple[JobState | None, int | None]],
+        runs: list[int],
+    ) -> None:
+        """`_receive` for a buffer whose datagrams name more than one job."""
+        jobs = self.jobs
+        for i, dg in enumerate(segs):
+            job = node = None
+            if i < len(ids):
+                job = jobs.get(ids[i])
                 if job is not None:
                     node = job.node_of.get(src)
                     if node is None:
@@ -319,34 +391,53 @@ class Daemon:
                         continue
             dgs.append(dg)
             nodes.append(node)
-            owners.append(job)
-        if not dgs:
-            return
-        acked: dict[Peer, int] = {}
-        for i in engine.receive_many(dgs, now, nodes).tolist():
-            dg = dgs[i]
-            kind = dg[3]
-            if kind == _DATA:
-                continue
-            job, node = owners[i], nodes[i]
+            kinds.append(bytes(dg[3:4]) if i < len(ids) else b"\0")
+            sizes.append(len(dg))
+            groups.append((job, node))
+            runs.append(1)
+
+    def _on_control(
+        self,
+        positions: np.ndarray,
+        kind: np.ndarray,
+        dgs: list[memoryview],
+        sizes: list[int],
+        groups: list[tuple[JobState | None, int | None]],
+        runs: list[int],
+        now: float,
+    ) -> None:
+        """Accepted packets other than data, at `positions` of `dgs`: each NACK
+        in order, then per peer the bytes of its results, ACKs and DONEs."""
+        group = np.repeat(np.arange(len(groups)), runs)[positions]
+        nack = kind == _NACK
+        for i, g in zip(positions[nack].tolist(), group[nack].tolist(), strict=True):
+            job, node = groups[g]
             if job is None or node is None:
                 continue
             peer = job.peers.get(node)
             if peer is None:
                 continue
-            if kind == _NACK:
-                h = header_of_valid(dg)
-                self.outbox.on_loss(peer, max(1, h.count), now)
-                spec = job.spec
-                self.outbox.on_nack(
-                    peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now
-                )
-            elif kind in _ACKING:
-                acked[peer] = acked.get(peer, 0) + len(dg)
-        for peer, nbytes in acked.items():  # once per peer and batch
-            peer.rate.on_ack(nbytes, None, now)
-        self.counters["rx_packets"] += rx
-        self.counters["rx_bytes"] += rx_bytes
+            dg = dgs[i]
+            h = header_of_valid(dg)
+            self.outbox.on_loss(peer, max(1, h.count), now)
+            spec = job.spec
+            self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
+        acking = _ACKING[kind]
+        if not acking.any():
+            return
+        at = positions[acking].tolist()
+        weights = np.fromiter(map(sizes.__getitem__, at), np.int64, len(at))
+        nbytes = np.bincount(group[acking], weights=weights, minlength=len(groups))
+        acked: dict[Peer, int] = {}
+        for g in np.flatnonzero(nbytes).tolist():  # groups in arrival order
+            job, node = groups[g]
+            if job is None or node is None:
+                continue
+            peer = job.peers.get(node)
+            if peer is not None:
+                acked[peer] = acked.get(peer, 0) + int(nbytes[g])
+        for peer, n in acked.items():  # once per peer and batch
+            peer.rate.on_ack(n, None, now)
 
     # -- engine out -----------------------------------------------------------
     def _pump(self) -> None:

@@ -129,23 +129,32 @@ class UdpPath:
         return sent
 
     # -- receive ------------------------------------------------------------
-    def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
-        """Datagrams waiting on the socket (GRO super-datagrams split), with source IP."""
-        sock = self.sock
+    def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
+        """What up to `budget` recvmsg calls return now: (buffer, GRO segment
+        size or 0, source IP) each. A buffer holds one datagram, or with a
+        segment size `seg` (0 < seg < len) consecutive datagrams of `seg`
+        bytes from one source, the last possibly shorter (`split_segments`)."""
+        recvmsg = self.sock.recvmsg
+        out: list[tuple[bytes, int, str]] = []
         for _ in range(budget):
             try:
-                data, ancdata, _flags, addr = sock.recvmsg(_RECV_SIZE, _CMSG_SPACE)
+                data, ancdata, _flags, addr = recvmsg(_RECV_SIZE, _CMSG_SPACE)
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except ConnectionRefusedError:  # ICMP from an earlier send
                 continue
-            self.recvmsg_calls += 1
             seg = 0
             for level, kind, value in ancdata:
                 if level == SOL_UDP and kind == UDP_GRO:
                     seg = _INT.unpack_from(value.ljust(_INT.size, b"\0"))[0]
+            out.append((data, seg, addr[0]))
+        self.recvmsg_calls += len(out)
+        return out
+
+    def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
+        """Datagrams waiting on the socket (GRO super-datagrams split), with source IP."""
+        for data, seg, src in self.receive_buffers(budget):
             view = memoryview(data)
-            src = addr[0]
             if seg <= 0 or seg >= len(data):
                 yield view, src
             else:

@@ -80,6 +80,36 @@ _VALID_TYPE = np.zeros(256, dtype=bool)
 _VALID_TYPE[list(_TYPES)] = True
 _VALID_CODEC = np.zeros(256, dtype=bool)
 _VALID_CODEC[list(_CODECS)] = True
+_LANE_TYPE = np.zeros(256, dtype=bool)  # types whose payload is lanes
+_LANE_TYPE[[PacketType.DATA, PacketType.RESULT]] = True
+_LANE_BITS = np.stack([_DATA_BITS, _SUM_BITS])  # [summed, codec]: bits per lane
+# payload bits per `count` and the round-up of the other types: NACK u32
+# indices, DONE a bitmap, ACK empty, any other type `count` bytes
+_TYPE_BITS = np.full(256, 8, dtype=np.int64)
+_TYPE_BITS[[PacketType.NACK, PacketType.DONE, PacketType.ACK]] = [32, 1, 0]
+_TYPE_ROUND = np.zeros(256, dtype=np.int64)
+_TYPE_ROUND[[PacketType.DATA, PacketType.RESULT, PacketType.DONE]] = 7
+_BAD_FLAG_BITS = np.uint8(~ALL_FLAGS & 0xFF)
+# the reason of each row of `_field_reasons`' masks
+_CHECK_REASONS = np.array(
+    [
+        Reason.TRUNCATED,
+        Reason.BAD_MAGIC,
+        Reason.BAD_VERSION,
+        Reason.BAD_TYPE,
+        Reason.BAD_FLAGS,
+        Reason.BAD_CODEC,
+        Reason.RESERVED,
+        Reason.BAD_PRIORITY,
+        Reason.BAD_RANGE,
+        Reason.BAD_RANGE,
+        Reason.BAD_RANGE,
+        Reason.BAD_LENGTH,
+        Reason.BAD_LENGTH,
+        Reason.BAD_RANGE,
+    ],
+    dtype=np.int64,
+)
 
 
 @dataclass
@@ -124,104 +154,135 @@ def split_segments(buf: bytes | memoryview, segment: int) -> list[memoryview]:
     return [view[i : i + segment] for i in range(0, len(view), segment)]
 
 
+def _field_reasons(heads: np.ndarray, lengths: np.ndarray, full: np.ndarray) -> np.ndarray | None:
+    """Per datagram the first header check it fails (a `Reason`, 0: none), in
+    the order `header.decode` checks; None when every datagram passes them all.
+
+    Each check is one mask; they are stacked and the first failing row of each
+    column is its reason (a few numpy calls a check, none per datagram).
+    """
+    ptype = heads["type"]
+    flags = heads["flags"]
+    codec = heads["codec"]
+    count = heads["count"].astype(np.int64)
+    offset = heads["offset"].astype(np.int64)
+    total = heads["total"].astype(np.int64)
+    lanes = _LANE_TYPE[ptype]
+    data = ptype == PacketType.DATA
+    plen = lengths - HEADER_SIZE
+    summed = (ptype == PacketType.RESULT) | ((flags & Flags.SUMMED) != 0)
+    # payload bytes a header announces: (count * per-lane bits + round-up) // 8
+    bits = np.where(lanes, _LANE_BITS[summed.view(np.uint8), codec], _TYPE_BITS[ptype])
+    want = (count * bits + _TYPE_ROUND[ptype]) // 8
+    masks = np.stack(
+        [
+            ~full,
+            heads["magic"] != MAGIC,
+            heads["version"] != VERSION,
+            ~_VALID_TYPE[ptype],
+            (flags & _BAD_FLAG_BITS) != 0,
+            ~_VALID_CODEC[codec],
+            heads["reserved"] != 0,
+            heads["priority"] > MAX_PRIORITY,
+            lanes & (count == 0),
+            lanes & (offset + count > total),
+            data & (heads["contributors"] == 0),
+            plen > MAX_PAYLOAD,  # same order as header._check: cap, length, then param
+            want != plen,
+            ~np.isfinite(heads["param"]),  # no cast: sNaN would warn
+        ]
+    )
+    failed = masks.any(axis=0)
+    if not failed.any():
+        return None
+    return np.where(failed, _CHECK_REASONS[masks.argmax(axis=0)], 0)
+
+
 def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, MacKey]) -> Batch:
     """Validate and authenticate a batch of datagrams; never raises for bad input."""
     n = len(datagrams)
     views = [memoryview(d).cast("B") for d in datagrams]
     lengths = np.fromiter(map(len, views), dtype=np.int64, count=n)
-    reasons = np.zeros(n, dtype=np.int64)
     full = lengths >= HEADER_SIZE
-    reasons[~full] = Reason.TRUNCATED
     if full.all():  # the usual case: one join of the header views, no per-packet copies
-        heads = np.frombuffer(b"".join([v[:HEADER_SIZE] for v in views]), dtype=HEADER_DTYPE)
-        heads = heads.copy()  # writable, like the zeroed array below
+        heads = np.frombuffer(
+            bytearray().join([v[:HEADER_SIZE] for v in views]), dtype=HEADER_DTYPE
+        )  # writable, like the zeroed array below
     else:
         heads = np.zeros(n, dtype=HEADER_DTYPE)
         if full.any():
             raw = b"".join([views[i][:HEADER_SIZE] for i in np.flatnonzero(full).tolist()])
             heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
+    found = _field_reasons(heads, lengths, full)
+    reasons = np.zeros(n, dtype=np.int64) if found is None else found
 
-    def reject(mask: np.ndarray, reason: Reason) -> None:
-        hit = mask & (reasons == 0)
-        reasons[hit] = reason
-
-    live = reasons == 0
-    reject(live & (heads["magic"] != MAGIC), Reason.BAD_MAGIC)
-    reject(heads["version"] != VERSION, Reason.BAD_VERSION)
-    ptype = heads["type"].astype(np.int64)
-    reject(~_VALID_TYPE[ptype], Reason.BAD_TYPE)
-    flags = heads["flags"].astype(np.int64)
-    reject((flags & ~ALL_FLAGS) != 0, Reason.BAD_FLAGS)
-    codec = heads["codec"].astype(np.int64)
-    reject(~_VALID_CODEC[codec], Reason.BAD_CODEC)
-    reject(heads["reserved"] != 0, Reason.RESERVED)
-    reject(heads["priority"] > MAX_PRIORITY, Reason.BAD_PRIORITY)
-
-    count = heads["count"].astype(np.int64)
-    offset = heads["offset"].astype(np.int64)
-    total = heads["total"].astype(np.int64)
-    lanes = (ptype == PacketType.DATA) | (ptype == PacketType.RESULT)
-    reject(lanes & (count == 0), Reason.BAD_RANGE)
-    reject(lanes & (offset + count > total), Reason.BAD_RANGE)
-    reject((ptype == PacketType.DATA) & (heads["contributors"] == 0), Reason.BAD_RANGE)
-    # same order as header._check: payload cap, payload length, then param
-    reject(lengths - HEADER_SIZE > MAX_PAYLOAD, Reason.BAD_LENGTH)
-
-    summed = (ptype == PacketType.RESULT) | ((flags & Flags.SUMMED) != 0)
-    bits = np.where(summed, _SUM_BITS[codec], _DATA_BITS[codec])
-    want = np.select(
-        [
-            lanes,
-            ptype == PacketType.NACK,
-            ptype == PacketType.DONE,
-            ptype == PacketType.ACK,
-        ],
-        [(count * bits + 7) // 8, 4 * count, (count + 7) // 8, np.zeros_like(count)],
-        default=count,
-    )
-    reject(want != lengths - HEADER_SIZE, Reason.BAD_LENGTH)
-    reject(~np.isfinite(heads["param"]), Reason.BAD_RANGE)  # no cast: sNaN would warn
-
-    candidates = np.flatnonzero(reasons == 0)
-    jobs = heads["job"]
-    verified = np.zeros(n, dtype=bool)
-    if candidates.size:
-        cand_jobs = jobs[candidates]
-        for job in np.unique(cand_jobs).tolist():
-            mine = candidates[cand_jobs == job].tolist()
+    # MAC of the candidates (those that passed every check), per job
+    if found is None:
+        candidates = np.arange(n)
+        cand_views = views
+    else:
+        candidates = np.flatnonzero(reasons == 0)
+        cand_views = [views[i] for i in candidates.tolist()]
+    m = len(cand_views)
+    cand_payloads = [v[HEADER_SIZE:] for v in cand_views]
+    verified = np.zeros(m, dtype=bool)
+    if m:
+        macs = heads.view(np.uint8).reshape(n, HEADER_SIZE)[:, MAC_OFFSET:]
+        cand_jobs = heads["job"][candidates]
+        first = cand_jobs[0]
+        if (cand_jobs == first).all():
+            groups: list[tuple[int, np.ndarray | None]] = [(int(first), None)]
+        else:
+            groups = [(j, np.flatnonzero(cand_jobs == j)) for j in np.unique(cand_jobs).tolist()]
+        for job, sel in groups:  # sel: positions among the candidates; None: all
             key = keys.get(job)
             if key is None:
-                reasons[mine] = Reason.UNKNOWN_JOB
+                reasons[candidates if sel is None else candidates[sel]] = Reason.UNKNOWN_JOB
                 continue
+            mine = range(m) if sel is None else sel.tolist()
             if isinstance(key, bytes):
                 base = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
-                for i in mine:
-                    v = views[i]
+                for j in mine:
+                    v = cand_views[j]
                     h = base.copy()
                     h.update(v[:MAC_OFFSET])
-                    h.update(v[HEADER_SIZE:])
-                    verified[i] = hmac.compare_digest(h.digest(), v[MAC_OFFSET:HEADER_SIZE])
-            else:  # one batched call for the job's packets, one array comparison
+                    h.update(cand_payloads[j])
+                    verified[j] = hmac.compare_digest(h.digest(), v[MAC_OFFSET:HEADER_SIZE])
+                continue
+            # one batched call for the job's packets, one array comparison
+            if sel is None:
+                tags = key.tags([v[:MAC_OFFSET] for v in cand_views], cand_payloads)
+                got = macs if found is None else macs[candidates]
+            else:
                 tags = key.tags(
-                    [views[i][:MAC_OFFSET] for i in mine], [views[i][HEADER_SIZE:] for i in mine]
+                    [cand_views[j][:MAC_OFFSET] for j in mine], [cand_payloads[j] for j in mine]
                 )
-                want = np.frombuffer(tags, np.uint8).reshape(len(mine), MAC_SIZE)
-                got = heads["mac"][mine].view(np.uint8).reshape(len(mine), MAC_SIZE)
-                # every byte of every tag is compared (no early exit per tag), so the
-                # time taken says nothing about where a forged tag goes wrong
-                verified[mine] = (want == got).all(axis=1)
-        bad_mac = candidates[~verified[candidates] & (reasons[candidates] == 0)]
-        reasons[bad_mac] = Reason.BAD_MAC
-    accepted = np.flatnonzero(verified).tolist()
-    payloads = [views[i][HEADER_SIZE:] for i in accepted]
+                got = macs[candidates[sel]]
+            want = np.frombuffer(tags, np.uint8).reshape(len(mine), MAC_SIZE)
+            # every byte of every tag is compared (no early exit per tag), so the
+            # time taken says nothing about where a forged tag goes wrong
+            ok = (want == got).all(axis=1)
+            if sel is None:
+                verified = ok
+            else:
+                verified[sel] = ok
+        reasons[candidates[~verified & (reasons[candidates] == 0)]] = Reason.BAD_MAC
+    if found is None and verified.all():  # every datagram accepted
+        idx = candidates
+        fields = heads
+        payloads = cand_payloads
+    else:
+        kept = np.flatnonzero(verified)
+        idx = candidates[kept]
+        fields = heads[idx]
+        payloads = [cand_payloads[j] for j in kept.tolist()]
 
     rejects: Counter[Reason] = Counter()
     bad = reasons[reasons != 0]
     if bad.size:
         for code, k in zip(*np.unique(bad, return_counts=True), strict=True):
             rejects[Reason(int(code))] = int(k)
-    idx = np.asarray(accepted, dtype=np.int64)
-    return Batch(fields=heads[idx], payloads=payloads, index=idx, rejects=rejects)
+    return Batch(fields=fields, payloads=payloads, index=idx, rejects=rejects)
 
 
 def encode_batch(

@@ -1,0 +1,168 @@
+"""Per-datagram cost of the receive path's Python, without sockets or the MAC.
+
+    python bench/rx_micro.py [--payload 8908] [--calls 2000]
+
+Datagrams of a real 25 MB fp32 round (one engine's data packets) are grouped
+seven to a buffer as GRO would (every other buffer relabelled as results) and
+timed through:
+- `decode_batch` in batches of 448 with the ghash-aes MAC, and with the tags
+  replaced by precomputed ones (the rest of decode_batch alone);
+- `Daemon._receive` on those buffers with the engine stubbed out (it accepts
+  every datagram): splitting, job and node lookup, control packets. (A
+  checkout from before `UdpPath.receive_buffers` takes them from `receive`.)
+Prints medians (and the fastest call for the daemon) in us per datagram. Run
+it under the bench lock, alternated with another checkout, as with any timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if not os.environ.get("PYTHONPATH"):  # else the checkout PYTHONPATH names (to time another one)
+    sys.path.insert(0, str(ROOT))
+
+from dlcp.core.engine import Engine, JobSpec  # noqa: E402
+from dlcp.daemon.server import Daemon  # noqa: E402
+from dlcp.wire import Codec  # noqa: E402
+from dlcp.wire.batch import decode_batch  # noqa: E402
+from dlcp.wire.mac import mac_state  # noqa: E402
+
+BATCH = 448
+PER_BUFFER = 7
+
+
+class _CachedTags:
+    """A MAC key whose tags were computed once per batch (no AES-GCM when timed)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.cache: dict[bytes, bytes] = {}
+
+    def tags(self, heads: Sequence[memoryview], payloads: Sequence[memoryview]) -> bytes:
+        k = b"".join(heads)
+        got = self.cache.get(k)
+        if got is None:
+            got = self.cache[k] = self.real.tags(heads, payloads)
+        return got
+
+
+class _Rate:
+    def on_ack(self, nbytes: int, rtt: float | None, now: float) -> None:
+        self.acked = nbytes
+
+
+class _Peer:
+    rate = _Rate()
+
+
+class _Job:
+    node_of = {"10.0.0.1": 0}
+    peers = {0: _Peer()}
+
+
+class _Engine:
+    def receive_many(self, dgs: list[memoryview], now: float, nodes: list[int | None]) -> Any:
+        return np.arange(len(dgs))
+
+
+class _Loop:
+    def time(self) -> float:
+        return 0.0
+
+
+class _Path:
+    def __init__(self, buffers: list[tuple[bytes, int, str]]) -> None:
+        self.buffers = buffers
+
+    def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
+        return self.buffers
+
+    def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
+        """What `UdpPath.receive` yields (the daemon before `receive_buffers`)."""
+        for data, seg, src in self.buffers:
+            view = memoryview(data)
+            for off in range(0, len(data), seg):
+                yield view[off : off + seg], src
+
+
+def _time(f: Callable[[], object], calls: int) -> list[float]:
+    out = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        f()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--payload", type=int, default=8908)
+    p.add_argument("--calls", type=int, default=2000)
+    a = p.parse_args()
+    total = 25_000_000 // 4
+    e = Engine()
+    e.add_job(JobSpec.transpose(1, b"k" * 32, 0, 2, payload=a.payload, mac="ghash-aes"))
+    lanes = np.random.default_rng(0).standard_normal(total).astype("<f4").view(np.uint8)
+    e.submit(job=1, round=0, bucket=0, codec=Codec.FP32, total=total, lanes=lanes, now=0.0)
+    outs = [s.datagram for s in e.datagrams_to_send()]
+    seg = len(outs[0])
+    outs = [o for o in outs if len(o) == seg]  # data packets of full size only
+    buffers = []
+    for j, i in enumerate(range(0, len(outs) - PER_BUFFER + 1, PER_BUFFER)):
+        buf = bytearray(b"".join(outs[i : i + PER_BUFFER]))
+        if j % 2:
+            for o in range(0, len(buf), seg):
+                buf[o + 3] = 2  # RESULT: the daemon acknowledges its bytes
+        buffers.append((bytes(buf), seg, "10.0.0.1"))
+    views = [memoryview(o) for o in outs]  # as sent: the relabelled ones would fail the MAC
+    batches = [views[i : i + BATCH] for i in range(0, len(views) - BATCH + 1, BATCH)]
+    n = sum(map(len, batches))
+    keys: dict[int, Any] = {1: mac_state(b"k" * 32, "ghash-aes")}
+    cached: dict[int, Any] = {1: _CachedTags(keys[1])}
+    for batch in batches:
+        assert len(decode_batch(batch, cached)) == len(batch)
+
+    def dec(k: dict[int, Any]) -> Callable[[], None]:
+        def run() -> None:
+            for batch in batches:
+                decode_batch(batch, k)
+
+        return run
+
+    reps = max(3, a.calls // 100)
+    t = statistics.median(_time(dec(keys), reps))
+    print(f"decode_batch, ghash-aes: {t / n * 1e6:.3f} us per datagram ({seg} B)")
+    t = statistics.median(_time(dec(cached), reps))
+    print(f"decode_batch, tags precomputed: {t / n * 1e6:.3f} us per datagram")
+
+    d: Any = object.__new__(Daemon)
+    d.__dict__.update(
+        engine=_Engine(),
+        jobs={1: _Job()},
+        daemon_rejects=Counter(),
+        counters=Counter(),
+        _loop=_Loop(),
+    )
+    path = _Path(buffers[: BATCH // PER_BUFFER])
+    m = sum(len(b) // seg for b, _, _ in path.buffers)
+    ts = _time(lambda: Daemon._receive(d, path), a.calls)  # type: ignore[arg-type]
+    print(
+        f"Daemon._receive, engine stubbed: median {statistics.median(ts) / m * 1e6:.3f}, "
+        f"fastest {min(ts) / m * 1e6:.3f} us per datagram ({m} a call)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

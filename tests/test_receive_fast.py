@@ -1,0 +1,331 @@
+"""The receive path's batched forms against frozen copies of the per-datagram
+code they replaced (tests/receive_reference.py), datagram for datagram:
+
+- `decode_batch` (header checks as one stack of masks, one job's MAC without
+  per-packet indexing) on batches of real traffic with forged, truncated,
+  extended, duplicated and foreign packets, for both MACs;
+- `Daemon._receive` (per GRO buffer: the job ids as one strided view, the
+  control packets from the type bytes) on buffers of one or several jobs,
+  sources outside the job, truncated last segments and single datagrams:
+  the same datagrams and nodes reach the engine, the same rejects are
+  counted, the same NACKs and acknowledged bytes reach the outbox and rates;
+- `Engine.receive_many`'s sources with and without unknown ones.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, _sources
+from dlcp.daemon.server import Daemon
+from dlcp.daemon.transport import UdpPath
+from dlcp.wire import Codec, Flags, PacketType
+from dlcp.wire.batch import decode_batch
+from dlcp.wire.header import HEADER_SIZE, Header
+from dlcp.wire.mac import mac_state
+from tests.receive_reference import reference_decode_batch, reference_receive
+
+JOB_A, JOB_B, JOB_UNKNOWN = 11, 12, 13
+SECRET = b"r" * 32
+
+
+def _traffic(job: int, mac: str, seed: int, payload: int = 1000) -> list[bytes]:
+    """Every datagram of two rounds between two engines, with some lost (so
+    that NACKs, DONEs and ACKs are among them)."""
+    rng = np.random.default_rng(seed)
+    engines = []
+    for me in range(2):
+        e = Engine()
+        e.add_job(JobSpec.transpose(job, SECRET, me, 2, payload=payload, mac=mac))
+        engines.append(e)
+    total = 5000
+    seen: list[bytes] = []
+    now = 0.0
+    for rnd in range(2):
+        for e in engines:
+            lanes = rng.standard_normal(total).astype("<f4").view(np.uint8)
+            e.submit(
+                job=job, round=rnd, bucket=0, codec=Codec.FP32, total=total, lanes=lanes, now=now
+            )
+        done = 0
+        for _ in range(400):
+            moved = False
+            for src, e in enumerate(engines):
+                for s in e.datagrams_to_send():
+                    seen.append(s.datagram)
+                    moved = True
+                    if rng.random() < 0.1:
+                        continue  # lost
+                    engines[s.node].receive(s.datagram, now, src)
+            for e in engines:
+                while (ev := e.next_event()) is not None:
+                    assert isinstance(ev, RoundComplete), ev
+                    done += 1
+            if done == 2:
+                break
+            if not moved:
+                now += 0.05
+                for e in engines:
+                    e.handle_timer(now)
+        assert done == 2
+    return seen
+
+
+def _variants(dg: bytes, rng: np.random.Generator, mac: str) -> list[bytes]:
+    """Bad and odd variants of a valid datagram."""
+    out = [dg]
+    buf = bytearray(dg)
+    pos = int(rng.integers(0, len(dg)))
+    buf[pos] ^= int(rng.integers(1, 256))
+    out.append(bytes(buf))  # any one byte changed: a field check or the MAC
+    head = bytearray(dg[:HEADER_SIZE])
+    field = int(rng.integers(0, 8))  # one of the first header bytes: magic .. reserved
+    head[field] = int(rng.integers(0, 256))
+    out.append(bytes(head) + dg[HEADER_SIZE:])
+    out.append(dg[: int(rng.integers(0, len(dg)))])  # truncated
+    out.append(dg + bytes(int(rng.integers(1, 9))))  # extended
+    # other counts, offsets, totals and contributors (BAD_RANGE, BAD_LENGTH)
+    b = bytearray(dg)  # a non-finite param (BAD_RANGE)
+    struct.pack_into("!I", b, 40, int(rng.choice([0x7F800001, 0xFFC00000, 0x7F800000])))
+    out.append(bytes(b))
+    for off, fmt in ((32, "!I"), (28, "!I"), (36, "!I"), (26, "!H")):
+        b = bytearray(dg)
+        struct.pack_into(fmt, b, off, int(rng.integers(0, 3)) * int(rng.integers(0, 1 << 12)))
+        out.append(bytes(b))
+    return out
+
+
+def _foreign(dg: bytes, job: int) -> bytes:
+    """`dg` claiming another job (its MAC then fails, or the job is unknown)."""
+    b = bytearray(dg)
+    struct.pack_into("!I", b, 8, job)
+    return bytes(b)
+
+
+def _assert_same(batch: Sequence[bytes | memoryview], keys: dict[int, Any]) -> int:
+    want = reference_decode_batch(batch, keys)
+    got = decode_batch(batch, keys)
+    assert got.rejects == want.rejects
+    assert got.index.tolist() == want.index.tolist()
+    assert got.fields.dtype == want.fields.dtype
+    assert got.fields.tobytes() == want.fields.tobytes()
+    assert [bytes(p) for p in got.payloads] == [bytes(p) for p in want.payloads]
+    got.fields["aux"] = 1  # writable, as it was
+    return len(got)
+
+
+@pytest.mark.parametrize("mac", ["ghash-aes", "blake2b"])
+def test_decode_batch_matches_the_reference(mac: str) -> None:
+    rng = np.random.default_rng(5 if mac == "blake2b" else 6)
+    a = _traffic(JOB_A, mac, 1)
+    b = _traffic(JOB_B, mac, 2, payload=700)
+    kinds = Counter(d[3] for d in a)
+    assert {1, 2, 3, 4, 5} <= set(kinds), kinds  # data, result, NACK, DONE, ACK
+    keys = {JOB_A: mac_state(SECRET, mac), JOB_B: mac_state(SECRET, mac)}
+    wrong = {JOB_A: mac_state(b"w" * 32, mac), JOB_B: mac_state(SECRET, mac)}
+    pool = [*a, *b]
+    accepted = 0
+    for trial in range(60):
+        k = int(rng.integers(0, 120))
+        picks = [pool[int(i)] for i in rng.integers(0, len(pool), k)]
+        if trial % 3 == 0:  # all valid, one job: the fast path
+            batch: list[bytes | memoryview] = [a[int(i)] for i in rng.integers(0, len(a), k)]
+        else:
+            batch = []
+            for dg in picks:
+                r = rng.random()
+                if r < 0.5:
+                    batch.append(dg)
+                elif r < 0.6:
+                    batch += [dg, dg]  # duplicate
+                elif r < 0.7:
+                    batch.append(_foreign(dg, JOB_UNKNOWN if rng.random() < 0.5 else JOB_B))
+                else:
+                    vs = _variants(dg, rng, mac)
+                    batch.append(vs[int(rng.integers(0, len(vs)))])
+        if trial % 2:
+            batch = [memoryview(d) for d in batch]
+        accepted += _assert_same(batch, keys)
+        _assert_same(batch, wrong)
+        _assert_same(batch, {})
+    assert accepted > 1000
+
+
+def test_decode_batch_matches_on_every_header_byte() -> None:
+    dg = _traffic(JOB_A, "ghash-aes", 3)[0]
+    keys = {JOB_A: mac_state(SECRET, "ghash-aes")}
+    batch = [dg]
+    for pos in range(HEADER_SIZE):
+        for mask in (0x01, 0x10, 0x80, 0xFF):
+            b = bytearray(dg)
+            b[pos] ^= mask
+            batch.append(bytes(b))
+    batch += [dg[:n] for n in range(0, HEADER_SIZE + 8)]
+    _assert_same(batch, keys)
+    for i in range(0, len(batch), 7):  # and in small batches, some all good
+        _assert_same(batch[i : i + 7], keys)
+
+
+# --- Daemon._receive ----------------------------------------------------------
+
+
+class _Rate:
+    def __init__(self, log: list[Any], name: str) -> None:
+        self.log, self.name = log, name
+
+    def on_ack(self, nbytes: int, rtt: float | None, now: float) -> None:
+        self.log.append(("ack", self.name, nbytes, rtt, now))
+
+
+class _Peer:
+    def __init__(self, log: list[Any], name: str) -> None:
+        self.name = name
+        self.rate = _Rate(log, name)
+
+
+class _Spec:
+    owners = (0, 1, 2)
+    payload = 1000
+
+
+class _Job:
+    def __init__(self, log: list[Any], name: str, node_of: dict[str, int]) -> None:
+        self.spec = _Spec()
+        self.node_of = node_of
+        self.peers = {n: _Peer(log, f"{name}/{n}") for n in node_of.values() if n != 2}
+
+
+class _Outbox:
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def on_loss(self, peer: _Peer, count: int, now: float) -> None:
+        self.log.append(("loss", peer.name, count, now))
+
+    def on_nack(self, peer: _Peer, h: Header, dg: memoryview, **kw: Any) -> None:
+        self.log.append(("nack", peer.name, h, bytes(dg), sorted(kw.items())))
+
+
+class _Engine:
+    """Records what it is given; accepts a fixed pseudo-random choice of the
+    well-formed datagrams (a function of their bytes, so both sides agree)."""
+
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def receive_many(self, dgs: list[memoryview], now: float, nodes: list[int | None]) -> Any:
+        self.log.append(("engine", [bytes(d) for d in dgs], list(nodes), now))
+        ok = [
+            i
+            for i, d in enumerate(dgs)
+            if len(d) >= HEADER_SIZE and d[3] in (1, 2, 3, 4, 5) and sum(bytes(d[-3:])) % 5
+        ]
+        return np.asarray(ok, dtype=np.int64)
+
+
+class _Loop:
+    def time(self) -> float:
+        return 1.5
+
+
+class _Path:
+    def __init__(self, buffers: list[tuple[bytes, int, str]]) -> None:
+        self.buffers = buffers
+
+    def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
+        out, self.buffers = self.buffers[:budget], self.buffers[budget:]
+        return out
+
+    def receive(self, budget: int = 64) -> Any:
+        return UdpPath.receive(self, budget)  # type: ignore[arg-type]
+
+
+def _daemon(log: list[Any]) -> Any:
+    d: Any = object.__new__(Daemon)
+    d.__dict__.update(
+        engine=_Engine(log),
+        jobs={
+            JOB_A: _Job(log, "a", {"10.0.0.1": 0, "10.0.0.2": 1}),
+            JOB_B: _Job(log, "b", {"10.0.0.2": 1, "10.0.0.3": 2}),  # node 2: no peer
+        },
+        daemon_rejects=Counter(),
+        counters=Counter(),
+        outbox=_Outbox(log),
+        _loop=_Loop(),
+    )
+    return d
+
+
+def _packet(rng: np.random.Generator, job: int, size: int) -> bytes:
+    ptype = int(rng.choice([1, 1, 2, 2, 3, 4, 5, 0, 9]))
+    h = Header(
+        PacketType.DATA,
+        job,
+        int(rng.integers(0, 4)),
+        0,
+        flags=Flags.NONE,
+        count=int(rng.integers(0, 50)),
+        total=100,
+        contributors=1,
+    )
+    head = bytearray(h.pack() + bytes(16))
+    head[3] = ptype
+    body = rng.integers(0, 256, max(0, size - HEADER_SIZE), dtype=np.uint8).tobytes()
+    return (bytes(head) + body)[:size]
+
+
+def _buffers(rng: np.random.Generator, n: int) -> list[tuple[bytes, int, str]]:
+    srcs = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.9.9.9"]
+    out = []
+    for _ in range(n):
+        src = srcs[int(rng.integers(0, len(srcs)))]
+        seg = int(rng.choice([5, 20, HEADER_SIZE, 100, 300, 1500, 1500]))
+        k = int(rng.integers(1, 9))
+        mixed = rng.random() < 0.2
+        job0 = int(rng.choice([JOB_A, JOB_B, JOB_UNKNOWN]))
+        dgs = []
+        for i in range(k):
+            job = int(rng.choice([JOB_A, JOB_B, JOB_UNKNOWN])) if mixed else job0
+            size = seg if i < k - 1 else int(rng.choice([seg, seg, 1, 3, 11, HEADER_SIZE - 1, 70]))
+            dgs.append(_packet(rng, job, min(size, seg)))
+        data = b"".join(dgs)
+        r = rng.random()
+        # a GRO buffer, a single datagram (no segment size), or a segment size
+        # that is the whole buffer
+        gro = seg if k > 1 else (0 if r < 0.5 else len(data))
+        if k == 1 and r < 0.5:
+            gro = 0
+        out.append((data, gro, src))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_daemon_receive_matches_the_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    buffers = _buffers(rng, 300)
+    logs: list[list[Any]] = [[], []]
+    daemons = [_daemon(logs[0]), _daemon(logs[1])]
+    for cut in range(0, len(buffers), 40):
+        part = buffers[cut : cut + 40]
+        reference_receive(daemons[0], _Path(part))
+        Daemon._receive(daemons[1], _Path(part))  # type: ignore[arg-type]
+    assert logs[1] == logs[0]
+    assert daemons[1].daemon_rejects == daemons[0].daemon_rejects
+    assert daemons[1].counters == daemons[0].counters
+    kinds = Counter(entry[0] for entry in logs[0])
+    assert kinds["engine"] and kinds["nack"] and kinds["ack"], kinds
+    assert daemons[0].daemon_rejects["bad_address"] > 0
+
+
+def test_sources_with_and_without_unknown_ones() -> None:
+    index = np.array([0, 2, 3], dtype=np.int64)
+    assert _sources([4, 5, 6, 7], index).tolist() == [4, 6, 7]
+    assert _sources(np.array([4, 5, 6, 7]), index).tolist() == [4, 6, 7]  # type: ignore[arg-type]
+    assert _sources([4, None, None, 7], index).tolist() == [4, -1, 7]
+    assert _sources(None, index).tolist() == [-1, -1, -1]
