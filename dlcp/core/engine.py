@@ -21,6 +21,7 @@ import struct
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -111,6 +112,23 @@ class Send(NamedTuple):
     priority: int
     droppable: bool = False
     kind: str = "data"  # data | result | control: for metrics
+
+
+def _sends(
+    node: int, datagrams: list[bytes], priorities: list[int], droppable: Iterable[bool], kind: str
+) -> list[Send]:
+    """`Send(node, datagram, priority, droppable, kind)` for each datagram (made
+    by tuple.__new__ through map: no Python frame per packet, a third less time
+    than calling Send)."""
+    if len(priorities) != len(datagrams):
+        raise ValueError(f"{len(datagrams)} datagrams but {len(priorities)} priorities")
+    return list(
+        map(
+            tuple.__new__,
+            repeat(Send),
+            zip(repeat(node), datagrams, priorities, droppable, repeat(kind)),
+        )
+    )
 
 
 @dataclass
@@ -440,8 +458,8 @@ class Engine:
         ends = ((offs * bits + 7) // 8 + (counts * bits + 7) // 8).tolist()
         lanes = c.lanes
         payloads = [lanes[a:b] for a, b in zip(starts, ends, strict=True)]
-        for dg, p, d in zip(encode_batch(h, payloads, self._mac(c.spec)), prio, drop, strict=True):
-            self._out.append(Send(owner, dg, int(p), bool(d), "data"))
+        dgs = encode_batch(h, payloads, self._mac(c.spec))
+        self._out += _sends(owner, dgs, prio.tolist(), drop.tolist(), "data")
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
     def _send_manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
@@ -508,9 +526,8 @@ class Engine:
         h["shard"] = shard
         h["sender"] = f.spec.me
         h["total"] = lay.total
-        out = self._out
-        for dg, p in zip(encode_batch(h, payloads, self._mac(f.spec)), prio.tolist(), strict=True):
-            out.append(Send(node, dg, p, False, "result"))
+        dgs = encode_batch(h, payloads, self._mac(f.spec))
+        self._out += _sends(node, dgs, prio.tolist(), repeat(False), "result")
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
     def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
