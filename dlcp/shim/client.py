@@ -35,6 +35,16 @@ def default_socket() -> str:
     return os.environ.get("DLCP_SOCKET", ipc.DEFAULT_SOCKET)
 
 
+def _unmap(buf: memoryview, m: mmap.mmap) -> None:
+    """Release a segment's view and mapping, unless someone still holds a view
+    of it: then the mapping goes with the process."""
+    try:
+        buf.release()
+        m.close()
+    except BufferError:
+        pass
+
+
 class Segment:
     """A POSIX shared-memory segment (/dev/shm/NAME) this process creates and owns."""
 
@@ -62,11 +72,7 @@ class Segment:
         self.buf = memoryview(self.mmap)
 
     def close(self) -> None:
-        try:
-            self.buf.release()
-            self.mmap.close()
-        except BufferError:  # someone still holds a view; the mapping goes with the process
-            pass
+        _unmap(self.buf, self.mmap)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -98,11 +104,7 @@ class SealedSegment:
         self.buf = memoryview(self.mmap)
 
     def close(self) -> None:
-        try:
-            self.buf.release()
-            self.mmap.close()
-        except BufferError:  # someone still holds a view; the mapping goes with the process
-            pass
+        _unmap(self.buf, self.mmap)
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
