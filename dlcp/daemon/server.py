@@ -36,6 +36,7 @@ from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
+from dlcp.wire.batch import split_segments
 from dlcp.wire.header import HEADER_SIZE, Codec, PacketType, header_of_valid, lane_bytes
 
 __all__ = ["Daemon", "RequestError"]
@@ -316,12 +317,9 @@ class Daemon:
         runs: list[int] = []  # datagrams of each group
         for data, seg, src in path.receive_buffers(_RX_BUDGET):
             size = len(data)
-            view = memoryview(data)
-            if 0 < seg < size:
-                segs = [view[o : o + seg] for o in range(0, size, seg)]
-            else:
+            segs = split_segments(data, seg)
+            if len(segs) == 1:  # one datagram, however long
                 seg = size
-                segs = [view]
             k = len(segs)
             rx += k
             rx_bytes += size
@@ -669,7 +667,7 @@ class Daemon:
         mapped and the codec sums in the wire's dtype (not fp16's fp32 sums)."""
         seg = part.client.segment
         dtype = lane_ops.sum_dtype(codec)
-        if seg is None or not seg.mapped or dtype != lane_ops.wire_summed_dtype(codec):
+        if not isinstance(seg, MappedSegment) or dtype != lane_ops.wire_summed_dtype(codec):
             return None
         return seg.lanes(part.out[0], dtype, total)
 
@@ -1067,7 +1065,7 @@ class Daemon:
         # shrinks its file gets bad_request instead of killing the daemon with
         # SIGBUS); the copy answers retransmissions until the round has its
         # results. A sealed memfd cannot shrink: its lanes are read in place.
-        if seg.mapped:
+        if isinstance(seg, MappedSegment):
             data = seg.read(d_off, d_len)
         else:
             data = client.inputs.take(d_len)

@@ -41,7 +41,6 @@ SHM_DIR = "/dev/shm"
 class _Segment:
     """What every kind of rank segment has: a name and a size, and regions in it."""
 
-    mapped = False
     name: str
     size: int
 
@@ -173,8 +172,6 @@ class MappedSegment(_Segment):
     which only its own job's results can notice.
     """
 
-    mapped = True
-
     def __init__(self, fd: int, size: int) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_SEGMENT:
             raise LocalError(f"segment size must be 1..{MAX_SEGMENT} bytes")
@@ -207,9 +204,6 @@ class MappedSegment(_Segment):
     def read(self, off: int, n: int) -> np.ndarray:
         """Bytes [off, off + n) in place (a view of the mapping, not a copy)."""
         return self._view(off, n)
-
-    def read_into(self, off: int, out: np.ndarray) -> None:
-        out.view(np.uint8).reshape(-1)[:] = self._view(off, out.nbytes)
 
     def lanes(self, off: int, dtype: np.dtype, count: int) -> np.ndarray:
         """`count` lanes of `dtype` from `off`, in place (a writable view)."""

@@ -15,6 +15,8 @@ import socket
 import struct
 from collections.abc import Iterator, Sequence
 
+from dlcp.wire.batch import split_segments
+
 __all__ = ["MAX_GSO_SEGMENTS", "UdpPath"]
 
 SOL_UDP = 17
@@ -154,9 +156,5 @@ class UdpPath:
     def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
         """Datagrams waiting on the socket (GRO super-datagrams split), with source IP."""
         for data, seg, src in self.receive_buffers(budget):
-            view = memoryview(data)
-            if seg <= 0 or seg >= len(data):
-                yield view, src
-            else:
-                for off in range(0, len(data), seg):
-                    yield view[off : off + seg], src
+            for dg in split_segments(data, seg):
+                yield dg, src
