@@ -1,12 +1,13 @@
 """Time per packet of `encode_batch` (ghash-aes MAC and the datagram copy) for
-one shard's packets, by how many packets each MAC call takes (ENCODE_CHUNK).
+one shard's packets: in C (dlcp.wire._ghash, where built), and in Python by how
+many packets each MAC call takes (mac.ENCODE_CHUNK).
 
     python bench/encode_micro.py [--packets 5700] [--payload 8908] [--reps 8]
 
 The payloads are views of a source four shards long, a different shard each
 repetition, so they come from memory, not from the cache, as the lanes of a
-100 MB bucket do in dlcpd. Chunk sizes are measured in turn and the median
-per chunk size is printed.
+100 MB bucket do in dlcpd. The variants are measured in turn and the median
+of each is printed.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dlcp.daemon.memory import tune_process
-from dlcp.wire import batch
-from dlcp.wire.mac import mac_state
+from dlcp.wire import batch, mac
+from dlcp.wire.mac import GhashAesKey
 
 
 def main() -> int:
@@ -35,26 +36,29 @@ def main() -> int:
     p.add_argument("--chunks", default="0,16,64,256", help="0: the whole shard in one call")
     a = p.parse_args()
     tune_process()
-    key = mac_state(b"k" * 32, "ghash-aes")
     n, size = a.packets, a.payload
-    chunks = [int(c) or n for c in a.chunks.split(",")]
+    variants: list[tuple[str, GhashAesKey, int]] = []
+    if mac.NATIVE:
+        variants.append(("C", GhashAesKey(b"k" * 32, native=True), n))
+    py = GhashAesKey(b"k" * 32, native=False)
+    variants += [(f"Python, chunk {int(c) or n}", py, int(c) or n) for c in a.chunks.split(",")]
     src = memoryview(np.frombuffer(os.urandom(4 * n * size), np.uint8))
-    times: dict[int, list[float]] = {c: [] for c in chunks}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     for rep in range(a.reps + 1):  # the first repetition warms the allocator up
-        for c in chunks:
-            off = (rep * len(chunks) + chunks.index(c)) % 4 * n * size
+        for k, (name, key, c) in enumerate(variants):
+            off = (rep * len(variants) + k) % 4 * n * size
             payloads = [src[off + i * size : off + (i + 1) * size] for i in range(n)]
             heads = np.zeros(n, batch.HEADER_DTYPE)
-            batch.ENCODE_CHUNK = c
+            mac.ENCODE_CHUNK = c
             t = time.perf_counter()
             out = batch.encode_batch(heads, payloads, key)
             dt = time.perf_counter() - t
             del out
             if rep:
-                times[c].append(dt)
-    print(f"{'chunk':>6} {'us/packet':>10}")
-    for c, ts in times.items():
-        print(f"{c:6d} {statistics.median(ts) / n * 1e6:10.2f}")
+                times[name].append(dt)
+    print(f"{'variant':>20} {'us/packet':>10}")
+    for name, ts in times.items():
+        print(f"{name:>20} {statistics.median(ts) / n * 1e6:10.2f}")
     return 0
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from dlcp import ipc
 from dlcp.shim.client import DaemonClient, DaemonError, SealedSegment
+from dlcp.wire import mac
 from dlcp.wire.header import Header, PacketType, encode
 from tests.daemons import (
     ROOT,
@@ -278,6 +279,7 @@ def test_metrics_endpoint_and_status_cli(trio: list, ranks: list[Rank]) -> None:
     ).stdout
     st = json.loads(out)
     assert any(j["job"] == JOB for j in st["jobs"])
+    assert st["mac"] == f"ghash-aes ({'C' if mac.NATIVE else 'cryptography package'})"
     human = subprocess.run(
         [sys.executable, "-m", "dlcp", "status", "--socket", d.socket],
         capture_output=True,
@@ -285,7 +287,7 @@ def test_metrics_endpoint_and_status_cli(trio: list, ranks: list[Rank]) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         check=True,
     ).stdout
-    assert str(JOB) in human and "peer" in human
+    assert str(JOB) in human and "peer" in human and f"MAC {st['mac']}" in human
 
 
 def test_status_cli_without_daemon_is_one_clear_error(tmp_path: Path) -> None:

@@ -554,7 +554,7 @@ def test_encode_batch_with_ghash_aes_matches_encode_across_chunks(
 ) -> None:
     """Batches of up to 200 packets span several ENCODE_CHUNKs: every datagram
     is still the one `encode` makes alone, and authenticates."""
-    from dlcp.wire.batch import ENCODE_CHUNK
+    from dlcp.wire.mac import ENCODE_CHUNK
 
     assert ENCODE_CHUNK < 200
     key = mac_state(bytes(KEY), "ghash-aes")

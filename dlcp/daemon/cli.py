@@ -48,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
         f"metrics :{d['metrics_port']}  up {st['uptime_s']:.0f}s"
         + ("  DRAINING" if st["draining"] else "")
     )
-    print(f"clients {st['clients']}  rounds in flight {st['rounds_in_flight']}")
+    print(
+        f"clients {st['clients']}  rounds in flight {st['rounds_in_flight']}  "
+        f"MAC {st.get('mac', '?')}"
+    )
     print("paths:")
     for p in st["paths"]:
         print(

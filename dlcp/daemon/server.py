@@ -36,6 +36,7 @@ from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
+from dlcp.wire import mac
 from dlcp.wire.batch import split_segments
 from dlcp.wire.header import HEADER_SIZE, Codec, PacketType, header_of_valid, lane_bytes
 
@@ -209,12 +210,13 @@ class Daemon:
             )
             self._tc_task = loop.create_task(self._refresh_tc())
         log.info(
-            "dlcpd %s serving %s on %s udp/%d, metrics %s",
+            "dlcpd %s serving %s on %s udp/%d, metrics %s, MAC %s",
             self.id,
             cfg.socket,
             ",".join(cfg.addresses),
             cfg.udp_port,
             cfg.metrics_port or "off",
+            self.mac_description(),
         )
 
     async def serve(self) -> None:
@@ -1124,6 +1126,7 @@ class Daemon:
             "jobs": [j.describe() for j in self.jobs.values()],
             "clients": len(self.clients),
             "rounds_in_flight": self.engine.pending_rounds(),
+            "mac": self.mac_description(),
             "paths": [
                 {
                     "address": p.address,
@@ -1158,6 +1161,12 @@ class Daemon:
             "counters": {**dict(self.engine.stats), **dict(self.counters)},
             "rejects": {r: self.rejected(r) for r in self.reject_reasons()},
         }
+
+    def mac_description(self) -> str:
+        """The packet MAC and, for ghash-aes, whether the C extension computes it."""
+        if self.config.mac != "ghash-aes":
+            return self.config.mac
+        return f"ghash-aes ({'C' if mac.NATIVE else 'cryptography package'})"
 
     def reject_reasons(self) -> list[str]:
         """Every reason a datagram can be rejected for (series start at 0 for alerts)."""

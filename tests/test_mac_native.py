@@ -1,0 +1,137 @@
+"""The C ghash-aes MAC (dlcp/wire/_ghash.c) against the Python one (the
+`cryptography` package): the same tags, datagrams and verdicts, bit for bit, for
+every payload length around the 16-byte block edges and for views into larger
+buffers; bad input is refused with an error, not a crash.
+
+The project's install builds the extension (setup.py), so its absence fails
+here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from dlcp.wire import mac
+from dlcp.wire.batch import HEADER_DTYPE, decode_batch, encode_batch
+from dlcp.wire.mac import GhashAesKey
+
+KEY = bytes(range(32))
+LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 255, 256, 257, 1400, 4096, 8908, 8909, 65000]
+
+if mac._ghash is None and os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1":
+    pytest.skip("dlcp.wire._ghash is not built (DLCP_ALLOW_NO_NATIVE=1)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def keys() -> tuple[GhashAesKey, GhashAesKey]:
+    assert mac._ghash is not None, "dlcp.wire._ghash was not built: pip install -e . builds it"
+    return GhashAesKey(KEY, native=True), GhashAesKey(KEY, native=False)
+
+
+def _inputs(seed: int) -> tuple[list[bytes], list[memoryview]]:
+    rng = np.random.default_rng(seed)
+    heads = [rng.bytes(48) for _ in LENGTHS]
+    big = rng.bytes(sum(LENGTHS) + 3 * len(LENGTHS))
+    payloads, at = [], 0
+    for n in LENGTHS:  # views at odd offsets into one buffer, as the daemon's are
+        at += 3
+        payloads.append(memoryview(big)[at : at + n])
+        at += n
+    return heads, payloads
+
+
+def test_tags_are_the_python_ones(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
+    c, py = keys
+    assert c.native and not py.native
+    for seed in range(4):
+        heads, payloads = _inputs(seed)
+        assert c.tags(heads, payloads) == py.tags(heads, payloads)
+    # another key gives other tags
+    other = GhashAesKey(bytes(32), native=True)
+    assert other.tags(heads, payloads) != c.tags(heads, payloads)
+    assert other.tags(heads, payloads) == GhashAesKey(bytes(32), native=False).tags(heads, payloads)
+
+
+def test_encode_and_verify_agree_with_python(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
+    c, py = keys
+    heads, payloads = _inputs(7)
+    raw = b"".join(h + b"\xee" * 16 for h in heads)  # tag bytes in the records are ignored
+    dgs = c.encode(raw, payloads)
+    assert dgs == py.encode(raw, payloads)
+    assert [d[64:] for d in dgs] == [bytes(p) for p in payloads]
+    assert c.verify(dgs).all() and py.verify(dgs).all()
+    # one flipped bit anywhere (header, tag, payload) fails that datagram only
+    rng = np.random.default_rng(1)
+    for i, d in enumerate(dgs):
+        for pos in {0, 47, 48, 63, len(d) - 1, int(rng.integers(0, len(d)))}:
+            bad = bytearray(d)
+            bad[pos] ^= 1 << int(rng.integers(0, 8))
+            trial = [*dgs[:i], bytes(bad), *dgs[i + 1 :]]
+            want = np.ones(len(dgs), dtype=bool)
+            want[i] = False
+            assert c.verify(trial).tolist() == want.tolist()
+            assert py.verify(trial).tolist() == want.tolist()
+
+
+def test_encode_batch_is_the_same_either_way(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
+    c, py = keys
+    n = 150  # more than mac.ENCODE_CHUNK, so the Python path takes several chunks
+    assert n > mac.ENCODE_CHUNK
+    heads = np.zeros(n, dtype=HEADER_DTYPE)
+    heads["type"] = 1
+    heads["job"] = 4
+    heads["count"] = 100
+    heads["total"] = 100 * n
+    heads["offset"] = np.arange(n) * 100
+    heads["contributors"] = 1
+    lanes = np.random.default_rng(3).standard_normal(100 * n).astype(">f4").tobytes()
+    payloads = [memoryview(lanes)[i * 400 : (i + 1) * 400] for i in range(n)]
+    a = encode_batch(heads.copy(), payloads, c)
+    assert a == encode_batch(heads.copy(), payloads, py)
+    for k in keys:
+        got = decode_batch(a, {4: k})
+        assert len(got) == n and not got.rejects
+
+
+def test_bad_input_is_refused(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
+    c, _ = keys
+    native = c._native
+    with pytest.raises(ValueError, match="48 bytes"):
+        c.tags([b"h" * 47], [b"p"])
+    with pytest.raises(ValueError, match="payloads"):
+        c.tags([b"h" * 48], [])
+    with pytest.raises(ValueError, match="header bytes"):
+        c.encode(b"h" * 63, [b"p"])
+    with pytest.raises(ValueError, match="64 bytes"):
+        c.verify([b"d" * 63])
+    with pytest.raises(ValueError, match="48 bytes"):  # the C checks, under the wrapper's
+        native.tags([b"h" * 49], [b"p"])
+    with pytest.raises(ValueError, match="header bytes"):
+        native.encode(b"h" * 65, [b"p"])
+    with pytest.raises(ValueError, match="fewer than 64"):
+        native.verify([b"d" * 64, b"d" * 10])
+    with pytest.raises(TypeError):
+        native.tags([b"h" * 48], [12])
+    with pytest.raises(BufferError):  # not contiguous: refused, never read past
+        native.tags([b"h" * 48], [memoryview(bytes(100))[::2]])
+    with pytest.raises(ValueError, match="32 bytes"):
+        mac._ghash.GhashAes(b"k" * 31, b"k" * 32)
+    unset = mac._ghash.GhashAes.__new__(mac._ghash.GhashAes)  # never initialised
+    with pytest.raises(RuntimeError):
+        unset.tags([b"h" * 48], [b""])
+    assert c.tags([], []) == b"" and c.encode(b"", []) == [] and len(c.verify([])) == 0
+
+
+def test_the_switch_to_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """native=None follows mac.NATIVE (DLCP_NATIVE_MAC=0 turns it off);
+    native=True without the extension is an error, not a silent fallback."""
+    monkeypatch.setattr(mac, "NATIVE", False)
+    assert not GhashAesKey(KEY).native
+    monkeypatch.setattr(mac, "NATIVE", True)
+    assert GhashAesKey(KEY).native == (mac._ghash is not None)
+    monkeypatch.setattr(mac, "_ghash", None)
+    with pytest.raises(ValueError, match="not built"):
+        GhashAesKey(KEY, native=True)
