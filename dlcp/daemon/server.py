@@ -1166,7 +1166,7 @@ class Daemon:
         """The packet MAC and, for ghash-aes, whether the C extension computes it."""
         if self.config.mac != "ghash-aes":
             return self.config.mac
-        return f"ghash-aes ({'C' if mac.NATIVE else 'cryptography package'})"
+        return f"ghash-aes ({mac.GhashAesKey(bytes(32)).backend})"
 
     def reject_reasons(self) -> list[str]:
         """Every reason a datagram can be rejected for (series start at 0 for alerts)."""

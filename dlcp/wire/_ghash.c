@@ -17,8 +17,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <stdint.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <immintrin.h>
 
 #define HEAD 48   /* header bytes a tag covers */
 #define TAG 16
@@ -30,7 +32,14 @@ typedef struct {
     PyObject_HEAD
     EVP_CIPHER_CTX *gcm;
     EVP_CIPHER_CTX *ecb;
+    int avx512;                    /* GHASH by tag_avx512 (else OpenSSL's GCM) */
+    unsigned char pw[16 * 16];     /* POLYVAL powers of the hash key: H^16 .. H^1 */
+    unsigned char ks[HEAD];        /* GCM's keystream for the header (fixed nonce) */
+    unsigned char ej0[16];         /* E_K(J0): the mask of GCM's tag */
 } MacObject;
+
+static int avx512_usable = -1;     /* the CPU has AVX-512BW and VPCLMULQDQ (set once) */
+static int avx512_setup(MacObject *self, const unsigned char *hash_key);
 
 static void
 Mac_dealloc(MacObject *self)
@@ -43,9 +52,10 @@ Mac_dealloc(MacObject *self)
 static int
 Mac_init(MacObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"hash_key", "prp_key", NULL};
+    static char *kwlist[] = {"hash_key", "prp_key", "avx512", NULL};
     Py_buffer kh, kp;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*", kwlist, &kh, &kp))
+    int want_avx512 = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*|p", kwlist, &kh, &kp, &want_avx512))
         return -1;
     int rc = -1;
     if (kh.len != 32 || kp.len != 32) {
@@ -65,12 +75,20 @@ Mac_init(MacObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "OpenSSL could not set up AES-256-GCM/ECB");
         goto done;
     }
+    self->avx512 = 0;
+    if (want_avx512 && avx512_usable && avx512_setup(self, kh.buf) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL could not derive the GHASH key");
+        goto done;
+    }
     rc = 0;
 done:
     PyBuffer_Release(&kh);
     PyBuffer_Release(&kp);
     return rc;
 }
+
+static void tag_avx512(const MacObject *self, const unsigned char *head,
+                       const unsigned char *payload, size_t plen, unsigned char *inner);
 
 /* The tag of (head[0:48], payload[0:plen]) into out[0:16]; 0 on success. */
 static int
@@ -82,6 +100,10 @@ tag_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
     int n = 0, m = 0;
     if (self->gcm == NULL || self->ecb == NULL || plen > INT_MAX)
         return -1;
+    if (self->avx512) {
+        tag_avx512(self, head, payload, (size_t)plen, inner);
+        goto prp;
+    }
     if (EVP_EncryptInit_ex(self->gcm, NULL, NULL, NULL, NONCE) != 1)
         return -1;
     if (plen > 0 && EVP_EncryptUpdate(self->gcm, NULL, &n, payload, (int)plen) != 1)
@@ -92,8 +114,199 @@ tag_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
         return -1;
     if (EVP_CIPHER_CTX_ctrl(self->gcm, EVP_CTRL_GCM_GET_TAG, TAG, inner) != 1)
         return -1;
+prp:
     if (EVP_EncryptUpdate(self->ecb, out, &n, inner, TAG) != 1 || n != TAG)
         return -1;
+    return 0;
+}
+
+/* ---- GHASH with AVX-512 VPCLMULQDQ ------------------------------------------
+ *
+ * OpenSSL 3.0 hashes about 6 GB/s here (128-bit carry-less multiplies, eight
+ * blocks at a time); this does sixteen blocks per step in four 512-bit
+ * multiplies each, with one reduction per step. The arithmetic is POLYVAL's
+ * (RFC 8452), GHASH's byte-reversed twin:
+ *   GHASH(H, X1..Xn) = rev(POLYVAL(mulX(rev(H)), rev(X1), .., rev(Xn)))
+ * and POLYVAL is sum_j dot(Xj, P^(n-j+1)), dot(a, b) = a*b*x^-128 modulo
+ * x^128 + x^127 + x^126 + x^121 + 1, P^k the k-fold dot power of the key: the
+ * products of a step are summed unreduced and reduced once.
+ *
+ * The GCM tag with the fixed nonce is GHASH over the payload (associated data,
+ * zero-padded to 16 bytes), the header's ciphertext (header XOR the keystream
+ * E_K(J0+1..3), a per-key constant) and the lengths block, XOR E_K(J0). The
+ * tests hold it to OpenSSL's GCM for every length around the block edges.
+ */
+#define AVX512 __attribute__((target("avx512f,avx512bw,vpclmulqdq,pclmul,sse4.1")))
+
+AVX512 static inline __m128i
+reduce128(__m128i lo, __m128i hi)
+{
+    const __m128i poly = _mm_set_epi64x((long long)0xc200000000000000ULL, 1);
+    __m128i t = _mm_clmulepi64_si128(lo, poly, 0x10);
+    lo = _mm_xor_si128(_mm_shuffle_epi32(lo, 0x4e), t);
+    t = _mm_clmulepi64_si128(lo, poly, 0x10);
+    lo = _mm_xor_si128(_mm_shuffle_epi32(lo, 0x4e), t);
+    return _mm_xor_si128(lo, hi);
+}
+
+AVX512 static __m128i
+dot128(__m128i a, __m128i b)
+{
+    __m128i lo = _mm_clmulepi64_si128(a, b, 0x00);
+    __m128i hi = _mm_clmulepi64_si128(a, b, 0x11);
+    __m128i mi = _mm_xor_si128(_mm_clmulepi64_si128(a, b, 0x01), _mm_clmulepi64_si128(a, b, 0x10));
+    lo = _mm_xor_si128(lo, _mm_slli_si128(mi, 8));
+    hi = _mm_xor_si128(hi, _mm_srli_si128(mi, 8));
+    return reduce128(lo, hi);
+}
+
+AVX512 static inline __m128i
+fold4(__m512i z)
+{
+    __m256i a = _mm256_xor_si256(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1));
+    return _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+}
+
+/* acc (POLYVAL domain) after `steps` steps of 16 blocks at p: acc enters with
+ * the first block of each step. */
+AVX512 static __m128i
+polyval_steps(const MacObject *self, __m128i acc, const unsigned char *p, size_t steps)
+{
+    const __m512i rev = _mm512_broadcast_i32x4(
+        _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i p0 = _mm512_loadu_si512((const void *)(self->pw + 0));
+    const __m512i p1 = _mm512_loadu_si512((const void *)(self->pw + 64));
+    const __m512i p2 = _mm512_loadu_si512((const void *)(self->pw + 128));
+    const __m512i p3 = _mm512_loadu_si512((const void *)(self->pw + 192));
+    for (size_t s = 0; s < steps; s++, p += 256) {
+        __m512i x0 = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)p), rev);
+        __m512i x1 = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)(p + 64)), rev);
+        __m512i x2 = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)(p + 128)), rev);
+        __m512i x3 = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)(p + 192)), rev);
+        x0 = _mm512_xor_si512(x0, _mm512_inserti32x4(_mm512_setzero_si512(), acc, 0));
+        __m512i lo = _mm512_clmulepi64_epi128(x0, p0, 0x00);
+        __m512i hi = _mm512_clmulepi64_epi128(x0, p0, 0x11);
+        __m512i mi = _mm512_xor_si512(_mm512_clmulepi64_epi128(x0, p0, 0x01),
+                                      _mm512_clmulepi64_epi128(x0, p0, 0x10));
+        lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(x1, p1, 0x00));
+        hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(x1, p1, 0x11));
+        mi = _mm512_ternarylogic_epi64(mi, _mm512_clmulepi64_epi128(x1, p1, 0x01),
+                                       _mm512_clmulepi64_epi128(x1, p1, 0x10), 0x96);
+        lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(x2, p2, 0x00));
+        hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(x2, p2, 0x11));
+        mi = _mm512_ternarylogic_epi64(mi, _mm512_clmulepi64_epi128(x2, p2, 0x01),
+                                       _mm512_clmulepi64_epi128(x2, p2, 0x10), 0x96);
+        lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(x3, p3, 0x00));
+        hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(x3, p3, 0x11));
+        mi = _mm512_ternarylogic_epi64(mi, _mm512_clmulepi64_epi128(x3, p3, 0x01),
+                                       _mm512_clmulepi64_epi128(x3, p3, 0x10), 0x96);
+        __m128i l = fold4(lo), h = fold4(hi), m = fold4(mi);
+        l = _mm_xor_si128(l, _mm_slli_si128(m, 8));
+        h = _mm_xor_si128(h, _mm_srli_si128(m, 8));
+        acc = reduce128(l, h);
+    }
+    return acc;
+}
+
+/* Blocks at the end of a zeroed step: the powers that multiply them are then
+ * those of the last blocks of a message, and the zeros add nothing. */
+AVX512 static __m128i
+polyval_short(const MacObject *self, __m128i acc, const unsigned char *blocks, size_t n)
+{
+    unsigned char step[256] = {0};
+    const __m128i rev = _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    unsigned char *first = step + (16 - n) * 16;
+    memcpy(first, blocks, n * 16);
+    /* acc joins the first of these blocks, in the byte order of the message */
+    __m128i b = _mm_loadu_si128((const __m128i *)first);
+    _mm_storeu_si128((__m128i *)first, _mm_xor_si128(b, _mm_shuffle_epi8(acc, rev)));
+    return polyval_steps(self, _mm_setzero_si128(), step, 1);
+}
+
+AVX512 static void
+tag_avx512(const MacObject *self, const unsigned char *head, const unsigned char *payload,
+           size_t plen, unsigned char *inner)
+{
+    const __m128i rev = _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    size_t full = plen / 16, first = full % 16;
+    __m128i acc = _mm_setzero_si128();
+    if (first)
+        acc = polyval_short(self, acc, payload, first);
+    acc = polyval_steps(self, acc, payload + first * 16, full / 16);
+    /* the tail: the payload's partial block, the header's ciphertext, the lengths */
+    unsigned char tail[5 * 16] = {0};
+    size_t n = 0, part = plen % 16;
+    if (part) {
+        memcpy(tail, payload + full * 16, part);
+        n = 1;
+    }
+    for (int i = 0; i < HEAD; i++)
+        tail[n * 16 + i] = head[i] ^ self->ks[i];
+    n += HEAD / 16;
+    uint64_t abits = (uint64_t)plen * 8, cbits = (uint64_t)HEAD * 8;
+    for (int i = 0; i < 8; i++) {
+        tail[n * 16 + i] = (unsigned char)(abits >> (56 - 8 * i));
+        tail[n * 16 + 8 + i] = (unsigned char)(cbits >> (56 - 8 * i));
+    }
+    n += 1;
+    acc = polyval_short(self, acc, tail, n);
+    __m128i g = _mm_shuffle_epi8(acc, rev);  /* GHASH, in the message's byte order */
+    g = _mm_xor_si128(g, _mm_loadu_si128((const __m128i *)self->ej0));
+    _mm_storeu_si128((__m128i *)inner, g);
+}
+
+AVX512 static void
+avx512_powers(MacObject *self, const unsigned char *h_bytes)
+{
+    const __m128i rev = _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m128i hr = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)h_bytes), rev);
+    /* mulX: times x in POLYVAL's field (a left shift, reduced) */
+    uint64_t lo = (uint64_t)_mm_cvtsi128_si64(hr);
+    uint64_t hi = (uint64_t)_mm_extract_epi64(hr, 1);
+    uint64_t carry = hi >> 63;
+    hi = (hi << 1) | (lo >> 63);
+    lo <<= 1;
+    if (carry) {
+        lo ^= 1;
+        hi ^= 0xc200000000000000ULL;
+    }
+    __m128i h = _mm_set_epi64x((long long)hi, (long long)lo);
+    __m128i pk = h;
+    for (int k = 1; k <= 16; k++) {  /* P^k at slot 16 - k: step lane order */
+        _mm_storeu_si128((__m128i *)(self->pw + (16 - k) * 16), pk);
+        pk = dot128(pk, h);
+    }
+}
+
+/* Derive H, E_K(J0) and the header keystream under the hash key; 0 on success. */
+static int
+avx512_setup(MacObject *self, const unsigned char *hash_key)
+{
+    if (avx512_usable < 0) {
+        __builtin_cpu_init();
+        avx512_usable = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                        && __builtin_cpu_supports("vpclmulqdq")
+                        && __builtin_cpu_supports("pclmul");
+    }
+    if (!avx512_usable)
+        return 0;
+    unsigned char in[5 * 16] = {0}, out[5 * 16 + 16];
+    /* block 0: zero (H); blocks 1-4: the counter blocks J0 .. J0+3 */
+    for (int i = 1; i <= 4; i++)
+        in[i * 16 + 15] = (unsigned char)i;
+    EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
+    int n = 0, ok = ctx != NULL
+                    && EVP_EncryptInit_ex(ctx, EVP_aes_256_ecb(), NULL, hash_key, NULL) == 1
+                    && EVP_CIPHER_CTX_set_padding(ctx, 0) == 1
+                    && EVP_EncryptUpdate(ctx, out, &n, in, sizeof in) == 1 && n == sizeof in;
+    EVP_CIPHER_CTX_free(ctx);
+    if (!ok)
+        return -1;
+    memcpy(self->ej0, out + 16, 16);
+    memcpy(self->ks, out + 32, HEAD);
+    avx512_powers(self, out);
+    OPENSSL_cleanse(out, sizeof out);
+    self->avx512 = 1;
     return 0;
 }
 
@@ -277,6 +490,19 @@ done:
     return result;
 }
 
+static PyObject *
+Mac_backend(MacObject *self, void *closure)
+{
+    (void)closure;
+    return PyUnicode_FromString(self->avx512 ? "avx512" : "openssl");
+}
+
+static PyGetSetDef Mac_getset[] = {
+    {"backend", (getter)Mac_backend, NULL,
+     "'avx512' (GHASH here, AVX-512 VPCLMULQDQ) or 'openssl' (OpenSSL's GCM)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef Mac_methods[] = {
     {"tags", (PyCFunction)Mac_tags, METH_VARARGS, tags_doc},
     {"encode", (PyCFunction)Mac_encode, METH_VARARGS, encode_doc},
@@ -287,13 +513,15 @@ static PyMethodDef Mac_methods[] = {
 static PyTypeObject MacType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dlcp.wire._ghash.GhashAes",
-    .tp_doc = PyDoc_STR("GhashAes(hash_key, prp_key): the ghash-aes MAC of one job's keys"),
+    .tp_doc = PyDoc_STR("GhashAes(hash_key, prp_key, avx512=True): the ghash-aes MAC of one "
+                        "job's keys; GHASH by AVX-512 where the CPU has it and avx512 is true"),
     .tp_basicsize = sizeof(MacObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Mac_init,
     .tp_dealloc = (destructor)Mac_dealloc,
     .tp_methods = Mac_methods,
+    .tp_getset = Mac_getset,
 };
 
 static struct PyModuleDef module = {

@@ -26,11 +26,13 @@ only faster: about 6 GB/s against 1 GB/s for 9 KB payloads on the project's
 machines, the same for 1.4 KB ones.
 
 ``ghash-aes`` runs in C where the extension ``dlcp.wire._ghash`` was built
-(setup.py; OpenSSL's EVP with one context per key): the same tags, bit for bit,
-and `GhashAesKey.encode` builds each datagram in one allocation, MACing the
-payload's copy while it is in cache. Without the extension (or with
-DLCP_NATIVE_MAC=0 in the environment) the same functions run through the
-`cryptography` package; `NATIVE` says which.
+(setup.py): the same tags, bit for bit, and `GhashAesKey.encode` builds each
+datagram in one allocation, MACing the payload's copy while it is in cache.
+Where the CPU has AVX-512 and VPCLMULQDQ the extension hashes sixteen blocks per
+step itself (about 16 GB/s, 2.2x OpenSSL 3.0's GCM here); elsewhere, or with
+DLCP_GHASH_AVX512=0, it runs OpenSSL's GCM with one EVP context per key.
+Without the extension (or with DLCP_NATIVE_MAC=0) the same functions run
+through the `cryptography` package. `GhashAesKey.backend` says which.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ except ImportError:  # not built: the cryptography package computes the same tag
     _ghash = None
 
 __all__ = [
+    "AVX512",
     "MAC_ALGORITHMS",
     "NATIVE",
     "GhashAesKey",
@@ -61,6 +64,8 @@ __all__ = [
 
 # whether ghash-aes tags are computed by the C extension (see the docstring)
 NATIVE = _ghash is not None and os.environ.get("DLCP_NATIVE_MAC", "1") != "0"
+# whether the C extension may hash with AVX-512 (where the CPU has it)
+AVX512 = os.environ.get("DLCP_GHASH_AVX512", "1") != "0"
 
 MAC_ALGORITHMS = ("blake2b", "ghash-aes")
 _NONCE = bytes(12)
@@ -79,15 +84,18 @@ class GhashAesKey:
 
     __slots__ = ("_ecb", "_gcm", "_native")
 
-    def __init__(self, key: bytes, native: bool | None = None) -> None:
-        """`native`: compute in C (None: where `NATIVE`; True: fail without it)."""
+    def __init__(self, key: bytes, native: bool | None = None, avx512: bool | None = None) -> None:
+        """`native`: compute in C (None: where `NATIVE`; True: fail without it);
+        `avx512`: let C hash with AVX-512 where the CPU has it (None: `AVX512`)."""
         k_hash = hashlib.blake2b(key, digest_size=32, person=b"dlcp-ghash-key").digest()
         k_prp = hashlib.blake2b(key, digest_size=32, person=b"dlcp-prp-key").digest()
         if native is None:
             native = NATIVE
         elif native and _ghash is None:
             raise ValueError("the C ghash-aes MAC (dlcp.wire._ghash) is not built")
-        self._native: Any = _ghash.GhashAes(k_hash, k_prp) if native else None
+        if avx512 is None:
+            avx512 = AVX512
+        self._native: Any = _ghash.GhashAes(k_hash, k_prp, avx512=avx512) if native else None
         self._gcm: Any = None
         self._ecb: Any = None
         if self._native is not None:
@@ -104,6 +112,13 @@ class GhashAesKey:
     @property
     def native(self) -> bool:
         return self._native is not None
+
+    @property
+    def backend(self) -> str:
+        """Who computes the tags: 'C, AVX-512', 'C, OpenSSL' or 'cryptography'."""
+        if self._native is None:
+            return "cryptography"
+        return "C, AVX-512" if self._native.backend == "avx512" else "C, OpenSSL"
 
     def tags(
         self, heads: Sequence[bytes | memoryview], payloads: Sequence[bytes | memoryview]
