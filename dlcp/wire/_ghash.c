@@ -313,7 +313,8 @@ avx512_setup(MacObject *self, const unsigned char *hash_key)
 static int
 openssl_failed(void)
 {
-    PyErr_SetString(PyExc_RuntimeError, "OpenSSL failed to compute a packet tag");
+    PyErr_SetString(PyExc_RuntimeError,
+                    "no packet tag: the key is not set up, or OpenSSL failed");
     return -1;
 }
 
