@@ -10,7 +10,7 @@ the two client ranks), and per dlcp daemon its user and system CPU seconds and
 minor page faults over its whole life.
 
 With `--profile DIR` both daemons are sampled by py-spy (BW_IDLE=1: idle
-samples too) or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
+samples too; BW_NATIVE=1: native frames too) or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
 DIR/d<i>.perf). `--floor` adds the UDP floor (`run_floor`) between the two.
 BW_RATE="key = value;key = value" adds settings to the daemons' [rate] table
 (e.g. BW_RATE="min_rate_bps = 9e9" pins the pacing rate).
@@ -264,7 +264,8 @@ def run_dlcp(
                     else [
                         "py-spy",
                         "record",
-                        "--nonblocking",
+                        # native frames need the process paused while sampled
+                        *(["--native"] if os.environ.get("BW_NATIVE") else ["--nonblocking"]),
                         *(["--idle"] if os.environ.get("BW_IDLE") else []),
                         "-r",
                         os.environ.get("BW_SPY_RATE", "100"),
@@ -338,6 +339,8 @@ def run_dlcp(
                     "paths": [
                         {k: p[k] for k in ("sendmsg_calls", "recvmsg_calls")} for p in st["paths"]
                     ],
+                    "mac": st.get("mac"),
+                    "counters": st["counters"],
                 }
             )
         for c in clients:
