@@ -10,7 +10,8 @@ the two client ranks), and per dlcp daemon its user and system CPU seconds and
 minor page faults over its whole life.
 
 With `--profile DIR` both daemons are sampled by py-spy (BW_IDLE=1: idle
-samples too; BW_NATIVE=1: native frames too) or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
+samples too; BW_NATIVE=1: native frames too, pausing the daemon per sample)
+or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
 DIR/d<i>.perf). `--floor` adds the UDP floor (`run_floor`) between the two.
 BW_RATE="key = value;key = value" adds settings to the daemons' [rate] table
 (e.g. BW_RATE="min_rate_bps = 9e9" pins the pacing rate).
