@@ -511,9 +511,10 @@ def test_owner_sums_a_shard_into_the_collector_without_a_copy(held: bool) -> Non
 
 def test_results_land_in_the_callers_out_and_retransmissions_survive_its_reuse() -> None:
     """With `out` (the rank's mapped result lanes in dlcpd) results are stored
-    there and RoundComplete.sums is `out`. The owner's own shard is kept apart:
-    once the round completes the caller reuses `out` (here: NaN over it), and a
-    peer that lost result packets of that shard must still get the true sums."""
+    there and RoundComplete.sums is `out`, the owner's own shard included. Once
+    the round completes the caller reuses `out` (here: NaN over it), and a peer
+    that lost result packets of that shard must still get the true sums: the
+    owner resends them from the datagrams it sent, not from `out`."""
     rng = np.random.default_rng(21)
     xs = [rng.standard_normal(40_000).astype(np.float32) for _ in range(2)]
     lost = {"n": 0}
@@ -551,6 +552,38 @@ def test_results_land_in_the_callers_out_and_retransmissions_survive_its_reuse()
         net.engines[0].submit(job=JOB, round=1, bucket=0, codec=Codec.FP32, total=xs[0].size,
                               lanes=xs[0].tobytes(), now=net.now,
                               out=np.zeros(xs[0].size, np.float64))  # fmt: skip
+
+
+def test_an_owner_encodes_its_results_once_for_every_receiver() -> None:
+    """Result datagrams name no receiver, so an owner sends one set of them to
+    each of its receivers (the same objects, not a re-encoding each); a
+    retransmission is a new datagram with the RETRANSMIT flag and the same lanes."""
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(30_000).astype(np.float32) for _ in range(3)]
+    to: dict[int, list[bytes]] = {1: [], 2: []}
+    lost: list[bytes] = []
+
+    def watch(src: int, s: Send) -> bool:
+        dg = s.datagram
+        if src == 0 and dg[3] == 2 and dg[20:22] == b"\0\0":  # RESULT packets of shard 0
+            if dg[4] & Flags.RETRANSMIT:
+                assert s.node == 2 and any(dg[64:] == d[64:] for d in lost)
+                return False
+            to[s.node].append(dg)
+            if s.node == 2 and len(lost) < 3:  # node 2 loses three: it NACKs them
+                lost.append(dg)
+                return True
+        return False
+
+    net = Network(cluster(3), seed=5, drop=watch)
+    submit_all(net, xs)
+    net.run()
+    done = completions(net)
+    want = (xs[0] + xs[1] + xs[2]).tobytes()
+    assert sorted(done) == [0, 1, 2] and all(ev.sums.tobytes() == want for ev in done.values())
+    assert to[1] and len(to[1]) == len(to[2])
+    assert all(a is b for a, b in zip(to[1], to[2], strict=True))
+    assert net.engines[0].stats["result_retransmits"] == 3
 
 
 def test_sum_into_refuses_a_wrong_target() -> None:

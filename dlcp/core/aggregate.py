@@ -570,14 +570,12 @@ class ResultCollector:
     def complete(self) -> bool:
         return not self.waiting
 
-    def shard_sums(self, shard: int) -> np.ndarray | None:
+    def shard_sums(self, shard: int) -> np.ndarray:
         """This shard's lanes of `sums` (a view): where its aggregator may put
-        the sums (`ShardAggregator.sum_into`) before `on_local`. None where the
-        sums are the caller's `out`: the owner keeps its shard's sums to answer
-        result NACKs after the round completes here, when the caller may
-        already have reused `out`."""
-        if self.out is not None:
-            return None
+        the sums (`ShardAggregator.sum_into`) before `on_local`. Where `sums` is
+        the caller's `out`, the caller may reuse it once the round completes
+        here: the owner answers later result NACKs from the datagrams it sent
+        (`engine._Finished.datagrams`), not from these lanes."""
         off, count = self.layout.shard_range(shard)
         return self.sums[off : off + count]
 

@@ -33,6 +33,7 @@ from dlcp.core.timing import Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import HEADER_DTYPE, decode_batch, encode_batch
 from dlcp.wire.header import (
+    HEADER_SIZE,
     LANE_BITS,
     Codec,
     Flags,
@@ -189,6 +190,12 @@ class _Finished:
     until: float
     waiting: set[int] = field(default_factory=set)  # receivers yet to ACK
     resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # the shard's result datagrams as first sent (one set serves every
+    # receiver: nothing in them names it) and their classes; retransmissions
+    # re-MAC their payloads, so `result.sums` is never read again and may be
+    # the caller's `out`, which it reuses once the round completes here
+    datagrams: list[bytes] | None = None
+    classes_sent: list[int] | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -485,6 +492,11 @@ class Engine:
             self._out.append(Send(owner, dg, CONTROL_CLASS, False, "control"))
 
     def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
+        if only is None and f.datagrams is not None:  # the same datagrams to another receiver
+            assert f.classes_sent is not None
+            self._out += _sends(node, f.datagrams, f.classes_sent, repeat(False), "result")
+            self.stats["result_packets_sent"] += len(f.datagrams)
+            return
         lay = f.layout
         shard = f.result.shard
         ranges = _result_arrays(lay, shard)
@@ -493,22 +505,18 @@ class Engine:
         counts = ranges[1][pick]
         if offs.size == 0:
             return
-        first_off = lay.shard_range(shard)[0]
         local = offs // lay.per_packet - lay.shard_packets(shard).start
-        rel = (offs - first_off).tolist()
-        cnt = counts.tolist()
         payloads: list[bytes | memoryview]
         if only is None:  # the whole shard: packed once, sliced per packet
+            rel = (offs - lay.shard_range(shard)[0]).tolist()
+            cnt = counts.tolist()
             wire = np.ascontiguousarray(f.result.sums, lane_ops.wire_summed_dtype(lay.codec))
             view = wire.data.cast("B")  # no copy where the sums are wire lanes already
             width = lane_bytes(lay.codec, 1, True)  # summed lanes are whole bytes
             payloads = [view[o * width : (o + k) * width] for o, k in zip(rel, cnt, strict=True)]
-        else:
-            sums = f.result.sums
-            payloads = [
-                lane_ops.pack(lay.codec, sums[o : o + k], True)
-                for o, k in zip(rel, cnt, strict=True)
-            ]
+        else:  # the payloads first sent (the sums may have been overwritten since)
+            assert f.datagrams is not None
+            payloads = [memoryview(f.datagrams[int(j)])[HEADER_SIZE:] for j in only]
         h = self._heads(offs.size)
         h["offset"] = offs
         h["count"] = counts
@@ -527,7 +535,10 @@ class Engine:
         h["sender"] = f.spec.me
         h["total"] = lay.total
         dgs = encode_batch(h, payloads, self._mac(f.spec))
-        self._out += _sends(node, dgs, prio.tolist(), repeat(False), "result")
+        classes = prio.tolist()
+        if only is None:
+            f.datagrams, f.classes_sent = dgs, classes
+        self._out += _sends(node, dgs, classes, repeat(False), "result")
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
     def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
@@ -1089,7 +1100,7 @@ class Engine:
             col = self._collectors.get(op)
             if col is not None and col.layout == agg.layout:
                 sums = col.shard_sums(shard)
-                if sums is not None and sums.dtype == agg.slots.dtype:
+                if sums.dtype == agg.slots.dtype:
                     agg.sum_into(sums)  # the owner's sums go straight where they are collected
         nacks, finished = agg.poll(now)
         spec = self.jobs[op[0]]
