@@ -1,17 +1,18 @@
 """CPU time of the sans-IO core for all-reduce rounds, without sockets or daemons.
 
     python bench/core_round.py [--size 100MB] [--rounds 10] [--payload 8908] [--mac ghash-aes]
-                               [--profile]
+                               [--out] [--profile]
 
 Two `Engine`s in one process (the 2-host transpose of bench/veth_busbw.py)
 run rounds of an fp32 bucket: each submits, the datagrams of each go to the
 other in batches of up to 448 (`receive_many`, as dlcpd's receive loop hands
-them on), until both have their results. No loss, no pacing, no copies in or
-out of shared memory. The process takes dlcpd's allocator settings
-(`dlcp.daemon.memory.tune_process`). Prints each round's wall time (both
-engines' work, one core), the median, and the bus bandwidth that time would
-give if each engine had a core to itself (size / (median / 2)), the ceiling
-the core sets on dlcpd's throughput here; `--profile` adds a cProfile table.
+them on), until both have their results. No loss, no pacing; with `--out` the
+results go into caller arrays, as dlcpd's go into the ranks' mapped segments.
+The process takes dlcpd's allocator settings (`dlcp.daemon.memory.tune_process`).
+Prints each round's wall time (both engines' work, one core), the median, and
+the bus bandwidth that time would give if each engine had a core to itself
+(size / (median / 2)), the ceiling the core sets on dlcpd's throughput here;
+`--profile` adds a cProfile table.
 """
 
 from __future__ import annotations
@@ -38,19 +39,30 @@ from dlcp.wire.mac import MAC_ALGORITHMS  # noqa: E402
 RX_BATCH = 448  # datagrams per receive_many call: 64 GRO reads of 7 jumbo datagrams
 
 
-def one_round(engines: list[Engine], lanes: np.ndarray, total: int, rnd: int) -> int:
+def one_round(
+    engines: list[Engine], lanes: np.ndarray, total: int, rnd: int, outs: list[np.ndarray] | None
+) -> int:
     """Run round `rnd` to completion on both engines; returns the datagrams moved."""
     now = 0.0
-    for e in engines:
-        e.submit(job=1, round=rnd, bucket=0, codec=Codec.FP32, total=total, lanes=lanes, now=now)
+    for i, e in enumerate(engines):
+        e.submit(
+            job=1,
+            round=rnd,
+            bucket=0,
+            codec=Codec.FP32,
+            total=total,
+            lanes=lanes,
+            now=now,
+            out=None if outs is None else outs[i],
+        )
     done = moved = 0
     while done < len(engines):
         sent = False
         for src, e in enumerate(engines):
-            outs = e.datagrams_to_send()
-            moved += len(outs)
-            for i in range(0, len(outs), RX_BATCH):
-                part = outs[i : i + RX_BATCH]
+            sends = e.datagrams_to_send()
+            moved += len(sends)
+            for i in range(0, len(sends), RX_BATCH):
+                part = sends[i : i + RX_BATCH]
                 engines[part[0].node].receive_many(
                     [s.datagram for s in part], now, [src] * len(part)
                 )
@@ -74,6 +86,9 @@ def main() -> int:
     p.add_argument("--payload", type=int, default=8908, help="dlcp payload (MTU 9000 - 92)")
     p.add_argument("--mac", default="ghash-aes", choices=MAC_ALGORITHMS)
     p.add_argument("--profile", action="store_true", help="print a cProfile table of the rounds")
+    p.add_argument(
+        "--out", action="store_true", help="results into caller arrays, as dlcpd's mapped segments"
+    )
     a = p.parse_args()
     tune_process()
     total = parse_size(a.size) // 4
@@ -83,7 +98,8 @@ def main() -> int:
         e.add_job(JobSpec.transpose(1, b"k" * 32, me, 2, payload=a.payload, mac=a.mac))
         engines.append(e)
     lanes = np.random.default_rng(0).standard_normal(total).astype("<f4").view(np.uint8)
-    one_round(engines, lanes, total, 0)  # warm-up
+    outs = [np.empty(total, np.float32) for _ in engines] if a.out else None
+    one_round(engines, lanes, total, 0, outs)  # warm-up
     prof = cProfile.Profile() if a.profile else None
     times = []
     moved = 0
@@ -91,7 +107,7 @@ def main() -> int:
         if prof is not None:
             prof.enable()
         t = time.perf_counter()
-        moved = one_round(engines, lanes, total, rnd)
+        moved = one_round(engines, lanes, total, rnd, outs)
         times.append(time.perf_counter() - t)
         if prof is not None:
             prof.disable()
