@@ -469,7 +469,7 @@ Mac_verify(MacObject *self, PyObject *args)
             goto fail;
         if (d.len < HEADER) {
             PyBuffer_Release(&d);
-            PyErr_Format(PyExc_ValueError, "datagram %zd has %zd bytes, fewer than %d", i,
+            PyErr_Format(PyExc_ValueError, "datagram %zd has %zd bytes, fewer than %d bytes", i,
                          d.len, HEADER);
             goto fail;
         }

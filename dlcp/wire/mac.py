@@ -130,7 +130,7 @@ class GhashAesKey:
         if n == 0:
             return b""
         if self._native is not None:
-            return bytes(self._native.tags(heads, payloads))
+            return self._native.tags(heads, payloads)
         if set(map(len, heads)) != {_HEAD}:
             raise ValueError(f"headers must be {_HEAD} bytes each")
         # map() calls AES-GCM per packet without a Python frame per packet; each
@@ -149,7 +149,7 @@ class GhashAesKey:
         if len(heads) != n * _HEADER:
             raise ValueError(f"{len(heads)} header bytes for {n} packets of {_HEADER}")
         if self._native is not None:
-            return list(self._native.encode(heads, payloads))
+            return self._native.encode(heads, payloads)
         head_list = [heads[i * _HEADER : i * _HEADER + _HEAD] for i in range(n)]
         out: list[bytes] = []
         # ENCODE_CHUNK packets at a time: the payloads the MAC has just read are
@@ -167,12 +167,12 @@ class GhashAesKey:
         array. Every byte of every tag is compared (no early exit), so the time
         taken says nothing about where a forged tag goes wrong."""
         n = len(datagrams)
+        if self._native is not None:  # it checks the lengths itself
+            return np.frombuffer(self._native.verify(datagrams), dtype=bool)
         if any(len(d) < _HEADER for d in datagrams):
             raise ValueError(f"datagrams must have {_HEADER} bytes or more")
         if n == 0:
             return np.zeros(0, dtype=bool)
-        if self._native is not None:
-            return np.frombuffer(self._native.verify(datagrams), dtype=bool)
         views = [memoryview(d).cast("B") for d in datagrams]
         tags = self.tags([v[:_HEAD] for v in views], [v[_HEADER:] for v in views])
         want = np.frombuffer(tags, np.uint8).reshape(n, _TAG)
