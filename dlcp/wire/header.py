@@ -28,10 +28,9 @@ import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from dlcp.errors import Reason, WireError
-from dlcp.wire.mac import MacKey
+from dlcp.wire.mac import MacKey, blake2b_tag
 
 __all__ = [
     "HEADER_SIZE",
@@ -172,21 +171,10 @@ def mac_key(secret: bytes | str, job: int) -> bytes:
     return hashlib.blake2b(raw, digest_size=32, person=b"dlcp-job-key", salt=salt).digest()
 
 
-_KEYED: dict[bytes, Any] = {}
-
-
 def compute_mac(key: MacKey, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-    if not isinstance(key, bytes):
-        return key.tag(head, payload)
-    base = _KEYED.get(key)
-    if base is None:  # keying BLAKE2b costs a compression; copy a keyed state instead
-        if len(_KEYED) > 4096:
-            _KEYED.clear()
-        base = _KEYED[key] = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
-    h = base.copy()
-    h.update(head)
-    h.update(payload)
-    return h.digest()
+    if isinstance(key, bytes):
+        return blake2b_tag(key, head, payload)
+    return key.tag(head, payload)
 
 
 def encode(header: Header, payload: bytes | memoryview, key: MacKey) -> bytes:

@@ -57,6 +57,7 @@ __all__ = [
     "NATIVE",
     "GhashAesKey",
     "MacKey",
+    "blake2b_tag",
     "encode_blake2b",
     "mac_state",
     "verify_blake2b",
@@ -180,29 +181,37 @@ class GhashAesKey:
         return (want == got.reshape(n, _TAG)).all(axis=1)
 
 
+_KEYED: dict[bytes, Any] = {}  # keyed BLAKE2b states, by raw key
+
+
+def blake2b_tag(key: bytes, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    """The keyed BLAKE2b-128 tag of (48 header bytes, payload) under raw key bytes."""
+    base = _KEYED.get(key)
+    if base is None:  # keying BLAKE2b costs a compression; copy a keyed state instead
+        if len(_KEYED) > 4096:
+            _KEYED.clear()
+        base = _KEYED[key] = hashlib.blake2b(key=key, digest_size=_TAG)
+    h = base.copy()
+    h.update(head)
+    h.update(payload)
+    return h.digest()
+
+
 def encode_blake2b(key: bytes, heads: bytes, payloads: Sequence[bytes | memoryview]) -> list[bytes]:
     """`GhashAesKey.encode` for a BLAKE2b key (raw key bytes)."""
-    base = hashlib.blake2b(key=key, digest_size=_TAG)
     out = []
     for i, payload in enumerate(payloads):
         head = heads[i * _HEADER : i * _HEADER + _HEAD]
-        h = base.copy()
-        h.update(head)
-        h.update(payload)
-        out.append(b"".join((head, h.digest(), payload)))
+        out.append(b"".join((head, blake2b_tag(key, head, payload), payload)))
     return out
 
 
 def verify_blake2b(key: bytes, datagrams: Sequence[bytes | memoryview]) -> np.ndarray:
     """`GhashAesKey.verify` for a BLAKE2b key (raw key bytes)."""
-    base = hashlib.blake2b(key=key, digest_size=_TAG)
     ok = np.zeros(len(datagrams), dtype=bool)
     for i, d in enumerate(datagrams):
         v = memoryview(d).cast("B")
-        h = base.copy()
-        h.update(v[:_HEAD])
-        h.update(v[_HEADER:])
-        ok[i] = hmac.compare_digest(h.digest(), v[_HEAD:_HEADER])
+        ok[i] = hmac.compare_digest(blake2b_tag(key, v[:_HEAD], v[_HEADER:]), v[_HEAD:_HEADER])
     return ok
 
 
