@@ -43,7 +43,7 @@ BATCH = 448
 PER_BUFFER = 7
 
 
-class _CachedTags:
+class _CachedVerdicts:
     """A MAC key whose verdicts were computed once per batch (no AES-GCM when timed)."""
 
     def __init__(self, real: Any) -> None:
@@ -131,7 +131,7 @@ def main() -> int:
     n = sum(map(len, batches))
     keys: dict[int, Any] = {1: mac_state(b"k" * 32, "ghash-aes")}
     py_keys: dict[int, Any] = {1: GhashAesKey(b"k" * 32, native=False)}
-    cached: dict[int, Any] = {1: _CachedTags(keys[1])}
+    cached: dict[int, Any] = {1: _CachedVerdicts(keys[1])}
     for batch in batches:
         assert len(decode_batch(batch, cached)) == len(batch)
 
