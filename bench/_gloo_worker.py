@@ -46,4 +46,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from dlcp.shim.leave import exit_process
+
     main()
+    exit_process(0)  # not a plain return: see dlcp.shim.leave

@@ -173,4 +173,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    dlcp.exit_process(main())  # not sys.exit: see dlcp.shim.leave

@@ -14,6 +14,8 @@ import io
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -65,6 +67,7 @@ def _entry(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    dlcp.exit_process(0)  # no interpreter finalization racing Gloo's threads: dlcp.shim.leave
 
 
 def spawn(fn: Callable[..., Any], world: int, tmp: Path, **kwargs: Any) -> list[Any]:
@@ -517,3 +520,28 @@ def test_strict_raises_on_every_rank_instead_of_falling_back(tmp_path: Path) -> 
     for res in results:
         assert "dlcp is unavailable" in res.get("init", "") and "rank 0" in res["init"]
         assert "dlcp is unavailable" in res.get("hook", "")
+
+
+def test_exit_process_flushes_what_was_written_and_keeps_the_code() -> None:
+    prog = (
+        "import logging, sys\n"
+        "from dlcp.shim.leave import exit_process\n"
+        "logging.basicConfig(stream=sys.stderr, format='%(message)s')\n"
+        "sys.stdout.write('partial line, no newline')\n"
+        "logging.getLogger('t').warning('logged')\n"
+        "sys.stderr.write('err tail')\n"
+        "exit_process(3)\n"
+        "print('never')\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", prog], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 3
+    assert res.stdout == "partial line, no newline"
+    assert res.stderr == "logged\nerr tail"
+    none = subprocess.run(
+        [sys.executable, "-c", "from dlcp.shim.leave import exit_process; exit_process(None)"],
+        timeout=120,
+        check=False,
+    )
+    assert none.returncode == 0

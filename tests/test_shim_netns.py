@@ -259,4 +259,6 @@ def test_daemon_killed_mid_training_falls_back_and_reattaches(cluster: Any, tmp_
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1:]))
+    from dlcp.shim.leave import exit_process
+
+    exit_process(_rank_main(sys.argv[1:]))  # not sys.exit: see dlcp.shim.leave

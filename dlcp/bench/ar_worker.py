@@ -279,4 +279,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from dlcp.shim.leave import exit_process
+
     main()
+    exit_process(0)  # not a plain return: see dlcp.shim.leave

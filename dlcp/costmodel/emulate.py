@@ -420,4 +420,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dlcp.shim.leave import exit_process
+
+    exit_process(main())  # not sys.exit: see dlcp.shim.leave

@@ -24,6 +24,7 @@ from dlcp.codecs import CODEC_NAMES
 from dlcp.errors import LocalError
 from dlcp.shim.auto import AUTO
 from dlcp.shim.client import DaemonClient, DaemonError, Segment, default_socket
+from dlcp.shim.leave import exit_process
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.state import DlcpState, ShimError
 
@@ -37,6 +38,7 @@ __all__ = [
     "all_reduce",
     "default_socket",
     "default_state",
+    "exit_process",
     "hook",
     "init",
     "make_hook",
