@@ -1,9 +1,10 @@
-"""The one C extension (dlcp.wire._ghash, the ghash-aes packet MAC over OpenSSL).
+"""The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL)
+and dlcp.daemon._keys (the outbox's packet identities).
 
-Everything else is in pyproject.toml. The extension is optional: without a C
-compiler or OpenSSL's headers the install goes on and `dlcp.wire.mac` falls back
-to the `cryptography` package (the same tags, slower); `dlcp status` and the
-daemon's log say which one runs.
+Everything else is in pyproject.toml. Both are optional: without a C compiler
+or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the
+`cryptography` package (the same tags, slower; `dlcp status` and the daemon's
+log say which one runs) and the outbox to its Python definitions.
 """
 
 from setuptools import Extension, setup
@@ -16,6 +17,12 @@ setup(
             libraries=["crypto"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
             optional=True,
-        )
+        ),
+        Extension(
+            "dlcp.daemon._keys",
+            sources=["dlcp/daemon/_keys.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+            optional=True,
+        ),
     ]
 )

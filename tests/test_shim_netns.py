@@ -182,6 +182,7 @@ def _digits(tb: Any, tmp: Path, name: str, args: list[str]) -> dict[str, Any]:
             *args,
         ]
         env = {k: v for k, v in _env(tb, i).items() if k not in ("RANK", "WORLD_SIZE")}
+        env["TMPDIR"] = str(tmp)  # torchrun leaves a torchelastic_* folder behind
         with open(tmp / f"{name}{i}.log", "wb") as log:
             procs.append(tb.popen(i, argv, env=env, cwd=str(ROOT), stdout=log, stderr=log))
     for i, p in enumerate(procs):

@@ -11,6 +11,7 @@ socket hold back waits for the next `flush` (the daemon calls it again at
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -26,6 +27,11 @@ from dlcp.errors import LocalError
 from dlcp.policies import LoadBalancer, PathState
 from dlcp.wire.header import HEADER_SIZE, Flags, Header
 
+try:
+    from dlcp.daemon import _keys  # type: ignore[attr-defined]
+except ImportError:  # not built: the Python definitions below
+    _keys = None
+
 __all__ = ["Outbox", "Peer"]
 
 N_CLASSES = 8
@@ -38,9 +44,26 @@ def _identity(datagram: bytes) -> bytes:
     return datagram[3:4] + datagram[8:36]
 
 
-def _identities(datagrams: Iterable[bytes]) -> list[bytes]:
+def _py_identities(datagrams: Iterable[bytes]) -> list[bytes]:
     """`_identity` of each datagram (one list comprehension, no call apiece)."""
     return [dg[3:4] + dg[8:36] for dg in datagrams]
+
+
+def _py_identities_heads(datagrams: Iterable[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """`_identities` and the first `_BKEY` bytes of each (its `_barrier_key`)."""
+    ids = _py_identities(datagrams)
+    return ids, [i[:_BKEY] for i in ids]
+
+
+# The same two in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a
+# key instead of slices and a concatenation. DLCP_NATIVE_KEYS=0 turns it off.
+NATIVE_KEYS = _keys is not None and os.environ.get("DLCP_NATIVE_KEYS", "1") != "0"
+if NATIVE_KEYS and _keys is not None:
+    _identities = _keys.identities
+    _identities_heads = _keys.identities_heads
+else:
+    _identities = _py_identities
+    _identities_heads = _py_identities_heads
 
 
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
@@ -608,11 +631,9 @@ class Outbox:
                     held, full = False, sent < len(batch)
                     if sent:
                         self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
-                        ids = _identities(batch[:sent] if full else batch)
-                        heads = [i[:_BKEY] for i in ids]
+                        ids, heads = _identities_heads(batch[:sent] if full else batch)
                 else:
-                    ids = _identities(batch)
-                    heads = [i[:_BKEY] for i in ids]
+                    ids, heads = _identities_heads(batch)
                     sent, held, full = self._send(peer, batch, ids, heads, cls, waits, now)
                     if sent < len(ids):
                         del ids[sent:], heads[sent:]
