@@ -58,7 +58,7 @@ def _py_identities_heads(datagrams: Iterable[bytes]) -> tuple[list[bytes], list[
 # The same two in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a
 # key instead of slices and a concatenation. DLCP_NATIVE_KEYS=0 turns it off.
 NATIVE_KEYS = _keys is not None and os.environ.get("DLCP_NATIVE_KEYS", "1") != "0"
-if NATIVE_KEYS and _keys is not None:
+if NATIVE_KEYS:
     _identities = _keys.identities
     _identities_heads = _keys.identities_heads
 else:
