@@ -1,10 +1,12 @@
-"""The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL)
-and dlcp.daemon._keys (the outbox's packet identities).
+"""The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL),
+dlcp.daemon._keys (the outbox's packet identities) and dlcp.daemon._udp (GSO
+sends in batches of sendmmsg).
 
 Everything else is in pyproject.toml. Both are optional: without a C compiler
 or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the
 `cryptography` package (the same tags, slower; `dlcp status` and the daemon's
-log say which one runs) and the outbox to its Python definitions.
+log say which one runs), the outbox to its Python definitions and the UDP
+paths to one sendmsg per GSO super-datagram.
 """
 
 from setuptools import Extension, setup
@@ -21,6 +23,12 @@ setup(
         Extension(
             "dlcp.daemon._keys",
             sources=["dlcp/daemon/_keys.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+            optional=True,
+        ),
+        Extension(
+            "dlcp.daemon._udp",
+            sources=["dlcp/daemon/_udp.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
             optional=True,
         ),

@@ -2,6 +2,9 @@
 paths (main at 2d6a5c5, one Python step per packet in push and flush): the
 reference that tests/test_outbox_batch.py holds the outbox to, datagram for
 datagram. Not used by dlcp itself; do not change it to follow the outbox.
+One deliberate change since: a peer with one path is sent up to FLUSH_BYTES
+per send call when its pacer has the tokens (the outbox's one-path flushes,
+handed to sendmmsg), marked "changed" below.
 
 Its original docstring:
 
@@ -58,6 +61,8 @@ _F_RETRANSMIT = int(Flags.RETRANSMIT)
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
+FLUSH_BYTES = 1 << 20  # changed: the most a one-path peer is sent per call
+FLUSH_COUNT = 1024
 BURST_BYTES = 256 * 1024  # pacer burst: several batches
 # ... or this long at the path's rate, if more: the daemon's loop comes back to
 # send only every millisecond or few when busy receiving; a fixed burst lost
@@ -392,13 +397,6 @@ class Outbox:
         for cls in range(N_CLASSES):
             q = peer.queues[cls]
             while q:
-                # one batch: at most a GSO super-datagram's worth
-                batch = [q[0]]
-                size = len(q[0])
-                limit = min(len(q), MAX_GSO_SEGMENTS)
-                while len(batch) < limit and size + len(q[len(batch)]) <= BATCH_BYTES:
-                    size += len(q[len(batch)])
-                    batch.append(q[len(batch)])
                 waits: list[float] | None = None
                 if pacers is not None:
                     # a path with any budget may take its part of the batch (into
@@ -407,6 +405,19 @@ class Outbox:
                     waits = [0.0 if w < PACING_SLACK else w for w in waits]
                     if min(waits) > 0:
                         return _pacing_wake(now, waits)
+                # one batch: at most a GSO super-datagram's worth; changed: with
+                # one path, what the tokens allow up to FLUSH_BYTES (at least that)
+                room, most = BATCH_BYTES, MAX_GSO_SEGMENTS
+                if len(peer.paths) == 1:
+                    room, most = FLUSH_BYTES, FLUSH_COUNT
+                    if pacers is not None:
+                        room = max(BATCH_BYTES, min(room, int(pacers[0].tokens(now))))
+                batch = [q[0]]
+                size = len(q[0])
+                limit = min(len(q), most)
+                while len(batch) < limit and size + len(q[len(batch)]) <= room:
+                    size += len(q[len(batch)])
+                    batch.append(q[len(batch)])
                 sent, held, full = self._send(peer, batch, cls, waits, now)
                 for _ in range(sent):
                     dg = q.popleft()

@@ -93,6 +93,13 @@ _MIN_RUN = 4  # shorter runs of DATA/RESULT packets are queued one by one
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
+# A peer with one path gets up to this much per send call when its pacer has
+# the tokens (or it is not paced): UdpPath.send cuts it into super-datagrams
+# and hands them to the kernel in batches of sendmmsg. The outbox's own work
+# (identities, barriers, counters, pacer) is then done once a flush instead of
+# once per super-datagram, which cost as much as the kernel's part of a send.
+FLUSH_BYTES = 1 << 20
+FLUSH_COUNT = 1024  # ... and at most this many datagrams
 BURST_BYTES = 256 * 1024  # pacer burst: several batches
 # ... or this long at the path's rate, if more: the daemon's loop comes back to
 # send only every millisecond or few when busy receiving; a fixed burst lost
@@ -115,19 +122,21 @@ PACING_QUANTUM = 0.001
 CATCH_UP_SECONDS = 0.02
 
 
-def _batch(q: deque[bytes]) -> tuple[list[bytes], list[int]]:
-    """The batch at the head of `q`: as many packets as fit in BATCH_BYTES (at
-    least one, at most MAX_GSO_SEGMENTS), and their bytes so far, packet by
+def _batch(
+    q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
+) -> tuple[list[bytes], list[int]]:
+    """The batch at the head of `q`: as many packets as fit in `nbytes` (at
+    least one, at most `count`), and their bytes so far, packet by
     packet (running sums)."""
-    limit = min(len(q), MAX_GSO_SEGMENTS)
-    take = min(limit, BATCH_BYTES // len(q[0]) + 1)
+    limit = min(len(q), count)
+    take = min(limit, nbytes // len(q[0]) + 1)
     head = list(islice(q, take))
     sizes = list(accumulate(map(len, head)))
-    while sizes[-1] <= BATCH_BYTES and take < limit:  # all fit: there may be room for more
+    while sizes[-1] <= nbytes and take < limit:  # all fit: there may be room for more
         take = min(limit, 2 * take)
         head = list(islice(q, take))
         sizes = list(accumulate(map(len, head)))
-    k = max(1, bisect_right(sizes, BATCH_BYTES))
+    k = max(1, bisect_right(sizes, nbytes))
     if k < len(head):
         del head[k:], sizes[k:]
     return head, sizes
@@ -625,7 +634,13 @@ class Outbox:
                     waits = [0.0 if w < PACING_SLACK else w for w in waits]
                     if min(waits) > 0:
                         return _pacing_wake(now, waits)
-                batch, sizes = _batch(q)
+                if one:  # as much as the tokens allow (at least a batch: into debt)
+                    room = FLUSH_BYTES
+                    if pacer0 is not None:
+                        room = max(BATCH_BYTES, min(room, int(pacer0.tokens(now))))
+                    batch, sizes = _batch(q, room, FLUSH_COUNT)
+                else:
+                    batch, sizes = _batch(q)
                 if one:
                     sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
                     held, full = False, sent < len(batch)

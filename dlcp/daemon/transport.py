@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import socket
 import struct
 from collections.abc import Iterator, Sequence
 
 from dlcp.wire.batch import split_segments
 
-__all__ = ["MAX_GSO_SEGMENTS", "UdpPath"]
+try:
+    from dlcp.daemon import _udp  # type: ignore[attr-defined]
+except ImportError:  # not built: one sendmsg per super-datagram, from Python
+    _udp = None
+
+__all__ = ["MAX_GSO_SEGMENTS", "NATIVE_SEND", "UdpPath"]
 
 SOL_UDP = 17
 UDP_SEGMENT = 103
@@ -28,6 +34,12 @@ _INT = struct.Struct("@i")
 _U16 = struct.Struct("@H")
 _RECV_SIZE = 65535
 _CMSG_SPACE = socket.CMSG_SPACE(_INT.size)
+# The grouping below, done in C with batches of sendmmsg (dlcp/daemon/_udp.c,
+# built by setup.py): one call per flush instead of one per super-datagram.
+# DLCP_NATIVE_SEND=0 turns it off.
+NATIVE_SEND = _udp is not None and os.environ.get("DLCP_NATIVE_SEND", "1") != "0"
+_SENT_ALL = 0
+_FULL = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS))
 
 
 class UdpPath:
@@ -67,6 +79,8 @@ class UdpPath:
             except OSError:
                 pass
         self.gso_max_size = 65507  # largest segment GSO batching was accepted for
+        self.native = NATIVE_SEND
+        self._dests: dict[tuple[str, int], tuple[bytes, int] | None] = {}
         self.oversize_drops = 0
         self.sendmsg_calls = 0
         self.recvmsg_calls = 0
@@ -82,8 +96,42 @@ class UdpPath:
         """Send as many of `datagrams` as the socket takes now; returns how many.
 
         Stops early (returning the count sent) when the socket buffer is full.
+        Consecutive datagrams of one size (and a shorter last one) go as one
+        UDP_SEGMENT super-datagram of at most MAX_GSO_SEGMENTS segments and
+        MAX_GSO_BYTES bytes.
         """
-        sent = 0
+        if self.native and datagrams:
+            sent, done = self._send_native(datagrams, dest, tos)
+            if done:
+                return sent
+            return self._send_each(datagrams, dest, tos, sent)
+        return self._send_each(datagrams, dest, tos, 0)
+
+    def _send_native(
+        self, datagrams: Sequence[bytes], dest: tuple[str, int], tos: int
+    ) -> tuple[int, bool]:
+        """`send` in C: (sent, True) when all went or the socket is full, else
+        (sent before an error, False): `_send_each` goes on from there and deals
+        with the error as it always has."""
+        addr = self._dests.get(dest, b"")
+        if addr == b"":
+            try:  # the C path takes IPv4 addresses only; names go through Python
+                addr = self._dests[dest] = (socket.inet_aton(dest[0]), int(dest[1]))
+            except (OSError, ValueError, TypeError, IndexError):
+                addr = self._dests[dest] = None
+        if addr is None:
+            return 0, False
+        batch = datagrams if isinstance(datagrams, list) else list(datagrams)
+        sent, calls, err = _udp.send_gso(
+            self.sock.fileno(), batch, 0, addr[0], addr[1], tos, self.gso, self.gso_max_size
+        )
+        self.sendmsg_calls += calls
+        return sent, err == _SENT_ALL or err in _FULL
+
+    def _send_each(
+        self, datagrams: Sequence[bytes], dest: tuple[str, int], tos: int, sent: int
+    ) -> int:
+        """`send` from datagram `sent` on, one sendmsg per super-datagram."""
         n = len(datagrams)
         tos_cmsg = (socket.IPPROTO_IP, socket.IP_TOS, _INT.pack(tos))
         while sent < n:

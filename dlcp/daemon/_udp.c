@@ -1,0 +1,203 @@
+/* Many UDP GSO sends in one call (dlcp.daemon._udp).
+ *
+ * `UdpPath.send` hands the kernel one GSO super-datagram per sendmsg: up to
+ * 64 KB, so 7 datagrams at MTU 9000 and 45 at 1500. The outbox now hands it
+ * a whole flush at once (up to a megabyte), and a Python loop of one sendmsg
+ * per super-datagram cost as much per call as the kernel's own work. Here the
+ * same grouping is done in C and the super-datagrams go out in batches of
+ * sendmmsg(2), the GIL released; the Python loop in transport.py stays the
+ * reference and the fallback (and handles every error but a full socket).
+ *
+ * send_gso(fd, datagrams, start, addr4, port, tos, gso, gso_max_size)
+ *   datagrams: a list of bytes-like objects; sends datagrams[start:] to the
+ *   IPv4 address addr4 (4 bytes, network order) and port. Consecutive
+ *   datagrams of one size (and a shorter last one) make one super-datagram of
+ *   at most MAX_SEGMENTS segments and MAX_BYTES bytes when gso is true and the
+ *   size is at most gso_max_size; any other datagram goes alone. Every
+ *   message carries IP_TOS = tos. Returns (datagrams sent, messages sent,
+ *   errno of the send that stopped it or 0 when all went).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/ip.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+
+#define MAX_SEGMENTS 64   /* transport.MAX_GSO_SEGMENTS */
+#define MAX_BYTES 65000   /* transport.MAX_GSO_BYTES */
+#define MSGS 32           /* super-datagrams per sendmmsg */
+#define IOVS (MSGS * MAX_SEGMENTS)
+#define CTRL (CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(uint16_t)))
+
+typedef struct {
+    struct mmsghdr msgs[MSGS];
+    struct iovec iov[IOVS];
+    Py_buffer views[IOVS];
+    union {
+        char buf[CTRL];
+        struct cmsghdr align;
+    } ctrl[MSGS];
+    int segs[MSGS];
+} batch_t;
+
+static void
+release(batch_t *b, int nviews)
+{
+    for (int i = 0; i < nviews; i++)
+        PyBuffer_Release(&b->views[i]);
+}
+
+static PyObject *
+send_gso(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd, tos, gso, port;
+    PyObject *list;
+    Py_ssize_t start, gso_max;
+    Py_buffer addr;
+    if (!PyArg_ParseTuple(args, "iO!ny*iipn", &fd, &PyList_Type, &list, &start, &addr, &port,
+                          &tos, &gso, &gso_max))
+        return NULL;
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    if (addr.len != 4 || port < 0 || port > 65535) {
+        PyBuffer_Release(&addr);
+        PyErr_SetString(PyExc_ValueError, "addr4 must be 4 bytes and port 0..65535");
+        return NULL;
+    }
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    memcpy(&sa.sin_addr, addr.buf, 4);
+    PyBuffer_Release(&addr);
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (start < 0 || start > n) {
+        PyErr_SetString(PyExc_IndexError, "start outside the list");
+        return NULL;
+    }
+    batch_t *b = PyMem_Malloc(sizeof(batch_t));
+    if (b == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t sent = 0, messages = 0;
+    Py_ssize_t i = start;
+    int err = 0;
+    while (i < n && !err) {
+        /* group what follows into up to MSGS super-datagrams */
+        int m = 0, nv = 0;
+        Py_ssize_t j = i;
+        while (j < n && m < MSGS) {
+            int first = nv;
+            if (PyObject_GetBuffer(PyList_GET_ITEM(list, j), &b->views[nv], PyBUF_SIMPLE) < 0) {
+                release(b, nv);
+                PyMem_Free(b);
+                return NULL;
+            }
+            Py_ssize_t size = b->views[nv].len;
+            nv++;
+            j++;
+            int k = 1;
+            if (gso && size <= gso_max && size > 0) {
+                Py_ssize_t lim = MAX_BYTES / size;
+                if (lim > MAX_SEGMENTS)
+                    lim = MAX_SEGMENTS;
+                if (lim < 1)
+                    lim = 1;
+                while (k < lim && j < n && nv < IOVS) {
+                    if (PyObject_GetBuffer(PyList_GET_ITEM(list, j), &b->views[nv], PyBUF_SIMPLE) <
+                        0) {
+                        release(b, nv);
+                        PyMem_Free(b);
+                        return NULL;
+                    }
+                    Py_ssize_t len = b->views[nv].len;
+                    if (len > size) { /* does not fit this super-datagram */
+                        PyBuffer_Release(&b->views[nv]);
+                        break;
+                    }
+                    nv++;
+                    j++;
+                    k++;
+                    if (len < size) /* a shorter last segment ends it */
+                        break;
+                }
+            }
+            for (int v = first; v < nv; v++) {
+                b->iov[v].iov_base = b->views[v].buf;
+                b->iov[v].iov_len = (size_t)b->views[v].len;
+            }
+            struct msghdr *h = &b->msgs[m].msg_hdr;
+            memset(h, 0, sizeof *h);
+            h->msg_name = &sa;
+            h->msg_namelen = sizeof sa;
+            h->msg_iov = &b->iov[first];
+            h->msg_iovlen = (size_t)k;
+            memset(b->ctrl[m].buf, 0, CTRL);
+            h->msg_control = b->ctrl[m].buf;
+            h->msg_controllen = k > 1 ? CTRL : CMSG_SPACE(sizeof(int));
+            struct cmsghdr *c = CMSG_FIRSTHDR(h);
+            c->cmsg_level = IPPROTO_IP;
+            c->cmsg_type = IP_TOS;
+            c->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(c), &tos, sizeof(int));
+            if (k > 1) {
+                uint16_t seg = (uint16_t)size;
+                c = CMSG_NXTHDR(h, c);
+                c->cmsg_level = SOL_UDP;
+                c->cmsg_type = UDP_SEGMENT;
+                c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+                memcpy(CMSG_DATA(c), &seg, sizeof seg);
+            }
+            b->segs[m] = k;
+            m++;
+            if (nv >= IOVS - 1)
+                break;
+        }
+        /* send them; a short count means the next message failed: try it again */
+        int done = 0;
+        while (done < m) {
+            int r;
+            Py_BEGIN_ALLOW_THREADS
+            r = sendmmsg(fd, &b->msgs[done], (unsigned int)(m - done), 0);
+            Py_END_ALLOW_THREADS
+            if (r < 0) {
+                if (errno == EINTR)
+                    continue;
+                err = errno;
+                break;
+            }
+            for (int x = done; x < done + r; x++)
+                sent += b->segs[x];
+            messages += r;
+            done += r;
+        }
+        release(b, nv);
+        i = start + sent;
+    }
+    PyMem_Free(b);
+    return Py_BuildValue("nni", sent, messages, err);
+}
+
+static PyMethodDef methods[] = {
+    {"send_gso", send_gso, METH_VARARGS,
+     "send_gso(fd, datagrams, start, addr4, port, tos, gso, gso_max_size) -> "
+     "(datagrams sent, messages sent, errno or 0)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_udp", "UDP GSO sends in batches of sendmmsg", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__udp(void)
+{
+    return PyModule_Create(&module);
+}

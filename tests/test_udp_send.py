@@ -1,0 +1,173 @@
+"""`UdpPath.send` in C (dlcp/daemon/_udp.c: batches of sendmmsg) against its
+Python loop (one sendmsg per super-datagram): over loopback, the same
+datagrams arrive in the same order, cut into the same GSO super-datagrams
+(seen by a receiver with UDP_GRO, which gets each one whole), with the same
+sendmsg count, and the errors the Python loop deals with (a datagram too large
+for UDP, a destination given by name) are dealt with the same way.
+
+The project's install builds the extension (setup.py), so its absence fails
+here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from dlcp.daemon import transport
+from dlcp.daemon.transport import MAX_GSO_BYTES, MAX_GSO_SEGMENTS, UdpPath
+
+if transport._udp is None and os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1":
+    pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)", allow_module_level=True)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[UdpPath, UdpPath]]:
+    """A sender and a receiver (UDP_GRO on) on loopback, ephemeral ports."""
+    tx = UdpPath("127.0.0.1", 0)
+    rx = UdpPath("127.0.0.1", 0)
+    try:
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _drain(rx: UdpPath, expect_bytes: int) -> list[tuple[bytes, int]]:
+    """(buffer, GRO segment size) of everything that arrives, until
+    `expect_bytes` have (loopback delivers at once; the wait is a safety net)."""
+    got: list[tuple[bytes, int]] = []
+    total = 0
+    while total < expect_bytes:
+        ready, _, _ = select.select([rx.sock], [], [], 5.0)
+        assert ready, f"only {total} of {expect_bytes} bytes arrived"
+        for data, seg, _src in rx.receive_buffers(256):
+            got.append((data, seg))
+            total += len(data)
+    return got
+
+
+def _split(bufs: list[tuple[bytes, int]]) -> list[bytes]:
+    out: list[bytes] = []
+    for data, seg in bufs:
+        if seg and seg < len(data):
+            out += [data[i : i + seg] for i in range(0, len(data), seg)]
+        else:
+            out.append(data)
+    return out
+
+
+def _mix(seed: int) -> list[bytes]:
+    """Runs of equal sizes (long and short ones, jumbo and small), a shorter
+    last datagram after some runs, a longer one after others, single ones."""
+    rng = random.Random(seed)
+    out: list[bytes] = []
+    while sum(map(len, out)) < 2_000_000:  # well within the receiver's 8 MB buffer
+        size = rng.choice((64, 100, 1472, 8972, 9000, 20000, 40000))
+        run = min(rng.choice((1, 2, 6, 7, 8, 45, 70)), 300_000 // size + 1)
+        out += [rng.randbytes(size) for _ in range(run)]
+        tail = rng.random()
+        if tail < 0.3:
+            out.append(rng.randbytes(rng.randrange(1, size)))  # a shorter last one
+        elif tail < 0.5:
+            out.append(rng.randbytes(min(65000, size + rng.randrange(1, 500))))
+    return out
+
+
+def _send(tx: UdpPath, rx: UdpPath, dgs: list[bytes], native: bool) -> list[tuple[bytes, int]]:
+    """Send `dgs` natively or not; what arrived (buffers and GRO segment
+    sizes) and, last, the sendmsg count."""
+    tx.native = native
+    calls = tx.sendmsg_calls
+    assert tx.send(dgs, ("127.0.0.1", rx.sock.getsockname()[1]), 0x88) == len(dgs)
+    bufs = _drain(rx, sum(map(len, dgs)))
+    assert _split(bufs) == dgs
+    return [(b, seg) for b, seg in bufs] + [(b"calls", tx.sendmsg_calls - calls)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_sends_the_same_super_datagrams_as_the_python_loop(
+    pair: tuple[UdpPath, UdpPath], seed: int
+) -> None:
+    tx, rx = pair
+    assert transport._udp is not None, "dlcp.daemon._udp was not built: pip install -e . builds it"
+    dgs = _mix(seed)
+    by_c = _send(tx, rx, dgs, native=True)
+    by_py = _send(tx, rx, dgs, native=False)
+    assert [(len(b), s) for b, s in by_c] == [(len(b), s) for b, s in by_py]
+    assert by_c == by_py
+    assert [len(b) for b, _ in by_c[:-1]] == _groups(dgs)
+    assert by_c[-1] == (b"calls", len(_groups(dgs)))
+
+
+def _groups(dgs: list[bytes]) -> list[int]:
+    """Bytes of each super-datagram the rule makes: a run of equal sizes, plus
+    one shorter datagram after it, within MAX_GSO_SEGMENTS and MAX_GSO_BYTES."""
+    out: list[int] = []
+    i = 0
+    while i < len(dgs):
+        size = len(dgs[i])
+        limit = min(MAX_GSO_SEGMENTS, max(1, MAX_GSO_BYTES // size))
+        j = i + 1
+        while j - i < limit and j < len(dgs) and len(dgs[j]) == size:
+            j += 1
+        if j - i < limit and j < len(dgs) and len(dgs[j]) < size:
+            j += 1
+        out.append(sum(map(len, dgs[i:j])))
+        i = j
+    assert len(out) < len(dgs), "the mix has nothing to group"
+    return out
+
+
+def test_without_gso_every_datagram_goes_alone(pair: tuple[UdpPath, UdpPath]) -> None:
+    tx, rx = pair
+    tx.gso = False
+    dgs = [bytes([i]) * 1000 for i in range(50)]
+    by_c = _send(tx, rx, dgs, native=True)
+    assert by_c[-1] == (b"calls", 50)
+    assert all(seg in (0, len(b)) for b, seg in by_c[:-1])
+
+
+def test_a_datagram_too_large_for_udp_is_dropped_and_counted_the_rest_go(
+    pair: tuple[UdpPath, UdpPath],
+) -> None:
+    tx, rx = pair
+    port = rx.sock.getsockname()[1]
+    dgs = [b"a" * 9000] * 5 + [b"x" * 65508] + [b"b" * 9000] * 5
+    for native in (True, False):
+        tx.native = native
+        drops = tx.oversize_drops
+        assert tx.send(dgs, ("127.0.0.1", port), 0) == len(dgs)
+        assert tx.oversize_drops == drops + 1
+        assert _split(_drain(rx, 10 * 9000)) == dgs[:5] + dgs[6:]
+
+
+def test_a_destination_by_name_goes_through_python(pair: tuple[UdpPath, UdpPath]) -> None:
+    tx, rx = pair
+    port = rx.sock.getsockname()[1]
+    dgs = [b"n" * 3000] * 10
+    assert tx.send(dgs, ("localhost", port), 0) == 10
+    assert _split(_drain(rx, 30000)) == dgs
+    assert tx._dests[("localhost", port)] is None
+
+
+def test_bad_arguments_raise() -> None:
+    udp = transport._udp
+    assert udp is not None, "dlcp.daemon._udp was not built: pip install -e . builds it"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with pytest.raises(ValueError):
+            udp.send_gso(s.fileno(), [b"x"], 0, b"\x7f\0\0", 9, 0, True, 65507)
+        with pytest.raises(IndexError):
+            udp.send_gso(s.fileno(), [b"x"], 2, b"\x7f\0\0\1", 9, 0, True, 65507)
+        with pytest.raises(TypeError):
+            udp.send_gso(s.fileno(), [b"x", 3], 0, b"\x7f\0\0\1", 9, 0, True, 65507)
+        with pytest.raises(TypeError):
+            udp.send_gso(s.fileno(), (b"x",), 0, b"\x7f\0\0\1", 9, 0, True, 65507)
+    finally:
+        s.close()
