@@ -14,6 +14,7 @@ code they replaced (tests/receive_reference.py), datagram for datagram:
 
 from __future__ import annotations
 
+import os
 import struct
 from collections import Counter
 from collections.abc import Sequence
@@ -23,8 +24,9 @@ import numpy as np
 import pytest
 
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, _sources
+from dlcp.daemon import transport
 from dlcp.daemon.server import Daemon
-from dlcp.daemon.transport import UdpPath
+from dlcp.daemon.transport import Split, UdpPath, split_gro
 from dlcp.wire import Codec, Flags, PacketType
 from dlcp.wire.batch import decode_batch
 from dlcp.wire.header import HEADER_SIZE, Header
@@ -235,12 +237,20 @@ class _Loop:
 
 
 class _Path:
-    def __init__(self, buffers: list[tuple[bytes, int, str]]) -> None:
+    """Buffers as recvmsg returned them; `receive_split` splits them in Python
+    (`transport.split_gro`) or, with `native`, in C (`_udp.split_gro`)."""
+
+    def __init__(self, buffers: list[tuple[bytes, int, str]], native: bool = False) -> None:
         self.buffers = buffers
+        self.native = native
 
     def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
         out, self.buffers = self.buffers[:budget], self.buffers[budget:]
         return out
+
+    def receive_split(self, budget: int = 64) -> list[Split]:
+        split = transport._udp.split_gro if self.native else split_gro
+        return [(*split(data, seg), src) for data, seg, src in self.receive_buffers(budget)]
 
     def receive(self, budget: int = 64) -> Any:
         return UdpPath.receive(self, budget)  # type: ignore[arg-type]
@@ -305,8 +315,12 @@ def _buffers(rng: np.random.Generator, n: int) -> list[tuple[bytes, int, str]]:
     return out
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("seed", range(8))
-def test_daemon_receive_matches_the_reference(seed: int) -> None:
+def test_daemon_receive_matches_the_reference(seed: int, native: bool) -> None:
+    if native and transport._udp is None:
+        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.daemon._udp was not built"
+        pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
     rng = np.random.default_rng(seed)
     buffers = _buffers(rng, 300)
     logs: list[list[Any]] = [[], []]
@@ -314,7 +328,7 @@ def test_daemon_receive_matches_the_reference(seed: int) -> None:
     for cut in range(0, len(buffers), 40):
         part = buffers[cut : cut + 40]
         reference_receive(daemons[0], _Path(part))
-        Daemon._receive(daemons[1], _Path(part))  # type: ignore[arg-type]
+        Daemon._receive(daemons[1], _Path(part, native))  # type: ignore[arg-type]
     assert logs[1] == logs[0]
     assert daemons[1].daemon_rejects == daemons[0].daemon_rejects
     assert daemons[1].counters == daemons[0].counters

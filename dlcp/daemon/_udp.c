@@ -1,4 +1,4 @@
-/* Many UDP GSO sends in one call (dlcp.daemon._udp).
+/* Many UDP GSO sends in one call, and GRO receives split (dlcp.daemon._udp).
  *
  * `UdpPath.send` hands the kernel one GSO super-datagram per sendmsg: up to
  * 64 KB, so 7 datagrams at MTU 9000 and 45 at 1500. The outbox now hands it
@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/ip.h>
 #include <string.h>
@@ -30,6 +31,9 @@
 #endif
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
 #endif
 
 #define MAX_SEGMENTS 64   /* transport.MAX_GSO_SEGMENTS */
@@ -185,15 +189,223 @@ send_gso(PyObject *self, PyObject *args)
     return Py_BuildValue("nni", sent, messages, err);
 }
 
+/* -- receive ------------------------------------------------------------- */
+
+#define HEADER_SIZE 64 /* dlcp.wire.header.HEADER_SIZE */
+#define RECV_SIZE 65535
+
+/* What `_receive` needs of one GRO buffer (see transport.split_gro, the
+ * Python definition): (segments as memoryviews, bytes, datagrams with a whole
+ * header, their job: one int when they all name the same one (-1 when there
+ * are none), else the list of each one's, their type bytes). */
+static PyObject *
+split_buffer(PyObject *data, Py_ssize_t seg)
+{
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(data);
+    Py_ssize_t size = PyBytes_GET_SIZE(data);
+    PyObject *mv = PyMemoryView_FromObject(data);
+    if (mv == NULL)
+        return NULL;
+    PyObject *segs;
+    Py_ssize_t k;
+    if (seg <= 0 || seg >= size) {
+        k = 1;
+        seg = size;
+        segs = PyList_New(1);
+        if (segs == NULL) {
+            Py_DECREF(mv);
+            return NULL;
+        }
+        PyList_SET_ITEM(segs, 0, mv); /* steals */
+    } else {
+        k = (size + seg - 1) / seg;
+        segs = PyList_New(k);
+        if (segs == NULL) {
+            Py_DECREF(mv);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
+            PyObject *v = PySequence_GetSlice(mv, a, b);
+            if (v == NULL) {
+                Py_DECREF(segs);
+                Py_DECREF(mv);
+                return NULL;
+            }
+            PyList_SET_ITEM(segs, i, v);
+        }
+        Py_DECREF(mv);
+    }
+    Py_ssize_t last = size - (k - 1) * seg;
+    Py_ssize_t full = seg < HEADER_SIZE ? 0 : (last >= HEADER_SIZE ? k : k - 1);
+    PyObject *ids = NULL, *kinds = NULL;
+    if (full == 0) {
+        ids = PyLong_FromLong(-1);
+        kinds = PyBytes_FromStringAndSize(NULL, 0);
+    } else {
+        kinds = PyBytes_FromStringAndSize(NULL, full);
+        uint32_t first = 0;
+        int same = 1;
+        for (Py_ssize_t i = 0; i < full && kinds != NULL; i++) {
+            const unsigned char *h = p + i * seg;
+            uint32_t job = ((uint32_t)h[8] << 24) | ((uint32_t)h[9] << 16) |
+                           ((uint32_t)h[10] << 8) | (uint32_t)h[11];
+            if (i == 0)
+                first = job;
+            else if (job != first)
+                same = 0;
+            PyBytes_AS_STRING(kinds)[i] = (char)h[3];
+        }
+        if (same) {
+            ids = PyLong_FromUnsignedLong(first);
+        } else {
+            ids = PyList_New(full);
+            for (Py_ssize_t i = 0; i < full && ids != NULL; i++) {
+                const unsigned char *h = p + i * seg;
+                uint32_t job = ((uint32_t)h[8] << 24) | ((uint32_t)h[9] << 16) |
+                               ((uint32_t)h[10] << 8) | (uint32_t)h[11];
+                PyObject *j = PyLong_FromUnsignedLong(job);
+                if (j == NULL) {
+                    Py_CLEAR(ids);
+                    break;
+                }
+                PyList_SET_ITEM(ids, i, j);
+            }
+        }
+    }
+    if (ids == NULL || kinds == NULL) {
+        Py_XDECREF(ids);
+        Py_XDECREF(kinds);
+        Py_DECREF(segs);
+        return NULL;
+    }
+    return Py_BuildValue("(NnnNN)", segs, size, full, ids, kinds);
+}
+
+static PyObject *
+split_gro(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *data;
+    Py_ssize_t seg;
+    if (!PyArg_ParseTuple(args, "O!n", &PyBytes_Type, &data, &seg))
+        return NULL;
+    return split_buffer(data, seg);
+}
+
+/* recv_gro(fd, budget): up to `budget` recvmsg calls, what `split_gro` makes
+ * of each buffer, with the source IP appended: a list of (segments, bytes,
+ * full, ids, kinds, source). */
+static PyObject *
+recv_gro(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd, budget;
+    if (!PyArg_ParseTuple(args, "ii", &fd, &budget))
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    PyObject *src = NULL; /* the last source's string, reused while it repeats */
+    struct in_addr src_addr;
+    memset(&src_addr, 0, sizeof src_addr);
+    for (int call = 0; call < budget; call++) {
+        PyObject *data = PyBytes_FromStringAndSize(NULL, RECV_SIZE);
+        if (data == NULL)
+            goto fail;
+        struct sockaddr_in sa;
+        struct iovec iov = {PyBytes_AS_STRING(data), RECV_SIZE};
+        union {
+            char buf[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr align;
+        } ctrl;
+        struct msghdr h;
+        memset(&h, 0, sizeof h);
+        h.msg_name = &sa;
+        h.msg_namelen = sizeof sa;
+        h.msg_iov = &iov;
+        h.msg_iovlen = 1;
+        h.msg_control = ctrl.buf;
+        h.msg_controllen = sizeof ctrl.buf;
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = recvmsg(fd, &h, 0);
+        Py_END_ALLOW_THREADS
+        if (n < 0) {
+            int e = errno;
+            Py_DECREF(data);
+            if (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)
+                break;
+            if (e == ECONNREFUSED) /* ICMP from an earlier send */
+                continue;
+            errno = e;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+        if (_PyBytes_Resize(&data, n) < 0)
+            goto fail;
+        Py_ssize_t seg = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&h); c != NULL; c = CMSG_NXTHDR(&h, c)) {
+            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                int v = 0;
+                memcpy(&v, CMSG_DATA(c), c->cmsg_len - CMSG_LEN(0) < sizeof v
+                                             ? c->cmsg_len - CMSG_LEN(0)
+                                             : sizeof v);
+                seg = v;
+            }
+        }
+        if (src == NULL || sa.sin_addr.s_addr != src_addr.s_addr) {
+            char text[INET_ADDRSTRLEN];
+            if (inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text) == NULL) {
+                Py_DECREF(data);
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+            Py_XDECREF(src);
+            src = PyUnicode_FromString(text);
+            if (src == NULL) {
+                Py_DECREF(data);
+                goto fail;
+            }
+            src_addr = sa.sin_addr;
+        }
+        PyObject *parts = split_buffer(data, seg);
+        Py_DECREF(data);
+        if (parts == NULL)
+            goto fail;
+        PyObject *item = Py_BuildValue("(OOOOOO)", PyTuple_GET_ITEM(parts, 0),
+                                       PyTuple_GET_ITEM(parts, 1), PyTuple_GET_ITEM(parts, 2),
+                                       PyTuple_GET_ITEM(parts, 3), PyTuple_GET_ITEM(parts, 4), src);
+        Py_DECREF(parts);
+        if (item == NULL)
+            goto fail;
+        int r = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (r < 0)
+            goto fail;
+    }
+    Py_XDECREF(src);
+    return out;
+fail:
+    Py_XDECREF(src);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"send_gso", send_gso, METH_VARARGS,
      "send_gso(fd, datagrams, start, addr4, port, tos, gso, gso_max_size) -> "
      "(datagrams sent, messages sent, errno or 0)"},
+    {"split_gro", split_gro, METH_VARARGS,
+     "split_gro(data: bytes, seg) -> (segments, bytes, full, ids, kinds)"},
+    {"recv_gro", recv_gro, METH_VARARGS,
+     "recv_gro(fd, budget) -> [(segments, bytes, full, ids, kinds, source)]"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_udp", "UDP GSO sends in batches of sendmmsg", -1, methods,
+    PyModuleDef_HEAD_INIT, "_udp", "UDP GSO sends in batches of sendmmsg, GRO receives split", -1,
+    methods,
 };
 
 PyMODINIT_FUNC

@@ -37,8 +37,7 @@ from dlcp.daemon.transport import UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
 from dlcp.wire import mac
-from dlcp.wire.batch import split_segments
-from dlcp.wire.header import HEADER_SIZE, Codec, PacketType, header_of_valid, lane_bytes
+from dlcp.wire.header import Codec, PacketType, header_of_valid, lane_bytes
 
 __all__ = ["Daemon", "RequestError"]
 
@@ -50,7 +49,6 @@ _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _NACK = int(PacketType.NACK)
 _ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
 _ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
-_JOB_IDS = np.dtype(">u4")  # the header's job field (bytes 8-11)
 FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
 _INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
@@ -317,35 +315,30 @@ class Daemon:
         sizes: list[int] = []
         groups: list[tuple[JobState | None, int | None]] = []  # (job, node) of a run of `dgs`
         runs: list[int] = []  # datagrams of each group
-        for data, seg, src in path.receive_buffers(_RX_BUDGET):
-            size = len(data)
-            segs = split_segments(data, seg)
-            if len(segs) == 1:  # one datagram, however long
-                seg = size
+        # per buffer (transport.Split): its datagrams, bytes, how many have a
+        # whole header (all but a shorter last one, or none), their job (a list
+        # when they name more than one) and type bytes, the source
+        for segs, size, full, ids, types, src in path.receive_split(_RX_BUDGET):
             k = len(segs)
             rx += k
             rx_bytes += size
-            last = size - (k - 1) * seg
-            # datagrams with a whole header: none if the segments are shorter,
-            # else all but a shorter last one
-            full = 0 if seg < HEADER_SIZE else k if last >= HEADER_SIZE else k - 1
             if full:
-                ids: list[int] = np.ndarray((full,), _JOB_IDS, data, 8, (seg,)).tolist()
-                if ids.count(ids[0]) != full:  # more than one job: datagram by datagram
+                if isinstance(ids, list):  # more than one job: datagram by datagram
                     self._receive_mixed(segs, ids, src, dgs, nodes, kinds, sizes, groups, runs)
                     continue
-                job = jobs.get(ids[0])
+                job = jobs.get(ids)
                 node = None
                 if job is not None:
                     node = job.node_of.get(src)
                     if node is None:
                         self.daemon_rejects["bad_address"] += full
                 if job is None or node is not None:
+                    seg = len(segs[0])
                     dgs += segs[:full]
                     nodes += [node] * full
-                    kinds.append(data[3 : (full - 1) * seg + 4 : seg])
+                    kinds.append(types)
                     sizes += [seg] * (full - 1)
-                    sizes.append(last if full == k else seg)
+                    sizes.append(len(segs[-1]) if full == k else seg)
                     groups.append((job, node))
                     runs.append(full)
             for dg in segs[full:]:  # truncated datagrams: the engine counts them

@@ -16,14 +16,17 @@ import socket
 import struct
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 from dlcp.wire.batch import split_segments
+from dlcp.wire.header import HEADER_SIZE
 
 try:
     from dlcp.daemon import _udp  # type: ignore[attr-defined]
 except ImportError:  # not built: one sendmsg per super-datagram, from Python
     _udp = None
 
-__all__ = ["MAX_GSO_SEGMENTS", "NATIVE_SEND", "UdpPath"]
+__all__ = ["MAX_GSO_SEGMENTS", "NATIVE_RECV", "NATIVE_SEND", "Split", "UdpPath", "split_gro"]
 
 SOL_UDP = 17
 UDP_SEGMENT = 103
@@ -39,6 +42,36 @@ _CMSG_SPACE = socket.CMSG_SPACE(_INT.size)
 # DLCP_NATIVE_SEND=0 turns it off.
 NATIVE_SEND = _udp is not None and os.environ.get("DLCP_NATIVE_SEND", "1") != "0"
 _SENT_ALL = 0
+# ... and receives: recvmsg and `split_gro` in one C call per readable event
+# (DLCP_NATIVE_RECV=0 turns it off).
+NATIVE_RECV = _udp is not None and os.environ.get("DLCP_NATIVE_RECV", "1") != "0"
+_JOB_IDS = np.dtype(">u4")  # the header's job field (bytes 8-11)
+
+# One GRO buffer as the daemon takes it: its datagrams (memoryviews), its
+# bytes, how many of the datagrams hold a whole header (all but a shorter
+# last one, or none), the job those name (one int when they all name the same
+# one, -1 when there are none, else the list of each one's), their type
+# bytes, and the source IP.
+Split = tuple[list[memoryview], int, int, "int | list[int]", bytes, str]
+
+
+def split_gro(data: bytes, seg: int) -> tuple[list[memoryview], int, int, int | list[int], bytes]:
+    """`Split` of a buffer from recvmsg (`seg`: its GRO segment size, 0: none),
+    less the source. The definition `_udp.split_gro` is held to."""
+    segs = split_segments(data, seg)
+    size = len(data)
+    k = len(segs)
+    if k == 1:  # one datagram, however long
+        seg = size
+    last = size - (k - 1) * seg
+    full = 0 if seg < HEADER_SIZE else k if last >= HEADER_SIZE else k - 1
+    if not full:
+        return segs, size, 0, -1, b""
+    ids: list[int] = np.ndarray((full,), _JOB_IDS, data, 8, (seg,)).tolist()
+    job: int | list[int] = ids[0] if ids.count(ids[0]) == full else ids
+    return segs, size, full, job, data[3 : (full - 1) * seg + 4 : seg]
+
+
 _FULL = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS))
 
 
@@ -80,6 +113,7 @@ class UdpPath:
                 pass
         self.gso_max_size = 65507  # largest segment GSO batching was accepted for
         self.native = NATIVE_SEND
+        self.native_recv = NATIVE_RECV
         self._dests: dict[tuple[str, int], tuple[bytes, int] | None] = {}
         self.oversize_drops = 0
         self.sendmsg_calls = 0
@@ -200,6 +234,14 @@ class UdpPath:
             out.append((data, seg, addr[0]))
         self.recvmsg_calls += len(out)
         return out
+
+    def receive_split(self, budget: int = 64) -> list[Split]:
+        """`receive_buffers`, each buffer as `split_gro` makes it, with its source."""
+        if self.native_recv:
+            out: list[Split] = _udp.recv_gro(self.sock.fileno(), budget)
+            self.recvmsg_calls += len(out)
+            return out
+        return [(*split_gro(data, seg), src) for data, seg, src in self.receive_buffers(budget)]
 
     def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
         """Datagrams waiting on the socket (GRO super-datagrams split), with source IP."""

@@ -1,9 +1,17 @@
-"""`UdpPath.send` in C (dlcp/daemon/_udp.c: batches of sendmmsg) against its
-Python loop (one sendmsg per super-datagram): over loopback, the same
-datagrams arrive in the same order, cut into the same GSO super-datagrams
-(seen by a receiver with UDP_GRO, which gets each one whole), with the same
-sendmsg count, and the errors the Python loop deals with (a datagram too large
-for UDP, a destination given by name) are dealt with the same way.
+"""The UDP paths' C parts (dlcp/daemon/_udp.c) against their Python
+definitions in dlcp.daemon.transport:
+
+- `UdpPath.send` (batches of sendmmsg) against its Python loop (one sendmsg
+  per super-datagram): over loopback, the same datagrams arrive in the same
+  order, cut into the same GSO super-datagrams (seen by a receiver with
+  UDP_GRO, which gets each one whole), with the same sendmsg count, and the
+  errors the Python loop deals with (a datagram too large for UDP, a
+  destination given by name) are dealt with the same way;
+- `_udp.split_gro` against `transport.split_gro` on GRO buffers of every
+  shape (segment sizes around the header's, shorter last datagrams, single
+  datagrams, several jobs in one buffer), and `UdpPath.receive_split` in C
+  (recvmsg and the split in one call) against recvmsg and the Python split
+  over loopback.
 
 The project's install builds the extension (setup.py), so its absence fails
 here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
@@ -20,7 +28,8 @@ from collections.abc import Iterator
 import pytest
 
 from dlcp.daemon import transport
-from dlcp.daemon.transport import MAX_GSO_BYTES, MAX_GSO_SEGMENTS, UdpPath
+from dlcp.daemon.transport import MAX_GSO_BYTES, MAX_GSO_SEGMENTS, UdpPath, split_gro
+from dlcp.wire.header import HEADER_SIZE
 
 if transport._udp is None and os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1":
     pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)", allow_module_level=True)
@@ -171,3 +180,72 @@ def test_bad_arguments_raise() -> None:
             udp.send_gso(s.fileno(), (b"x",), 0, b"\x7f\0\0\1", 9, 0, True, 65507)
     finally:
         s.close()
+
+
+def _gro_buffers(seed: int) -> list[tuple[bytes, int]]:
+    """(buffer, GRO segment size) of every shape `split_gro` meets."""
+    rng = random.Random(seed)
+    out: list[tuple[bytes, int]] = [(b"", 0), (b"x", 0), (b"y" * 63, 0), (b"z" * 64, 64)]
+    for _ in range(300):
+        seg = rng.choice((1, 5, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 1, 100, 1500, 8972))
+        k = rng.choice((1, 1, 2, 7, 45))
+        jobs = [rng.choice((7, 7, 7, 0xDEADBEEF))] * k if rng.random() < 0.7 else None
+        parts = []
+        for i in range(k):
+            dg = bytearray(rng.randbytes(seg))
+            if len(dg) >= 12:
+                job = jobs[i] if jobs else rng.choice((7, 8, 0xFFFFFFFF))
+                dg[8:12] = job.to_bytes(4, "big")
+            parts.append(bytes(dg))
+        if rng.random() < 0.4:  # a shorter last one, sometimes without a whole header
+            parts[-1] = parts[-1][: rng.choice((1, 11, HEADER_SIZE - 1, HEADER_SIZE, seg - 1))]
+        data = b"".join(parts)
+        gro = rng.choice((0, seg)) if k == 1 else seg
+        out.append((data, gro if rng.random() < 0.9 else len(data)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_native_split_is_the_python_split(seed: int) -> None:
+    udp = transport._udp
+    assert udp is not None, "dlcp.daemon._udp was not built: pip install -e . builds it"
+    kinds = set()
+    for data, seg in _gro_buffers(seed):
+        want = split_gro(data, seg)
+        got = udp.split_gro(data, seg)
+        assert [bytes(v) for v in got[0]] == [bytes(v) for v in want[0]], (len(data), seg)
+        assert got[1:] == want[1:], (len(data), seg)
+        assert all(isinstance(v, memoryview) and v.obj is data for v in got[0])
+        kinds.add((want[2] > 0, isinstance(want[3], list), want[2] == len(want[0])))
+    # none full; one job, all full; one job, a short last; several jobs
+    assert {(False, False, False), (True, False, True), (True, False, False)} <= kinds
+    assert any(several for _, several, _ in kinds)
+
+
+def test_native_receive_is_recvmsg_and_the_python_split(pair: tuple[UdpPath, UdpPath]) -> None:
+    tx, rx = pair
+    port = rx.sock.getsockname()[1]
+    assert transport._udp is not None, "dlcp.daemon._udp was not built: pip install -e . builds it"
+    got: dict[bool, list[object]] = {}
+    for native in (True, False):
+        rx.native_recv = native
+        sent = 0
+        for data, seg in _gro_buffers(9)[4:60]:
+            if not data:
+                continue
+            dgs = [data[i : i + seg] for i in range(0, len(data), seg)] if seg else [data]
+            assert tx.send(dgs, ("127.0.0.1", port), 0) == len(dgs)
+            sent += len(data)
+        out: list[object] = []
+        total = 0
+        calls = rx.recvmsg_calls
+        while total < sent:
+            ready, _, _ = select.select([rx.sock], [], [], 5.0)
+            assert ready, f"only {total} of {sent} bytes arrived"
+            for segs, size, full, ids, kinds, src in rx.receive_split(7):
+                out.append(([bytes(v) for v in segs], size, full, ids, kinds, src))
+                total += size
+        assert rx.recvmsg_calls - calls == len(out)
+        got[native] = out
+    assert got[True] == got[False]
+    assert {src for *_, src in got[True]} == {"127.0.0.1"}  # type: ignore[misc]
