@@ -1,15 +1,17 @@
 """The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL),
 dlcp.daemon._keys (the outbox's packet identities) and dlcp.daemon._udp (GSO
-sends in batches of sendmmsg).
+sends in batches of sendmmsg, GRO receives split).
 
-Everything else is in pyproject.toml. Both are optional: without a C compiler
+Everything else is in pyproject.toml. All three are optional: without a C compiler
 or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the
 `cryptography` package (the same tags, slower; `dlcp status` and the daemon's
 log say which one runs), the outbox to its Python definitions and the UDP
-paths to one sendmsg per GSO super-datagram.
+paths to one sendmsg per GSO super-datagram and a Python split of receives.
 """
 
 from setuptools import Extension, setup
+
+_CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"]
 
 setup(
     ext_modules=[
@@ -17,19 +19,19 @@ setup(
             "dlcp.wire._ghash",
             sources=["dlcp/wire/_ghash.c"],
             libraries=["crypto"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+            extra_compile_args=_CFLAGS,
             optional=True,
         ),
         Extension(
             "dlcp.daemon._keys",
             sources=["dlcp/daemon/_keys.c"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+            extra_compile_args=_CFLAGS,
             optional=True,
         ),
         Extension(
             "dlcp.daemon._udp",
             sources=["dlcp/daemon/_udp.c"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+            extra_compile_args=_CFLAGS,
             optional=True,
         ),
     ]

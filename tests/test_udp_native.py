@@ -91,7 +91,7 @@ def _mix(seed: int) -> list[bytes]:
 def _send(tx: UdpPath, rx: UdpPath, dgs: list[bytes], native: bool) -> list[tuple[bytes, int]]:
     """Send `dgs` natively or not; what arrived (buffers and GRO segment
     sizes) and, last, the sendmsg count."""
-    tx.native = native
+    tx.native_send = native
     calls = tx.sendmsg_calls
     assert tx.send(dgs, ("127.0.0.1", rx.sock.getsockname()[1]), 0x88) == len(dgs)
     bufs = _drain(rx, sum(map(len, dgs)))
@@ -149,7 +149,7 @@ def test_a_datagram_too_large_for_udp_is_dropped_and_counted_the_rest_go(
     port = rx.sock.getsockname()[1]
     dgs = [b"a" * 9000] * 5 + [b"x" * 65508] + [b"b" * 9000] * 5
     for native in (True, False):
-        tx.native = native
+        tx.native_send = native
         drops = tx.oversize_drops
         assert tx.send(dgs, ("127.0.0.1", port), 0) == len(dgs)
         assert tx.oversize_drops == drops + 1

@@ -8,6 +8,10 @@
  * sendmmsg(2), the GIL released; the Python loop in transport.py stays the
  * reference and the fallback (and handles every error but a full socket).
  *
+ * recv_gro(fd, budget) makes a readable event's recvmsg calls and splits each
+ * GRO buffer (split_gro: datagram views, job ids, type bytes) for
+ * `Daemon._receive`; transport.split_gro is its Python definition.
+ *
  * send_gso(fd, datagrams, start, addr4, port, tos, gso, gso_max_size)
  *   datagrams: a list of bytes-like objects; sends datagrams[start:] to the
  *   IPv4 address addr4 (4 bytes, network order) and port. Consecutive
@@ -198,6 +202,14 @@ send_gso(PyObject *self, PyObject *args)
  * Python definition): (segments as memoryviews, bytes, datagrams with a whole
  * header, their job: one int when they all name the same one (-1 when there
  * are none), else the list of each one's, their type bytes). */
+/* The job field (header bytes 8..11, big endian) of the datagram at h. */
+static uint32_t
+job_at(const unsigned char *h)
+{
+    return ((uint32_t)h[8] << 24) | ((uint32_t)h[9] << 16) | ((uint32_t)h[10] << 8) |
+           (uint32_t)h[11];
+}
+
 static PyObject *
 split_buffer(PyObject *data, Py_ssize_t seg)
 {
@@ -248,8 +260,7 @@ split_buffer(PyObject *data, Py_ssize_t seg)
         int same = 1;
         for (Py_ssize_t i = 0; i < full && kinds != NULL; i++) {
             const unsigned char *h = p + i * seg;
-            uint32_t job = ((uint32_t)h[8] << 24) | ((uint32_t)h[9] << 16) |
-                           ((uint32_t)h[10] << 8) | (uint32_t)h[11];
+            uint32_t job = job_at(h);
             if (i == 0)
                 first = job;
             else if (job != first)
@@ -261,10 +272,7 @@ split_buffer(PyObject *data, Py_ssize_t seg)
         } else {
             ids = PyList_New(full);
             for (Py_ssize_t i = 0; i < full && ids != NULL; i++) {
-                const unsigned char *h = p + i * seg;
-                uint32_t job = ((uint32_t)h[8] << 24) | ((uint32_t)h[9] << 16) |
-                               ((uint32_t)h[10] << 8) | (uint32_t)h[11];
-                PyObject *j = PyLong_FromUnsignedLong(job);
+                PyObject *j = PyLong_FromUnsignedLong(job_at(p + i * seg));
                 if (j == NULL) {
                     Py_CLEAR(ids);
                     break;

@@ -639,15 +639,13 @@ class Outbox:
                     if pacer0 is not None:
                         room = max(BATCH_BYTES, min(room, int(pacer0.tokens(now))))
                     batch, sizes = _batch(q, room, FLUSH_COUNT)
-                else:
-                    batch, sizes = _batch(q)
-                if one:
                     sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
                     held, full = False, sent < len(batch)
                     if sent:
                         self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
                         ids, heads = _identities_heads(batch[:sent] if full else batch)
                 else:
+                    batch, sizes = _batch(q)
                     ids, heads = _identities_heads(batch)
                     sent, held, full = self._send(peer, batch, ids, heads, cls, waits, now)
                     if sent < len(ids):

@@ -1,10 +1,12 @@
 """UDP sockets of the daemon: one per local path address.
 
-Sends take a list of equal-sized datagrams for one destination and TOS byte
-and hand them to the kernel as one UDP_SEGMENT (GSO) super-datagram where the
-kernel allows it, else one sendmsg each. Receives use UDP_GRO: one recvmsg can
-return many coalesced datagrams plus their segment size. IP_TOS travels as
-ancillary data per sendmsg, so one socket serves every priority class.
+Sends take a list of datagrams for one destination and TOS byte and hand each
+run of equal-sized ones to the kernel as one UDP_SEGMENT (GSO) super-datagram
+where the kernel allows it, else one datagram per message; with the C part
+(dlcp/daemon/_udp.c) many messages go per sendmmsg call. Receives use UDP_GRO:
+one recvmsg can return many coalesced datagrams plus their segment size, split
+here (`split_gro`, or in C with the recvmsg calls). IP_TOS travels as
+ancillary data per message, so one socket serves every priority class.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _CMSG_SPACE = socket.CMSG_SPACE(_INT.size)
 # DLCP_NATIVE_SEND=0 turns it off.
 NATIVE_SEND = _udp is not None and os.environ.get("DLCP_NATIVE_SEND", "1") != "0"
 _SENT_ALL = 0
+_FULL = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS))
 # ... and receives: recvmsg and `split_gro` in one C call per readable event
 # (DLCP_NATIVE_RECV=0 turns it off).
 NATIVE_RECV = _udp is not None and os.environ.get("DLCP_NATIVE_RECV", "1") != "0"
@@ -70,9 +73,6 @@ def split_gro(data: bytes, seg: int) -> tuple[list[memoryview], int, int, int | 
     ids: list[int] = np.ndarray((full,), _JOB_IDS, data, 8, (seg,)).tolist()
     job: int | list[int] = ids[0] if ids.count(ids[0]) == full else ids
     return segs, size, full, job, data[3 : (full - 1) * seg + 4 : seg]
-
-
-_FULL = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS))
 
 
 class UdpPath:
@@ -112,7 +112,7 @@ class UdpPath:
             except OSError:
                 pass
         self.gso_max_size = 65507  # largest segment GSO batching was accepted for
-        self.native = NATIVE_SEND
+        self.native_send = NATIVE_SEND
         self.native_recv = NATIVE_RECV
         self._dests: dict[tuple[str, int], tuple[bytes, int] | None] = {}
         self.oversize_drops = 0
@@ -134,7 +134,7 @@ class UdpPath:
         UDP_SEGMENT super-datagram of at most MAX_GSO_SEGMENTS segments and
         MAX_GSO_BYTES bytes.
         """
-        if self.native and datagrams:
+        if self.native_send and datagrams:
             sent, done = self._send_native(datagrams, dest, tos)
             if done:
                 return sent
