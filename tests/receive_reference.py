@@ -183,7 +183,8 @@ def reference_receive(self: Any, path: Any) -> None:
             continue
         if kind == _NACK:
             h = header_of_valid(dg)
-            self.outbox.on_loss(peer, max(1, h.count), now)
+            if h.count:  # changed: a NACK asking only for the DONE counted as one lost packet
+                self.outbox.on_loss(peer, h.count, now)
             spec = job.spec
             self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
         elif kind in _ACKING:

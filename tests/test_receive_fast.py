@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, _sources
-from dlcp.daemon import transport
+from dlcp.daemon import server, transport
 from dlcp.daemon.server import Daemon
 from dlcp.daemon.transport import Split, UdpPath, split_gro
 from dlcp.wire import Codec, Flags, PacketType
@@ -206,6 +206,7 @@ class _Job:
 class _Outbox:
     def __init__(self, log: list[Any]) -> None:
         self.log = log
+        self.backlog: set[_Peer] = set()  # nothing to send: the full receive budget
 
     def on_loss(self, peer: _Peer, count: int, now: float) -> None:
         self.log.append(("loss", peer.name, count, now))
@@ -335,6 +336,32 @@ def test_daemon_receive_matches_the_reference(seed: int, native: bool) -> None:
     kinds = Counter(entry[0] for entry in logs[0])
     assert kinds["engine"] and kinds["nack"] and kinds["ack"], kinds
     assert daemons[0].daemon_rejects["bad_address"] > 0
+
+
+def test_a_nack_that_asks_only_for_the_done_reports_no_loss() -> None:
+    log: list[Any] = []
+    d = _daemon(log)
+    d.engine.receive_many = lambda dgs, now, nodes: np.arange(len(dgs))  # accept all
+    dgs = []
+    for count in (0, 3):
+        h = Header(PacketType.NACK, JOB_A, 1, 0, shard=1, flags=Flags.NEED_MANIFEST, count=count)
+        dgs.append(h.pack() + bytes(16) + bytes(4 * count))
+    for dg in dgs:
+        Daemon._receive(d, _Path([(dg, 0, "10.0.0.2")]))  # type: ignore[arg-type]
+    assert [e[0] for e in log] == ["nack", "loss", "nack"]
+    assert log[1][1:3] == ("a/1", 3)  # only the NACK that names packets counts them
+
+
+def test_a_daemon_with_datagrams_to_send_takes_one_flush_of_buffers_at_a_time() -> None:
+    rng = np.random.default_rng(0)
+    d = _daemon([])
+    path = _Path(_buffers(rng, 300))
+    Daemon._receive(d, path)  # type: ignore[arg-type]
+    assert len(path.buffers) == 300 - server._RX_BUDGET
+    d.outbox.backlog.add(object())  # the outbox has datagrams queued: sending comes first
+    Daemon._receive(d, path)  # type: ignore[arg-type]
+    assert len(path.buffers) == 300 - server._RX_BUDGET - server._RX_SENDING
+    assert 0 < server._RX_SENDING < server._RX_BUDGET
 
 
 def test_sources_with_and_without_unknown_ones() -> None:

@@ -53,6 +53,11 @@ FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
 _INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
 _RX_BUDGET = 256  # recvmsg calls per readable event before yielding to the loop
+# ... while the outbox has datagrams to send: about one flush (16 GRO buffers of
+# 64 KB; an outbox flush sends up to 1 MB). Draining 16 MB of arrivals per 1 MB
+# sent let the daemon that received more fall behind in sending, so that its
+# peer sat idle at the end of the data leg, waiting for the rest of its shard.
+_RX_SENDING = 16
 OpKey = tuple[int, int, int]
 
 
@@ -318,7 +323,8 @@ class Daemon:
         # per buffer (transport.Split): its datagrams, bytes, how many have a
         # whole header (all but a shorter last one, or none), their job (a list
         # when they name more than one) and type bytes, the source
-        for segs, size, full, ids, types, src in path.receive_split(_RX_BUDGET):
+        budget = _RX_SENDING if self.outbox.backlog else _RX_BUDGET
+        for segs, size, full, ids, types, src in path.receive_split(budget):
             k = len(segs)
             rx += k
             rx_bytes += size
@@ -412,7 +418,8 @@ class Daemon:
                 continue
             dg = dgs[i]
             h = header_of_valid(dg)
-            self.outbox.on_loss(peer, max(1, h.count), now)
+            if h.count:  # a NACK that only asks for the DONE names no lost packet
+                self.outbox.on_loss(peer, h.count, now)
             spec = job.spec
             self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
         acking = _ACKING[kind]
