@@ -14,7 +14,14 @@ samples too; BW_NATIVE=1: native frames too, pausing the daemon per sample)
 or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
 DIR/d<i>.perf). `--floor` adds the UDP floor (`run_floor`) between the two.
 BW_RATE="key = value;key = value" adds settings to the daemons' [rate] table
-(e.g. BW_RATE="min_rate_bps = 9e9" pins the pacing rate).
+(e.g. BW_RATE="min_rate_bps = 9e9" pins the pacing rate). BW_PIN=1 runs each
+namespace's processes (Gloo's rank i, dlcp's daemon i) on CPU i only: one
+core per emulated host, for both backends.
+
+The JSON has, per dlcp round, its wall time, each daemon's CPU seconds and
+seconds waiting runnable for a CPU (schedstat), and the machine's idle and
+softirq seconds (/proc/stat, 10 ms ticks): a round slower than its daemons'
+CPU time says the daemons waited, on each other or for a CPU.
 """
 
 from __future__ import annotations
@@ -77,7 +84,8 @@ def setup(mtu: int) -> None:
 
 def python_in(ns: int, *argv: str) -> list[str]:
     """argv running this Python in namespace NS[ns]."""
-    return ["ip", "netns", "exec", NS[ns], sys.executable, *argv]
+    pin = ["taskset", "-c", str(ns)] if os.environ.get("BW_PIN") else []
+    return ["ip", "netns", "exec", NS[ns], *pin, sys.executable, *argv]
 
 
 def teardown() -> None:
@@ -105,6 +113,35 @@ def peak_rss_mb(pid: int) -> float:
 def proc_cpu(pid: int) -> float:
     user, system, _ = proc_stat(pid)
     return user + system
+
+
+def system_cpu() -> dict[str, float]:
+    """Machine-wide CPU seconds by kind (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        v = [int(x) / os.sysconf("SC_CLK_TCK") for x in f.readline().split()[1:8]]
+    return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq"), v, strict=True))
+
+
+def run_delay(pid: int) -> float:
+    """Seconds a process has waited runnable for a CPU so far (schedstat)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+def round_split(
+    mark: tuple[list[float], dict[str, float], list[float]], pids: list[int], wall: float
+) -> dict:
+    """One round's wall time beside each daemon's CPU and the machine's idle
+    and softirq seconds in it (diagnostics: where a slow round's time went)."""
+    cpu0, sys0, wait0 = mark
+    sys1 = system_cpu()
+    return {
+        "wall_s": wall,
+        "daemon_cpu_s": [proc_cpu(p) - c for p, c in zip(pids, cpu0, strict=True)],
+        "runqueue_s": [run_delay(p) - w for p, w in zip(pids, wait0, strict=True)],
+        "idle_s": sys1["idle"] - sys0["idle"],
+        "softirq_s": sys1["softirq"] - sys0["softirq"],
+    }
 
 
 def run_gloo(elements: int, iters: int) -> dict:
@@ -303,7 +340,9 @@ def run_dlcp(
         pids = [d.pid for d in daemons]
         # the daemon is the child of `ip netns exec` (exec'd in place: same pid)
         cpu0 = sum(proc_cpu(p) for p in pids) + time.process_time()
+        per_round = []
         for it in range(iters + 1):
+            mark = ([proc_cpu(p) for p in pids], system_cpu(), [run_delay(p) for p in pids])
             t = time.perf_counter()
             futs = [
                 c.submit(
@@ -319,6 +358,7 @@ def run_dlcp(
             ]
             for f in futs:
                 f.result(300)
+            per_round.append(round_split(mark, pids, time.perf_counter() - t))
             if it == 0:  # warm-up
                 cpu0 = sum(proc_cpu(p) for p in pids) + time.process_time()
                 continue
@@ -351,7 +391,7 @@ def run_dlcp(
         for st, (user, system, minflt), peak in zip(stats, split, peaks, strict=True):
             # whole life, warm-up included
             st.update(user_s=user, sys_s=system, minflt=minflt, peak_rss_mb=peak)
-        return {"times_s": times, "cpu_s": cpu, "daemons": stats}
+        return {"times_s": times, "cpu_s": cpu, "daemons": stats, "rounds": per_round[1:]}
     finally:
         for d in daemons:
             d.terminate()
@@ -437,6 +477,7 @@ def main() -> int:
                     "cpu_s": r["cpu_s"],
                     "cpu_s_per_gb": r["cpu_s"] / moved_gb,
                     **({"daemons": r["daemons"]} if "daemons" in r else {}),
+                    **({"rounds": r["rounds"]} if "rounds" in r else {}),
                     **({"lost_bytes": r["lost_bytes"]} if "lost_bytes" in r else {}),
                 }
             )
