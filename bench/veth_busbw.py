@@ -117,8 +117,9 @@ def proc_cpu(pid: int) -> float:
 
 def system_cpu() -> dict[str, float]:
     """Machine-wide CPU seconds by kind (/proc/stat's first line)."""
+    tick = os.sysconf("SC_CLK_TCK")
     with open("/proc/stat") as f:
-        v = [int(x) / os.sysconf("SC_CLK_TCK") for x in f.readline().split()[1:8]]
+        v = [int(x) / tick for x in f.readline().split()[1:8]]
     return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq"), v, strict=True))
 
 
@@ -358,11 +359,12 @@ def run_dlcp(
             ]
             for f in futs:
                 f.result(300)
-            per_round.append(round_split(mark, pids, time.perf_counter() - t))
+            wall = time.perf_counter() - t  # before the diagnostics' /proc reads
+            per_round.append(round_split(mark, pids, wall))
             if it == 0:  # warm-up
                 cpu0 = sum(proc_cpu(p) for p in pids) + time.process_time()
                 continue
-            times.append(time.perf_counter() - t)
+            times.append(wall)
         cpu = sum(proc_cpu(p) for p in pids) + time.process_time() - cpu0
         split = [proc_stat(p) for p in pids]
         peaks = [peak_rss_mb(p) for p in pids]
