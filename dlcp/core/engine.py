@@ -53,6 +53,7 @@ __all__ = [
     "RoundComplete",
     "RoundFailed",
     "Send",
+    "SendBatch",
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
@@ -104,9 +105,7 @@ class JobSpec:
 
 
 class Send(NamedTuple):
-    """A datagram for node `node`, in priority class `priority`. (A named tuple:
-    one is made per datagram, and a dataclass's construction cost twice as
-    much, 5 % of the core at 1.4 KB payloads.)"""
+    """A datagram for node `node`, in priority class `priority`."""
 
     node: int
     datagram: bytes
@@ -115,21 +114,43 @@ class Send(NamedTuple):
     kind: str = "data"  # data | result | control: for metrics
 
 
-def _sends(
-    node: int, datagrams: list[bytes], priorities: list[int], droppable: Iterable[bool], kind: str
-) -> list[Send]:
-    """`Send(node, datagram, priority, droppable, kind)` for each datagram (made
-    by tuple.__new__ through map: no Python frame per packet, a third less time
-    than calling Send)."""
+class SendBatch(NamedTuple):
+    """Datagrams of one job for node `node`, in order, with their priority
+    classes and droppable flags (`droppable` None: none is droppable). The
+    engine hands out its datagrams in these: one per shard's run of packets, so
+    nothing downstream makes or reads an object per datagram."""
+
+    node: int
+    datagrams: list[bytes]
+    priorities: list[int]
+    droppable: list[bool] | None = None
+    kind: str = "data"  # data | result | control: for metrics
+
+    def sends(self) -> list[Send]:
+        """The batch as one `Send` per datagram."""
+        drop: Iterable[bool] = repeat(False) if self.droppable is None else self.droppable
+        return [
+            Send(self.node, dg, p, d, self.kind)
+            for dg, p, d in zip(self.datagrams, self.priorities, drop, strict=False)
+        ]
+
+
+def _batch(
+    node: int,
+    datagrams: list[bytes],
+    priorities: list[int],
+    droppable: list[bool] | None,
+    kind: str,
+) -> SendBatch:
     if len(priorities) != len(datagrams):
         raise ValueError(f"{len(datagrams)} datagrams but {len(priorities)} priorities")
-    return list(
-        map(
-            tuple.__new__,
-            repeat(Send),
-            zip(repeat(node), datagrams, priorities, droppable, repeat(kind)),
-        )
-    )
+    if droppable is not None and len(droppable) != len(datagrams):
+        raise ValueError(f"{len(datagrams)} datagrams but {len(droppable)} droppable flags")
+    return SendBatch(node, datagrams, priorities, droppable, kind)
+
+
+def _control(node: int, datagram: bytes) -> SendBatch:
+    return SendBatch(node, [datagram], [CONTROL_CLASS], None, "control")
 
 
 @dataclass
@@ -238,7 +259,7 @@ class Engine:
         self._closed_rounds: dict[int, dict[tuple[int, int], list[int]]] = {}
         self._pruned_at: dict[int, int] = {}
         self._newest: dict[int, int] = {}
-        self._out: list[Send] = []
+        self._out: list[SendBatch] = []
         self._events: deque[Event] = deque()
         self.stats: Counter[str] = Counter()
         self.rejects: Counter[Reason] = Counter()
@@ -281,9 +302,14 @@ class Engine:
         return self._keys
 
     # -- outputs ----------------------------------------------------------
-    def datagrams_to_send(self) -> list[Send]:
+    def send_batches(self) -> list[SendBatch]:
+        """The datagrams to send since the last call, in order, in batches."""
         out, self._out = self._out, []
         return out
+
+    def datagrams_to_send(self) -> list[Send]:
+        """`send_batches`, one `Send` per datagram."""
+        return [s for b in self.send_batches() for s in b.sends()]
 
     def next_event(self) -> Event | None:
         return self._events.popleft() if self._events else None
@@ -466,7 +492,7 @@ class Engine:
         lanes = c.lanes
         payloads = [lanes[a:b] for a, b in zip(starts, ends, strict=True)]
         dgs = encode_batch(h, payloads, self._mac(c.spec))
-        self._out += _sends(owner, dgs, prio.tolist(), drop.tolist(), "data")
+        self._out.append(_batch(owner, dgs, prio.tolist(), drop.tolist(), "data"))
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
     def _send_manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
@@ -489,12 +515,12 @@ class Engine:
         )
         dg = encode(header, bitmap, self._mac(c.spec))
         for _ in range(copies):
-            self._out.append(Send(owner, dg, CONTROL_CLASS, False, "control"))
+            self._out.append(_control(owner, dg))
 
     def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
         if only is None and f.datagrams is not None:  # the same datagrams to another receiver
             assert f.classes_sent is not None
-            self._out += _sends(node, f.datagrams, f.classes_sent, repeat(False), "result")
+            self._out.append(_batch(node, f.datagrams, f.classes_sent, None, "result"))
             self.stats["result_packets_sent"] += len(f.datagrams)
             return
         lay = f.layout
@@ -538,7 +564,7 @@ class Engine:
         classes = prio.tolist()
         if only is None:
             f.datagrams, f.classes_sent = dgs, classes
-        self._out += _sends(node, dgs, classes, repeat(False), "result")
+        self._out.append(_batch(node, dgs, classes, None, "result"))
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
     def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
@@ -557,7 +583,7 @@ class Engine:
         )
         dg = encode(header, b"", self._mac(f.spec))
         for _ in range(copies):
-            self._out.append(Send(node, dg, CONTROL_CLASS, False, "control"))
+            self._out.append(_control(node, dg))
 
     def _send_nack(self, spec: JobSpec, op: OpKey, lay: Layout, nack: Nack, result: bool) -> None:
         flags = Flags.RESULT_LEG if result else Flags.NONE
@@ -577,11 +603,7 @@ class Engine:
             total=lay.total,
         )
         payload = np.asarray(nack.packets, dtype=">u4").tobytes()
-        self._out.append(
-            Send(
-                nack.node, encode(header, payload, self._mac(spec)), CONTROL_CLASS, False, "control"
-            )
-        )
+        self._out.append(_control(nack.node, encode(header, payload, self._mac(spec))))
         self.stats["result_nacks_sent" if result else "data_nacks_sent"] += 1
 
     def _send_ack(self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int) -> None:
@@ -597,9 +619,7 @@ class Engine:
             sender=spec.me,
             total=lay.total,
         )
-        self._out.append(
-            Send(owner, encode(header, b"", self._mac(spec)), CONTROL_CLASS, False, "control")
-        )
+        self._out.append(_control(owner, encode(header, b"", self._mac(spec))))
 
     # -- receiving ----------------------------------------------------------
     def receive(
@@ -1146,7 +1166,10 @@ class Engine:
     def _poll_collector(self, op: OpKey, col: ResultCollector, now: float) -> None:
         spec = self.jobs[op[0]]
         for nack in col.poll(now):
-            self._send_nack(spec, op, col.layout, nack, result=True)
+            # This node's own shard reaches the collector from the aggregator
+            # here (`on_local`), never from the network: nothing to ask for.
+            if nack.node != spec.me:
+                self._send_nack(spec, op, col.layout, nack, result=True)
         self._check_complete(op, now)
 
     def _check_complete(self, op: OpKey, now: float) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from dlcp import ipc
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
-from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, Send
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, SendBatch
 from dlcp.core.layout import Layout
 from dlcp.daemon import notify
 from dlcp.daemon.config import Config
@@ -444,7 +444,7 @@ class Daemon:
         """Move the engine's output to the network and the ranks; re-arm timers."""
         now = self.now
         engine = self.engine
-        sends = engine.datagrams_to_send()
+        sends = engine.send_batches()
         if sends:
             self._enqueue(sends, now)
         while (ev := engine.next_event()) is not None:
@@ -463,29 +463,35 @@ class Daemon:
                 self._wait_writable()
         self._arm(now)
 
-    def _enqueue(self, sends: list[Send], now: float) -> None:
-        """Queue the engine's datagrams: each run of consecutive ones for the same
-        peer at once (`Outbox.push_many`, as `push` one by one, in order)."""
+    def _enqueue(self, batches: list[SendBatch], now: float) -> None:
+        """Queue the engine's datagrams: each run of consecutive batches for the
+        same peer at once (`Outbox.push_many`, as `push` one by one, in order).
+        A batch's datagrams all belong to one job: its id is read once."""
         jobs = self.jobs
-        push_many = self.outbox.push_many
         run: Peer | None = None
-        dgs: list[bytes] = []
-        priorities: list[int] = []
-        for s in sends:
-            job = jobs.get(_JOB.unpack_from(s.datagram, 8)[0])
-            if job is None:
+        parts: list[SendBatch] = []
+        for b in batches:
+            if not b.datagrams:
                 continue
-            peer = job.peers.get(s.node)
+            job = jobs.get(_JOB.unpack_from(b.datagrams[0], 8)[0])
+            peer = None if job is None else job.peers.get(b.node)
             if peer is None:
                 continue
             if peer is not run:
                 if run is not None:
-                    push_many(run, dgs, priorities)
-                run, dgs, priorities = peer, [], []
-            dgs.append(s.datagram)
-            priorities.append(s.priority)
+                    self._push_run(run, parts)
+                run, parts = peer, []
+            parts.append(b)
         if run is not None:
-            push_many(run, dgs, priorities)
+            self._push_run(run, parts)
+
+    def _push_run(self, peer: Peer, parts: list[SendBatch]) -> None:
+        if len(parts) == 1:  # the usual case: the lists as the engine made them
+            self.outbox.push_many(peer, parts[0].datagrams, parts[0].priorities)
+            return
+        # new lists: the engine keeps some of its batches' lists (result datagrams)
+        dgs = [dg for b in parts for dg in b.datagrams]
+        self.outbox.push_many(peer, dgs, [p for b in parts for p in b.priorities])
 
     def _wait_writable(self) -> None:
         assert self._loop is not None
