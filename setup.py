@@ -1,12 +1,14 @@
 """The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL),
-dlcp.daemon._keys (the outbox's packet identities) and dlcp.daemon._udp (GSO
-sends in batches of sendmmsg, GRO receives split).
+dlcp.daemon._keys (the outbox's packet identities), dlcp.daemon._udp (GSO
+sends in batches of sendmmsg, GRO receives split) and dlcp.codecs._lanes (the
+aggregators' copies of packets' lanes).
 
-Everything else is in pyproject.toml. All three are optional: without a C compiler
+Everything else is in pyproject.toml. All four are optional: without a C compiler
 or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the
 `cryptography` package (the same tags, slower; `dlcp status` and the daemon's
 log say which one runs), the outbox to its Python definitions and the UDP
-paths to one sendmsg per GSO super-datagram and a Python split of receives.
+paths to one sendmsg per GSO super-datagram and a Python split of receives,
+the lane copies to a Python loop.
 """
 
 from setuptools import Extension, setup
@@ -31,6 +33,12 @@ setup(
         Extension(
             "dlcp.daemon._udp",
             sources=["dlcp/daemon/_udp.c"],
+            extra_compile_args=_CFLAGS,
+            optional=True,
+        ),
+        Extension(
+            "dlcp.codecs._lanes",
+            sources=["dlcp/codecs/_lanes.c"],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),

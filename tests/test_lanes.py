@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -134,3 +136,80 @@ def test_store_many_is_unpack_and_assign(codec: Codec, summed: bool) -> None:
     with pytest.raises(RemoteError) as err:
         lanes.store_many(got, codec, summed, short)
     assert err.value.reason == Reason.BAD_LENGTH
+
+
+def _native_lanes() -> bool:
+    if lanes._lanes is None:
+        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.codecs._lanes was not built"
+        return False
+    return True
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize(
+    ("codec", "summed"),
+    [(Codec.FP32, False), (Codec.FP32, True), (Codec.FP16, False), (Codec.THC8, True)],
+)
+def test_store_runs_is_store_many(codec: Codec, summed: bool, native: bool) -> None:
+    """The C copy loop and the Python one store the same lanes, and a payload of
+    the wrong length stops both at the same packet with BAD_LENGTH."""
+    if native and not _native_lanes():
+        pytest.skip("dlcp.codecs._lanes is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    rng = np.random.default_rng(int(codec) * 4 + summed * 2 + native)
+    dtype = lanes.sum_dtype(codec)
+    runs = [(40, 10), (0, 10), (10, 3), (25, 9), (60, 4)]  # any order; gaps untouched
+    payloads: list[bytes | memoryview] = []
+    for i, (_, count) in enumerate(runs):
+        raw = rng.integers(0, 256, lane_bytes(codec, count, summed) + 3, np.uint8).tobytes()
+        payloads.append(memoryview(raw)[3:] if i % 2 else raw[3:])  # views and bytes
+    starts = np.array([s for s, _ in runs])
+    counts = np.array([c for _, c in runs])
+    got = np.full(64, 5, dtype=dtype)
+    want = got.copy()
+    lanes.store_runs(got, codec, summed, starts, counts, payloads, native=native)
+    lanes.store_many(
+        want, codec, summed, zip(starts.tolist(), counts.tolist(), payloads, strict=True)
+    )
+    assert got.tobytes() == want.tobytes()
+    assert got[13:25].tolist() == [5] * 12
+    # the fourth payload one byte short: the first three are stored, then the error
+    bad = [*payloads[:3], bytes(payloads[3])[:-1], payloads[4]]
+    got[:] = 5
+    want[:] = 5
+    with pytest.raises(RemoteError) as err:
+        lanes.store_runs(got, codec, summed, starts, counts, bad, native=native)
+    assert err.value.reason == Reason.BAD_LENGTH
+    with pytest.raises(RemoteError):
+        lanes.store_many(
+            want, codec, summed, zip(starts.tolist(), counts.tolist(), bad, strict=True)
+        )
+    assert got.tobytes() == want.tobytes() and got[25:34].tolist() == [5] * 9
+
+
+def test_copy_runs_rejects_bad_arguments() -> None:
+    if not _native_lanes():
+        pytest.skip("dlcp.codecs._lanes is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    c = lanes._lanes
+    dest = np.zeros(8, np.float32)
+    one = np.array([0], np.int64)
+    four = bytes(4)
+    with pytest.raises(IndexError):  # a run past the end
+        c.copy_runs(dest, 4, np.array([8], np.int64), np.array([1], np.int64), [four])
+    with pytest.raises(IndexError):  # a negative start
+        c.copy_runs(dest, 4, np.array([-1], np.int64), np.array([1], np.int64), [four])
+    with pytest.raises(c.LengthError):  # a negative count
+        c.copy_runs(dest, 4, one, np.array([-1], np.int64), [b""])
+    with pytest.raises(c.LengthError):  # a count whose byte length overflows
+        c.copy_runs(dest, 4, one, np.array([2**62], np.int64), [b""])
+    with pytest.raises(TypeError):  # starts not int64
+        c.copy_runs(dest, 4, np.array([0], np.int32), np.array([1], np.int64), [four])
+    with pytest.raises(ValueError):  # lengths disagree
+        c.copy_runs(dest, 4, one, np.array([1, 1], np.int64), [four])
+    with pytest.raises(TypeError):  # a payload that is not a buffer
+        c.copy_runs(dest, 4, one, np.array([1], np.int64), ["abcd"])
+    with pytest.raises((TypeError, BufferError)):  # a read-only destination
+        c.copy_runs(bytes(32), 4, one, np.array([1], np.int64), [four])
+    with pytest.raises(ValueError):
+        c.copy_runs(dest, 0, one, np.array([1], np.int64), [four])
+    c.copy_runs(dest, 4, np.array([7], np.int64), np.array([1], np.int64), [b"\0\0\x80?"])
+    assert dest.tolist() == [0] * 7 + [1.0]

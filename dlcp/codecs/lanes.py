@@ -9,14 +9,19 @@ independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from dlcp.errors import Reason, RemoteError
 from dlcp.wire.header import Codec, lane_bytes
 
-__all__ = ["MAX_CONTRIBUTORS", "pack", "store_many", "sum_dtype", "unpack"]
+try:  # the copies of `store_runs` in C (setup.py); a Python loop without it
+    from dlcp.codecs import _lanes
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _lanes = None
+
+__all__ = ["MAX_CONTRIBUTORS", "pack", "store_many", "store_runs", "sum_dtype", "unpack"]
 
 # Contributions whose sum is guaranteed to fit the summed lanes of every codec.
 MAX_CONTRIBUTORS = 257  # 257 * 255 = 65535 for thc8; fp lanes have no such limit
@@ -88,6 +93,47 @@ def store_many(
         return
     for start, count, payload in items:
         dest[start : start + count] = unpack(codec, payload, count, summed)
+
+
+def store_runs(
+    dest: np.ndarray,
+    codec: int,
+    summed: bool,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    payloads: Sequence[bytes | memoryview],
+    native: bool = True,
+) -> None:
+    """`store_many(dest, codec, summed, zip(starts, counts, payloads))`, the
+    same result and the same BAD_LENGTH error. Where the wire lanes are
+    `dest`'s dtype, the copies are made by one C call (`_lanes.copy_runs`: no
+    Python work per payload) unless `native` is False. `starts` and `counts`
+    are arrays of lanes; a run must lie within `dest` (IndexError otherwise)."""
+    wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
+    if (
+        native
+        and _lanes is not None
+        and wire is not None
+        and wire == dest.dtype
+        and dest.flags.c_contiguous
+        and dest.flags.writeable
+        and isinstance(payloads, list | tuple)
+    ):
+        try:
+            _lanes.copy_runs(
+                dest,
+                dest.itemsize,
+                np.ascontiguousarray(starts, dtype=np.int64),
+                np.ascontiguousarray(counts, dtype=np.int64),
+                payloads,
+            )
+        except _lanes.LengthError as exc:
+            raise RemoteError(Reason.BAD_LENGTH, str(exc)) from None
+        return
+    s, c = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    if s.size and (s.min() < 0 or (s + c).max() > dest.size):
+        raise IndexError(f"lanes outside {dest.size}")
+    store_many(dest, codec, summed, zip(s.tolist(), c.tolist(), payloads, strict=True))
 
 
 def wire_summed_dtype(codec: int) -> np.dtype:

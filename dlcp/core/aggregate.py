@@ -245,12 +245,13 @@ class ShardAggregator:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        starts = (offsets[take] - self.offset).tolist()
-        lane_ops.store_many(
+        lane_ops.store_runs(
             self.slots[row],
             lay.codec,
             summed,
-            zip(starts, counts[take].tolist(), _taken(payloads, take), strict=True),
+            offsets[take] - self.offset,
+            counts[take],
+            _taken(payloads, take),
         )
         lt = local[take]
         self.received[row, lt] = True
@@ -674,11 +675,8 @@ class ResultCollector:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        lane_ops.store_many(
-            self.sums,
-            lay.codec,
-            True,
-            zip(offsets[take].tolist(), counts[take].tolist(), _taken(payloads, take), strict=True),
+        lane_ops.store_runs(
+            self.sums, lay.codec, True, offsets[take], counts[take], _taken(payloads, take)
         )
         it = i[take]
         self.contributors[it] = contributors[take]

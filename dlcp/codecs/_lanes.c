@@ -1,0 +1,138 @@
+/* dlcp.codecs._lanes: copy packets' lanes into an accumulator row in one call.
+ *
+ * copy_runs(dest, itemsize, starts, counts, payloads) -> None
+ *
+ *   dest      a writable C-contiguous buffer (an accumulator row: fp32 or u16)
+ *   itemsize  bytes per lane of dest (the wire lanes have the same width)
+ *   starts    int64 buffer: the first lane of each payload in dest
+ *   counts    int64 buffer: the lanes each payload holds
+ *   payloads  a list or tuple of byte buffers
+ *
+ * For each i in order: dest[starts[i] : starts[i] + counts[i]] (in lanes) =
+ * payloads[i]. This is what `dlcp.codecs.lanes.store_many` does with one
+ * memoryview assignment per packet in Python; here the loop and its checks are
+ * in C. A payload whose length is not counts[i] * itemsize stops the copy with
+ * LengthError (the ones before it are stored, as in Python); a run outside
+ * dest raises IndexError, a bad argument TypeError/ValueError.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static PyObject *LengthError;
+
+static int
+int64_buffer(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != 8 || view->format == NULL ||
+        (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0 &&
+         strcmp(view->format, "<q") != 0 && strcmp(view->format, "<l") != 0 &&
+         strcmp(view->format, "=q") != 0 && strcmp(view->format, "=l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int64 buffer", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+copy_runs(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *dest_obj, *starts_obj, *counts_obj, *payloads;
+    Py_ssize_t itemsize;
+    if (!PyArg_ParseTuple(args, "OnOOO", &dest_obj, &itemsize, &starts_obj, &counts_obj,
+                          &payloads))
+        return NULL;
+    if (itemsize <= 0 || itemsize > 8) {
+        PyErr_SetString(PyExc_ValueError, "itemsize must be 1 to 8");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(payloads, "payloads must be a list or tuple");
+    if (seq == NULL)
+        return NULL;
+    Py_buffer dest, starts, counts;
+    if (PyObject_GetBuffer(dest_obj, &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (int64_buffer(starts_obj, &starts, "starts") < 0) {
+        PyBuffer_Release(&dest);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (int64_buffer(counts_obj, &counts, "counts") < 0) {
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&dest);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *ret = NULL;
+    if (starts.len / 8 != n || counts.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "%zd payloads but %zd starts and %zd counts", n,
+                     starts.len / 8, counts.len / 8);
+        goto done;
+    }
+    const int64_t *start = starts.buf, *count = counts.buf;
+    const int64_t lanes = dest.len / itemsize;
+    char *out = dest.buf;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer p;
+        if (PyObject_GetBuffer(items[i], &p, PyBUF_SIMPLE) < 0)
+            goto done;
+        int64_t s = start[i], c = count[i];
+        if (c < 0 || c > PY_SSIZE_T_MAX / itemsize || p.len != c * itemsize) {
+            PyErr_Format(LengthError, "%zd bytes for %lld lanes", p.len, (long long)c);
+            PyBuffer_Release(&p);
+            goto done;
+        }
+        if (s < 0 || s > lanes - c) {
+            PyErr_Format(PyExc_IndexError, "lanes %lld..%lld outside %lld", (long long)s,
+                         (long long)(s + c), (long long)lanes);
+            PyBuffer_Release(&p);
+            goto done;
+        }
+        memcpy(out + s * itemsize, p.buf, (size_t)p.len);
+        PyBuffer_Release(&p);
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&counts);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&dest);
+    Py_DECREF(seq);
+    return ret;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_runs", copy_runs, METH_VARARGS,
+     "copy_runs(dest, itemsize, starts, counts, payloads): each payload into dest "
+     "at its start lane, in order"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_lanes", "Lane copies of dlcp's aggregators in C.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__lanes(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    LengthError = PyErr_NewException("dlcp.codecs._lanes.LengthError", PyExc_ValueError, NULL);
+    if (LengthError == NULL || PyModule_AddObject(m, "LengthError", LengthError) < 0) {
+        Py_XDECREF(LengthError);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(LengthError);
+    return m;
+}
