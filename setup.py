@@ -1,14 +1,14 @@
 """The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL),
 dlcp.daemon._keys (the outbox's packet identities), dlcp.daemon._udp (GSO
-sends in batches of sendmmsg, GRO receives split) and dlcp.codecs._lanes (the
-aggregators' copies of packets' lanes).
+sends in batches of sendmmsg, GRO receives split) and dlcp.wire._bulk (the
+receive path's per-datagram header gathers and lane copies, one call a batch).
 
 Everything else is in pyproject.toml. All four are optional: without a C compiler
 or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the
 `cryptography` package (the same tags, slower; `dlcp status` and the daemon's
 log say which one runs), the outbox to its Python definitions and the UDP
 paths to one sendmsg per GSO super-datagram and a Python split of receives,
-the lane copies to a Python loop.
+the header gathers and lane copies to Python loops.
 """
 
 from setuptools import Extension, setup
@@ -37,8 +37,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "dlcp.codecs._lanes",
-            sources=["dlcp/codecs/_lanes.c"],
+            "dlcp.wire._bulk",
+            sources=["dlcp/wire/_bulk.c"],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),

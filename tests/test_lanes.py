@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from dlcp.codecs import lanes
 from dlcp.errors import Reason, RemoteError
-from dlcp.wire.header import LANE_BITS, Codec, lane_bytes
+from dlcp.wire.batch import Payloads
+from dlcp.wire.header import HEADER_SIZE, LANE_BITS, Codec, lane_bytes
 
 THC = [Codec.THC8, Codec.THC4]
 TOP = {Codec.THC8: 255, Codec.THC4: 15}
@@ -139,8 +140,8 @@ def test_store_many_is_unpack_and_assign(codec: Codec, summed: bool) -> None:
 
 
 def _native_lanes() -> bool:
-    if lanes._lanes is None:
-        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.codecs._lanes was not built"
+    if lanes._bulk is None:
+        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.wire._bulk was not built"
         return False
     return True
 
@@ -154,7 +155,7 @@ def test_store_runs_is_store_many(codec: Codec, summed: bool, native: bool) -> N
     """The C copy loop and the Python one store the same lanes, and a payload of
     the wrong length stops both at the same packet with BAD_LENGTH."""
     if native and not _native_lanes():
-        pytest.skip("dlcp.codecs._lanes is not built (DLCP_ALLOW_NO_NATIVE=1)")
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
     rng = np.random.default_rng(int(codec) * 4 + summed * 2 + native)
     dtype = lanes.sum_dtype(codec)
     runs = [(40, 10), (0, 10), (10, 3), (25, 9), (60, 4)]  # any order; gaps untouched
@@ -188,8 +189,8 @@ def test_store_runs_is_store_many(codec: Codec, summed: bool, native: bool) -> N
 
 def test_copy_runs_rejects_bad_arguments() -> None:
     if not _native_lanes():
-        pytest.skip("dlcp.codecs._lanes is not built (DLCP_ALLOW_NO_NATIVE=1)")
-    c = lanes._lanes
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    c = lanes._bulk
     dest = np.zeros(8, np.float32)
     one = np.array([0], np.int64)
     four = bytes(4)
@@ -213,3 +214,54 @@ def test_copy_runs_rejects_bad_arguments() -> None:
         c.copy_runs(dest, 0, one, np.array([1], np.int64), [four])
     c.copy_runs(dest, 4, np.array([7], np.int64), np.array([1], np.int64), [b"\0\0\x80?"])
     assert dest.tolist() == [0] * 7 + [1.0]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_store_runs_from_datagrams_skips_their_headers(native: bool) -> None:
+    """A `Payloads` (the receive path's payloads, views made when asked for)
+    stores what the list of its payload views stores, whole or sliced."""
+    if native and not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    rng = np.random.default_rng(11)
+    counts = np.array([6, 6, 6, 2])
+    starts = np.array([12, 0, 6, 18])
+    dgs: list[bytes | memoryview] = [
+        rng.integers(0, 256, HEADER_SIZE + 4 * int(c), np.uint8).tobytes() for c in counts
+    ]
+    dgs[1] = memoryview(bytearray(dgs[1]))
+    tails = Payloads(dgs)
+    assert len(tails) == 4 and bytes(tails[2]) == bytes(dgs[2])[HEADER_SIZE:]
+    assert [bytes(p) for p in tails[1:3]] == [bytes(d)[HEADER_SIZE:] for d in dgs[1:3]]
+    want = np.zeros(20, np.float32)
+    lanes.store_many(
+        want, Codec.FP32, False, zip(starts.tolist(), counts.tolist(), list(tails), strict=True)
+    )
+    got = np.zeros(20, np.float32)
+    lanes.store_runs(got, Codec.FP32, False, starts, counts, tails, native=native)
+    assert got.tobytes() == want.tobytes()
+    got[:] = 0
+    lanes.store_runs(got, Codec.FP32, False, starts[1:3], counts[1:3], tails[1:3], native=native)
+    assert got[:12].tobytes() == want[:12].tobytes() and not got[12:].any()
+    short = Payloads([dgs[0], bytes(dgs[1])[:-4]])
+    with pytest.raises(RemoteError) as err:
+        lanes.store_runs(got, Codec.FP32, False, starts[:2], counts[:2], short, native=native)
+    assert err.value.reason == Reason.BAD_LENGTH
+
+
+def test_heads_gathers_the_first_bytes_of_each_datagram() -> None:
+    if not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    c = lanes._bulk
+    dgs = [bytes(range(10)), bytearray(b"abc"), memoryview(b"0123456789xyz")[2:], b""]
+    heads, lengths = c.heads(dgs, 5)
+    assert isinstance(heads, bytearray)
+    assert bytes(heads) == bytes(range(5)) + bytes(5) + b"23456" + bytes(5)
+    assert np.frombuffer(lengths, np.int64).tolist() == [10, 3, 11, 0]
+    assert c.heads([], 64) == (bytearray(), b"")
+    assert c.heads(tuple(dgs), 0) == (bytearray(), lengths)
+    with pytest.raises(TypeError):
+        c.heads([b"ok", "not bytes"], 2)
+    with pytest.raises(TypeError):
+        c.heads(b"not a list", 2)
+    with pytest.raises(ValueError):
+        c.heads([b"x"], -1)

@@ -14,12 +14,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from dlcp.errors import Reason, RemoteError
+from dlcp.wire.batch import Payloads
 from dlcp.wire.header import Codec, lane_bytes
 
 try:  # the copies of `store_runs` in C (setup.py); a Python loop without it
-    from dlcp.codecs import _lanes
+    from dlcp.wire import _bulk  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - exercised where the extension is not built
-    _lanes = None
+    _bulk = None
 
 __all__ = ["MAX_CONTRIBUTORS", "pack", "store_many", "store_runs", "sum_dtype", "unpack"]
 
@@ -106,28 +107,36 @@ def store_runs(
 ) -> None:
     """`store_many(dest, codec, summed, zip(starts, counts, payloads))`, the
     same result and the same BAD_LENGTH error. Where the wire lanes are
-    `dest`'s dtype, the copies are made by one C call (`_lanes.copy_runs`: no
-    Python work per payload) unless `native` is False. `starts` and `counts`
-    are arrays of lanes; a run must lie within `dest` (IndexError otherwise)."""
+    `dest`'s dtype, the copies are made by one C call (`_bulk.copy_runs`: no
+    Python work per payload; from the datagrams themselves when `payloads` is
+    a `dlcp.wire.batch.Payloads`) unless `native` is False. `starts` and
+    `counts` are arrays of lanes; a run must lie within `dest` (IndexError)."""
     wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
     if (
         native
-        and _lanes is not None
+        and _bulk is not None
         and wire is not None
         and wire == dest.dtype
         and dest.flags.c_contiguous
         and dest.flags.writeable
-        and isinstance(payloads, list | tuple)
     ):
+        items: Sequence[bytes | memoryview]
+        if isinstance(payloads, Payloads):
+            items, skip = payloads.datagrams, payloads.skip
+        elif isinstance(payloads, list | tuple):
+            items, skip = payloads, 0
+        else:
+            items, skip = list(payloads), 0
         try:
-            _lanes.copy_runs(
+            _bulk.copy_runs(
                 dest,
                 dest.itemsize,
                 np.ascontiguousarray(starts, dtype=np.int64),
                 np.ascontiguousarray(counts, dtype=np.int64),
-                payloads,
+                items,
+                skip,
             )
-        except _lanes.LengthError as exc:
+        except _bulk.LengthError as exc:
             raise RemoteError(Reason.BAD_LENGTH, str(exc)) from None
         return
     s, c = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)

@@ -10,8 +10,9 @@ count of rejects per reason, so nothing escapes as an exception.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import numpy as np
 
@@ -32,6 +33,11 @@ from dlcp.wire.header import (
     PacketType,
 )
 from dlcp.wire.mac import MacKey, encode_blake2b, verify_blake2b
+
+try:  # the header gather (and the lane copies of dlcp.codecs.lanes) in C; setup.py
+    from dlcp.wire import _bulk  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _bulk = None
 
 __all__ = ["HEADER_DTYPE", "Batch", "decode_batch", "encode_batch", "split_segments"]
 
@@ -103,12 +109,41 @@ _CHECK_REASONS = np.array(
 )
 
 
+class Payloads(Sequence[memoryview]):
+    """The payloads of datagrams (what follows their first `skip` bytes), each
+    made into a view only when it is asked for. A slice is another `Payloads`;
+    `dlcp.codecs.lanes.store_runs` copies from `datagrams` directly, so a run
+    of data or result packets never has a view made per payload."""
+
+    __slots__ = ("datagrams", "skip")
+
+    def __init__(self, datagrams: list[bytes | memoryview], skip: int = HEADER_SIZE) -> None:
+        self.datagrams = datagrams
+        self.skip = skip
+
+    def __len__(self) -> int:
+        return len(self.datagrams)
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, i: slice) -> Payloads: ...
+    def __getitem__(self, i: int | slice) -> memoryview | Payloads:
+        if isinstance(i, slice):
+            return Payloads(self.datagrams[i], self.skip)
+        return memoryview(self.datagrams[i]).cast("B")[self.skip :]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        skip = self.skip
+        return (memoryview(d).cast("B")[skip:] for d in self.datagrams)
+
+
 @dataclass
 class Batch:
     """Accepted packets of a batch: header fields as arrays, payloads as views."""
 
     fields: np.ndarray  # HEADER_DTYPE records of the accepted packets
-    payloads: list[memoryview]
+    payloads: Sequence[memoryview]  # a list, or `Payloads` (views made when asked for)
     index: np.ndarray  # position of each accepted packet in the input batch
     rejects: Counter[Reason] = field(default_factory=Counter)
 
@@ -190,31 +225,46 @@ def _field_reasons(heads: np.ndarray, lengths: np.ndarray, full: np.ndarray) -> 
 
 
 def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, MacKey]) -> Batch:
-    """Validate and authenticate a batch of datagrams; never raises for bad input."""
+    """Validate and authenticate a batch of datagrams; never raises for bad input.
+
+    With the C gather (`_bulk.heads`) of a list of datagrams, no Python object
+    is made per datagram: the header records and lengths come from one call,
+    the MAC check takes the datagrams as they are, and the payloads are a
+    `Payloads` of the accepted ones.
+    """
     n = len(datagrams)
-    views = [memoryview(d).cast("B") for d in datagrams]
-    lengths = np.fromiter(map(len, views), dtype=np.int64, count=n)
-    full = lengths >= HEADER_SIZE
-    if full.all():  # the usual case: one join of the header views, no per-packet copies
-        heads = np.frombuffer(
-            bytearray().join([v[:HEADER_SIZE] for v in views]), dtype=HEADER_DTYPE
-        )  # writable, like the zeroed array below
+    views: list[memoryview] | None = None
+    if _bulk is not None and isinstance(datagrams, list):
+        raw_heads, raw_lengths = _bulk.heads(datagrams, HEADER_SIZE)
+        heads = np.frombuffer(raw_heads, dtype=HEADER_DTYPE)  # writable, zeros if short
+        lengths = np.frombuffer(raw_lengths, dtype=np.int64)
+        full = lengths >= HEADER_SIZE
+        items: list[bytes | memoryview] = datagrams
     else:
-        heads = np.zeros(n, dtype=HEADER_DTYPE)
-        if full.any():
-            raw = b"".join([views[i][:HEADER_SIZE] for i in np.flatnonzero(full).tolist()])
-            heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
+        views = [memoryview(d).cast("B") for d in datagrams]
+        items = list(views)
+        lengths = np.fromiter(map(len, views), dtype=np.int64, count=n)
+        full = lengths >= HEADER_SIZE
+        if full.all():  # the usual case: one join of the header views, no per-packet copies
+            heads = np.frombuffer(
+                bytearray().join([v[:HEADER_SIZE] for v in views]), dtype=HEADER_DTYPE
+            )  # writable, like the zeroed array below
+        else:
+            heads = np.zeros(n, dtype=HEADER_DTYPE)
+            if full.any():
+                raw = b"".join([views[i][:HEADER_SIZE] for i in np.flatnonzero(full).tolist()])
+                heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
     found = _field_reasons(heads, lengths, full)
     reasons = np.zeros(n, dtype=np.int64) if found is None else found
 
     # MAC of the candidates (those that passed every check), per job
     if found is None:
         candidates = np.arange(n)
-        cand_views = views
+        cand = items
     else:
         candidates = np.flatnonzero(reasons == 0)
-        cand_views = [views[i] for i in candidates.tolist()]
-    m = len(cand_views)
+        cand = [items[i] for i in candidates.tolist()]
+    m = len(cand)
     verified = np.zeros(m, dtype=bool)
     if m:
         cand_jobs = heads["job"][candidates]
@@ -228,7 +278,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
             if key is None:
                 reasons[candidates if sel is None else candidates[sel]] = Reason.UNKNOWN_JOB
                 continue
-            mine = cand_views if sel is None else [cand_views[j] for j in sel.tolist()]
+            mine = cand if sel is None else [cand[j] for j in sel.tolist()]
             ok = verify_blake2b(key, mine) if isinstance(key, bytes) else key.verify(mine)
             if sel is None:
                 verified = ok
@@ -238,12 +288,17 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
     if found is None and verified.all():  # every datagram accepted
         idx = candidates
         fields = heads
-        payloads = [v[HEADER_SIZE:] for v in cand_views]
+        kept_items = cand
     else:
         kept = np.flatnonzero(verified)
         idx = candidates[kept]
         fields = heads[idx]
-        payloads = [cand_views[j][HEADER_SIZE:] for j in kept.tolist()]
+        kept_items = [cand[j] for j in kept.tolist()]
+    payloads: Sequence[memoryview]
+    if views is None:
+        payloads = Payloads(kept_items)
+    else:  # the byte views made above
+        payloads = [memoryview(v)[HEADER_SIZE:] for v in kept_items]
 
     rejects: Counter[Reason] = Counter()
     bad = reasons[reasons != 0]

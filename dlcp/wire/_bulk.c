@@ -1,17 +1,26 @@
-/* dlcp.codecs._lanes: copy packets' lanes into an accumulator row in one call.
+/* dlcp.wire._bulk: the per-datagram byte moves of the receive path, one call
+ * for a whole batch (no Python object or interpreter step per datagram).
  *
- * copy_runs(dest, itemsize, starts, counts, payloads) -> None
+ * heads(datagrams, size) -> (bytearray, bytes)
+ *
+ *   The first `size` bytes of each datagram (a list or tuple of byte buffers)
+ *   back to back, zeros for one shorter than `size`, and the length of each as
+ *   native int64s: what `dlcp.wire.batch.decode_batch` reads its header fields
+ *   and lengths from.
+ *
+ * copy_runs(dest, itemsize, starts, counts, payloads, skip=0) -> None
  *
  *   dest      a writable C-contiguous buffer (an accumulator row: fp32 or u16)
  *   itemsize  bytes per lane of dest (the wire lanes have the same width)
  *   starts    int64 buffer: the first lane of each payload in dest
  *   counts    int64 buffer: the lanes each payload holds
  *   payloads  a list or tuple of byte buffers
+ *   skip      bytes of each payload before its lanes (a datagram's header)
  *
  * For each i in order: dest[starts[i] : starts[i] + counts[i]] (in lanes) =
- * payloads[i]. This is what `dlcp.codecs.lanes.store_many` does with one
+ * payloads[i][skip:]. This is what `dlcp.codecs.lanes.store_many` does with one
  * memoryview assignment per packet in Python; here the loop and its checks are
- * in C. A payload whose length is not counts[i] * itemsize stops the copy with
+ * in C. A payload whose length (less skip) is not counts[i] * itemsize stops the copy with
  * LengthError (the ones before it are stored, as in Python); a run outside
  * dest raises IndexError, a bad argument TypeError/ValueError.
  */
@@ -39,16 +48,64 @@ int64_buffer(PyObject *obj, Py_buffer *view, const char *what)
 }
 
 static PyObject *
+heads(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *datagrams;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "On", &datagrams, &size))
+        return NULL;
+    if (size < 0 || size > 65536) {
+        PyErr_SetString(PyExc_ValueError, "size must be 0 to 65536");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(datagrams, "datagrams must be a list or tuple");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * size);
+    PyObject *lens = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL || lens == NULL)
+        goto fail;
+    char *o = PyByteArray_AS_STRING(out);
+    int64_t *len = (int64_t *)PyBytes_AS_STRING(lens);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(items[i], &b, PyBUF_SIMPLE) < 0)
+            goto fail;
+        len[i] = b.len;
+        if (b.len >= size) {
+            memcpy(o + i * size, b.buf, (size_t)size);
+        } else {
+            memset(o + i * size, 0, (size_t)size);
+        }
+        PyBuffer_Release(&b);
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(NN)", out, lens);
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(lens);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *
 copy_runs(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *dest_obj, *starts_obj, *counts_obj, *payloads;
-    Py_ssize_t itemsize;
-    if (!PyArg_ParseTuple(args, "OnOOO", &dest_obj, &itemsize, &starts_obj, &counts_obj,
-                          &payloads))
+    Py_ssize_t itemsize, skip = 0;
+    if (!PyArg_ParseTuple(args, "OnOOO|n", &dest_obj, &itemsize, &starts_obj, &counts_obj,
+                          &payloads, &skip))
         return NULL;
     if (itemsize <= 0 || itemsize > 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 1 to 8");
+        return NULL;
+    }
+    if (skip < 0) {
+        PyErr_SetString(PyExc_ValueError, "skip must not be negative");
         return NULL;
     }
     PyObject *seq = PySequence_Fast(payloads, "payloads must be a list or tuple");
@@ -86,8 +143,9 @@ copy_runs(PyObject *self, PyObject *args)
         if (PyObject_GetBuffer(items[i], &p, PyBUF_SIMPLE) < 0)
             goto done;
         int64_t s = start[i], c = count[i];
-        if (c < 0 || c > PY_SSIZE_T_MAX / itemsize || p.len != c * itemsize) {
-            PyErr_Format(LengthError, "%zd bytes for %lld lanes", p.len, (long long)c);
+        Py_ssize_t plen = p.len - skip;
+        if (c < 0 || c > PY_SSIZE_T_MAX / itemsize || plen != c * itemsize) {
+            PyErr_Format(LengthError, "%zd bytes for %lld lanes", plen, (long long)c);
             PyBuffer_Release(&p);
             goto done;
         }
@@ -97,7 +155,7 @@ copy_runs(PyObject *self, PyObject *args)
             PyBuffer_Release(&p);
             goto done;
         }
-        memcpy(out + s * itemsize, p.buf, (size_t)p.len);
+        memcpy(out + s * itemsize, (const char *)p.buf + skip, (size_t)plen);
         PyBuffer_Release(&p);
     }
     ret = Py_None;
@@ -111,23 +169,27 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"heads", heads, METH_VARARGS,
+     "heads(datagrams, size) -> (bytearray, bytes): the first size bytes of each "
+     "datagram back to back (zeros for a shorter one) and their lengths as int64s"},
     {"copy_runs", copy_runs, METH_VARARGS,
-     "copy_runs(dest, itemsize, starts, counts, payloads): each payload into dest "
-     "at its start lane, in order"},
+     "copy_runs(dest, itemsize, starts, counts, payloads, skip=0): each payload "
+     "(less its first skip bytes) into dest at its start lane, in order"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_lanes", "Lane copies of dlcp's aggregators in C.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_bulk", "Per-datagram byte moves of dlcp's receive path in C.", -1,
+    methods,
 };
 
 PyMODINIT_FUNC
-PyInit__lanes(void)
+PyInit__bulk(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    LengthError = PyErr_NewException("dlcp.codecs._lanes.LengthError", PyExc_ValueError, NULL);
+    LengthError = PyErr_NewException("dlcp.wire._bulk.LengthError", PyExc_ValueError, NULL);
     if (LengthError == NULL || PyModule_AddObject(m, "LengthError", LengthError) < 0) {
         Py_XDECREF(LengthError);
         Py_DECREF(m);
