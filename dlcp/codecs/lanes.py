@@ -9,6 +9,7 @@ independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -20,6 +21,8 @@ from dlcp.wire.header import Codec, lane_bytes
 try:  # the copies of `store_runs` in C (setup.py); a Python loop without it
     from dlcp.wire import _bulk  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _bulk = None
+if os.environ.get("DLCP_NATIVE_BULK", "1") == "0":  # Python loops instead (comparisons)
     _bulk = None
 
 __all__ = ["MAX_CONTRIBUTORS", "pack", "store_many", "store_runs", "sum_dtype", "unpack"]

@@ -9,6 +9,7 @@ count of rejects per reason, so nothing escapes as an exception.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from dlcp.wire.mac import MacKey, encode_blake2b, verify_blake2b
 try:  # the header gather (and the lane copies of dlcp.codecs.lanes) in C; setup.py
     from dlcp.wire import _bulk  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _bulk = None
+if os.environ.get("DLCP_NATIVE_BULK", "1") == "0":  # Python loops instead (comparisons)
     _bulk = None
 
 __all__ = ["HEADER_DTYPE", "Batch", "decode_batch", "encode_batch", "split_segments"]
