@@ -9,21 +9,16 @@ independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from dlcp.errors import Reason, RemoteError
-from dlcp.wire.batch import Payloads
-from dlcp.wire.header import Codec, lane_bytes
 
-try:  # the copies of `store_runs` in C (setup.py); a Python loop without it
-    from dlcp.wire import _bulk  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - exercised where the extension is not built
-    _bulk = None
-if os.environ.get("DLCP_NATIVE_BULK", "1") == "0":  # Python loops instead (comparisons)
-    _bulk = None
+# the copies of `store_runs` in C: the extension as dlcp.wire.batch imported it
+# (None where it is not built or DLCP_NATIVE_BULK=0; a Python loop then)
+from dlcp.wire.batch import Payloads, _bulk
+from dlcp.wire.header import Codec, lane_bytes
 
 __all__ = ["MAX_CONTRIBUTORS", "pack", "store_many", "store_runs", "sum_dtype", "unpack"]
 

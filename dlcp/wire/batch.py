@@ -120,7 +120,7 @@ class Payloads(Sequence[memoryview]):
 
     __slots__ = ("datagrams", "skip")
 
-    def __init__(self, datagrams: list[bytes | memoryview], skip: int = HEADER_SIZE) -> None:
+    def __init__(self, datagrams: Sequence[bytes | memoryview], skip: int = HEADER_SIZE) -> None:
         self.datagrams = datagrams
         self.skip = skip
 
@@ -146,7 +146,7 @@ class Batch:
     """Accepted packets of a batch: header fields as arrays, payloads as views."""
 
     fields: np.ndarray  # HEADER_DTYPE records of the accepted packets
-    payloads: Sequence[memoryview]  # a list, or `Payloads` (views made when asked for)
+    payloads: Sequence[memoryview]  # `Payloads` (views made when asked for), or a list
     index: np.ndarray  # position of each accepted packet in the input batch
     rejects: Counter[Reason] = field(default_factory=Counter)
 
@@ -231,21 +231,21 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
     """Validate and authenticate a batch of datagrams; never raises for bad input.
 
     With the C gather (`_bulk.heads`) of a list of datagrams, no Python object
-    is made per datagram: the header records and lengths come from one call,
-    the MAC check takes the datagrams as they are, and the payloads are a
-    `Payloads` of the accepted ones.
+    is made per datagram: the header records and lengths come from one call
+    and the MAC check takes the datagrams as they are. Either way the payloads
+    are a `Payloads` of the accepted ones.
     """
     n = len(datagrams)
-    views: list[memoryview] | None = None
+    items: Sequence[bytes | memoryview]
     if _bulk is not None and isinstance(datagrams, list):
         raw_heads, raw_lengths = _bulk.heads(datagrams, HEADER_SIZE)
         heads = np.frombuffer(raw_heads, dtype=HEADER_DTYPE)  # writable, zeros if short
         lengths = np.frombuffer(raw_lengths, dtype=np.int64)
         full = lengths >= HEADER_SIZE
-        items: list[bytes | memoryview] = datagrams
+        items = datagrams
     else:
         views = [memoryview(d).cast("B") for d in datagrams]
-        items = list(views)
+        items = views
         lengths = np.fromiter(map(len, views), dtype=np.int64, count=n)
         full = lengths >= HEADER_SIZE
         if full.all():  # the usual case: one join of the header views, no per-packet copies
@@ -297,11 +297,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
         idx = candidates[kept]
         fields = heads[idx]
         kept_items = [cand[j] for j in kept.tolist()]
-    payloads: Sequence[memoryview]
-    if views is None:
-        payloads = Payloads(kept_items)
-    else:  # the byte views made above
-        payloads = [memoryview(v)[HEADER_SIZE:] for v in kept_items]
+    payloads = Payloads(kept_items)
 
     rejects: Counter[Reason] = Counter()
     bad = reasons[reasons != 0]
