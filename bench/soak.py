@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -276,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     finally:
         tb.down()
+        shutil.rmtree(root, ignore_errors=True)
     text = json.dumps(fig, indent=2)
     print(text)
     if args.json:

@@ -8,6 +8,7 @@ switch. Runs as root (CI); skipped with a reason otherwise.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,7 @@ def cluster() -> Iterator[tuple[Testbed, list[_Rank]]]:
         for r in ranks:
             r.close()
         tb.down()
+        shutil.rmtree(root, ignore_errors=True)
         assert (
             not [n for n in os.listdir("/run/netns") if n.startswith("dlcpd-it")]
             if (os.path.isdir("/run/netns"))

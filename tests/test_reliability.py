@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import struct
@@ -1186,6 +1187,7 @@ def cluster() -> Iterator[Any]:
         yield tb
     finally:
         tb.down()
+        shutil.rmtree(root, ignore_errors=True)
         if os.path.isdir("/run/netns"):
             assert not [n for n in os.listdir("/run/netns") if n.startswith("rel-net")]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,7 @@ def cluster() -> Iterator[Any]:
         yield tb
     finally:
         tb.down()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _env(tb: Any, rank: int) -> dict[str, str]:
