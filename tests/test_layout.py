@@ -156,6 +156,10 @@ def test_result_ranges_and_indices(lay: Layout) -> None:
     for s in range(lay.shards):
         want = [r for i in lay.shard_packets(s) for r in lay.result_ranges(i)]
         assert list(lay.shard_results(s)) == want
+        offs, counts = lay.shard_result_arrays(s)
+        assert offs.dtype == counts.dtype == np.int64
+        assert list(zip(offs.tolist(), counts.tolist(), strict=True)) == want
+        assert lay.shard_result_count(s) == len(want)
 
 
 @pytest.mark.parametrize("codec", BLOCK)

@@ -18,6 +18,7 @@ import pytest
 from dlcp.wire import mac
 from dlcp.wire.batch import HEADER_DTYPE, decode_batch, encode_batch
 from dlcp.wire.mac import GhashAesKey
+from dlcp.wire.slices import Slices
 
 KEY = bytes(range(32))
 LENGTHS = [
@@ -114,6 +115,39 @@ def test_encode_batch_is_the_same_either_way(keys: tuple[GhashAesKey, GhashAesKe
     for k in keys:
         got = decode_batch(a, {4: k})
         assert len(got) == n and not got.rejects
+
+
+def test_encode_from_slices_is_encode_of_the_views(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
+    """Payloads named by (buffer, starts, lengths), as the engine sends a shard:
+    the C copy straight from the buffer gives the datagrams that encoding the
+    views one by one gives, on both backends and in Python."""
+    c, py = keys
+    heads, views = _inputs(11)
+    big = views[0].obj  # the buffer every view lies in
+    lengths = np.array(LENGTHS, dtype=np.int64)
+    starts = 3 * np.arange(1, len(LENGTHS) + 1) + np.cumsum(lengths) - lengths  # as `_inputs`
+    raw = b"".join(h + bytes(16) for h in heads)
+    sl = Slices(big, starts, lengths)
+    assert [bytes(v) for v in sl] == [bytes(v) for v in views]
+    assert bytes(sl[5]) == bytes(views[5]) and len(sl[3:9]) == 6
+    want = py.encode(raw, views)
+    assert c.encode(raw, sl) == want
+    assert py.encode(raw, sl) == want
+    assert c.encode(raw[: 10 * 64], sl[:10]) == want[:10]
+    # the C checks under the wrapper's: each slice inside the buffer, one length
+    native = c._native
+    with pytest.raises(ValueError, match="outside the buffer"):
+        native.encode_from(raw[:64], big, np.array([len(big) - 3]), np.array([4]))
+    with pytest.raises(ValueError, match="outside the buffer"):
+        native.encode_from(raw[:64], big, np.array([-1]), np.array([4]))
+    with pytest.raises(ValueError, match="one length"):
+        native.encode_from(raw[:64], big, np.array([0]), np.array([1, 2]))
+    with pytest.raises(ValueError, match="header bytes"):
+        native.encode_from(raw[:64], big, np.array([0, 1]), np.array([1, 2]))
+    with pytest.raises(ValueError, match="outside the buffer"):  # and the Python type's
+        Slices(big, np.array([len(big) - 3]), np.array([4]))
+    with pytest.raises(ValueError, match="one length"):
+        Slices(big, np.array([0]), np.array([1, 2]))
 
 
 def test_bad_input_is_refused(keys: tuple[GhashAesKey, GhashAesKey]) -> None:

@@ -559,7 +559,7 @@ class ResultCollector:
             if not pk:
                 continue
             first = lay.result_index(lay.packet_range(pk.start)[0])
-            n = len(lay.shard_results(shard))
+            n = lay.shard_result_count(shard)
             self.waiting[shard] = _Awaited(
                 owner=owner,
                 indices=np.arange(first, first + n),

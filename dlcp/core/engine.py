@@ -15,7 +15,6 @@ in "ps" mode dedicated aggregator nodes do.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections import Counter, deque
@@ -45,6 +44,7 @@ from dlcp.wire.header import (
     lane_bytes,
 )
 from dlcp.wire.mac import MAC_ALGORITHMS, MacKey, mac_state
+from dlcp.wire.slices import Slices
 
 __all__ = [
     "Engine",
@@ -217,13 +217,6 @@ class _Finished:
     # the caller's `out`, which it reuses once the round completes here
     datagrams: list[bytes] | None = None
     classes_sent: list[int] | None = None
-
-
-@functools.lru_cache(maxsize=256)
-def _result_arrays(lay: Layout, shard: int) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, counts) of a shard's result packets as arrays (cached with the ranges)."""
-    r = np.asarray(lay.shard_results(shard), dtype=np.int64).reshape(-1, 2)
-    return r[:, 0].copy(), r[:, 1].copy()
 
 
 def _sources(srcs: Sequence[int | None] | None, index: np.ndarray) -> np.ndarray:
@@ -487,10 +480,8 @@ class Engine:
         h["param"] = c.scale
         h["aux"] = c.block_max[idx].view(np.uint32)
         bits = LANE_BITS[lay.codec][1 if c.summed else 0]
-        starts = ((offs * bits + 7) // 8).tolist()  # lane_bytes, for every packet at once
-        ends = ((offs * bits + 7) // 8 + (counts * bits + 7) // 8).tolist()
-        lanes = c.lanes
-        payloads = [lanes[a:b] for a, b in zip(starts, ends, strict=True)]
+        # lane_bytes, for every packet at once; no slice object per packet
+        payloads = Slices(c.lanes, (offs * bits + 7) // 8, (counts * bits + 7) // 8)
         dgs = encode_batch(h, payloads, self._mac(c.spec))
         self._out.append(_batch(owner, dgs, prio.tolist(), drop.tolist(), "data"))
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
@@ -525,21 +516,20 @@ class Engine:
             return
         lay = f.layout
         shard = f.result.shard
-        ranges = _result_arrays(lay, shard)
+        ranges = lay.shard_result_arrays(shard)
         pick = slice(None) if only is None else np.asarray(only, dtype=np.int64)
         offs = ranges[0][pick]
         counts = ranges[1][pick]
         if offs.size == 0:
             return
         local = offs // lay.per_packet - lay.shard_packets(shard).start
-        payloads: list[bytes | memoryview]
+        payloads: Sequence[bytes | memoryview]
         if only is None:  # the whole shard: packed once, sliced per packet
-            rel = (offs - lay.shard_range(shard)[0]).tolist()
-            cnt = counts.tolist()
             wire = np.ascontiguousarray(f.result.sums, lane_ops.wire_summed_dtype(lay.codec))
             view = wire.data.cast("B")  # no copy where the sums are wire lanes already
             width = lane_bytes(lay.codec, 1, True)  # summed lanes are whole bytes
-            payloads = [view[o * width : (o + k) * width] for o, k in zip(rel, cnt, strict=True)]
+            rel = offs - lay.shard_range(shard)[0]
+            payloads = Slices(view, rel * width, counts * width)
         else:  # the payloads first sent (the sums may have been overwritten since)
             assert f.datagrams is not None
             payloads = [memoryview(f.datagrams[int(j)])[HEADER_SIZE:] for j in only]
@@ -1015,7 +1005,7 @@ class Engine:
             if f is None:
                 self.stats["nacks_ignored"] += 1
                 return
-            n = len(f.layout.shard_results(h.shard))
+            n = f.layout.shard_result_count(h.shard)
             if idx.size and idx.max() >= n:
                 raise RemoteError(Reason.BAD_RANGE, f"NACK for result packet {idx.max()} of {n}")
             if idx.size:

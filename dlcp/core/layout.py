@@ -122,6 +122,31 @@ class Layout:
         NACK handling asks for it per NACK, and a shard has thousands)."""
         return _shard_results(self, shard)
 
+    def shard_result_count(self, shard: int) -> int:
+        """len(shard_results(shard)), without listing them."""
+        pk = self.shard_packets(shard)
+        if not pk:
+            return 0
+        step = -(-self.per_packet // self.result_split)
+        # every packet but a shorter last one of the bucket has `per_packet` lanes
+        last = self.packet_range(pk.stop - 1)[1]
+        return (len(pk) - 1) * -(-self.per_packet // step) + -(-last // step)
+
+    def shard_result_arrays(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """`shard_results(shard)` as two int64 arrays, offsets and counts
+        (computed with a few numpy operations, not a tuple per packet)."""
+        pk = self.shard_packets(shard)
+        per = self.per_packet
+        off = np.arange(pk.start, pk.stop, dtype=np.int64) * per
+        end = np.minimum(off + per, self.total)
+        step = -(-per // self.result_split)
+        k = -(-(end - off) // step)  # result packets of each data packet
+        if k.size and k.max() == 1:
+            return off, end - off
+        first = np.repeat(np.cumsum(k) - k, k)  # each result packet's first sibling
+        offs = np.repeat(off, k) + (np.arange(int(k.sum()), dtype=np.int64) - first) * step
+        return offs, np.minimum(step, np.repeat(end, k) - offs)
+
     def packet_counts(self) -> np.ndarray:
         """Lane count of every data packet."""
         counts = np.full(self.packets, self.per_packet, dtype=np.int64)

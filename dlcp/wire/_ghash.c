@@ -442,6 +442,69 @@ done:
     return list;
 }
 
+PyDoc_STRVAR(encode_from_doc,
+"encode_from(heads, buffer, starts, lengths) -> list[bytes]\n\n"
+"`encode` with payload i the bytes buffer[starts[i] : starts[i] + lengths[i]]\n"
+"(`starts` and `lengths`: native int64 arrays, one per header record): no\n"
+"slice object per packet.");
+
+static PyObject *
+Mac_encode_from(MacObject *self, PyObject *args)
+{
+    Py_buffer raw, buf, st, ln;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*", &raw, &buf, &st, &ln))
+        return NULL;
+    PyObject *list = NULL;
+    Py_ssize_t n = st.len / (Py_ssize_t)sizeof(int64_t);
+    if (st.len % (Py_ssize_t)sizeof(int64_t) || ln.len != st.len) {
+        PyErr_Format(PyExc_ValueError,
+                     "starts and lengths must be int64 arrays of one length (%zd and %zd bytes)",
+                     st.len, ln.len);
+        goto done;
+    }
+    if (raw.len != n * HEADER) {
+        PyErr_Format(PyExc_ValueError, "%zd header bytes for %zd packets of %d", raw.len, n,
+                     HEADER);
+        goto done;
+    }
+    const int64_t *starts = st.buf, *lengths = ln.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (starts[i] < 0 || lengths[i] < 0 || starts[i] > buf.len
+            || lengths[i] > buf.len - starts[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "payload %zd (%lld bytes from %lld) is outside the buffer of %zd bytes",
+                         i, (long long)lengths[i], (long long)starts[i], buf.len);
+            goto done;
+        }
+    }
+    list = PyList_New(n);
+    if (list == NULL)
+        goto done;
+    const unsigned char *heads = raw.buf, *src = buf.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dg = PyBytes_FromStringAndSize(NULL, HEADER + (Py_ssize_t)lengths[i]);
+        if (dg == NULL)
+            goto fail;
+        unsigned char *d = (unsigned char *)PyBytes_AS_STRING(dg);
+        memcpy(d, heads + i * HEADER, HEAD);
+        memcpy(d + HEADER, src + starts[i], (size_t)lengths[i]);
+        PyList_SET_ITEM(list, i, dg);
+        if (tag_of(self, d, d + HEADER, (Py_ssize_t)lengths[i], d + HEAD)) {
+            openssl_failed();
+            goto fail;
+        }
+    }
+    goto done;
+fail:
+    Py_CLEAR(list);
+done:
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&st);
+    PyBuffer_Release(&ln);
+    return list;
+}
+
 PyDoc_STRVAR(verify_doc,
 "verify(datagrams) -> bytes\n\n"
 "Per datagram (at least 64 bytes each) 1 if its tag (bytes 48-64) is the tag\n"
@@ -507,6 +570,7 @@ static PyGetSetDef Mac_getset[] = {
 static PyMethodDef Mac_methods[] = {
     {"tags", (PyCFunction)Mac_tags, METH_VARARGS, tags_doc},
     {"encode", (PyCFunction)Mac_encode, METH_VARARGS, encode_doc},
+    {"encode_from", (PyCFunction)Mac_encode_from, METH_VARARGS, encode_from_doc},
     {"verify", (PyCFunction)Mac_verify, METH_VARARGS, verify_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from dlcp.wire.slices import Slices
+
 try:
     from dlcp.wire import _ghash  # type: ignore[attr-defined]
 except ImportError:  # not built: the cryptography package computes the same tags
@@ -150,6 +152,10 @@ class GhashAesKey:
         if len(heads) != n * _HEADER:
             raise ValueError(f"{len(heads)} header bytes for {n} packets of {_HEADER}")
         if self._native is not None:
+            if isinstance(payloads, Slices):  # copied from their buffer: no view apiece
+                return self._native.encode_from(
+                    heads, payloads.buffer, payloads.starts, payloads.lengths
+                )
             return self._native.encode(heads, payloads)
         head_list = [heads[i * _HEADER : i * _HEADER + _HEAD] for i in range(n)]
         out: list[bytes] = []
