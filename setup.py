@@ -1,7 +1,8 @@
 """The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL),
 dlcp.daemon._keys (the outbox's packet identities), dlcp.daemon._udp (GSO
 sends in batches of sendmmsg, GRO receives split) and dlcp.wire._bulk (the
-receive path's per-datagram header gathers and lane copies, one call a batch).
+receive path's per-datagram header gathers, header checks and lane copies, one
+call a batch).
 
 Everything else is in pyproject.toml. All four are optional: without a C compiler
 or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the

@@ -27,8 +27,9 @@ from dlcp.daemon import server, transport
 from dlcp.daemon.server import Daemon
 from dlcp.daemon.transport import Split, UdpPath, split_gro
 from dlcp.wire import Codec, Flags, PacketType
-from dlcp.wire.batch import decode_batch
-from dlcp.wire.header import HEADER_SIZE, Header
+from dlcp.wire import batch as batch_mod
+from dlcp.wire.batch import HEADER_DTYPE, decode_batch
+from dlcp.wire.header import HEADER_SIZE, MAGIC, VERSION, Header
 from dlcp.wire.mac import mac_state
 from tests.receive_reference import reference_decode_batch, reference_receive
 
@@ -177,6 +178,60 @@ def test_decode_batch_matches_on_every_header_byte() -> None:
     _assert_same(batch, keys)
     for i in range(0, len(batch), 7):  # and in small batches, some all good
         _assert_same(batch[i : i + 7], keys)
+
+
+def test_field_checks_in_c_are_the_numpy_ones() -> None:
+    """The C pass over the header records (`_bulk.field_checks`) gives the
+    reasons of the numpy masks (`_py_field_reasons`) on every header: random
+    bytes, valid headers with one to three fields changed (to edge values
+    too), every length around the header and payload sizes."""
+    if batch_mod._bulk is None:
+        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.wire._bulk was not built"
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    rng = np.random.default_rng(9)
+    base = np.frombuffer(
+        b"".join(d[:HEADER_SIZE] for d in _traffic(JOB_A, "ghash-aes", 4)), dtype=HEADER_DTYPE
+    )
+    real_lengths = np.array([len(d) for d in _traffic(JOB_A, "ghash-aes", 4)], dtype=np.int64)
+    n = 20_000
+    pick = rng.integers(0, base.size, n)
+    heads = base[pick].copy()
+    lengths = real_lengths[pick].copy()
+    raw = heads.view(np.uint8).reshape(n, HEADER_SIZE)
+    edges = np.array([0, 1, 2, 7, 8, 0x7F, 0x80, 0xFE, 0xFF], dtype=np.uint8)
+    for k in range(n):
+        r = k % 5
+        if r == 0:
+            raw[k] = rng.integers(0, 256, HEADER_SIZE, dtype=np.uint8)
+        elif r < 4:  # one to three header bytes changed
+            for pos in rng.integers(0, 48, r):
+                raw[k, pos] = (
+                    edges[rng.integers(0, edges.size)]
+                    if rng.random() < 0.5
+                    else (rng.integers(0, 256))
+                )
+        if rng.random() < 0.2:  # a length that may not fit
+            lengths[k] = int(rng.choice([0, 1, 63, 64, 65, lengths[k] - 1, lengths[k] + 1, 9001]))
+    full = lengths >= HEADER_SIZE
+    heads[~full] = np.zeros(1, dtype=HEADER_DTYPE)  # as the gathers leave a short one
+    want = batch_mod._py_field_reasons(heads, lengths, full)
+    got = batch_mod._field_reasons(heads, lengths, full)
+    assert want is not None and got is not None
+    assert got.tolist() == want.tolist()
+    assert len(set(want.tolist())) >= 10  # most reasons came up, and none
+    for i in range(0, n, 997):  # batches that pass: None from both
+        ok = np.flatnonzero(want == 0)[i : i + 50]
+        assert batch_mod._field_reasons(heads[ok], lengths[ok], full[ok]) is None
+        assert batch_mod._py_field_reasons(heads[ok], lengths[ok], full[ok]) is None
+    c = batch_mod._bulk
+    args = (MAGIC, VERSION, 0, 8, 7, 9000)
+    with pytest.raises(ValueError, match="header bytes"):
+        c.field_checks(bytes(65), np.zeros(1, np.int64), batch_mod._CHECK_TABLES, *args)
+    with pytest.raises(ValueError, match="tables"):
+        c.field_checks(bytes(64), np.zeros(1, np.int64), bytes(10), *args)
+    with pytest.raises(TypeError, match="int64"):
+        c.field_checks(bytes(64), np.zeros(1, np.int32), batch_mod._CHECK_TABLES, *args)
+    assert c.field_checks(b"", np.zeros(0, np.int64), batch_mod._CHECK_TABLES, *args) is None
 
 
 # --- Daemon._receive ----------------------------------------------------------

@@ -23,6 +23,13 @@
  * in C. A payload whose length (less skip) is not counts[i] * itemsize stops the copy with
  * LengthError (the ones before it are stored, as in Python); a run outside
  * dest raises IndexError, a bad argument TypeError/ValueError.
+ *
+ * field_checks(heads, lengths, tables, magic, version, bad_flags, summed_flag,
+ *              max_priority, max_payload) -> bytes | None
+ *
+ *   The header checks of `dlcp.wire.batch._field_reasons` in one pass: per
+ *   64-byte header record the index of the first check it fails (255: none),
+ *   or None when every record passes. The tables and constants are Python's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -168,6 +175,138 @@ done:
     return ret;
 }
 
+/* The header checks of `dlcp.wire.batch._field_reasons`, in its order, one pass
+ * over the header records (64 bytes each, fields big endian at their wire
+ * offsets). The tables (256 bytes each, by type byte or codec byte) and the
+ * constants come from Python, which keeps the definitions; this only walks. */
+enum {
+    T_TYPE_OK, T_CODEC_OK, T_LANES, T_DATA, T_RESULT, T_TYPE_BITS, T_TYPE_ROUND,
+    T_DATA_BITS, T_SUM_BITS, N_TABLES
+};
+#define HEAD_SIZE 64
+#define NO_CHECK 255
+
+static uint32_t
+be32(const unsigned char *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static uint16_t
+be16(const unsigned char *p)
+{
+    return (uint16_t)((p[0] << 8) | p[1]);
+}
+
+/* The index of the first check a header fails (the row of _CHECK_REASONS), or
+ * NO_CHECK. */
+static unsigned char
+first_failed(const unsigned char *h, int64_t length, const unsigned char *t, long magic,
+             long version, long bad_flags, long summed_flag, long max_priority,
+             long long max_payload)
+{
+    if (length < HEAD_SIZE)
+        return 0;
+    unsigned ptype = h[3], flags = h[4], codec = h[6];
+    if (be16(h) != magic)
+        return 1;
+    if (h[2] != version)
+        return 2;
+    if (!t[T_TYPE_OK * 256 + ptype])
+        return 3;
+    if (flags & bad_flags)
+        return 4;
+    if (!t[T_CODEC_OK * 256 + codec])
+        return 5;
+    if (h[7] != 0)
+        return 6;
+    if (h[5] > max_priority)
+        return 7;
+    int lanes = t[T_LANES * 256 + ptype];
+    int64_t count = be32(h + 32), offset = be32(h + 28), total = be32(h + 36);
+    if (lanes && count == 0)
+        return 8;
+    if (lanes && offset + count > total)
+        return 9;
+    if (t[T_DATA * 256 + ptype] && be16(h + 26) == 0)
+        return 10;
+    int64_t plen = length - HEAD_SIZE;
+    if (plen > max_payload)
+        return 11;
+    int64_t bits;
+    if (lanes) {
+        int summed = t[T_RESULT * 256 + ptype] || (flags & summed_flag);
+        bits = t[(summed ? T_SUM_BITS : T_DATA_BITS) * 256 + codec];
+    } else {
+        bits = t[T_TYPE_BITS * 256 + ptype];
+    }
+    if ((count * bits + t[T_TYPE_ROUND * 256 + ptype]) / 8 != plen)
+        return 12;
+    if (((be32(h + 40) >> 23) & 0xFF) == 0xFF) /* param is not finite */
+        return 13;
+    return NO_CHECK;
+}
+
+static PyObject *
+field_checks(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *heads_obj, *lengths_obj, *tables_obj;
+    long magic, version, bad_flags, summed_flag, max_priority;
+    long long max_payload;
+    if (!PyArg_ParseTuple(args, "OOOlllllL", &heads_obj, &lengths_obj, &tables_obj, &magic,
+                          &version, &bad_flags, &summed_flag, &max_priority, &max_payload))
+        return NULL;
+    Py_buffer heads, lengths, tables;
+    if (PyObject_GetBuffer(heads_obj, &heads, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (int64_buffer(lengths_obj, &lengths, "lengths") < 0) {
+        PyBuffer_Release(&heads);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(tables_obj, &tables, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&heads);
+        PyBuffer_Release(&lengths);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = lengths.len / 8;
+    if (heads.len != n * HEAD_SIZE) {
+        PyErr_Format(PyExc_ValueError, "%zd header bytes for %zd lengths of %d-byte headers",
+                     heads.len, n, HEAD_SIZE);
+        goto done;
+    }
+    if (tables.len != N_TABLES * 256) {
+        PyErr_Format(PyExc_ValueError, "tables must be %d bytes, not %zd", N_TABLES * 256,
+                     tables.len);
+        goto done;
+    }
+    const unsigned char *h = heads.buf, *t = tables.buf;
+    const int64_t *len = lengths.buf;
+    Py_ssize_t i = 0;
+    for (; i < n; i++) /* the usual batch passes: no result to build */
+        if (first_failed(h + i * HEAD_SIZE, len[i], t, magic, version, bad_flags, summed_flag,
+                         max_priority, max_payload) != NO_CHECK)
+            break;
+    if (i == n) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, n);
+    if (result == NULL)
+        goto done;
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
+    memset(out, NO_CHECK, (size_t)i);
+    for (; i < n; i++)
+        out[i] = first_failed(h + i * HEAD_SIZE, len[i], t, magic, version, bad_flags,
+                              summed_flag, max_priority, max_payload);
+done:
+    PyBuffer_Release(&heads);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&tables);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"heads", heads, METH_VARARGS,
      "heads(datagrams, size) -> (bytearray, bytes): the first size bytes of each "
@@ -175,6 +314,11 @@ static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(dest, itemsize, starts, counts, payloads, skip=0): each payload "
      "(less its first skip bytes) into dest at its start lane, in order"},
+    {"field_checks", field_checks, METH_VARARGS,
+     "field_checks(heads, lengths, tables, magic, version, bad_flags, summed_flag, "
+     "max_priority, max_payload) -> bytes | None: per header record the index of the "
+     "first check of dlcp.wire.batch._field_reasons it fails (255: none); None when "
+     "all pass"},
     {NULL, NULL, 0, NULL},
 };
 
