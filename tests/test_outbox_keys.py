@@ -1,6 +1,7 @@
 """The outbox's packet identities in C (dlcp/daemon/_keys.c) against their
 Python definitions in dlcp.daemon.outbox: the same bytes for every datagram,
-errors (not reads past the end) for bad input.
+the same pending set and shard counts when a batch leaves the queue
+(`unqueue`), errors (not reads past the end) for bad input.
 
 The project's install builds the extension (setup.py), so its absence fails
 here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections import deque
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
@@ -74,8 +77,184 @@ def test_bad_input_raises_instead_of_reading_past_the_datagram(keys: ModuleType)
         keys.identities([memoryview(bytes(80))[::2]])  # not contiguous
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 63, 500])
+def test_identities_flags_equal_the_python_definitions(keys: ModuleType, n: int) -> None:
+    dgs = _datagrams(n, 100 + n)
+    ids, flags = keys.identities_flags(dgs)
+    assert (ids, flags) == outbox._py_identities_flags(dgs)
+    assert flags == b"".join(dg[3:5] for dg in dgs)
+    others = [memoryview(dg) if k % 2 else bytearray(dg) for k, dg in enumerate(dgs)]
+    assert keys.identities_flags(others) == (ids, flags)
+    with pytest.raises(ValueError, match="datagram 1 is 35 bytes"):
+        keys.identities_flags([bytes(36), bytes(35)])
+
+
+DATA, RESULT, NACK, DONE = 1, 2, 3, 4
+
+
+def _batch(n: int, seed: int, shards: int) -> list[bytes]:
+    """`n` datagrams of `shards` shards (the 14 bytes from job to shard),
+    interleaved in runs, of every type the queues hold, with repeats: the same
+    datagram again, or the same identity with other flags."""
+    rng = random.Random(seed)
+    pool = [rng.randbytes(14) for _ in range(shards)]
+    out: list[bytes] = []
+    shard = pool[0]
+    while len(out) < n:
+        if out and rng.random() < 0.08:
+            dg = bytearray(rng.choice(out))
+            if rng.random() < 0.5:
+                dg[4] ^= 0x02  # a retransmission: other flags, same identity
+            out.append(bytes(dg))
+            continue
+        if rng.random() < 0.15:
+            shard = rng.choice(pool)
+        dg = bytearray(rng.randbytes(rng.choice((36, 64, 1500))))
+        dg[3] = rng.choice((DATA, DATA, DATA, RESULT, RESULT, DONE, NACK))
+        dg[8:22] = shard
+        out.append(bytes(dg))
+    return out
+
+
+def _unqueue_both(
+    keys: ModuleType, pending: set[bytes], dgs: list[bytes], n: int
+) -> tuple[list[tuple[bytes, int]], set[bytes]]:
+    """`unqueue` in C and in Python on copies of `pending` (and of a queue that
+    the batch heads): the same shards, sets and queues; returns them."""
+    c_set, py_set = set(pending), set(pending)
+    tail = [bytes(40)] * 3
+    c_q, py_q = deque(dgs + tail), deque(dgs + tail)
+    shards = keys.unqueue(c_set, dgs, n, c_q.popleft)
+    assert shards == outbox._py_unqueue(py_set, dgs, n, py_q.popleft)
+    assert c_set == py_set
+    assert list(c_q) == list(py_q) == dgs[n:] + tail
+    assert keys.unqueue(set(pending), dgs, n) == shards  # no queue: the same
+    return shards, c_set
+
+
+@pytest.mark.parametrize("shards", [1, 2, 5, 300])
+@pytest.mark.parametrize("seed", range(4))
+def test_unqueue_equals_the_python_definition(keys: ModuleType, shards: int, seed: int) -> None:
+    rng = random.Random(seed)
+    for size in (1, 2, 17, 1024):
+        dgs = _batch(size, seed * 1000 + size, shards)
+        ids = outbox._py_identities(dgs)
+        # queued identities: most of the batch's, and many others
+        pending = {i for i in ids if rng.random() < 0.9}
+        pending |= {bytes((DATA,)) + rng.randbytes(28) for _ in range(2000)}
+        for n in {0, 1, size // 2, size - 1, size}:
+            got, left = _unqueue_both(keys, pending, dgs, n)
+            assert left == pending - set(ids[:n])
+            # (barrier key, packets) per shard: every DATA/RESULT packet counted
+            dr = [i[: outbox._BKEY] for i in ids[:n] if i[0] in (DATA, RESULT)]
+            assert sorted(got) == sorted((b, dr.count(b)) for b in set(dr))
+
+
+def test_unqueue_gives_shards_in_the_order_of_their_last_packet(keys: ModuleType) -> None:
+    def dg(kind: int, shard: int) -> bytes:
+        return bytes(3) + bytes((kind,)) + bytes(4) + bytes((shard,)) * 14 + bytes(14)
+
+    def key(kind: int, shard: int) -> bytes:
+        return bytes((kind,)) + bytes((shard,)) * 14
+
+    batch = [dg(DATA, 1), dg(DATA, 2), dg(DONE, 3), dg(DATA, 1), dg(RESULT, 1), dg(NACK, 2)]
+    want = [(key(DATA, 2), 1), (key(DATA, 1), 2), (key(RESULT, 1), 1)]
+    assert keys.unqueue(set(), batch, 6) == outbox._py_unqueue(set(), batch, 6) == want
+    assert keys.unqueue(set(), batch, 3) == [(key(DATA, 1), 1), (key(DATA, 2), 1)]
+    assert keys.unqueue(set(), [dg(DONE, 1), dg(NACK, 1)], 2) == []
+    # shard after shard past the few compared one by one: the C table's path
+    many = [dg(DATA, s % 40) for s in range(200)]
+    want = [(key(DATA, s), 5) for s in range(40)]
+    assert keys.unqueue(set(), many, 200) == outbox._py_unqueue(set(), many, 200) == want
+
+
+def test_unqueue_takes_other_buffers(keys: ModuleType) -> None:
+    dgs = _batch(50, 3, 3)
+    others = [memoryview(dg) if k % 2 else bytearray(dg) for k, dg in enumerate(dgs)]
+    pending = set(outbox._py_identities(dgs))
+    a, b = set(pending), set(pending)
+    assert keys.unqueue(a, others, 40) == outbox._py_unqueue(b, dgs, 40)
+    assert a == b
+
+
+def test_unqueue_keys_are_new_to_whatever_keeps_them(keys: ModuleType) -> None:
+    """The set compares its keys with the one looked up: a key of another type
+    could keep it (in its __eq__). It must keep the identity it was shown,
+    whatever the C function looks up next."""
+    seen: list[object] = []
+
+    class Keeper:
+        def __init__(self, like: bytes) -> None:
+            self.h = hash(like)
+
+        def __hash__(self) -> int:
+            return self.h
+
+        def __eq__(self, other: object) -> bool:
+            seen.append(other)
+            return False
+
+    dgs = _batch(30, 5, 2)
+    ids = outbox._py_identities(dgs)
+    pending: set[object] = {Keeper(i) for i in set(ids)}  # one apiece: compared once a lookup
+    keys.unqueue(pending, dgs, 30)
+    # every key kept still says the identity it was compared as (CPython may
+    # compare a key twice in one lookup, so the counts are not checked)
+    assert set(seen) == set(ids)
+    by_value: dict[object, set[int]] = {}
+    for k in seen:
+        by_value.setdefault(k, set()).add(id(k))
+    assert all(len(objs) <= ids.count(v) for v, objs in by_value.items())  # type: ignore[arg-type]
+
+
+def test_unqueue_rejects_bad_input_and_leaves_the_set(keys: ModuleType) -> None:
+    dgs = _batch(10, 9, 2)
+    pending = set(outbox._py_identities(dgs))
+    before = set(pending)
+    short = [*dgs[:3], bytes(35), *dgs[3:]]
+    both: tuple[Callable[..., object], ...] = (keys.unqueue, outbox._py_unqueue)
+    for f in both:
+        with pytest.raises(TypeError, match="pending must be a set"):
+            f(list(pending), dgs, 2)
+        with pytest.raises(TypeError, match="pending must be a set"):
+            f(frozenset(pending), dgs, 2)
+        for n in (-1, 11, 1 << 70):
+            with pytest.raises(ValueError, match="datagrams left the queue"):
+                f(pending, dgs, n)
+        q = deque(dgs[1:])
+        with pytest.raises(RuntimeError, match="datagram 0 popped off the queue"):
+            f(pending, dgs, 2, q.popleft)
+        pending |= before
+    with pytest.raises(ValueError, match="datagram 3 is 35 bytes"):
+        keys.unqueue(pending, short, 11)
+    assert pending == before  # checked before any was discarded
+    assert keys.unqueue(pending, short, 3) == outbox._py_unqueue(set(before), short, 3)
+    with pytest.raises(TypeError):
+        keys.unqueue(pending, [*dgs[:2], 7], 3)
+    with pytest.raises(TypeError):
+        keys.unqueue(pending, 5, 0)
+    with pytest.raises(TypeError):
+        keys.unqueue(pending, dgs)
+    with pytest.raises(BufferError):
+        keys.unqueue(pending, [memoryview(bytes(80))[::2]], 1)
+
+
+def test_unqueue_survives_a_batch_emptied_under_it(keys: ModuleType) -> None:
+    dgs = _batch(10, 11, 1)
+    q = deque(dgs)
+
+    def popleft() -> bytes:
+        dgs.clear()  # the list goes away under the C loop
+        return q.popleft()
+
+    with pytest.raises(RuntimeError, match="changed during the call"):
+        keys.unqueue(set(), dgs, 10, popleft)
+
+
 def test_the_outbox_uses_the_extension_where_it_is_built(keys: ModuleType) -> None:
     if os.environ.get("DLCP_NATIVE_KEYS") == "0":
         pytest.skip("DLCP_NATIVE_KEYS=0 turns the extension off")
     assert outbox._identities is keys.identities
     assert outbox._identities_heads is keys.identities_heads
+    assert outbox._identities_flags is keys.identities_flags
+    assert outbox._unqueue is keys.unqueue

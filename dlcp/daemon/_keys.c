@@ -5,92 +5,145 @@
  * its flags, class or MAC (see dlcp/daemon/outbox.py, `_identity`). Its head
  * is the identity's first 15 bytes: the leg and (job, round, bucket, shard).
  * Python builds each with two slices and a concatenation; here each is one
- * allocation and a copy. The Python definitions in outbox.py stay the
- * reference: tests/test_outbox_keys.py checks these against them.
+ * allocation and a copy. `unqueue` does a sent batch's bookkeeping (identities
+ * out of the pending set, packets per shard, the queue popped) in one call. The
+ * Python definitions in outbox.py stay the reference: tests/test_outbox_keys.py
+ * checks these against them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 #define TYPE_AT 3
+#define FLAGS_AT 4
 #define FIELDS_AT 8
 #define FIELDS_END 36
 #define ID_LEN (1 + FIELDS_END - FIELDS_AT) /* 29 */
 #define HEAD_LEN 15
+#define DATA 1
+#define RESULT 2
 
-/* The identity of one datagram (bytes, or any contiguous buffer) as new bytes. */
-static PyObject *
-identity_of(PyObject *dg, Py_ssize_t index)
+/* The bytes of datagram `index` (bytes, or any contiguous buffer: then `view`
+ * holds it until PyBuffer_Release, and *have_view says so), or NULL with an
+ * exception set when it is shorter than the header fields an identity takes. */
+static const char *
+header_of(PyObject *dg, Py_ssize_t index, Py_buffer *view, int *have_view)
 {
     const char *p;
     Py_ssize_t len;
-    Py_buffer view;
-    int have_view = 0;
+    *have_view = 0;
     if (PyBytes_Check(dg)) {
         p = PyBytes_AS_STRING(dg);
         len = PyBytes_GET_SIZE(dg);
     } else {
-        if (PyObject_GetBuffer(dg, &view, PyBUF_C_CONTIGUOUS) < 0)
+        if (PyObject_GetBuffer(dg, view, PyBUF_C_CONTIGUOUS) < 0)
             return NULL;
-        have_view = 1;
-        p = (const char *)view.buf;
-        len = view.len;
+        *have_view = 1;
+        p = (const char *)view->buf;
+        len = view->len;
     }
-    PyObject *id = NULL;
     if (len < FIELDS_END) {
         PyErr_Format(PyExc_ValueError,
                      "datagram %zd is %zd bytes: shorter than the %d header bytes an identity "
                      "takes",
                      index, len, FIELDS_END);
-    } else {
-        id = PyBytes_FromStringAndSize(NULL, ID_LEN);
-        if (id != NULL) {
-            char *q = PyBytes_AS_STRING(id);
-            q[0] = p[TYPE_AT];
-            memcpy(q + 1, p + FIELDS_AT, FIELDS_END - FIELDS_AT);
-        }
+        if (*have_view)
+            PyBuffer_Release(view);
+        *have_view = 0;
+        return NULL;
     }
+    return p;
+}
+
+static inline void
+fill_identity(char *q, const char *p)
+{
+    q[0] = p[TYPE_AT];
+    memcpy(q + 1, p + FIELDS_AT, FIELDS_END - FIELDS_AT);
+}
+
+/* Item i of `seq` (from PySequence_Fast), read afresh each time: code that a
+ * buffer export, a key comparison or popleft runs may have changed the list. */
+static PyObject *
+item_at(PyObject *seq, Py_ssize_t i)
+{
+    if (i >= PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_SetString(PyExc_RuntimeError, "the datagrams changed during the call");
+        return NULL;
+    }
+    return PySequence_Fast_ITEMS(seq)[i];
+}
+
+/* The identity of datagram `index` of `seq` as new bytes; its flags byte goes
+ * to *flags unless that is NULL. */
+static PyObject *
+identity_of(PyObject *seq, Py_ssize_t index, char *flags)
+{
+    PyObject *dg = item_at(seq, index);
+    if (dg == NULL)
+        return NULL;
+    Py_buffer view;
+    int have_view;
+    const char *p = header_of(dg, index, &view, &have_view);
+    if (p == NULL)
+        return NULL;
+    PyObject *id = PyBytes_FromStringAndSize(NULL, ID_LEN);
+    if (id != NULL)
+        fill_identity(PyBytes_AS_STRING(id), p);
+    if (flags != NULL)
+        *flags = p[FLAGS_AT];
     if (have_view)
         PyBuffer_Release(&view);
     return id;
 }
 
-/* ids (and heads, when heads_too) of a sequence of datagrams. */
+enum extra { IDS_ONLY, WITH_HEADS, WITH_FLAGS };
+
+/* ids of a sequence of datagrams, and with them their heads (a list) or their
+ * type and flags bytes (bytes, two a datagram). */
 static PyObject *
-build(PyObject *arg, int heads_too)
+build(PyObject *arg, enum extra extra)
 {
     PyObject *seq = PySequence_Fast(arg, "expected a sequence of datagrams");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *ids = PyList_New(n);
-    PyObject *heads = heads_too ? PyList_New(n) : NULL;
-    if (ids == NULL || (heads_too && heads == NULL))
+    PyObject *more = NULL;
+    if (extra == WITH_HEADS)
+        more = PyList_New(n);
+    else if (extra == WITH_FLAGS)
+        more = PyBytes_FromStringAndSize(NULL, 2 * n);
+    if (ids == NULL || (extra != IDS_ONLY && more == NULL))
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id = identity_of(items[i], i);
+        /* type and flags: the type byte is the identity's first */
+        char *tf = extra == WITH_FLAGS ? PyBytes_AS_STRING(more) + 2 * i : NULL;
+        PyObject *id = identity_of(seq, i, tf == NULL ? NULL : tf + 1);
         if (id == NULL)
             goto fail;
         PyList_SET_ITEM(ids, i, id);
-        if (heads_too) {
+        if (tf != NULL) {
+            tf[0] = PyBytes_AS_STRING(id)[0];
+        } else if (extra == WITH_HEADS) {
             PyObject *head = PyBytes_FromStringAndSize(PyBytes_AS_STRING(id), HEAD_LEN);
             if (head == NULL)
                 goto fail;
-            PyList_SET_ITEM(heads, i, head);
+            PyList_SET_ITEM(more, i, head);
         }
     }
     Py_DECREF(seq);
-    if (!heads_too)
+    if (extra == IDS_ONLY)
         return ids;
-    PyObject *pair = PyTuple_Pack(2, ids, heads);
+    PyObject *pair = PyTuple_Pack(2, ids, more);
     Py_DECREF(ids);
-    Py_DECREF(heads);
+    Py_DECREF(more);
     return pair;
 fail:
     Py_DECREF(seq);
     Py_XDECREF(ids);
-    Py_XDECREF(heads);
+    Py_XDECREF(more);
     return NULL;
 }
 
@@ -98,14 +151,236 @@ static PyObject *
 identities(PyObject *self, PyObject *arg)
 {
     (void)self;
-    return build(arg, 0);
+    return build(arg, IDS_ONLY);
 }
 
 static PyObject *
 identities_heads(PyObject *self, PyObject *arg)
 {
     (void)self;
-    return build(arg, 1);
+    return build(arg, WITH_HEADS);
+}
+
+static PyObject *
+identities_flags(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    return build(arg, WITH_FLAGS);
+}
+
+/* A shard and leg among a sent batch's DATA/RESULT packets: its barrier key
+ * (the identity's head) and how many of them it had. */
+typedef struct {
+    char key[HEAD_LEN];
+    Py_ssize_t count;
+} Shard;
+
+/* The shards of a batch, counted. A batch is nearly always one shard, and
+ * seldom more than a few: those are found by comparing keys one by one. Past
+ * LINEAR_SHARDS of them (a batch could hold up to one shard a packet) an open
+ * addressing table of their indices takes over. */
+#define LINEAR_SHARDS 8
+
+typedef struct {
+    Shard local[LINEAR_SHARDS];
+    Shard *shards;
+    Py_ssize_t n;
+    Py_ssize_t last; /* the shard the previous packet counted for, or -1 */
+    Py_ssize_t *table; /* NULL until more than LINEAR_SHARDS shards */
+    size_t mask;
+} Shards;
+
+static size_t
+key_hash(const char *key)
+{
+    uint64_t a, b;
+    memcpy(&a, key, 8);
+    memcpy(&b, key + HEAD_LEN - 8, 8);
+    uint64_t h = a * 0x9E3779B97F4A7C15ULL ^ (b + 0x632BE59BD9B4E019ULL) * 0xC2B2AE3D27D4EB4FULL;
+    return (size_t)(h ^ (h >> 31));
+}
+
+static void
+table_insert(Shards *s, Py_ssize_t index)
+{
+    size_t i = key_hash(s->shards[index].key) & s->mask;
+    while (s->table[i] >= 0)
+        i = (i + 1) & s->mask;
+    s->table[i] = index;
+}
+
+/* Count one packet for shard `key` among at most `cap` shards; -1 (with
+ * MemoryError set) when the table cannot be made. */
+static int
+shards_count(Shards *s, const char *key, Py_ssize_t cap)
+{
+    if (s->last >= 0 && memcmp(s->shards[s->last].key, key, HEAD_LEN) == 0) {
+        s->shards[s->last].count++;
+        return 0;
+    }
+    if (s->table == NULL) {
+        for (Py_ssize_t j = 0; j < s->n; j++) {
+            if (memcmp(s->shards[j].key, key, HEAD_LEN) == 0) {
+                s->shards[j].count++;
+                s->last = j;
+                return 0;
+            }
+        }
+        if (s->n == LINEAR_SHARDS) {
+            size_t size = 16;
+            while (size < 2 * (size_t)cap)
+                size <<= 1;
+            s->shards = PyMem_Malloc((size_t)cap * sizeof(Shard));
+            s->table = PyMem_Malloc(size * sizeof(Py_ssize_t));
+            if (s->shards == NULL || s->table == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            memcpy(s->shards, s->local, sizeof s->local);
+            memset(s->table, 0xff, size * sizeof(Py_ssize_t)); /* all -1: empty */
+            s->mask = size - 1;
+            for (Py_ssize_t j = 0; j < s->n; j++)
+                table_insert(s, j);
+        }
+    } else {
+        size_t i = key_hash(key) & s->mask;
+        for (Py_ssize_t j; (j = s->table[i]) >= 0; i = (i + 1) & s->mask) {
+            if (memcmp(s->shards[j].key, key, HEAD_LEN) == 0) {
+                s->shards[j].count++;
+                s->last = j;
+                return 0;
+            }
+        }
+    }
+    Shard *new = &s->shards[s->n];
+    memcpy(new->key, key, HEAD_LEN);
+    new->count = 1;
+    s->last = s->n++;
+    if (s->table != NULL)
+        table_insert(s, s->last);
+    return 0;
+}
+
+/* Remove the identity of the datagram at `p` from `pending`. (A reused key
+ * object, refilled per datagram, saved only about 15 % of this call's time and
+ * needs CPython's deprecated cached-hash field: not worth it.) */
+static int
+discard(PyObject *pending, const char *p)
+{
+    PyObject *id = PyBytes_FromStringAndSize(NULL, ID_LEN);
+    if (id == NULL)
+        return -1;
+    fill_identity(PyBytes_AS_STRING(id), p);
+    int r = PySet_Discard(pending, id);
+    Py_DECREF(id);
+    return r < 0 ? -1 : 0;
+}
+
+static PyObject *
+unqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "unqueue() takes 3 or 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *pending = args[0];
+    PyObject *popleft = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
+    if (!PySet_Check(pending)) {
+        PyErr_Format(PyExc_TypeError, "pending must be a set, not %.100s",
+                     Py_TYPE(pending)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyNumber_AsSsize_t(args[2], NULL); /* clipped: out of range below */
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "expected a sequence of datagrams");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = NULL;
+    Shards s = {.n = 0, .last = -1, .table = NULL};
+    s.shards = s.local;
+    if (n < 0 || n > len) {
+        PyErr_Format(PyExc_ValueError, "%zd datagrams left the queue, of a batch of %zd", n,
+                     len);
+        goto done;
+    }
+    /* every datagram is checked before the set changes: bad input leaves it */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dg = item_at(seq, i);
+        if (dg == NULL)
+            goto done;
+        if (PyBytes_Check(dg) && PyBytes_GET_SIZE(dg) >= FIELDS_END)
+            continue;
+        Py_buffer view;
+        int have_view;
+        if (header_of(dg, i, &view, &have_view) == NULL)
+            goto done;
+        if (have_view)
+            PyBuffer_Release(&view);
+    }
+    /* Backwards: a shard first met here is met at its last packet, so the
+     * shards come in reverse order of their last packets. */
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        PyObject *dg = item_at(seq, i);
+        if (dg == NULL)
+            goto done;
+        Py_buffer view;
+        int have_view;
+        const char *p = header_of(dg, i, &view, &have_view);
+        if (p == NULL)
+            goto done;
+        int failed = 0;
+        if (p[TYPE_AT] == DATA || p[TYPE_AT] == RESULT) {
+            char key[HEAD_LEN];
+            key[0] = p[TYPE_AT];
+            memcpy(key + 1, p + FIELDS_AT, HEAD_LEN - 1);
+            failed = shards_count(&s, key, n);
+        }
+        if (!failed)
+            failed = discard(pending, p);
+        if (have_view)
+            PyBuffer_Release(&view);
+        if (failed)
+            goto done;
+    }
+    /* A Python loop of popleft calls cost about as much again as all the rest:
+     * the interpreter's loop, not the deque. */
+    if (popleft != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *dg = PyObject_CallNoArgs(popleft);
+            if (dg == NULL)
+                goto done;
+            Py_DECREF(dg); /* compared by address only */
+            PyObject *mine = item_at(seq, i);
+            if (mine == NULL)
+                goto done;
+            if (dg != mine) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "datagram %zd popped off the queue is not the batch's", i);
+                goto done;
+            }
+        }
+    }
+    out = PyList_New(s.n);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t j = 0; j < s.n; j++) {
+        Shard *shard = &s.shards[s.n - 1 - j];
+        PyObject *pair = Py_BuildValue("(y#n)", shard->key, (Py_ssize_t)HEAD_LEN, shard->count);
+        if (pair == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, j, pair);
+    }
+done:
+    Py_DECREF(seq);
+    if (s.shards != s.local)
+        PyMem_Free(s.shards);
+    PyMem_Free(s.table);
+    return out;
 }
 
 PyDoc_STRVAR(identities_doc,
@@ -114,10 +389,22 @@ PyDoc_STRVAR(identities_doc,
 PyDoc_STRVAR(identities_heads_doc,
              "identities_heads(datagrams) -> (list[bytes], list[bytes])\n\n"
              "The identities and their first 15 bytes (leg, job, round, bucket, shard).");
+PyDoc_STRVAR(identities_flags_doc,
+             "identities_flags(datagrams) -> (list[bytes], bytes)\n\n"
+             "The identities and each datagram's type and flags bytes (header bytes 3\n"
+             "and 4), two a datagram.");
+PyDoc_STRVAR(unqueue_doc,
+             "unqueue(pending, datagrams, n, popleft=None) -> list[tuple[bytes, int]]\n\n"
+             "The first n datagrams left the queue: discard their identities from the\n"
+             "set pending, call popleft (the queue's, which the batch heads) n times,\n"
+             "and return (barrier key, packets) for each shard and leg of the\n"
+             "DATA/RESULT packets among them, in the order of its last packet.");
 
 static PyMethodDef methods[] = {
     {"identities", identities, METH_O, identities_doc},
     {"identities_heads", identities_heads, METH_O, identities_heads_doc},
+    {"identities_flags", identities_flags, METH_O, identities_flags_doc},
+    {"unqueue", (PyCFunction)(void (*)(void))unqueue, METH_FASTCALL, unqueue_doc},
     {NULL, NULL, 0, NULL},
 };
 

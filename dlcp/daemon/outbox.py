@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from bisect import bisect_right
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, islice, repeat
 
@@ -55,15 +55,63 @@ def _py_identities_heads(datagrams: Iterable[bytes]) -> tuple[list[bytes], list[
     return ids, [i[:_BKEY] for i in ids]
 
 
-# The same two in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a
-# key instead of slices and a concatenation. DLCP_NATIVE_KEYS=0 turns it off.
+def _py_identities_flags(datagrams: Sequence[bytes]) -> tuple[list[bytes], bytes]:
+    """`_identities` and the type and flags bytes (header bytes 3 and 4) of
+    each datagram, two a datagram."""
+    return _py_identities(datagrams), b"".join([dg[3:5] for dg in datagrams])
+
+
+def _py_shards_left(heads: list[bytes]) -> list[tuple[bytes, int]]:
+    """(barrier key, packets) of each shard and leg among the DATA/RESULT
+    packets whose identities begin with `heads` (`_BKEY` bytes), in the order
+    of its last packet: a shard's held DONEs go when its last packet has left."""
+    if not heads:
+        return []
+    first = heads[0]
+    if heads.count(first) == len(heads):  # one shard and leg (the usual batch)
+        return [(first, len(heads))] if first[0] in _DR else []
+    counts = Counter(reversed([b for b in heads if b[0] in _DR]))
+    return [(bkey, counts[bkey]) for bkey in reversed(counts)]  # in the order of their last packet
+
+
+def _py_unqueue(
+    pending: set[bytes],
+    datagrams: Sequence[bytes],
+    n: int,
+    popleft: Callable[[], bytes] | None = None,
+) -> list[tuple[bytes, int]]:
+    """The first `n` of `datagrams` left the queue: their identities leave
+    `pending`, `popleft` (the queue's, which the batch heads) takes them off
+    it, and the DATA/RESULT packets among them are counted per shard and leg
+    for `Outbox._release` (`_py_shards_left`)."""
+    if not isinstance(pending, set):
+        raise TypeError(f"pending must be a set, not {type(pending).__name__}")
+    if not 0 <= n <= len(datagrams):
+        raise ValueError(f"{n} datagrams left the queue, of a batch of {len(datagrams)}")
+    ids, heads = _py_identities_heads(datagrams[:n])
+    pending.difference_update(ids)
+    if popleft is not None:
+        for i in range(n):
+            if popleft() is not datagrams[i]:
+                raise RuntimeError(f"datagram {i} popped off the queue is not the batch's")
+    return _py_shards_left(heads)
+
+
+# The same in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a key
+# instead of slices and a concatenation, and `unqueue`, a sent batch's
+# bookkeeping in one call (no lists of keys, no Python loop). DLCP_NATIVE_KEYS=0
+# turns it off.
 NATIVE_KEYS = _keys is not None and os.environ.get("DLCP_NATIVE_KEYS", "1") != "0"
 if NATIVE_KEYS:
     _identities = _keys.identities
     _identities_heads = _keys.identities_heads
+    _identities_flags = _keys.identities_flags
+    _unqueue = _keys.unqueue
 else:
     _identities = _py_identities
     _identities_heads = _py_identities_heads
+    _identities_flags = _py_identities_flags
+    _unqueue = _py_unqueue
 
 
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
@@ -306,7 +354,7 @@ class Outbox:
         if n < 2:
             return self._push_each(peer, datagrams, priorities)
         pending = peer.pending
-        ids = _identities(datagrams)
+        ids, heads = _identities_flags(datagrams)  # heads: type and flags bytes
         # a DONE is never a repeat (see `push`): a key of its own, not kept
         tokens = []
         for k in [k for k, dg in enumerate(datagrams) if dg[3] == _DONE]:
@@ -339,11 +387,11 @@ class Outbox:
             datagrams = [datagrams[k] for k in keep]
             priorities = [priorities[k] for k in keep]
             ids = [ids[k] for k in keep]
+            heads = b"".join([heads[2 * k : 2 * k + 2] for k in keep])
         peer.queued += n
         self.backlog.add(peer)
         if min(priorities) < 0 or max(priorities) >= N_CLASSES:
             priorities = [min(max(p, 0), N_CLASSES - 1) for p in priorities]
-        heads = b"".join([dg[3:5] for dg in datagrams])  # type and flags bytes
         flags = heads[1::2]
         others = heads[0::2].translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT (a DONE)
         # runs of DATA/RESULT packets between the others, in order: each of the
@@ -454,14 +502,8 @@ class Outbox:
         (`_BKEY` bytes: the barrier key of DATA/RESULT packets), in order, with
         one barrier update per shard: a shard's held DONEs are released when its
         last packet of them left, so in the order of the shards' last packets."""
-        first = bkeys[0]
-        if bkeys.count(first) == len(bkeys):  # one shard and leg (the usual batch)
-            if first[0] in _DR:
-                Outbox._release(peer, first, len(bkeys))
-            return
-        counts = Counter(reversed([b for b in bkeys if b[0] in _DR]))
-        for bkey in reversed(counts):  # in the order of their last packet
-            Outbox._release(peer, bkey, counts[bkey])
+        for bkey, k in _py_shards_left(bkeys):
+            Outbox._release(peer, bkey, k)
 
     @staticmethod
     def _release(peer: Peer, bkey: bytes, n: int) -> None:
@@ -616,7 +658,7 @@ class Outbox:
         one = len(peer.paths) == 1
         pacer0 = pacers[0] if pacers is not None and one else None
         pending = peer.pending
-        left_many = self._left_many
+        left_many, release = self._left_many, self._release
         for cls, q in enumerate(peer.queues):
             if not q:
                 continue
@@ -643,19 +685,23 @@ class Outbox:
                     held, full = False, sent < len(batch)
                     if sent:
                         self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
-                        ids, heads = _identities_heads(batch[:sent] if full else batch)
+                        # identities out of `pending`, the batch off the queue, and
+                        # per shard the packets its held DONEs were waiting for
+                        for bkey, k in _unqueue(pending, batch, sent, popleft):
+                            release(peer, bkey, k)
+                        peer.queued -= sent
                 else:
                     batch, sizes = _batch(q)
                     ids, heads = _identities_heads(batch)
                     sent, held, full = self._send(peer, batch, ids, heads, cls, waits, now)
-                    if sent < len(ids):
-                        del ids[sent:], heads[sent:]
-                if sent:
-                    for _ in range(sent):
-                        popleft()
-                    pending.difference_update(ids)
-                    left_many(peer, heads)
-                    peer.queued -= sent
+                    if sent:
+                        if sent < len(ids):
+                            del ids[sent:], heads[sent:]
+                        for _ in repeat(None, sent):
+                            popleft()
+                        pending.difference_update(ids)
+                        left_many(peer, heads)
+                        peer.queued -= sent
                 if full:
                     self.blocked = True
                     return None
