@@ -258,3 +258,25 @@ def test_the_outbox_uses_the_extension_where_it_is_built(keys: ModuleType) -> No
     assert outbox._identities_heads is keys.identities_heads
     assert outbox._identities_flags is keys.identities_flags
     assert outbox._unqueue is keys.unqueue
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 300])
+def test_one_head_says_whether_a_run_is_one_shard(n: int) -> None:
+    """`_one_head` (a slice apiece below `_HEADS_IN_NUMPY`, one array compare
+    from there) against the per-identity answer, with the odd one anywhere."""
+    rng = random.Random(n)
+    head = rng.randbytes(outbox._BKEY)
+    ids = [head + rng.randbytes(14) for _ in range(n)]
+    assert outbox._one_head(ids, head)
+    for at in {0, n // 2, n - 1}:
+        for pos in (0, outbox._BKEY - 1):  # a head byte differs: another shard or leg
+            other = bytearray(ids[at])
+            other[pos] ^= 1
+            odd = [*ids[:at], bytes(other), *ids[at + 1 :]]
+            assert not outbox._one_head(odd, head)
+        tail = bytearray(ids[at])
+        tail[outbox._BKEY] ^= 1  # past the head: still the same shard
+        assert outbox._one_head([*ids[:at], bytes(tail), *ids[at + 1 :]], head)
+    if n > 1:  # identities of unequal length are compared one by one
+        assert outbox._one_head([*ids[:-1], head + b"x"], head)
+        assert not outbox._one_head([*ids[:-1], b"y" * 40], head)

@@ -115,6 +115,7 @@ else:
 
 
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
+_DONE_BYTE = bytes((_DONE,))
 _DONE_TOKEN = b"\xff"  # + position: a DONE's key in push_many (no identity starts with it)
 _F_DROPPABLE = int(Flags.DROPPABLE)
 
@@ -188,6 +189,22 @@ def _batch(
     if k < len(head):
         del head[k:], sizes[k:]
     return head, sizes
+
+
+_HEADS_IN_NUMPY = 64  # runs at least this long compare their heads in numpy
+
+
+def _one_head(ids: list[bytes], head: bytes) -> bool:
+    """Whether every identity of `ids` begins with `head` (`_BKEY` bytes: one
+    shard and leg). A long run is compared as one array (no slice apiece)."""
+    n = len(ids)
+    if n < _HEADS_IN_NUMPY:
+        return all(i.startswith(head) for i in ids)
+    flat = np.frombuffer(b"".join(ids), dtype=np.uint8)
+    if flat.size != n * len(ids[0]):  # not all of one length (identities are)
+        return all(i.startswith(head) for i in ids)
+    rows = flat.reshape(n, -1)[:, :_BKEY]
+    return bool((rows == np.frombuffer(head, dtype=np.uint8)).all())
 
 
 def _pacing_wake(now: float, waits: list[float]) -> float:
@@ -357,9 +374,12 @@ class Outbox:
         ids, heads = _identities_flags(datagrams)  # heads: type and flags bytes
         # a DONE is never a repeat (see `push`): a key of its own, not kept
         tokens = []
-        for k in [k for k, dg in enumerate(datagrams) if dg[3] == _DONE]:
+        types = heads[0::2]
+        k = types.find(_DONE_BYTE)
+        while k >= 0:
             ids[k] = _DONE_TOKEN + k.to_bytes(4, "little")
             tokens.append(ids[k])
+            k = types.find(_DONE_BYTE, k + 1)
         before = len(pending)
         fresh = pending.isdisjoint(ids)
         if fresh:
@@ -433,13 +453,15 @@ class Outbox:
         classes and flags bytes) that are not repeats, in bulk: same queues,
         barriers, trail."""
         n = len(dgs)
-        bkeys = [i[:_BKEY] for i in ids]
+        head = ids[0][:_BKEY]
         inflight = peer.inflight
         distinct: Iterable[bytes]  # in order of first appearance
-        if bkeys.count(bkeys[0]) == n:  # one shard and leg (the usual run)
-            inflight[bkeys[0]] += n
-            distinct = bkeys[:1]
+        if _one_head(ids, head):  # one shard and leg (the usual run)
+            bkeys = [head] * n
+            inflight[head] += n
+            distinct = (head,)
         else:
+            bkeys = [i[:_BKEY] for i in ids]
             counts = Counter(bkeys)
             for bkey, k in counts.items():
                 inflight[bkey] += k
