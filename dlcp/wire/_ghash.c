@@ -384,6 +384,25 @@ done:
     return result;
 }
 
+/* One datagram: the header's first 48 bytes, the tag, then the payload
+ * (copied first: the MAC reads the copy just written, still in cache). */
+static PyObject *
+datagram_of(MacObject *self, const unsigned char *head, const void *payload, Py_ssize_t len)
+{
+    PyObject *dg = PyBytes_FromStringAndSize(NULL, HEADER + len);
+    if (dg == NULL)
+        return NULL;
+    unsigned char *d = (unsigned char *)PyBytes_AS_STRING(dg);
+    memcpy(d, head, HEAD);
+    memcpy(d + HEADER, payload, (size_t)len);
+    if (tag_of(self, d, d + HEADER, len, d + HEAD)) {
+        Py_DECREF(dg);
+        openssl_failed();
+        return NULL;
+    }
+    return dg;
+}
+
 PyDoc_STRVAR(encode_doc,
 "encode(heads, payloads) -> list[bytes]\n\n"
 "Datagrams of packets whose 64-byte header records lie back to back in `heads`\n"
@@ -417,21 +436,11 @@ Mac_encode(MacObject *self, PyObject *args)
         Py_buffer p;
         if (get_bytes(PySequence_Fast_GET_ITEM(ps, i), &p) < 0)
             goto fail;
-        PyObject *dg = PyBytes_FromStringAndSize(NULL, HEADER + p.len);
-        if (dg == NULL) {
-            PyBuffer_Release(&p);
-            goto fail;
-        }
-        unsigned char *d = (unsigned char *)PyBytes_AS_STRING(dg);
-        memcpy(d, heads + i * HEADER, HEAD);
-        memcpy(d + HEADER, p.buf, p.len);
+        PyObject *dg = datagram_of(self, heads + i * HEADER, p.buf, p.len);
         PyBuffer_Release(&p);
-        PyList_SET_ITEM(list, i, dg);
-        /* the MAC reads the copy just written, still in cache */
-        if (tag_of(self, d, d + HEADER, PyBytes_GET_SIZE(dg) - HEADER, d + HEAD)) {
-            openssl_failed();
+        if (dg == NULL)
             goto fail;
-        }
+        PyList_SET_ITEM(list, i, dg);
     }
     goto done;
 fail:
@@ -482,17 +491,11 @@ Mac_encode_from(MacObject *self, PyObject *args)
         goto done;
     const unsigned char *heads = raw.buf, *src = buf.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *dg = PyBytes_FromStringAndSize(NULL, HEADER + (Py_ssize_t)lengths[i]);
+        PyObject *dg = datagram_of(self, heads + i * HEADER, src + starts[i],
+                                   (Py_ssize_t)lengths[i]);
         if (dg == NULL)
             goto fail;
-        unsigned char *d = (unsigned char *)PyBytes_AS_STRING(dg);
-        memcpy(d, heads + i * HEADER, HEAD);
-        memcpy(d + HEADER, src + starts[i], (size_t)lengths[i]);
         PyList_SET_ITEM(list, i, dg);
-        if (tag_of(self, d, d + HEADER, (Py_ssize_t)lengths[i], d + HEAD)) {
-            openssl_failed();
-            goto fail;
-        }
     }
     goto done;
 fail:
