@@ -519,15 +519,6 @@ class Outbox:
             Outbox._release(peer, _barrier_key(datagram), 1)
 
     @staticmethod
-    def _left_many(peer: Peer, bkeys: list[bytes]) -> None:
-        """`_left` for each of the datagrams whose identities begin with `bkeys`
-        (`_BKEY` bytes: the barrier key of DATA/RESULT packets), in order, with
-        one barrier update per shard: a shard's held DONEs are released when its
-        last packet of them left, so in the order of the shards' last packets."""
-        for bkey, k in _py_shards_left(bkeys):
-            Outbox._release(peer, bkey, k)
-
-    @staticmethod
     def _release(peer: Peer, bkey: bytes, n: int) -> None:
         """`n` DATA/RESULT packets of shard and leg `bkey` left the queue: release
         the DONEs they were holding back once none is left."""
@@ -680,7 +671,7 @@ class Outbox:
         one = len(peer.paths) == 1
         pacer0 = pacers[0] if pacers is not None and one else None
         pending = peer.pending
-        left_many, release = self._left_many, self._release
+        release = self._release
         for cls, q in enumerate(peer.queues):
             if not q:
                 continue
@@ -716,13 +707,9 @@ class Outbox:
                     batch, sizes = _batch(q)
                     ids, heads = _identities_heads(batch)
                     sent, held, full = self._send(peer, batch, ids, heads, cls, waits, now)
-                    if sent:
-                        if sent < len(ids):
-                            del ids[sent:], heads[sent:]
-                        for _ in repeat(None, sent):
-                            popleft()
-                        pending.difference_update(ids)
-                        left_many(peer, heads)
+                    if sent:  # the batch's first `sent` (`_send` took those sent behind)
+                        for bkey, k in _unqueue(pending, batch, sent, popleft):
+                            release(peer, bkey, k)
                         peer.queued -= sent
                 if full:
                     self.blocked = True
