@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import numpy as np
 
@@ -118,9 +118,10 @@ class Layout:
         return i * self.result_split + (offset - i * self.per_packet) // step
 
     def shard_results(self, shard: int) -> Sequence[tuple[int, int]]:
-        """(offset, count) of every result packet of a shard, in order (cached:
-        NACK handling asks for it per NACK, and a shard has thousands)."""
-        return _shard_results(self, shard)
+        """(offset, count) of every result packet of a shard, in order, packet
+        by packet (the engine takes `shard_result_arrays` and
+        `shard_result_count`, which give the same without a tuple apiece)."""
+        return [r for i in self.shard_packets(shard) for r in self.result_ranges(i)]
 
     def shard_result_count(self, shard: int) -> int:
         """len(shard_results(shard)), without listing them."""
@@ -152,8 +153,3 @@ class Layout:
         counts = np.full(self.packets, self.per_packet, dtype=np.int64)
         counts[-1] = self.total - (self.packets - 1) * self.per_packet
         return counts
-
-
-@lru_cache(maxsize=256)
-def _shard_results(layout: Layout, shard: int) -> tuple[tuple[int, int], ...]:
-    return tuple(r for i in layout.shard_packets(shard) for r in layout.result_ranges(i))
