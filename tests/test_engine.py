@@ -622,3 +622,76 @@ def test_rounds_reuse_large_buffers_and_sum_exactly(monkeypatch: pytest.MonkeyPa
             assert ev.sums.tobytes() == (xs[0] + xs[1]).tobytes()
         del done
     assert aggregate._SPARE.reused > before
+
+
+@pytest.mark.parametrize("one_by_one", [False, True])
+def test_owner_sums_a_peers_packets_as_they_arrive(one_by_one: bool) -> None:
+    """With its own lanes held and `out` set, a 2-sender fp32 shard's owner adds
+    the peer's packets to its lanes as they arrive (no copy into `slots`, no
+    second pass); packets that never came (droppable, within the bound) leave
+    the owner's lanes there. Sums, contributor counts and lost lanes are those
+    of the aggregator that stores first and sums at the end; a peer whose
+    packets came before the owner's own lanes is stored and summed as before."""
+    from dlcp.core.aggregate import ShardAggregator
+
+    lay = Layout(total=9000, codec=Codec.FP32, shards=2, payload=1408)
+    off, n = lay.shard_range(1)
+    pk = lay.shard_packets(1)
+    rng = np.random.default_rng(31)
+    mine, theirs = (rng.standard_normal(n).astype("<f4") for _ in range(2))
+    starts = np.array([lay.packet_range(i)[0] for i in pk], dtype=np.int64)
+    counts = np.array([lay.packet_range(i)[1] for i in pk], dtype=np.int64)
+    droppable = np.zeros(len(pk), dtype=bool)
+    droppable[[1, 2, 4]] = True
+    arrive = [k for k in range(len(pk)) if k not in (1, 2)]  # two droppable ones lost
+
+    def run(out: np.ndarray | None, local_first: bool) -> ShardAggregator:
+        agg = ShardAggregator(layout=lay, shard=1, senders=[0, 1], now=0.0, timing=Timing())
+        if out is not None:
+            agg.sum_into(out)
+
+        def local() -> None:
+            agg.on_local(sender=1, lanes=mine.tobytes(), summed=False, weight=1,
+                         droppable=np.zeros(len(pk), bool), scale=0.0,
+                         block_max=np.zeros(len(pk), np.float32), now=0.0)  # fmt: skip
+
+        if local_first:
+            local()
+        for part in [[k] for k in arrive] if one_by_one else [arrive[:3], arrive[3:]]:
+            p = [theirs[starts[k] - off : starts[k] - off + counts[k]].tobytes() for k in part]
+            agg.on_data_many(sender=0, offsets=starts[part], counts=counts[part], payloads=p,
+                             summed=False, weight=1, droppable=droppable[part], scale=0.0,
+                             block_max=np.zeros(len(part), np.float32), now=0.0)  # fmt: skip
+        if not local_first:
+            local()
+        agg.on_manifest(sender=0, droppable=droppable, bound=0.1, now=0.0)
+        agg.on_manifest(sender=1, droppable=np.zeros(len(pk), bool), bound=0.1, now=0.0)
+        agg.poll(0.0)
+        _, finished = agg.poll(1.0)
+        assert finished and agg.result is not None
+        return agg
+
+    want = mine + theirs
+    for k in (1, 2):  # what never came counts as zero
+        a = starts[k] - off
+        want[a : a + counts[k]] = mine[a : a + counts[k]]
+    stored = run(None, True)
+    assert stored._summed_row is None
+    out = np.full(n, np.nan, np.float32)  # every lane must be written
+    summed = run(out, True)
+    assert summed._summed_row == (0 if lanes_native() else None)
+    late = run(np.full(n, np.nan, np.float32), False)  # the peer before the owner's own lanes
+    assert late._summed_row is None
+    for agg in (stored, summed, late):
+        r = agg.result
+        assert r is not None
+        assert r.sums.tobytes() == want.tobytes()
+        assert r.contributors.tolist() == [1 if k in (1, 2) else 2 for k in range(len(pk))]
+        assert r.lost_lanes == int(counts[[1, 2]].sum())
+    assert summed.result is not None and summed.result.sums is out
+
+
+def lanes_native() -> bool:
+    from dlcp.codecs import lanes
+
+    return lanes._bulk is not None

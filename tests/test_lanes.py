@@ -265,3 +265,50 @@ def test_heads_gathers_the_first_bytes_of_each_datagram() -> None:
         c.heads(b"not a list", 2)
     with pytest.raises(ValueError):
         c.heads([b"x"], -1)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("summed", [False, True])
+def test_add_runs_sums_own_lanes_and_payloads(native: bool, summed: bool) -> None:
+    """add_runs stores own + payload lane by lane (the float32 sums numpy
+    computes), from views, bytes or a `Payloads` past the datagrams' headers,
+    and leaves the gaps alone; a short payload stops it at that packet with
+    BAD_LENGTH, the ones before it stored, in C and in Python alike."""
+    if native and not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    rng = np.random.default_rng(17 + summed)
+    own = rng.standard_normal(64).astype(np.float32)
+    runs = [(40, 10), (0, 13), (13, 3), (25, 9), (60, 4)]  # counts not multiples of 8
+    theirs = rng.standard_normal(64).astype(np.float32)
+    dgs: list[bytes | memoryview] = []
+    for i, (s, c) in enumerate(runs):
+        raw = bytes(HEADER_SIZE + 1) + theirs[s : s + c].tobytes()
+        dgs.append(memoryview(raw)[1:] if i % 2 else raw[1:])  # unaligned lanes too
+    starts = np.array([s for s, _ in runs])
+    counts = np.array([c for _, c in runs])
+    got = np.full(64, 5, np.float32)
+    lanes.add_runs(got, own, Codec.FP32, summed, starts, counts, Payloads(dgs), native=native)
+    want = np.full(64, 5, np.float32)
+    for s, c in runs:
+        want[s : s + c] = own[s : s + c] + theirs[s : s + c]
+    assert got.tobytes() == want.tobytes()
+    assert got[16:25].tolist() == [5] * 9
+    assert lanes.can_add_runs(got, Codec.FP32, summed) == (lanes._bulk is not None)
+    assert not lanes.can_add_runs(got, Codec.FP16, summed)
+    assert not lanes.can_add_runs(np.zeros(4, np.uint16), Codec.THC8, True)
+    bad = Payloads([*dgs[:3], bytes(dgs[3])[:-1], dgs[4]])
+    got[:] = 5
+    with pytest.raises(RemoteError) as err:
+        lanes.add_runs(got, own, Codec.FP32, summed, starts, counts, bad, native=native)
+    assert err.value.reason == Reason.BAD_LENGTH
+    stored = np.full(64, 5, np.float32)
+    for s, c in runs[:3]:
+        stored[s : s + c] = want[s : s + c]
+    assert got.tobytes() == stored.tobytes()
+    with pytest.raises(ValueError):  # own must be as long as dest
+        lanes.add_runs(got, own[:8], Codec.FP32, summed, starts, counts, dgs, native=native)
+    if native:
+        with pytest.raises(IndexError):  # a run past the end
+            lanes._bulk.add_runs(got, own, np.array([63]), np.array([2]), [bytes(8)])
+        with pytest.raises(ValueError):  # own shorter than dest, given to C directly
+            lanes._bulk.add_runs(got, own[:8], np.array([0]), np.array([1]), [bytes(4)])

@@ -20,7 +20,16 @@ from dlcp.errors import Reason, RemoteError
 from dlcp.wire.batch import Payloads, _bulk
 from dlcp.wire.header import Codec, lane_bytes
 
-__all__ = ["MAX_CONTRIBUTORS", "pack", "store_many", "store_runs", "sum_dtype", "unpack"]
+__all__ = [
+    "MAX_CONTRIBUTORS",
+    "add_runs",
+    "can_add_runs",
+    "pack",
+    "store_many",
+    "store_runs",
+    "sum_dtype",
+    "unpack",
+]
 
 # Contributions whose sum is guaranteed to fit the summed lanes of every codec.
 MAX_CONTRIBUTORS = 257  # 257 * 255 = 65535 for thc8; fp lanes have no such limit
@@ -94,6 +103,18 @@ def store_many(
         dest[start : start + count] = unpack(codec, payload, count, summed)
 
 
+def _raw_items(
+    payloads: Sequence[bytes | memoryview],
+) -> tuple[Sequence[bytes | memoryview], int]:
+    """What the C runs take: the buffers and the bytes to skip in each (the
+    datagrams themselves and their header for a `Payloads`)."""
+    if isinstance(payloads, Payloads):
+        return payloads.datagrams, payloads.skip
+    if isinstance(payloads, list | tuple):
+        return payloads, 0
+    return list(payloads), 0
+
+
 def store_runs(
     dest: np.ndarray,
     codec: int,
@@ -118,13 +139,7 @@ def store_runs(
         and dest.flags.c_contiguous
         and dest.flags.writeable
     ):
-        items: Sequence[bytes | memoryview]
-        if isinstance(payloads, Payloads):
-            items, skip = payloads.datagrams, payloads.skip
-        elif isinstance(payloads, list | tuple):
-            items, skip = payloads, 0
-        else:
-            items, skip = list(payloads), 0
+        items, skip = _raw_items(payloads)
         try:
             _bulk.copy_runs(
                 dest,
@@ -141,6 +156,59 @@ def store_runs(
     if s.size and (s.min() < 0 or (s + c).max() > dest.size):
         raise IndexError(f"lanes outside {dest.size}")
     store_many(dest, codec, summed, zip(s.tolist(), c.tolist(), payloads, strict=True))
+
+
+def can_add_runs(dest: np.ndarray, codec: int, summed: bool) -> bool:
+    """Whether `add_runs` into `dest` is one C call: float32 lanes on the wire
+    and in `dest` (fp32 data and sums), the extension built."""
+    wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
+    return (
+        _bulk is not None
+        and wire == np.dtype("<f4")
+        and dest.dtype == np.float32
+        and dest.flags.c_contiguous
+        and dest.flags.writeable
+    )
+
+
+def add_runs(
+    dest: np.ndarray,
+    own: np.ndarray,
+    codec: int,
+    summed: bool,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    payloads: Sequence[bytes | memoryview],
+    native: bool = True,
+) -> None:
+    """`dest[s : s + c] = own[s : s + c] + unpack(codec, payload, c, summed)` for
+    each run, in order, with `store_runs`' BAD_LENGTH check: one sender's
+    packets summed with this node's lanes as they arrive, so that they are not
+    first stored and then summed (one pass over the shard instead of two).
+    `own` is as long as `dest`. One C call (`_bulk.add_runs`) where
+    `can_add_runs`, else a loop that computes the same float32 sums."""
+    if own.shape != dest.shape:
+        raise ValueError(f"own {own.shape} and dest {dest.shape} differ")
+    if native and can_add_runs(dest, codec, summed) and own.dtype == np.float32:
+        items, skip = _raw_items(payloads)
+        try:
+            _bulk.add_runs(
+                dest,
+                np.ascontiguousarray(own),
+                np.ascontiguousarray(starts, dtype=np.int64),
+                np.ascontiguousarray(counts, dtype=np.int64),
+                items,
+                skip,
+            )
+        except _bulk.LengthError as exc:
+            raise RemoteError(Reason.BAD_LENGTH, str(exc)) from None
+        return
+    s, c = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    if s.size and (s.min() < 0 or (s + c).max() > dest.size):
+        raise IndexError(f"lanes outside {dest.size}")
+    for start, count, payload in zip(s.tolist(), c.tolist(), payloads, strict=True):
+        lanes = unpack(codec, payload, count, summed)
+        np.add(own[start : start + count], lanes, out=dest[start : start + count], casting="unsafe")
 
 
 def wire_summed_dtype(codec: int) -> np.dtype:

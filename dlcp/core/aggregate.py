@@ -158,6 +158,10 @@ class ShardAggregator:
         # where `_finish` puts the sums, when set (`sum_into`): the collector's
         # range of this shard, so that the sums are not copied there again
         self.out: np.ndarray | None = None
+        # the sender whose packets are summed with this node's held lanes into
+        # `out` as they arrive (`_summing_row`); None: stored in `slots`
+        self._summed_row: int | None = None
+        self._sum_decided = False
         self.duplicates = 0
         self.n_received = 0
         self.n_manifests = 0
@@ -186,7 +190,13 @@ class ShardAggregator:
             return False
         lanes = lane_ops.unpack(self.layout.codec, payload, count, summed)
         start = offset - self.offset
-        self.slots[row, start : start + count] = lanes
+        if self._summing_row(row, summed):
+            assert self.out is not None
+            own = next(iter(self._held.values()))
+            end = start + count
+            np.add(own[start:end], lanes, out=self.out[start:end], casting="unsafe")
+        else:
+            self.slots[row, start : start + count] = lanes
         self.received[row, local] = True
         self.n_received += 1
         self.weight[row] = weight
@@ -245,14 +255,26 @@ class ShardAggregator:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        lane_ops.store_runs(
-            self.slots[row],
-            lay.codec,
-            summed,
-            offsets[take] - self.offset,
-            counts[take],
-            _taken(payloads, take),
-        )
+        if self._summing_row(row, summed):
+            assert self.out is not None
+            lane_ops.add_runs(
+                self.out,
+                next(iter(self._held.values())),
+                lay.codec,
+                summed,
+                offsets[take] - self.offset,
+                counts[take],
+                _taken(payloads, take),
+            )
+        else:
+            lane_ops.store_runs(
+                self.slots[row],
+                lay.codec,
+                summed,
+                offsets[take] - self.offset,
+                counts[take],
+                _taken(payloads, take),
+            )
         lt = local[take]
         self.received[row, lt] = True
         self.n_received += take.size
@@ -335,6 +357,37 @@ class ShardAggregator:
             self.scale = scale
         elif scale != self.scale:
             raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
+
+    def _summing_row(self, row: int, summed: bool) -> bool:
+        """Whether `row`'s packets are summed into `out` as they arrive.
+
+        Decided once, at the first packet of another sender: yes when the shard
+        has two senders, this node's lanes are held (`on_local`), the sums go to
+        `out` (`sum_into`) and the wire lanes are float32 like the sums. Then
+        `out` = own + packet is written per packet (one pass over the shard, no
+        copy of the packet into `slots` and no second pass in `_finish`), and
+        `_finish` only copies this node's lanes where packets never came. The
+        sums are those `_finish` computes otherwise (a + b == b + a in IEEE
+        arithmetic), except which NaN's payload a NaN sum carries.
+        """
+        if not self._sum_decided:
+            self._sum_decided = True
+            if (
+                len(self.senders) == 2
+                and len(self._held) == 1
+                and row not in self._held
+                and self.out is not None
+                and not self.received[row].any()
+                and lane_ops.can_add_runs(self.out, self.layout.codec, summed)
+            ):
+                self._summed_row = row
+        if self._summed_row is None:
+            return False
+        if row != self._summed_row:  # cannot happen with two senders, one of them held
+            raise LocalError(
+                f"shard {self.shard}: packets of row {row} while summing row {self._summed_row}"
+            )
+        return True
 
     # -- decisions --------------------------------------------------------
     def may_complete(self) -> bool:
@@ -441,21 +494,11 @@ class ShardAggregator:
 
     def _zero_missing(self) -> None:
         """Zero the lanes, in `slots`, of every packet a sender's row lacks."""
-        starts: np.ndarray | None = None
         for r in range(len(self.senders)):
-            if r in self._held:
+            if r in self._held or r == self._summed_row:
                 continue
-            missing = np.flatnonzero(~self.received[r])
-            if missing.size == 0:
-                continue
-            if starts is None:
-                starts = np.concatenate(([0], np.cumsum(self.counts)))
-            # runs of consecutive missing packets: one slice each
-            cut = np.flatnonzero(np.diff(missing) != 1) + 1
-            firsts = missing[np.concatenate(([0], cut))]
-            lasts = missing[np.concatenate((cut - 1, [missing.size - 1]))]
             row = self.slots[r]
-            for a, b in zip(starts[firsts].tolist(), starts[lasts + 1].tolist(), strict=True):
+            for a, b in self._missing_spans(r):  # runs of missing packets: a slice each
                 row[a:b] = 0
 
     def sum_into(self, out: np.ndarray) -> None:
@@ -472,9 +515,33 @@ class ShardAggregator:
         self.out = out
 
     def _finish(self) -> None:
-        self._zero_missing()
         sdt = self.slots.dtype
         out = self.out
+        if self._summed_row is not None:  # summed on arrival: own lanes where none came
+            assert out is not None
+            own = next(iter(self._held.values()))
+            for a, b in self._missing_spans(self._summed_row):
+                out[a:b] = own[a:b]
+            sums = out
+            self._held = {}
+        else:
+            sums = self._sum_rows(out, sdt)
+        self._result(sums, sdt)
+
+    def _missing_spans(self, row: int) -> list[tuple[int, int]]:
+        """The lane ranges (shard-relative) of runs of packets `row` lacks."""
+        missing = np.flatnonzero(~self.received[row])
+        if missing.size == 0:
+            return []
+        starts = np.concatenate(([0], np.cumsum(self.counts)))
+        cut = np.flatnonzero(np.diff(missing) != 1) + 1
+        firsts = missing[np.concatenate(([0], cut))]
+        lasts = missing[np.concatenate((cut - 1, [missing.size - 1]))]
+        return list(zip(starts[firsts].tolist(), starts[lasts + 1].tolist(), strict=True))
+
+    def _sum_rows(self, out: np.ndarray | None, sdt: np.dtype) -> np.ndarray:
+        """The senders' rows summed (missing packets as zeros), into `out` if set."""
+        self._zero_missing()
         if self._held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
             rows = [self._held.get(r, self.slots[r]) for r in range(len(self.senders))]
             if len(rows) == 1:
@@ -490,6 +557,9 @@ class ShardAggregator:
             sums = self.slots[0] if out is None else out
         else:
             sums = np.add.reduce(self.slots, axis=0, dtype=sdt, out=out)
+        return sums
+
+    def _result(self, sums: np.ndarray, sdt: np.dtype) -> None:
         contributors = (self.received * self.weight[:, None]).sum(axis=0)
         lost = int(((~self.received) * self.counts).sum())
         self.result = ShardResult(

@@ -24,6 +24,13 @@
  * LengthError (the ones before it are stored, as in Python); a run outside
  * dest raises IndexError, a bad argument TypeError/ValueError.
  *
+ * add_runs(dest, own, starts, counts, payloads, skip=0) -> None
+ *
+ *   copy_runs for float32 lanes (itemsize 4) where each lane stored is
+ *   own[lane] + the payload's lane: a shard's sum of this node's lanes (`own`,
+ *   as long as dest) and one other sender's, made as the packets arrive. The
+ *   same checks and errors as copy_runs; `own` may be `dest` itself.
+ *
  * field_checks(heads, lengths, tables, magic, version, bad_flags, summed_flag,
  *              max_priority, max_payload) -> bytes | None
  *
@@ -98,15 +105,31 @@ fail:
     return NULL;
 }
 
-static PyObject *
-copy_runs(PyObject *self, PyObject *args)
+/* own[k] + payload[k] into dest[k], float32 lanes; the payload may be unaligned. */
+static void
+add_f32(float *dest, const float *own, const char *payload, Py_ssize_t n)
 {
-    (void)self;
-    PyObject *dest_obj, *starts_obj, *counts_obj, *payloads;
-    Py_ssize_t itemsize, skip = 0;
-    if (!PyArg_ParseTuple(args, "OnOOO|n", &dest_obj, &itemsize, &starts_obj, &counts_obj,
-                          &payloads, &skip))
-        return NULL;
+    typedef float v8f __attribute__((vector_size(32)));
+    Py_ssize_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        v8f a, b;
+        memcpy(&a, own + k, sizeof a);
+        memcpy(&b, payload + k * 4, sizeof b);
+        a += b;
+        memcpy(dest + k, &a, sizeof a);
+    }
+    for (; k < n; k++) {
+        float b;
+        memcpy(&b, payload + k * 4, sizeof b);
+        dest[k] = own[k] + b;
+    }
+}
+
+/* copy_runs (own == NULL) and add_runs: the same arguments, checks and order. */
+static PyObject *
+move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *starts_obj,
+          PyObject *counts_obj, PyObject *payloads, Py_ssize_t skip)
+{
     if (itemsize <= 0 || itemsize > 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 1 to 8");
         return NULL;
@@ -118,18 +141,27 @@ copy_runs(PyObject *self, PyObject *args)
     PyObject *seq = PySequence_Fast(payloads, "payloads must be a list or tuple");
     if (seq == NULL)
         return NULL;
-    Py_buffer dest, starts, counts;
+    Py_buffer dest, own = {0}, starts, counts;
     if (PyObject_GetBuffer(dest_obj, &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         Py_DECREF(seq);
         return NULL;
     }
+    if (own_obj != NULL && PyObject_GetBuffer(own_obj, &own, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dest);
+        Py_DECREF(seq);
+        return NULL;
+    }
     if (int64_buffer(starts_obj, &starts, "starts") < 0) {
+        if (own_obj != NULL)
+            PyBuffer_Release(&own);
         PyBuffer_Release(&dest);
         Py_DECREF(seq);
         return NULL;
     }
     if (int64_buffer(counts_obj, &counts, "counts") < 0) {
         PyBuffer_Release(&starts);
+        if (own_obj != NULL)
+            PyBuffer_Release(&own);
         PyBuffer_Release(&dest);
         Py_DECREF(seq);
         return NULL;
@@ -139,6 +171,10 @@ copy_runs(PyObject *self, PyObject *args)
     if (starts.len / 8 != n || counts.len / 8 != n) {
         PyErr_Format(PyExc_ValueError, "%zd payloads but %zd starts and %zd counts", n,
                      starts.len / 8, counts.len / 8);
+        goto done;
+    }
+    if (own_obj != NULL && own.len != dest.len) {
+        PyErr_Format(PyExc_ValueError, "own has %zd bytes, dest %zd", own.len, dest.len);
         goto done;
     }
     const int64_t *start = starts.buf, *count = counts.buf;
@@ -162,7 +198,11 @@ copy_runs(PyObject *self, PyObject *args)
             PyBuffer_Release(&p);
             goto done;
         }
-        memcpy(out + s * itemsize, (const char *)p.buf + skip, (size_t)plen);
+        const char *src = (const char *)p.buf + skip;
+        if (own_obj == NULL)
+            memcpy(out + s * itemsize, src, (size_t)plen);
+        else
+            add_f32((float *)out + s, (const float *)own.buf + s, src, (Py_ssize_t)c);
         PyBuffer_Release(&p);
     }
     ret = Py_None;
@@ -170,9 +210,33 @@ copy_runs(PyObject *self, PyObject *args)
 done:
     PyBuffer_Release(&counts);
     PyBuffer_Release(&starts);
+    if (own_obj != NULL)
+        PyBuffer_Release(&own);
     PyBuffer_Release(&dest);
     Py_DECREF(seq);
     return ret;
+}
+
+static PyObject *
+copy_runs(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *dest, *starts, *counts, *payloads;
+    Py_ssize_t itemsize, skip = 0;
+    if (!PyArg_ParseTuple(args, "OnOOO|n", &dest, &itemsize, &starts, &counts, &payloads, &skip))
+        return NULL;
+    return move_runs(dest, NULL, itemsize, starts, counts, payloads, skip);
+}
+
+static PyObject *
+add_runs(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *dest, *own, *starts, *counts, *payloads;
+    Py_ssize_t skip = 0;
+    if (!PyArg_ParseTuple(args, "OOOOO|n", &dest, &own, &starts, &counts, &payloads, &skip))
+        return NULL;
+    return move_runs(dest, own, 4, starts, counts, payloads, skip);
 }
 
 /* The header checks of `dlcp.wire.batch._field_reasons`, in its order, one pass
@@ -314,6 +378,9 @@ static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(dest, itemsize, starts, counts, payloads, skip=0): each payload "
      "(less its first skip bytes) into dest at its start lane, in order"},
+    {"add_runs", add_runs, METH_VARARGS,
+     "add_runs(dest, own, starts, counts, payloads, skip=0): copy_runs of float32 "
+     "lanes, each stored as own[lane] + payload lane (own: float32, dest's length)"},
     {"field_checks", field_checks, METH_VARARGS,
      "field_checks(heads, lengths, tables, magic, version, bad_flags, summed_flag, "
      "max_priority, max_payload) -> bytes | None: per header record the index of the "
