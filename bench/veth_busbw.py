@@ -13,8 +13,13 @@ With `--profile DIR` both daemons are sampled by py-spy (BW_IDLE=1: idle
 samples too; BW_NATIVE=1: native frames too, pausing the daemon per sample)
 or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
 DIR/d<i>.perf). `--floor` adds the UDP floor (`run_floor`) between the two.
-BW_RATE="key = value;key = value" adds settings to the daemons' [rate] table
-(e.g. BW_RATE="min_rate_bps = 9e9" pins the pacing rate). BW_PIN=1 runs each
+The daemons' pacing ceiling (`[rate] ceiling_bps`, dlcpd's default 10
+Gbit/s: a real link's rate) is `--ceiling`, 100 Gbit/s by default: the veth
+has no rate (it reports a nominal 10 Gbit/s, and Gloo moves more than that
+over it), so the ceiling is set above what the two namespaces can move, as an
+operator sets it to a fast NIC's rate; `--ceiling 10e9` measures with dlcpd's
+default. BW_RATE="key = value;key = value" adds settings to the daemons'
+[rate] table (e.g. BW_RATE="min_rate_bps = 9e9" pins the pacing rate). BW_PIN=1 runs each
 namespace's processes (Gloo's rank i, dlcp's daemon i) on CPU i only: one
 core per emulated host, for both backends.
 
@@ -249,6 +254,7 @@ def run_dlcp(
     pacing: bool = True,
     profile: str | None = None,
     mac: str | None = None,
+    ceiling: float = 100e9,
 ) -> dict:
     from dlcp.core.layout import Layout
     from dlcp.shim.client import DaemonClient, SealedSegment, Segment
@@ -265,6 +271,7 @@ def run_dlcp(
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
                 + (f'mac = "{mac}"\n' if mac is not None else "")  # None: dlcpd's default
                 + f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
+                + f"ceiling_bps = {ceiling:.6g}\n"
                 + os.environ.get("BW_RATE", "").replace(";", "\n")
                 + "\n"
             )
@@ -422,6 +429,13 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--no-pacing", action="store_true", help="dlcp daemons send unpaced")
     p.add_argument(
+        "--ceiling",
+        type=float,
+        default=100e9,
+        help="the daemons' pacing ceiling, bit/s ([rate] ceiling_bps; dlcpd's default is "
+        "10e9, a real link's rate; the veth has none)",
+    )
+    p.add_argument(
         "--floor",
         action="store_true",
         help="also run the UDP floor: the same bytes per host moved by plain Python "
@@ -457,7 +471,7 @@ def main() -> int:
             (
                 "dlcp",
                 lambda: run_dlcp(
-                    elements, a.iters, payload, tmp, not a.no_pacing, a.profile, a.mac
+                    elements, a.iters, payload, tmp, not a.no_pacing, a.profile, a.mac, a.ceiling
                 ),
             )
         )
@@ -473,6 +487,7 @@ def main() -> int:
                     "mtu": a.mtu,
                     "payload": payload if name == "dlcp" else None,
                     "mac": a.mac if name == "dlcp" else None,
+                    "ceiling_bps": a.ceiling if name == "dlcp" else None,
                     "times_s": r["times_s"],
                     "p50_s": med,
                     "busbw_gbps": size * 8 / med / 1e9,
