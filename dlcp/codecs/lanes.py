@@ -10,6 +10,7 @@ independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -139,23 +140,40 @@ def store_runs(
         and dest.flags.c_contiguous
         and dest.flags.writeable
     ):
-        items, skip = _raw_items(payloads)
-        try:
-            _bulk.copy_runs(
-                dest,
-                dest.itemsize,
-                np.ascontiguousarray(starts, dtype=np.int64),
-                np.ascontiguousarray(counts, dtype=np.int64),
-                items,
-                skip,
-            )
-        except _bulk.LengthError as exc:
-            raise RemoteError(Reason.BAD_LENGTH, str(exc)) from None
+        _native_runs(_bulk.copy_runs, (dest, dest.itemsize), starts, counts, payloads)
         return
+    s, c = _checked_runs(starts, counts, dest.size)
+    store_many(dest, codec, summed, zip(s, c, payloads, strict=True))
+
+
+def _native_runs(
+    fn: Any,
+    first: tuple[Any, ...],
+    starts: np.ndarray,
+    counts: np.ndarray,
+    payloads: Sequence[bytes | memoryview],
+) -> None:
+    """fn(*first, starts, counts, buffers, skip), one of `_bulk`'s runs; its
+    LengthError is BAD_LENGTH."""
+    items, skip = _raw_items(payloads)
+    try:
+        fn(
+            *first,
+            np.ascontiguousarray(starts, dtype=np.int64),
+            np.ascontiguousarray(counts, dtype=np.int64),
+            items,
+            skip,
+        )
+    except _bulk.LengthError as exc:
+        raise RemoteError(Reason.BAD_LENGTH, str(exc)) from None
+
+
+def _checked_runs(starts: np.ndarray, counts: np.ndarray, size: int) -> tuple[list, list]:
+    """The runs as lists of ints, each within `size` lanes (else IndexError)."""
     s, c = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-    if s.size and (s.min() < 0 or (s + c).max() > dest.size):
-        raise IndexError(f"lanes outside {dest.size}")
-    store_many(dest, codec, summed, zip(s.tolist(), c.tolist(), payloads, strict=True))
+    if s.size and (s.min() < 0 or (s + c).max() > size):
+        raise IndexError(f"lanes outside {size}")
+    return s.tolist(), c.tolist()
 
 
 def can_add_runs(dest: np.ndarray, codec: int, summed: bool) -> bool:
@@ -190,23 +208,10 @@ def add_runs(
     if own.shape != dest.shape:
         raise ValueError(f"own {own.shape} and dest {dest.shape} differ")
     if native and can_add_runs(dest, codec, summed) and own.dtype == np.float32:
-        items, skip = _raw_items(payloads)
-        try:
-            _bulk.add_runs(
-                dest,
-                np.ascontiguousarray(own),
-                np.ascontiguousarray(starts, dtype=np.int64),
-                np.ascontiguousarray(counts, dtype=np.int64),
-                items,
-                skip,
-            )
-        except _bulk.LengthError as exc:
-            raise RemoteError(Reason.BAD_LENGTH, str(exc)) from None
+        _native_runs(_bulk.add_runs, (dest, np.ascontiguousarray(own)), starts, counts, payloads)
         return
-    s, c = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-    if s.size and (s.min() < 0 or (s + c).max() > dest.size):
-        raise IndexError(f"lanes outside {dest.size}")
-    for start, count, payload in zip(s.tolist(), c.tolist(), payloads, strict=True):
+    s, c = _checked_runs(starts, counts, dest.size)
+    for start, count, payload in zip(s, c, payloads, strict=True):
         lanes = unpack(codec, payload, count, summed)
         np.add(own[start : start + count], lanes, out=dest[start : start + count], casting="unsafe")
 
