@@ -131,15 +131,7 @@ def store_runs(
     Python work per payload; from the datagrams themselves when `payloads` is
     a `dlcp.wire.batch.Payloads`) unless `native` is False. `starts` and
     `counts` are arrays of lanes; a run must lie within `dest` (IndexError)."""
-    wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
-    if (
-        native
-        and _bulk is not None
-        and wire is not None
-        and wire == dest.dtype
-        and dest.flags.c_contiguous
-        and dest.flags.writeable
-    ):
+    if native and _wire_in_place(dest, codec, summed):
         _native_runs(_bulk.copy_runs, (dest, dest.itemsize), starts, counts, payloads)
         return
     s, c = _checked_runs(starts, counts, dest.size)
@@ -176,17 +168,23 @@ def _checked_runs(starts: np.ndarray, counts: np.ndarray, size: int) -> tuple[li
     return s.tolist(), c.tolist()
 
 
-def can_add_runs(dest: np.ndarray, codec: int, summed: bool) -> bool:
-    """Whether `add_runs` into `dest` is one C call: float32 lanes on the wire
-    and in `dest` (fp32 data and sums), the extension built."""
+def _wire_in_place(dest: np.ndarray, codec: int, summed: bool) -> bool:
+    """Whether `_bulk` can write `codec`'s wire lanes into `dest` as they are:
+    the extension built, the wire dtype `dest`'s, `dest` contiguous and writable."""
     wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
     return (
         _bulk is not None
-        and wire == np.dtype("<f4")
-        and dest.dtype == np.float32
+        and wire is not None
+        and wire == dest.dtype
         and dest.flags.c_contiguous
         and dest.flags.writeable
     )
+
+
+def can_add_runs(dest: np.ndarray, codec: int, summed: bool) -> bool:
+    """Whether `add_runs` into `dest` is one C call: float32 lanes on the wire
+    and in `dest` (fp32 data and sums), the extension built."""
+    return dest.dtype == np.float32 and _wire_in_place(dest, codec, summed)
 
 
 def add_runs(

@@ -161,6 +161,7 @@ class ShardAggregator:
         # the sender whose packets are summed with this node's held lanes into
         # `out` as they arrive (`_summing_row`); None: stored in `slots`
         self._summed_row: int | None = None
+        self._summed_own: np.ndarray | None = None  # this node's held lanes they are added to
         self._sum_decided = False
         self.duplicates = 0
         self.n_received = 0
@@ -191,10 +192,10 @@ class ShardAggregator:
         lanes = lane_ops.unpack(self.layout.codec, payload, count, summed)
         start = offset - self.offset
         if self._summing_row(row, summed):
-            assert self.out is not None
-            own = next(iter(self._held.values()))
+            assert self.out is not None and self._summed_own is not None
             end = start + count
-            np.add(own[start:end], lanes, out=self.out[start:end], casting="unsafe")
+            own = self._summed_own[start:end]
+            np.add(own, lanes, out=self.out[start:end], casting="unsafe")
         else:
             self.slots[row, start : start + count] = lanes
         self.received[row, local] = True
@@ -256,10 +257,10 @@ class ShardAggregator:
         if take.size == 0:
             return fresh, bad
         if self._summing_row(row, summed):
-            assert self.out is not None
+            assert self.out is not None and self._summed_own is not None
             lane_ops.add_runs(
                 self.out,
-                next(iter(self._held.values())),
+                self._summed_own,
                 lay.codec,
                 summed,
                 offsets[take] - self.offset,
@@ -381,6 +382,7 @@ class ShardAggregator:
                 and lane_ops.can_add_runs(self.out, self.layout.codec, summed)
             ):
                 self._summed_row = row
+                self._summed_own = next(iter(self._held.values()))
         if self._summed_row is None:
             return False
         if row != self._summed_row:  # cannot happen with two senders, one of them held
@@ -518,12 +520,13 @@ class ShardAggregator:
         sdt = self.slots.dtype
         out = self.out
         if self._summed_row is not None:  # summed on arrival: own lanes where none came
-            assert out is not None
-            own = next(iter(self._held.values()))
+            assert out is not None and self._summed_own is not None
+            own = self._summed_own
             for a, b in self._missing_spans(self._summed_row):
                 out[a:b] = own[a:b]
             sums = out
             self._held = {}
+            self._summed_own = None
         else:
             sums = self._sum_rows(out, sdt)
         self._result(sums, sdt)
