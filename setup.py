@@ -21,6 +21,7 @@ setup(
         Extension(
             "dlcp.wire._ghash",
             sources=["dlcp/wire/_ghash.c"],
+            depends=["dlcp/wire/gathered.h"],  # the Gathered datagram's layout
             libraries=["crypto"],
             extra_compile_args=_CFLAGS,
             optional=True,
@@ -28,12 +29,14 @@ setup(
         Extension(
             "dlcp.daemon._keys",
             sources=["dlcp/daemon/_keys.c"],
+            depends=["dlcp/wire/gathered.h"],  # the Gathered datagram's layout
             extra_compile_args=_CFLAGS,
             optional=True,
         ),
         Extension(
             "dlcp.daemon._udp",
             sources=["dlcp/daemon/_udp.c"],
+            depends=["dlcp/wire/gathered.h"],  # the Gathered datagram's layout
             extra_compile_args=_CFLAGS,
             optional=True,
         ),

@@ -43,9 +43,12 @@ class Network:
                 self.lost += 1
                 continue
             copies = 2 if self.rng.random() < self.duplicate else 1
+            # what goes on the wire is read now, as the kernel copies a datagram
+            # when it is sent (a Gathered one reads its payload in place)
+            dg = s.datagram if isinstance(s.datagram, bytes) else bytes(s.datagram)
             for _ in range(copies):
                 at = self.now + self.rng.uniform(*self.delay)
-                heapq.heappush(self._queue, (at, next(self._seq), src, s.node, s.datagram))
+                heapq.heappush(self._queue, (at, next(self._seq), src, s.node, dg))
         while (ev := self.engines[src].next_event()) is not None:
             self.events[src].append(ev)
 

@@ -695,3 +695,160 @@ def lanes_native() -> bool:
     from dlcp.codecs import lanes
 
     return lanes._bulk is not None
+
+
+# -- gathered sends (Engine(gather=True)): payloads read in place ------------
+
+
+def _gathered_supported() -> bool:
+    from dlcp.wire import mac
+
+    return mac._ghash is not None
+
+
+gathered = pytest.mark.skipif(
+    not _gathered_supported(), reason="dlcp.wire._ghash (the C MAC) is not built"
+)
+
+
+def gather_cluster(hosts: int, timing: Timing | None = None) -> dict[int, Engine]:
+    engines = {}
+    for me in range(hosts):
+        e = Engine(timing=timing, gather=True)
+        e.add_job(JobSpec.transpose(JOB, KEY, me, hosts, mac="ghash-aes"))
+        engines[me] = e
+    return engines
+
+
+def _submit_out(net: Network, xs: list[np.ndarray], outs: list[np.ndarray], **kw: object) -> None:
+    for me, x in enumerate(xs):
+        net.engines[me].submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size,
+                               lanes=x, now=net.now, out=outs[me], **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+@gathered
+def test_gathered_datagrams_are_the_same_bytes_and_rounds_the_same_sums() -> None:
+    """Data and result datagrams read their payloads in place (a Gathered is
+    the header bytes and a view), byte for byte what the copying encoder
+    makes; four hosts with loss, reordering and duplication sum exactly."""
+    from dlcp.wire import _ghash  # type: ignore[attr-defined]
+
+    rng = np.random.default_rng(31)
+    xs = [rng.standard_normal(70_001).astype(np.float32) for _ in range(4)]
+    kinds: set[str] = set()
+    both = {"copied": Engine(), "gathered": Engine(gather=True)}
+    for e in both.values():
+        e.add_job(JobSpec.transpose(JOB, KEY, 0, 2, mac="ghash-aes"))
+        e.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=xs[0].size,
+                 lanes=xs[0], now=0.0)  # fmt: skip
+    a, b = (e.datagrams_to_send() for e in both.values())
+    assert [s.datagram for s in a] == [bytes(s.datagram) for s in b]
+    assert any(isinstance(s.datagram, _ghash.Gathered) for s in b)
+
+    def watch(src: int, s: Send) -> bool:
+        if isinstance(s.datagram, _ghash.Gathered):
+            kinds.add(s.kind)
+        return False
+
+    net = Network(gather_cluster(4), seed=31, loss=0.03, duplicate=0.02, drop=watch)
+    submit_all(net, xs)
+    net.run()
+    done = completions(net)
+    want = (xs[0] + xs[1] + xs[2] + xs[3]).tobytes()
+    assert sorted(done) == [0, 1, 2, 3] and all(ev.sums.tobytes() == want for ev in done.values())
+    assert kinds == {"data", "result"}
+
+
+@gathered
+def test_a_completion_waits_for_the_acks_of_results_sent_from_out() -> None:
+    """An owner's result datagrams read its caller's `out` in place, and the
+    caller may reuse `out` once its round completes. The receivers' ACKs
+    usually come a moment later, so the completion waits for them (up to
+    `ack_wait`) instead of copying the shard's results aside."""
+    rng = np.random.default_rng(32)
+    xs = [rng.standard_normal(50_000).astype(np.float32) for _ in range(2)]
+    outs = [np.zeros(x.size, np.float32) for x in xs]
+    net = Network(gather_cluster(2), seed=32)
+    _submit_out(net, xs, outs)
+    net.run()
+    done = completions(net)
+    want = (xs[0] + xs[1]).tobytes()
+    assert sorted(done) == [0, 1] and all(o.tobytes() == want for o in outs)
+    stats = [e.stats for e in net.engines.values()]
+    assert sum(s["completions_held"] for s in stats) >= 1
+    assert all(s["gathered_bytes_copied"] == 0 for s in stats)
+    assert all(e.pending_rounds() == 0 for e in net.engines.values())
+
+
+@gathered
+@pytest.mark.parametrize("ack_wait", [0.0, 0.01])
+def test_results_sent_from_out_are_copied_before_out_is_handed_back(ack_wait: float) -> None:
+    """No ACK comes for node 0's result shard (node 1's are all lost) and node
+    1 lost some of its result packets: node 0 completes after `ack_wait` (at
+    once with 0), its datagrams having copied their payloads first. Its caller
+    then overwrites `out` with NaN; the retransmissions node 1 asks for still
+    carry the true sums."""
+    rng = np.random.default_rng(33)
+    xs = [rng.standard_normal(40_000).astype(np.float32) for _ in range(2)]
+    outs = [np.zeros(x.size, np.float32) for x in xs]
+    lost = {"results": 0}
+
+    def drop(src: int, s: Send) -> bool:
+        dg = s.datagram
+        if src == 1 and dg[3] == 5:  # every ACK from node 1
+            return True
+        if src == 0 and dg[3] == 2 and not dg[4] & Flags.RETRANSMIT and lost["results"] < 4:
+            lost["results"] += 1
+            return True
+        return False
+
+    net = Network(gather_cluster(2, Timing(ack_wait=ack_wait)), seed=33, drop=drop)
+    _submit_out(net, xs, outs)
+
+    def reuse_out() -> bool:
+        if any(isinstance(ev, RoundComplete) for ev in net.events[0]) and not np.isnan(outs[0][0]):
+            outs[0][:] = np.nan  # the caller's next use of the buffer
+        return False
+
+    net.run(done=reuse_out)
+    done = completions(net)
+    want = (xs[0] + xs[1]).tobytes()
+    e0 = net.engines[0]
+    assert lost["results"] == 4 and net.engines[1].stats["result_nacks_sent"] > 0
+    assert sorted(done) == [0, 1] and np.isnan(outs[0]).all()
+    assert outs[1].tobytes() == want
+    shard0 = Layout(total=xs[0].size, codec=Codec.FP32, shards=2).shard_range(0)[1]
+    assert e0.stats["gathered_bytes_copied"] == 4 * shard0
+    assert e0.stats["completions_held"] == (1 if ack_wait else 0)
+
+
+@gathered
+def test_queued_data_datagrams_copy_their_lanes_when_the_round_ends() -> None:
+    """Droppable data packets still queued (here: held by the test) when the
+    round completes without them copy their payloads then, so the caller can
+    reuse its lanes; those no longer held anywhere are left alone."""
+    from dlcp.wire import _ghash  # type: ignore[attr-defined]
+
+    rng = np.random.default_rng(34)
+    xs = [rng.standard_normal(60_000).astype(np.float32) for _ in range(2)]
+    queued: list[tuple[Send, bytes]] = []
+
+    def drop(src: int, s: Send) -> bool:
+        if src == 0 and s.droppable and isinstance(s.datagram, _ghash.Gathered):
+            queued.append((s, bytes(s.datagram)))  # a queue that never drains
+            return True
+        return False
+
+    net = Network(gather_cluster(2), seed=34, drop=drop)
+    lay = Layout(total=xs[0].size, codec=Codec.FP32, shards=2)
+    for me, x in enumerate(xs):  # the arrays themselves: node 0's lanes are read in place
+        net.engines[me].submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=x.size,
+                               lanes=x, droppable=smallest_norm_droppable(x, lay, 0.1),
+                               bound=0.1, now=0.0)  # fmt: skip
+    net.run()
+    done = completions(net)
+    assert sorted(done) == [0, 1] and queued
+    copied = net.engines[0].stats["gathered_bytes_copied"]
+    assert copied == sum(len(dg) - 64 for _s, dg in queued)
+    xs[0][:] = np.nan  # the caller reuses its lanes
+    assert all(bytes(s.datagram) == dg for s, dg in queued)

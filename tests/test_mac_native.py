@@ -150,6 +150,73 @@ def test_encode_from_slices_is_encode_of_the_views(keys: tuple[GhashAesKey, Ghas
         Slices(big, np.array([0]), np.array([1, 2]))
 
 
+def test_encode_gather_makes_the_same_datagrams_in_place(
+    keys: tuple[GhashAesKey, GhashAesKey],
+) -> None:
+    """`encode_gather` (payloads left where they lie) makes the datagrams
+    `encode` makes: joined, compared, indexed and sliced they are those bytes;
+    the header is a bytes object of its own and the payload a view of the
+    caller's buffer. Bad slices are refused as by `encode_from`."""
+    c, py = keys
+    heads, views = _inputs(12)
+    big = bytearray(views[0].obj)  # writable: the payloads are read from it in place
+    lengths = np.array(LENGTHS, dtype=np.int64)
+    starts = 3 * np.arange(1, len(LENGTHS) + 1) + np.cumsum(lengths) - lengths
+    raw = b"".join(h + bytes(16) for h in heads)
+    want = py.encode(raw, views)
+    got = c.encode_gather(raw, Slices(memoryview(big), starts, lengths))
+    assert py.encode_gather(raw, Slices(memoryview(big), starts, lengths)) == want  # no C: bytes
+    assert [type(g).__name__ for g in got] == ["Gathered"] * len(want)
+    assert [bytes(g) for g in got] == want and got == want
+    assert c.verify([bytes(g) for g in got]).all()
+    g, w = got[-1], want[-1]  # the longest payload
+    assert len(g) == len(w) and g.head == w[:64] and bytes(g.payload) == w[64:]
+    for i in (0, 3, 47, 48, 63, 64, 65, len(w) - 1, -1, -len(w)):
+        assert g[i] == w[i], i
+    for sl in (slice(3, 4), slice(8, 36), slice(0, 64), slice(60, 70), slice(64, None),
+               slice(100, 200), slice(None, None, 7), slice(-5, None), slice(50, 10)):  # fmt: skip
+        assert g[sl] == w[sl], sl
+    with pytest.raises(IndexError):
+        g[len(w)]
+    with pytest.raises(TypeError):
+        hash(g)
+    assert f"{len(w)} bytes" in repr(g)
+    native = c._native
+    with pytest.raises(ValueError, match="outside the buffer"):
+        native.encode_gather(raw[:64], big, np.array([len(big) - 3]), np.array([4]))
+    with pytest.raises(ValueError, match="one length"):
+        native.encode_gather(raw[:64], big, np.array([0]), np.array([1, 2]))
+    with pytest.raises(ValueError, match="header bytes"):
+        native.encode_gather(raw[:64], big, np.array([0, 1]), np.array([1, 2]))
+
+
+def test_gathered_payloads_are_read_in_place_until_detached() -> None:
+    """A Gathered datagram reads its payload from the caller's buffer, which it
+    keeps alive; `detach_gathered` gives it a copy (all of a list, or those
+    something else still holds), after which the buffer is the caller's again."""
+    c = _c(KEY, avx512=True)
+    arr = np.arange(4000, dtype=np.uint8)
+    sl = Slices(memoryview(arr), np.array([0, 1000, 2000, 3000]), np.array([1000] * 4))
+    dgs = c.encode_gather(bytes(4 * 64), sl)
+    before = [bytes(d) for d in dgs]
+    arr[:10] = 0xEE  # in place: the first datagram's payload changes with it
+    assert bytes(dgs[0])[64:74] == b"\xee" * 10 and bytes(dgs[1]) == before[1]
+    with pytest.raises(ValueError):  # the datagrams hold the array's memory
+        arr.resize(10)
+    queue = [dgs[2]]  # something else holds the third one
+    assert mac.detach_gathered(dgs, shared_only=True) == 1000
+    arr[:] = 0
+    assert bytes(queue[0]) == before[2]
+    assert bytes(dgs[3])[64:] == bytes(1000)  # not detached: still reads the array
+    assert mac.detach_gathered(dgs) == 3000  # the other three
+    assert mac.detach_gathered(dgs) == 0  # each has its own copy now
+    arr[:] = 7
+    assert bytes(dgs[3])[64:] == bytes(1000) and bytes(dgs[1])[64:] == bytes(1000)
+    assert mac.detach_gathered([b"plain bytes", bytearray(3)]) == 0
+    del arr, sl  # the datagrams' copies outlive the buffer
+    assert bytes(dgs[2]) == before[2]
+
+
 def test_bad_input_is_refused(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
     c, _ = keys
     native = c._native

@@ -177,6 +177,42 @@ def test_unqueue_takes_other_buffers(keys: ModuleType) -> None:
     assert a == b
 
 
+def _gathered(dgs: list[bytes]) -> list[bytes]:
+    """The datagrams as Gathered ones (dlcp.wire._ghash: header bytes, payload
+    in place), tags recomputed; those shorter than a header stay bytes."""
+    import numpy as np
+
+    from dlcp.wire import mac
+    from dlcp.wire.slices import Slices
+
+    if mac._ghash is None:
+        pytest.skip("dlcp.wire._ghash is not built: no Gathered datagrams")
+    key = mac.GhashAesKey(bytes(32))
+    out = list(dgs)
+    pick = [i for i, dg in enumerate(dgs) if len(dg) >= 64]
+    lengths = np.array([len(dgs[i]) - 64 for i in pick], np.int64)
+    store = b"".join(dgs[i][64:] for i in pick)
+    made = key.encode_gather(
+        b"".join(dgs[i][:64] for i in pick), Slices(store, np.cumsum(lengths) - lengths, lengths)
+    )
+    for i, g in zip(pick, made, strict=True):
+        out[i] = g
+    return out
+
+
+def test_gathered_datagrams_give_the_same_identities_and_unqueue(keys: ModuleType) -> None:
+    dgs = _batch(60, 3, 4) + _datagrams(40, 5)
+    mixed = _gathered(dgs)
+    assert any(not isinstance(dg, bytes) for dg in mixed)
+    joined = [bytes(dg) for dg in mixed]  # bytes 48..64 (the tag) differ from dgs
+    assert keys.identities(mixed) == [outbox._identity(dg) for dg in joined]
+    assert keys.identities_flags(mixed) == outbox._py_identities_flags(joined)
+    pending = set(outbox._py_identities(joined))
+    a, b = set(pending), set(pending)
+    assert keys.unqueue(a, mixed, 50) == outbox._py_unqueue(b, joined, 50)
+    assert a == b
+
+
 def test_unqueue_keys_are_new_to_whatever_keeps_them(keys: ModuleType) -> None:
     """The set compares its keys with the one looked up: a key of another type
     could keep it (in its __eq__). It must keep the identity it was shown,

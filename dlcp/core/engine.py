@@ -43,7 +43,7 @@ from dlcp.wire.header import (
     header_of_valid,
     lane_bytes,
 )
-from dlcp.wire.mac import MAC_ALGORITHMS, MacKey, mac_state
+from dlcp.wire.mac import MAC_ALGORITHMS, MacKey, detach_gathered, mac_state
 from dlcp.wire.slices import Slices
 
 __all__ = [
@@ -217,6 +217,16 @@ class _Finished:
     # the caller's `out`, which it reuses once the round completes here
     datagrams: list[bytes] | None = None
     classes_sent: list[int] | None = None
+    gathered: bool = False  # `datagrams` read `result.sums` in place
+
+
+def _payload_of(datagram: Any) -> memoryview:
+    """A sent datagram's payload: bytes after the header, or a `Gathered`
+    datagram's payload in place."""
+    if isinstance(datagram, bytes | bytearray | memoryview):
+        return memoryview(datagram)[HEADER_SIZE:]
+    payload: memoryview = datagram.payload
+    return payload
 
 
 def _sources(srcs: Sequence[int | None] | None, index: np.ndarray) -> np.ndarray:
@@ -234,8 +244,9 @@ def _sources(srcs: Sequence[int | None] | None, index: np.ndarray) -> np.ndarray
 class Engine:
     """All rounds of all jobs at one node."""
 
-    def __init__(self, *, timing: Timing | None = None) -> None:
+    def __init__(self, *, timing: Timing | None = None, gather: bool = False) -> None:
         self.timing = timing or Timing()
+        self.gather = gather
         self.jobs: dict[int, JobSpec] = {}
         self._keys: dict[int, MacKey] = {}
         self._aggs: dict[tuple[OpKey, int], ShardAggregator] = {}
@@ -253,6 +264,12 @@ class Engine:
         self._pruned_at: dict[int, int] = {}
         self._newest: dict[int, int] = {}
         self._out: list[SendBatch] = []
+        # per round this node contributes to: its lists of Gathered datagrams
+        # (`gather`), whose payloads lie in the caller's buffers (`lanes`, `out`)
+        self._gathered: dict[OpKey, list[list[bytes]]] = {}
+        # rounds complete here whose completion waits (until the deadline) for
+        # receivers' ACKs of this node's gathered result shards
+        self._held: dict[OpKey, tuple[float, RoundComplete]] = {}
         self._events: deque[Event] = deque()
         self.stats: Counter[str] = Counter()
         self.rejects: Counter[Reason] = Counter()
@@ -278,6 +295,10 @@ class Engine:
             del self._finished[k]
         for op in [op for op in self._contribs if op[0] == job]:
             del self._contribs[op]
+        for op in [op for op in self._held if op[0] == job]:
+            self._complete(op, self._held.pop(op)[1])  # its results are whole
+        for op in [op for op in self._gathered if op[0] == job]:
+            self._settle_gathered(op)
         for op in [op for op in self._closed if op[0] == job]:
             del self._closed[op]
         for k in [k for k in self._closed_shards if k[0][0] == job]:
@@ -308,7 +329,8 @@ class Engine:
         return self._events.popleft() if self._events else None
 
     def pending_rounds(self) -> int:
-        return len(self._collectors)
+        """Rounds begun here and not yet completed or failed (held ones too)."""
+        return len(self._collectors) + len(self._held)
 
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""
@@ -482,7 +504,9 @@ class Engine:
         bits = LANE_BITS[lay.codec][1 if c.summed else 0]
         # lane_bytes, for every packet at once; no slice object per packet
         payloads = Slices(c.lanes, (offs * bits + 7) // 8, (counts * bits + 7) // 8)
-        dgs = encode_batch(h, payloads, self._mac(c.spec))
+        dgs = encode_batch(h, payloads, self._mac(c.spec), gather=self.gather)
+        if self.gather:
+            self._gathered.setdefault((c.spec.job, c.round, c.bucket), []).append(dgs)
         self._out.append(_batch(owner, dgs, prio.tolist(), drop.tolist(), "data"))
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
@@ -532,7 +556,7 @@ class Engine:
             payloads = Slices(view, rel * width, counts * width)
         else:  # the payloads first sent (the sums may have been overwritten since)
             assert f.datagrams is not None
-            payloads = [memoryview(f.datagrams[int(j)])[HEADER_SIZE:] for j in only]
+            payloads = [_payload_of(f.datagrams[int(j)]) for j in only]
         h = self._heads(offs.size)
         h["offset"] = offs
         h["count"] = counts
@@ -550,10 +574,14 @@ class Engine:
         h["shard"] = shard
         h["sender"] = f.spec.me
         h["total"] = lay.total
-        dgs = encode_batch(h, payloads, self._mac(f.spec))
+        dgs = encode_batch(h, payloads, self._mac(f.spec), gather=self.gather and only is None)
         classes = prio.tolist()
         if only is None:
             f.datagrams, f.classes_sent = dgs, classes
+            op = (f.spec.job, f.round, f.bucket)
+            if self.gather and op in self._collectors:  # the sums may be the caller's `out`
+                self._gathered.setdefault(op, []).append(dgs)
+                f.gathered = True
         self._out.append(_batch(node, dgs, classes, None, "result"))
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
@@ -863,6 +891,8 @@ class Engine:
                 f.waiting.discard(h.sender)
                 if not f.waiting:
                     del self._finished[(op, h.shard)]
+                    if op in self._held:
+                        self._release_held(now, op=op)
         else:
             self.stats["control_packets"] += 1
 
@@ -1173,24 +1203,72 @@ class Engine:
         for shard, owner in enumerate(spec.owners):
             if owner != spec.me and col.layout.shard_packets(shard):
                 self._send_ack(spec, op, col.layout, shard, owner)
-        self.stats["rounds_completed"] += 1
-        self._events.append(
-            RoundComplete(
-                job=op[0],
-                round=op[1],
-                bucket=op[2],
-                layout=col.layout,
-                sums=col.sums,
-                contributors=col.contributors,
-                block_max=col.block_max,
-                lost_lanes=col.lost_lanes,
-                total_lanes=col.total_lanes,
-            )
+        event = RoundComplete(
+            job=op[0],
+            round=op[1],
+            bucket=op[2],
+            layout=col.layout,
+            sums=col.sums,
+            contributors=col.contributors,
+            block_max=col.block_max,
+            lost_lanes=col.lost_lanes,
+            total_lanes=col.total_lanes,
         )
+        if self.timing.ack_wait > 0 and self._unacked_gathered(op):
+            # the receivers' ACKs are usually a moment away (each sends them as
+            # its round completes): waiting for them spares copying the shard
+            self._held[op] = (now + self.timing.ack_wait, event)
+            self.stats["completions_held"] += 1
+            return
+        self._complete(op, event)
+
+    def _complete(self, op: OpKey, event: RoundComplete) -> None:
+        """Tell the caller: its buffers are its own again."""
+        self._settle_gathered(op)
+        self.stats["rounds_completed"] += 1
+        self._events.append(event)
+
+    def _unacked_gathered(self, op: OpKey) -> bool:
+        """Whether a receiver has yet to ACK a result shard of round `op` that
+        this node sent from the caller's buffer in place."""
+        return any(
+            o == op and f.gathered and f.waiting for (o, _shard), f in self._finished.items()
+        )
+
+    def _release_held(self, now: float, *, op: OpKey | None = None) -> None:
+        """Complete the held rounds whose ACKs are all in or whose wait is over
+        (only `op`, if given)."""
+        for key in [op] if op is not None else list(self._held):
+            held = self._held.get(key)
+            if held is None:
+                continue
+            due, event = held
+            if now >= due or not self._unacked_gathered(key):
+                del self._held[key]
+                self._complete(key, event)
+
+    def _settle_gathered(self, op: OpKey) -> None:
+        """Round `op` ends here: its caller gets its buffers back and may change
+        them. Gathered datagrams that may still be sent from them take copies
+        of their payloads: the result datagrams of shards some receiver has not
+        ACKed (kept for its NACKs), and any other still queued downstream."""
+        lists = self._gathered.pop(op, None)
+        if not lists:
+            return
+        keep = [
+            f.datagrams
+            for (o, _shard), f in self._finished.items()
+            if o == op and f.waiting and f.datagrams is not None
+        ]
+        copied = sum(detach_gathered(dgs) for dgs in keep)
+        kept = {id(dgs) for dgs in keep}
+        copied += sum(detach_gathered(dgs, True) for dgs in lists if id(dgs) not in kept)
+        self.stats["gathered_bytes_copied"] += copied
 
     def _fail(self, op: OpKey, reason: str, now: float) -> None:
         self._collectors.pop(op, None)
         self._contribs.pop(op, None)
+        self._settle_gathered(op)
         for k in [k for k in self._aggs if k[0] == op]:
             del self._aggs[k]
             self._agg_meta.pop(k, None)
@@ -1205,6 +1283,7 @@ class Engine:
             *(a.next_timer() for a in self._aggs.values()),
             *(c.next_timer() for c in self._collectors.values()),
             *(f.until for f in self._finished.values()),
+            *(due for due, _event in self._held.values()),
         )
         due = [t for t in times if t is not None]
         closed = [*self._closed.values(), *self._closed_shards.values()]
@@ -1238,6 +1317,8 @@ class Engine:
                 self._fail(op, why, now)
                 continue
             self._poll_collector(op, col, now)
+        if self._held:
+            self._release_held(now)
         for key in [k for k, f in self._finished.items() if f.until <= now]:
             del self._finished[key]
         for op in [op for op, t in self._closed.items() if t + self.timing.retain <= now]:

@@ -28,11 +28,23 @@ class Timing:
     timeout: float = 10.0
     # How long completed results are kept to answer NACKs from slow receivers.
     retain: float = 5.0
+    # A round complete here while some receiver has not ACKed this node's result
+    # shards, whose datagrams read the caller's `out` in place (Engine(gather=
+    # True)): how long its completion waits for those ACKs before the datagrams
+    # copy their payloads (the caller may reuse `out` once told). 0: copy at once.
+    # A receiver ACKs as its own round completes, so the wait ends about when
+    # the job's slowest node is done, which every rank's step waits for anyway.
+    ack_wait: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("nack_delay", "nack_interval", "linger", "grace", "timeout", "retain"):
             value = getattr(self, name)
             if not value > 0:
                 raise LocalError(f"timing.{name} must be > 0 seconds, got {value}")
+        if not 0 <= self.ack_wait < self.timeout:
+            raise LocalError(
+                f"timing.ack_wait must be 0 or more seconds, below timing.timeout; "
+                f"got {self.ack_wait}"
+            )
         if self.timeout <= self.grace:
             raise LocalError("timing.timeout must exceed timing.grace")

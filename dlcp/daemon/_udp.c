@@ -13,7 +13,9 @@
  * `Daemon._receive`; transport.split_gro is its Python definition.
  *
  * send_gso(fd, datagrams, start, addr4, port, tos, gso, gso_max_size)
- *   datagrams: a list of bytes-like objects; sends datagrams[start:] to the
+ *   datagrams: a list of bytes-like objects or Gathered datagrams
+ *   (dlcp/wire/gathered.h: header bytes and a payload in place, sent as two
+ *   iovecs: the kernel's copy is the payload's only one); sends datagrams[start:] to the
  *   IPv4 address addr4 (4 bytes, network order) and port. Consecutive
  *   datagrams of one size (and a shorter last one) make one super-datagram of
  *   at most MAX_SEGMENTS segments and MAX_BYTES bytes when gso is true and the
@@ -30,6 +32,8 @@
 #include <string.h>
 #include <sys/socket.h>
 
+#include "../wire/gathered.h"
+
 #ifndef SOL_UDP
 #define SOL_UDP 17
 #endif
@@ -43,7 +47,7 @@
 #define MAX_SEGMENTS 64   /* transport.MAX_GSO_SEGMENTS */
 #define MAX_BYTES 65000   /* transport.MAX_GSO_BYTES */
 #define MSGS 32           /* super-datagrams per sendmmsg */
-#define IOVS (MSGS * MAX_SEGMENTS)
+#define IOVS (2 * MSGS * MAX_SEGMENTS) /* a Gathered datagram takes two */
 #define CTRL (CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(uint16_t)))
 
 typedef struct {
@@ -62,6 +66,33 @@ release(batch_t *b, int nviews)
 {
     for (int i = 0; i < nviews; i++)
         PyBuffer_Release(&b->views[i]);
+}
+
+/* Datagram `obj`'s iovecs from b->views[*nv] on: one for a bytes-like object,
+ * two (header, payload in place) for a Gathered one, whose views hold a
+ * reference to it. Returns its size, or -1 with an exception set. */
+static Py_ssize_t
+take(batch_t *b, PyObject *obj, int *nv)
+{
+    Py_buffer *v = &b->views[*nv];
+    if (is_gathered(obj)) {
+        GatheredObject *g = (GatheredObject *)obj;
+        if (PyObject_GetBuffer(g->head, &v[0], PyBUF_SIMPLE) < 0)
+            return -1;
+        /* released by PyBuffer_Release: a reference to the datagram, which
+         * holds the payload's buffer */
+        memset(&v[1], 0, sizeof v[1]);
+        v[1].buf = (void *)gathered_payload(g);
+        v[1].len = g->len;
+        v[1].obj = obj;
+        Py_INCREF(obj);
+        *nv += 2;
+        return v[0].len + v[1].len;
+    }
+    if (PyObject_GetBuffer(obj, v, PyBUF_SIMPLE) < 0)
+        return -1;
+    *nv += 1;
+    return v->len;
 }
 
 static PyObject *
@@ -103,13 +134,12 @@ send_gso(PyObject *self, PyObject *args)
         Py_ssize_t j = i;
         while (j < n && m < MSGS) {
             int first = nv;
-            if (PyObject_GetBuffer(PyList_GET_ITEM(list, j), &b->views[nv], PyBUF_SIMPLE) < 0) {
+            Py_ssize_t size = take(b, PyList_GET_ITEM(list, j), &nv);
+            if (size < 0) {
                 release(b, nv);
                 PyMem_Free(b);
                 return NULL;
             }
-            Py_ssize_t size = b->views[nv].len;
-            nv++;
             j++;
             int k = 1;
             if (gso && size <= gso_max && size > 0) {
@@ -118,19 +148,20 @@ send_gso(PyObject *self, PyObject *args)
                     lim = MAX_SEGMENTS;
                 if (lim < 1)
                     lim = 1;
-                while (k < lim && j < n && nv < IOVS) {
-                    if (PyObject_GetBuffer(PyList_GET_ITEM(list, j), &b->views[nv], PyBUF_SIMPLE) <
-                        0) {
+                while (k < lim && j < n && nv < IOVS - 1) {
+                    int at = nv;
+                    Py_ssize_t len = take(b, PyList_GET_ITEM(list, j), &nv);
+                    if (len < 0) {
                         release(b, nv);
                         PyMem_Free(b);
                         return NULL;
                     }
-                    Py_ssize_t len = b->views[nv].len;
                     if (len > size) { /* does not fit this super-datagram */
-                        PyBuffer_Release(&b->views[nv]);
+                        for (int v = at; v < nv; v++)
+                            PyBuffer_Release(&b->views[v]);
+                        nv = at;
                         break;
                     }
-                    nv++;
                     j++;
                     k++;
                     if (len < size) /* a shorter last segment ends it */
@@ -146,7 +177,7 @@ send_gso(PyObject *self, PyObject *args)
             h->msg_name = &sa;
             h->msg_namelen = sizeof sa;
             h->msg_iov = &b->iov[first];
-            h->msg_iovlen = (size_t)k;
+            h->msg_iovlen = (size_t)(nv - first);
             memset(b->ctrl[m].buf, 0, CTRL);
             h->msg_control = b->ctrl[m].buf;
             h->msg_controllen = k > 1 ? CTRL : CMSG_SPACE(sizeof(int));
@@ -165,7 +196,7 @@ send_gso(PyObject *self, PyObject *args)
             }
             b->segs[m] = k;
             m++;
-            if (nv >= IOVS - 1)
+            if (nv > IOVS - 2) /* no room for a datagram of two iovecs */
                 break;
         }
         /* send them; a short count means the next message failed: try it again */

@@ -269,7 +269,10 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
     unknown = set(t) - known
     _need(not unknown, f"[timing]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
     for k, v in t.items():
-        _need(isinstance(v, int | float) and v > 0, f"timing.{k} must be a positive number")
+        _need(
+            isinstance(v, int | float) and not isinstance(v, bool) and (v > 0 or k == "ack_wait"),
+            f"timing.{k} must be a positive number",
+        )
     cfg.timing = Timing(**{k: float(v) for k, v in t.items()})
     devs = data.get("tc", {}).get("devices", [])
     _need(isinstance(devs, list) and all(isinstance(x, str) for x in devs), "tc.devices: names")

@@ -39,6 +39,16 @@ _ENGINE: dict[str, tuple[str, str, dict[str, str]]] = {
     "shards_aggregated": ("dlcp_shards_aggregated_total", "Shards summed here", {}),
     "lanes_lost": ("dlcp_lanes_lost_total", "Droppable lanes left out of sums here", {}),
     "lanes_expected": ("dlcp_lanes_expected_total", "Lanes the shards summed here expected", {}),
+    "completions_held": (
+        "dlcp_completions_held_total",
+        "Rounds whose completion waited for receivers' ACKs of results sent in place",
+        {},
+    ),
+    "gathered_bytes_copied": (
+        "dlcp_gathered_copied_bytes_total",
+        "Payload bytes copied out of ranks' memory as rounds ended (still to send or resend)",
+        {},
+    ),
 }
 
 

@@ -33,7 +33,7 @@ from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
 from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
-from dlcp.daemon.transport import UdpPath
+from dlcp.daemon.transport import NATIVE_SEND, UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
 from dlcp.wire import mac
@@ -122,7 +122,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.id = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.engine = Engine(timing=config.timing)
+        self.engine = Engine(timing=config.timing, gather=NATIVE_SEND)
         self.paths: list[UdpPath] = []
         self.jobs: dict[int, JobState] = {}
         self.clients: set[Client] = set()
@@ -473,7 +473,7 @@ class Daemon:
         for b in batches:
             if not b.datagrams:
                 continue
-            job = jobs.get(_JOB.unpack_from(b.datagrams[0], 8)[0])
+            job = jobs.get(_JOB.unpack(b.datagrams[0][8:12])[0])  # bytes or Gathered
             peer = None if job is None else job.peers.get(b.node)
             if peer is None:
                 continue

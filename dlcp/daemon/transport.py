@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,20 @@ def split_gro(data: bytes, seg: int) -> tuple[list[memoryview], int, int, int | 
     ids: list[int] = np.ndarray((full,), _JOB_IDS, data, 8, (seg,)).tolist()
     job: int | list[int] = ids[0] if ids.count(ids[0]) == full else ids
     return segs, size, full, job, data[3 : (full - 1) * seg + 4 : seg]
+
+
+def _buffers(datagrams: Sequence[Any]) -> list[Any]:
+    """The buffers of `datagrams` for sendmsg: a `Gathered` datagram (made by
+    `GhashAesKey.encode_gather`) is two, its header and its payload in place."""
+    if all(isinstance(dg, bytes | bytearray | memoryview) for dg in datagrams):
+        return list(datagrams)
+    out: list[Any] = []
+    for dg in datagrams:
+        if isinstance(dg, bytes | bytearray | memoryview):
+            out.append(dg)
+        else:
+            out += (dg.head, dg.payload)
+    return out
 
 
 class UdpPath:
@@ -181,13 +196,13 @@ class UdpPath:
             try:
                 if k > 1:
                     self.sock.sendmsg(  # gathered by the kernel: no joined copy here
-                        datagrams[sent : sent + k],
+                        _buffers(datagrams[sent : sent + k]),
                         [tos_cmsg, (SOL_UDP, UDP_SEGMENT, _U16.pack(size))],
                         0,
                         dest,
                     )
                 else:
-                    self.sock.sendmsg([datagrams[sent]], [tos_cmsg], 0, dest)
+                    self.sock.sendmsg(_buffers([datagrams[sent]]), [tos_cmsg], 0, dest)
             except BlockingIOError:
                 return sent
             except OSError as exc:

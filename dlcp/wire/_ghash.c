@@ -22,6 +22,8 @@
 #include <openssl/evp.h>
 #include <immintrin.h>
 
+#include "gathered.h"
+
 #define HEAD 48   /* header bytes a tag covers */
 #define TAG 16
 #define HEADER (HEAD + TAG)
@@ -451,6 +453,36 @@ done:
     return list;
 }
 
+/* encode_from's and encode_gather's arguments: n (starts and lengths: int64
+ * arrays of one length) header records, each payload inside the buffer. */
+static int
+check_runs(const Py_buffer *raw, const Py_buffer *buf, const Py_buffer *st, const Py_buffer *ln,
+           Py_ssize_t n)
+{
+    if (st->len % (Py_ssize_t)sizeof(int64_t) || ln->len != st->len) {
+        PyErr_Format(PyExc_ValueError,
+                     "starts and lengths must be int64 arrays of one length (%zd and %zd bytes)",
+                     st->len, ln->len);
+        return -1;
+    }
+    if (raw->len != n * HEADER) {
+        PyErr_Format(PyExc_ValueError, "%zd header bytes for %zd packets of %d", raw->len, n,
+                     HEADER);
+        return -1;
+    }
+    const int64_t *starts = st->buf, *lengths = ln->buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (starts[i] < 0 || lengths[i] < 0 || starts[i] > buf->len
+            || lengths[i] > buf->len - starts[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "payload %zd (%lld bytes from %lld) is outside the buffer of %zd bytes",
+                         i, (long long)lengths[i], (long long)starts[i], buf->len);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(encode_from_doc,
 "encode_from(heads, buffer, starts, lengths) -> list[bytes]\n\n"
 "`encode` with payload i the bytes buffer[starts[i] : starts[i] + lengths[i]]\n"
@@ -465,27 +497,9 @@ Mac_encode_from(MacObject *self, PyObject *args)
         return NULL;
     PyObject *list = NULL;
     Py_ssize_t n = st.len / (Py_ssize_t)sizeof(int64_t);
-    if (st.len % (Py_ssize_t)sizeof(int64_t) || ln.len != st.len) {
-        PyErr_Format(PyExc_ValueError,
-                     "starts and lengths must be int64 arrays of one length (%zd and %zd bytes)",
-                     st.len, ln.len);
+    if (check_runs(&raw, &buf, &st, &ln, n) < 0)
         goto done;
-    }
-    if (raw.len != n * HEADER) {
-        PyErr_Format(PyExc_ValueError, "%zd header bytes for %zd packets of %d", raw.len, n,
-                     HEADER);
-        goto done;
-    }
     const int64_t *starts = st.buf, *lengths = ln.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (starts[i] < 0 || lengths[i] < 0 || starts[i] > buf.len
-            || lengths[i] > buf.len - starts[i]) {
-            PyErr_Format(PyExc_ValueError,
-                         "payload %zd (%lld bytes from %lld) is outside the buffer of %zd bytes",
-                         i, (long long)lengths[i], (long long)starts[i], buf.len);
-            goto done;
-        }
-    }
     list = PyList_New(n);
     if (list == NULL)
         goto done;
@@ -496,6 +510,304 @@ Mac_encode_from(MacObject *self, PyObject *args)
         if (dg == NULL)
             goto fail;
         PyList_SET_ITEM(list, i, dg);
+    }
+    goto done;
+fail:
+    Py_CLEAR(list);
+done:
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&st);
+    PyBuffer_Release(&ln);
+    return list;
+}
+
+/* ---- Gathered: a datagram whose payload stays where it is ------------------
+ *
+ * encode_gather's datagrams: the header (with its tag) is a 64-byte bytes
+ * object and the payload is read in place from the caller's buffer, whose
+ * export the datagram holds; dlcp.daemon._udp sends it as two iovecs, so the
+ * payload is copied once, by the kernel, instead of into a datagram first.
+ * To Python it is a read-only sequence of the datagram's bytes: len() is the
+ * whole datagram's, indexing and slicing read it (header slices without a
+ * copy of the payload), bytes() joins the two parts.
+ */
+static PyTypeObject GatheredType;
+
+static void
+Gathered_dealloc(GatheredObject *self)
+{
+    Py_XDECREF(self->head);
+    if (self->view.obj != NULL)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A Gathered of `head` (a new reference, stolen) and len bytes at off of the
+ * buffer `view` (a new export is taken of view->obj). */
+static PyObject *
+gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t len)
+{
+    GatheredObject *g = PyObject_New(GatheredObject, &GatheredType);
+    if (g == NULL) {
+        Py_DECREF(head);
+        return NULL;
+    }
+    g->head = head;
+    g->off = off;
+    g->len = len;
+    if (PyObject_GetBuffer(view->obj, &g->view, PyBUF_SIMPLE) < 0) {
+        g->view.obj = NULL;
+        Py_DECREF(g);
+        return NULL;
+    }
+    if (g->view.buf != view->buf || g->view.len != view->len) { /* not the same memory */
+        PyErr_SetString(PyExc_ValueError, "the payload buffer moved");
+        Py_DECREF(g);
+        return NULL;
+    }
+    return (PyObject *)g;
+}
+
+static PyObject *
+Gathered_join(GatheredObject *self, PyObject *unused)
+{
+    (void)unused;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, HEADER + self->len);
+    if (out == NULL)
+        return NULL;
+    char *d = PyBytes_AS_STRING(out);
+    memcpy(d, PyBytes_AS_STRING(self->head), HEADER);
+    memcpy(d + HEADER, gathered_payload(self), (size_t)self->len);
+    return out;
+}
+
+static Py_ssize_t
+Gathered_length(GatheredObject *self)
+{
+    return HEADER + self->len;
+}
+
+static PyObject *
+Gathered_subscript(GatheredObject *self, PyObject *key)
+{
+    Py_ssize_t n = HEADER + self->len;
+    if (PyIndex_Check(key)) {
+        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+        if (i == -1 && PyErr_Occurred())
+            return NULL;
+        if (i < 0)
+            i += n;
+        if (i < 0 || i >= n) {
+            PyErr_SetString(PyExc_IndexError, "index out of range");
+            return NULL;
+        }
+        const unsigned char *p = i < HEADER ? (const unsigned char *)PyBytes_AS_STRING(self->head) + i
+                                            : (const unsigned char *)gathered_payload(self) + (i - HEADER);
+        return PyLong_FromLong(*p);
+    }
+    if (PySlice_Check(key)) {
+        Py_ssize_t start, stop, step;
+        if (PySlice_Unpack(key, &start, &stop, &step) < 0)
+            return NULL;
+        Py_ssize_t k = PySlice_AdjustIndices(n, &start, &stop, step);
+        if (step == 1 && stop <= HEADER) /* within the header: no join */
+            return PyBytes_FromStringAndSize(PyBytes_AS_STRING(self->head) + start, k);
+        if (step == 1 && start >= HEADER)
+            return PyBytes_FromStringAndSize(gathered_payload(self) + (start - HEADER), k);
+    }
+    PyObject *whole = Gathered_join(self, NULL);
+    if (whole == NULL)
+        return NULL;
+    PyObject *out = PyObject_GetItem(whole, key);
+    Py_DECREF(whole);
+    return out;
+}
+
+static PyObject *
+Gathered_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if (op != Py_EQ && op != Py_NE)
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *x = Py_TYPE(a) == &GatheredType ? Gathered_join((GatheredObject *)a, NULL)
+                                               : (Py_INCREF(a), a);
+    if (x == NULL)
+        return NULL;
+    PyObject *y = Py_TYPE(b) == &GatheredType ? Gathered_join((GatheredObject *)b, NULL)
+                                               : PyObject_Bytes(b);
+    if (y == NULL) {
+        Py_DECREF(x);
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *r = PyObject_RichCompare(x, y, op);
+    Py_DECREF(x);
+    Py_DECREF(y);
+    return r;
+}
+
+static PyObject *
+Gathered_get_head(GatheredObject *self, void *closure)
+{
+    (void)closure;
+    Py_INCREF(self->head);
+    return self->head;
+}
+
+static PyObject *
+Gathered_get_payload(GatheredObject *self, void *closure)
+{
+    (void)closure;
+    PyObject *whole = PyMemoryView_FromObject(self->view.obj);
+    if (whole == NULL)
+        return NULL;
+    PyObject *flat = PyObject_CallMethod(whole, "cast", "s", "B");
+    Py_DECREF(whole);
+    if (flat == NULL)
+        return NULL;
+    PyObject *out = PySequence_GetSlice(flat, self->off, self->off + self->len);
+    Py_DECREF(flat);
+    return out;
+}
+
+static PyObject *
+Gathered_repr(GatheredObject *self)
+{
+    return PyUnicode_FromFormat("<Gathered datagram of %zd bytes>", HEADER + self->len);
+}
+
+static PyMappingMethods Gathered_mapping = {
+    .mp_length = (lenfunc)Gathered_length,
+    .mp_subscript = (binaryfunc)Gathered_subscript,
+};
+
+static PySequenceMethods Gathered_sequence = {
+    .sq_length = (lenfunc)Gathered_length,
+};
+
+static PyMethodDef Gathered_methods[] = {
+    {"__bytes__", (PyCFunction)Gathered_join, METH_NOARGS, "the datagram's bytes, joined"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Gathered_getset[] = {
+    {"head", (getter)Gathered_get_head, NULL, "the 64 header bytes (tag included)", NULL},
+    {"payload", (getter)Gathered_get_payload, NULL,
+     "the payload: a memoryview of the buffer it lies in", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject GatheredType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dlcp.wire._ghash.Gathered",
+    .tp_doc = PyDoc_STR("A datagram as its header bytes and its payload in place (made by "
+                        "GhashAes.encode_gather)"),
+    .tp_basicsize = sizeof(GatheredObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Gathered_dealloc,
+    .tp_repr = (reprfunc)Gathered_repr,
+    .tp_as_mapping = &Gathered_mapping,
+    .tp_as_sequence = &Gathered_sequence,
+    .tp_richcompare = Gathered_richcompare,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_methods = Gathered_methods,
+    .tp_getset = Gathered_getset,
+};
+
+/* Give a Gathered its own copy of its payload: the buffer it was read from
+ * may change from now on. */
+static int
+gathered_detach(GatheredObject *g)
+{
+    PyObject *own = PyBytes_FromStringAndSize(gathered_payload(g), g->len);
+    if (own == NULL)
+        return -1;
+    Py_buffer v;
+    if (PyObject_GetBuffer(own, &v, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(own);
+        return -1;
+    }
+    Py_DECREF(own); /* the view holds it */
+    PyBuffer_Release(&g->view);
+    g->view = v;
+    g->off = 0;
+    return 0;
+}
+
+PyDoc_STRVAR(detach_doc,
+"detach(datagrams, shared_only=False) -> int\n\n"
+"Give each Gathered datagram of the list its own copy of its payload, so that\n"
+"it no longer reads the buffer it was made from (other items are left alone);\n"
+"with shared_only, only those something besides the list holds (a queue).\n"
+"Returns the payload bytes copied.");
+
+static PyObject *
+gathered_detach_list(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *list;
+    int shared_only = 0;
+    if (!PyArg_ParseTuple(args, "O!|p", &PyList_Type, &list, &shared_only))
+        return NULL;
+    Py_ssize_t copied = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        PyObject *o = PyList_GET_ITEM(list, i);
+        if (Py_TYPE(o) != &GatheredType)
+            continue;
+        GatheredObject *g = (GatheredObject *)o;
+        if (shared_only && Py_REFCNT(o) <= 1)
+            continue;
+        if (g->off == 0 && g->view.len == g->len && PyBytes_CheckExact(g->view.obj))
+            continue; /* already its own */
+        if (gathered_detach(g) < 0)
+            return NULL;
+        copied += g->len;
+    }
+    return PyLong_FromSsize_t(copied);
+}
+
+static PyMethodDef module_methods[] = {
+    {"detach", gathered_detach_list, METH_VARARGS, detach_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(encode_gather_doc,
+"encode_gather(heads, buffer, starts, lengths) -> list[Gathered]\n\n"
+"`encode_from`, but each datagram keeps its payload in `buffer` (whose export it\n"
+"holds) instead of a copy: its header and tag are a 64-byte bytes object. The\n"
+"tag covers the payload as it is now; the caller must not change those bytes\n"
+"while the datagram may still be sent.");
+
+static PyObject *
+Mac_encode_gather(MacObject *self, PyObject *args)
+{
+    Py_buffer raw, buf, st, ln;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*", &raw, &buf, &st, &ln))
+        return NULL;
+    PyObject *list = NULL;
+    Py_ssize_t n = st.len / (Py_ssize_t)sizeof(int64_t);
+    if (check_runs(&raw, &buf, &st, &ln, n) < 0)
+        goto done;
+    list = PyList_New(n);
+    if (list == NULL)
+        goto done;
+    const unsigned char *heads = raw.buf, *src = buf.buf;
+    const int64_t *starts = st.buf, *lengths = ln.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *head = PyBytes_FromStringAndSize(NULL, HEADER);
+        if (head == NULL)
+            goto fail;
+        unsigned char *h = (unsigned char *)PyBytes_AS_STRING(head);
+        memcpy(h, heads + i * HEADER, HEAD);
+        if (tag_of(self, h, src + starts[i], (Py_ssize_t)lengths[i], h + HEAD)) {
+            Py_DECREF(head);
+            openssl_failed();
+            goto fail;
+        }
+        PyObject *g = gathered_new(head, &buf, (Py_ssize_t)starts[i], (Py_ssize_t)lengths[i]);
+        if (g == NULL)
+            goto fail;
+        PyList_SET_ITEM(list, i, g);
     }
     goto done;
 fail:
@@ -574,6 +886,7 @@ static PyMethodDef Mac_methods[] = {
     {"tags", (PyCFunction)Mac_tags, METH_VARARGS, tags_doc},
     {"encode", (PyCFunction)Mac_encode, METH_VARARGS, encode_doc},
     {"encode_from", (PyCFunction)Mac_encode_from, METH_VARARGS, encode_from_doc},
+    {"encode_gather", (PyCFunction)Mac_encode_gather, METH_VARARGS, encode_gather_doc},
     {"verify", (PyCFunction)Mac_verify, METH_VARARGS, verify_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -594,13 +907,14 @@ static PyTypeObject MacType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "dlcp.wire._ghash",
-    "The ghash-aes packet MAC in C, over OpenSSL's EVP (see dlcp/wire/mac.py).", -1, NULL,
+    "The ghash-aes packet MAC in C, over OpenSSL's EVP (see dlcp/wire/mac.py).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC
 PyInit__ghash(void)
 {
-    if (PyType_Ready(&MacType) < 0)
+    if (PyType_Ready(&MacType) < 0 || PyType_Ready(&GatheredType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -608,6 +922,12 @@ PyInit__ghash(void)
     Py_INCREF(&MacType);
     if (PyModule_AddObject(m, "GhashAes", (PyObject *)&MacType) < 0) {
         Py_DECREF(&MacType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&GatheredType);
+    if (PyModule_AddObject(m, "Gathered", (PyObject *)&GatheredType) < 0) {
+        Py_DECREF(&GatheredType);
         Py_DECREF(m);
         return NULL;
     }

@@ -34,6 +34,7 @@ from dlcp.wire.header import (
     PacketType,
 )
 from dlcp.wire.mac import MacKey, encode_blake2b, verify_blake2b
+from dlcp.wire.slices import Slices
 
 try:  # the header gather (and the lane copies of dlcp.codecs.lanes) in C; setup.py
     from dlcp.wire import _bulk  # type: ignore[attr-defined]
@@ -354,17 +355,29 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
 
 
 def encode_batch(
-    heads: np.ndarray, payloads: Sequence[bytes | memoryview], key: MacKey
+    heads: np.ndarray,
+    payloads: Sequence[bytes | memoryview],
+    key: MacKey,
+    *,
+    gather: bool = False,
 ) -> list[bytes]:
     """Serialise packets whose header fields were filled in a HEADER_DTYPE array.
 
     The sender's fast path: fields are set with vector operations; only the MAC
     is computed per packet. `magic` and `version` are filled in here. The caller
     guarantees the fields agree with the payloads (the receiver checks anyway).
+
+    With `gather`, payloads given as `Slices` stay in their buffer where the C
+    MAC is built: each datagram is then a `Gathered` (its header bytes and the
+    payload in place; `len`, indexing and `bytes()` as for the joined bytes),
+    which the daemon's C send path hands the kernel as two iovecs. The caller
+    must leave those payload bytes alone while the datagrams may still be sent.
     """
     heads["magic"] = MAGIC
     heads["version"] = VERSION
     raw = heads.tobytes()
     if isinstance(key, bytes):
         return encode_blake2b(key, raw, payloads)
+    if gather and isinstance(payloads, Slices):
+        return key.encode_gather(raw, payloads)
     return key.encode(raw, payloads)

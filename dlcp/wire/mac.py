@@ -60,6 +60,7 @@ __all__ = [
     "GhashAesKey",
     "MacKey",
     "blake2b_tag",
+    "detach_gathered",
     "encode_blake2b",
     "mac_state",
     "verify_blake2b",
@@ -169,6 +170,18 @@ class GhashAesKey:
             out += map(b"".join, zip(hs, tag_list, ps, strict=True))
         return out
 
+    def encode_gather(self, heads: bytes, payloads: Slices) -> list[bytes]:
+        """`encode`, each datagram keeping its payload in `payloads.buffer`: a
+        `Gathered` (dlcp.wire._ghash) of the 64 header bytes and the payload in
+        place, which reads as the joined datagram (`len`, indexing, `bytes()`).
+        Its tag covers the payload as it is now. Without the C MAC: `encode`."""
+        if self._native is None:
+            return self.encode(heads, payloads)
+        n = len(payloads)
+        if len(heads) != n * _HEADER:
+            raise ValueError(f"{len(heads)} header bytes for {n} packets of {_HEADER}")
+        return self._native.encode_gather(heads, payloads.buffer, payloads.starts, payloads.lengths)
+
     def verify(self, datagrams: Sequence[bytes | memoryview]) -> np.ndarray:
         """Per datagram (64 bytes or more each) whether its tag is right: a bool
         array. Every byte of every tag is compared (no early exit), so the time
@@ -185,6 +198,17 @@ class GhashAesKey:
         want = np.frombuffer(tags, np.uint8).reshape(n, _TAG)
         got = np.frombuffer(b"".join([v[_HEAD:_HEADER] for v in views]), np.uint8)
         return (want == got.reshape(n, _TAG)).all(axis=1)
+
+
+def detach_gathered(datagrams: list[bytes], shared_only: bool = False) -> int:
+    """Give each `Gathered` datagram of the list (`GhashAesKey.encode_gather`)
+    its own copy of its payload, so that it no longer reads the buffer it was
+    made from; with `shared_only`, only those something besides the list still
+    holds (a send queue). Other datagrams are left alone. Returns the payload
+    bytes copied."""
+    if _ghash is None:  # no Gathered datagram was ever made
+        return 0
+    return int(_ghash.detach(datagrams, shared_only))
 
 
 _KEYED: dict[bytes, Any] = {}  # keyed BLAKE2b states, by raw key

@@ -1,0 +1,66 @@
+/* A datagram in two parts (dlcp.wire._ghash.Gathered): its 64-byte header, a
+ * bytes object, and its payload, `len` bytes at `view.buf + off` of a buffer
+ * it holds (`view`, over `base`) without copying.
+ *
+ * dlcp/wire/_ghash.c defines the type (its encode_gather makes them);
+ * dlcp/daemon/_udp.c sends one as two iovecs, dlcp/daemon/_keys.c reads its
+ * header. They find the type object by importing dlcp.wire._ghash and share
+ * this layout.
+ */
+#ifndef DLCP_GATHERED_H
+#define DLCP_GATHERED_H
+
+#include <Python.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *head;  /* bytes: the header, 64 bytes */
+    Py_buffer view;  /* held over the payload's buffer object (view.obj) */
+    Py_ssize_t off;  /* the payload: view.buf[off : off + len] */
+    Py_ssize_t len;
+} GatheredObject;
+
+static inline const char *
+gathered_payload(const GatheredObject *g)
+{
+    return (const char *)g->view.buf + g->off;
+}
+
+/* The Gathered type of dlcp.wire._ghash, or NULL (not built: then no datagram
+ * is one), looked up at the first call. Sets no exception. */
+static PyTypeObject *gathered_type_cache;
+static int gathered_type_looked;
+
+static inline PyTypeObject *
+gathered_type(void)
+{
+    if (gathered_type_looked)
+        return gathered_type_cache;
+    gathered_type_looked = 1;
+    PyObject *m = PyImport_ImportModule("dlcp.wire._ghash");
+    if (m == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *t = PyObject_GetAttrString(m, "Gathered");
+    Py_DECREF(m);
+    if (t == NULL || !PyType_Check(t)) {
+        PyErr_Clear();
+        Py_XDECREF(t);
+        return NULL;
+    }
+    gathered_type_cache = (PyTypeObject *)t; /* kept: a module-lifetime reference */
+    return gathered_type_cache;
+}
+
+static inline int
+is_gathered(PyObject *obj)
+{
+    PyTypeObject *t = Py_TYPE(obj);
+    if (t == &PyBytes_Type)
+        return 0;
+    PyTypeObject *g = gathered_type();
+    return g != NULL && t == g;
+}
+
+#endif
