@@ -312,3 +312,42 @@ def test_add_runs_sums_own_lanes_and_payloads(native: bool, summed: bool) -> Non
             lanes._bulk.add_runs(got, own, np.array([63]), np.array([2]), [bytes(8)])
         with pytest.raises(ValueError):  # own shorter than dest, given to C directly
             lanes._bulk.add_runs(got, own[:8], np.array([0]), np.array([1]), [bytes(4)])
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_long_runs_store_and_sum_as_short_ones(add: bool) -> None:
+    """Runs of STREAM_MIN bytes or more go through the C loops' streaming
+    stores (dlcp/wire/_bulk.c): at every alignment of the destination and the
+    payload, and lengths off the 16- and 64-byte steps, they store (or sum)
+    the lanes the Python definitions store, and touch nothing around them."""
+    if not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    rng = np.random.default_rng(41 + add)
+    total = 40_000
+    own = rng.standard_normal(total).astype(np.float32)
+    theirs = rng.standard_normal(total).astype(np.float32)
+    theirs[[5, 17_000]] = [np.inf, np.nan]
+    # 1024 lanes (4096 bytes, the threshold) and more, each start at another
+    # 16-byte alignment, gaps between them
+    runs = [(1, 1024), (1030, 1027), (2062, 2227), (4294, 1031), (5331, 2229), (16_000, 4099)]
+    dgs: list[bytes | memoryview] = []
+    for i, (s, c) in enumerate(runs):
+        raw = bytes(HEADER_SIZE + i % 4) + theirs[s : s + c].tobytes()
+        dgs.append(memoryview(raw)[i % 4 :])  # payloads at every 4-byte misalignment
+    starts = np.array([s for s, _ in runs])
+    counts = np.array([c for _, c in runs])
+    got = np.full(total, 5, np.float32)
+    want = got.copy()
+    if add:
+        lanes.add_runs(got, own, Codec.FP32, False, starts, counts, Payloads(dgs), native=True)
+        lanes.add_runs(want, own, Codec.FP32, False, starts, counts, Payloads(dgs), native=False)
+    else:
+        lanes.store_runs(got, Codec.FP32, False, starts, counts, Payloads(dgs), native=True)
+        lanes.store_runs(want, Codec.FP32, False, starts, counts, Payloads(dgs), native=False)
+    assert got.tobytes() == want.tobytes()
+    mask = np.ones(total, bool)
+    for s, c in runs:
+        mask[s : s + c] = False
+        ref = own[s : s + c] + theirs[s : s + c] if add else theirs[s : s + c]
+        assert got[s : s + c].tobytes() == ref.tobytes()
+    assert (got[mask] == 5).all()

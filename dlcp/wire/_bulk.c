@@ -42,6 +42,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <emmintrin.h>
 
 static PyObject *LengthError;
 
@@ -103,6 +104,61 @@ fail:
     Py_XDECREF(lens);
     Py_DECREF(seq);
     return NULL;
+}
+
+/* Runs at least this long are written with non-temporal stores: a run's
+ * destination (a rank's result lanes, tens of megabytes a round) is not read
+ * again before the round ends, so caching it only evicts what is, and a
+ * normal store first reads each cache line it writes from memory. */
+#define STREAM_MIN 4096
+
+/* memcpy with SSE2 streaming stores for the 16-byte-aligned middle of dst. */
+static void
+stream_copy(char *dst, const char *src, size_t n)
+{
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    memcpy(dst, src, n);
+}
+
+/* add_f32 with streaming stores for the 16-byte-aligned middle of dest (the
+ * same IEEE additions, lane by lane). */
+static void
+stream_add_f32(float *dest, const float *own, const char *payload, Py_ssize_t n)
+{
+    Py_ssize_t k = 0;
+    for (; k < n && ((uintptr_t)(dest + k) & 15); k++) {
+        float b;
+        memcpy(&b, payload + k * 4, sizeof b);
+        dest[k] = own[k] + b;
+    }
+    for (; k + 8 <= n; k += 8) {
+        __m128 a0 = _mm_loadu_ps(own + k), a1 = _mm_loadu_ps(own + k + 4);
+        __m128 b0 = _mm_loadu_ps((const float *)(payload + k * 4));
+        __m128 b1 = _mm_loadu_ps((const float *)(payload + k * 4 + 16));
+        _mm_stream_ps(dest + k, _mm_add_ps(a0, b0));
+        _mm_stream_ps(dest + k + 4, _mm_add_ps(a1, b1));
+    }
+    for (; k < n; k++) {
+        float b;
+        memcpy(&b, payload + k * 4, sizeof b);
+        dest[k] = own[k] + b;
+    }
 }
 
 /* own[k] + payload[k] into dest[k], float32 lanes; the payload may be unaligned. */
@@ -168,6 +224,7 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *ret = NULL;
+    int streamed = 0;
     if (starts.len / 8 != n || counts.len / 8 != n) {
         PyErr_Format(PyExc_ValueError, "%zd payloads but %zd starts and %zd counts", n,
                      starts.len / 8, counts.len / 8);
@@ -199,8 +256,14 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
             goto done;
         }
         const char *src = (const char *)p.buf + skip;
-        if (own_obj == NULL)
+        int stream = plen >= STREAM_MIN;
+        streamed |= stream;
+        if (own_obj == NULL && stream)
+            stream_copy(out + s * itemsize, src, (size_t)plen);
+        else if (own_obj == NULL)
             memcpy(out + s * itemsize, src, (size_t)plen);
+        else if (stream)
+            stream_add_f32((float *)out + s, (const float *)own.buf + s, src, (Py_ssize_t)c);
         else
             add_f32((float *)out + s, (const float *)own.buf + s, src, (Py_ssize_t)c);
         PyBuffer_Release(&p);
@@ -208,6 +271,8 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
     ret = Py_None;
     Py_INCREF(ret);
 done:
+    if (streamed)
+        _mm_sfence(); /* the streaming stores are seen before what follows */
     PyBuffer_Release(&counts);
     PyBuffer_Release(&starts);
     if (own_obj != NULL)
