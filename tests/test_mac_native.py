@@ -217,6 +217,26 @@ def test_gathered_payloads_are_read_in_place_until_detached() -> None:
     assert bytes(dgs[2]) == before[2]
 
 
+def test_a_gathered_datagram_is_tagged_when_first_read_whole() -> None:
+    """The tag is computed when the datagram is first sent, joined, copied or
+    its tag bytes read (not when made, nor when header bytes before the tag
+    are read): it covers the payload as it is then, and stays that tag."""
+    c = _c(KEY, avx512=True)
+    arr = np.arange(3000, dtype=np.uint8)
+    sl = Slices(memoryview(arr), np.array([0, 1000, 2000]), np.array([1000] * 3))
+    heads = b"".join(bytes([k]) * 48 + bytes(16) for k in (1, 2, 3))
+    dgs = c.encode_gather(heads, sl)
+    assert dgs[0][3] == 1 and dgs[0][8:36] == bytes([1]) * 28  # header reads: no tag yet
+    arr[:] = 9  # changed before any whole read: the tags cover the new bytes
+    assert dgs[0][48:64] == c.tags([heads[:48]], [bytes([9]) * 1000])
+    assert c.verify([bytes(d) for d in dgs]).all()
+    arr[:] = 4  # after: the tags are those of the payloads when first read
+    assert not c.verify([bytes(d) for d in dgs]).any()
+    assert [d.head[48:] for d in dgs] == [
+        c.tags([heads[i * 64 : i * 64 + 48]], [bytes([9]) * 1000]) for i in range(3)
+    ]
+
+
 def test_bad_input_is_refused(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
     c, _ = keys
     native = c._native

@@ -77,7 +77,9 @@ take(batch_t *b, PyObject *obj, int *nv)
     Py_buffer *v = &b->views[*nv];
     if (is_gathered(obj)) {
         GatheredObject *g = (GatheredObject *)obj;
-        if (PyObject_GetBuffer(g->head, &v[0], PyBUF_SIMPLE) < 0)
+        /* its tag now, if not yet: the MAC reads the payload just before the
+         * kernel copies it, which then finds it in cache */
+        if (gathered_sealed(g) < 0 || PyObject_GetBuffer(g->head, &v[0], PyBUF_SIMPLE) < 0)
             return -1;
         /* released by PyBuffer_Release: a reference to the datagram, which
          * holds the payload's buffer */

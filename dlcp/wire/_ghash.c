@@ -528,6 +528,9 @@ done:
  * object and the payload is read in place from the caller's buffer, whose
  * export the datagram holds; dlcp.daemon._udp sends it as two iovecs, so the
  * payload is copied once, by the kernel, instead of into a datagram first.
+ * Its tag is computed when it is first needed (gathered_sealed): as it is
+ * sent, the MAC reads the payload just before the kernel copies it, from
+ * cache instead of memory.
  * To Python it is a read-only sequence of the datagram's bytes: len() is the
  * whole datagram's, indexing and slicing read it (header slices without a
  * copy of the payload), bytes() joins the two parts.
@@ -538,15 +541,20 @@ static void
 Gathered_dealloc(GatheredObject *self)
 {
     Py_XDECREF(self->head);
+    Py_XDECREF(self->mac);
     if (self->view.obj != NULL)
         PyBuffer_Release(&self->view);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static int gathered_seal(GatheredObject *g);
+
 /* A Gathered of `head` (a new reference, stolen) and len bytes at off of the
- * buffer `view` (a new export is taken of view->obj). */
+ * buffer `view` (a new export is taken of view->obj), its tag to be computed
+ * under `mac` when first needed. */
 static PyObject *
-gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t len)
+gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t len,
+             MacObject *mac)
 {
     GatheredObject *g = PyObject_New(GatheredObject, &GatheredType);
     if (g == NULL) {
@@ -556,6 +564,9 @@ gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t l
     g->head = head;
     g->off = off;
     g->len = len;
+    g->mac = (PyObject *)mac;
+    Py_INCREF(mac);
+    g->seal = gathered_seal;
     if (PyObject_GetBuffer(view->obj, &g->view, PyBUF_SIMPLE) < 0) {
         g->view.obj = NULL;
         Py_DECREF(g);
@@ -569,10 +580,28 @@ gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t l
     return (PyObject *)g;
 }
 
+/* The tag, into the header bytes object (nobody has read it as a whole yet:
+ * the getters seal first). */
+static int
+gathered_seal(GatheredObject *g)
+{
+    MacObject *mac = (MacObject *)g->mac;
+    if (mac == NULL)
+        return 0;
+    unsigned char *h = (unsigned char *)PyBytes_AS_STRING(g->head);
+    if (tag_of(mac, h, (const unsigned char *)gathered_payload(g), g->len, h + HEAD))
+        return openssl_failed();
+    g->mac = NULL;
+    Py_DECREF(mac);
+    return 0;
+}
+
 static PyObject *
 Gathered_join(GatheredObject *self, PyObject *unused)
 {
     (void)unused;
+    if (gathered_sealed(self) < 0)
+        return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, HEADER + self->len);
     if (out == NULL)
         return NULL;
@@ -602,6 +631,8 @@ Gathered_subscript(GatheredObject *self, PyObject *key)
             PyErr_SetString(PyExc_IndexError, "index out of range");
             return NULL;
         }
+        if (i >= HEAD && gathered_sealed(self) < 0)
+            return NULL;
         const unsigned char *p = i < HEADER ? (const unsigned char *)PyBytes_AS_STRING(self->head) + i
                                             : (const unsigned char *)gathered_payload(self) + (i - HEADER);
         return PyLong_FromLong(*p);
@@ -611,6 +642,8 @@ Gathered_subscript(GatheredObject *self, PyObject *key)
         if (PySlice_Unpack(key, &start, &stop, &step) < 0)
             return NULL;
         Py_ssize_t k = PySlice_AdjustIndices(n, &start, &stop, step);
+        if (!(step == 1 && stop <= HEAD) && gathered_sealed(self) < 0)
+            return NULL; /* the slice may take tag bytes */
         if (step == 1 && stop <= HEADER) /* within the header: no join */
             return PyBytes_FromStringAndSize(PyBytes_AS_STRING(self->head) + start, k);
         if (step == 1 && start >= HEADER)
@@ -650,6 +683,8 @@ static PyObject *
 Gathered_get_head(GatheredObject *self, void *closure)
 {
     (void)closure;
+    if (gathered_sealed(self) < 0)
+        return NULL;
     Py_INCREF(self->head);
     return self->head;
 }
@@ -719,6 +754,8 @@ static PyTypeObject GatheredType = {
 static int
 gathered_detach(GatheredObject *g)
 {
+    if (gathered_sealed(g) < 0) /* the tag of the payload as it is now */
+        return -1;
     PyObject *own = PyBytes_FromStringAndSize(gathered_payload(g), g->len);
     if (own == NULL)
         return -1;
@@ -775,8 +812,9 @@ PyDoc_STRVAR(encode_gather_doc,
 "encode_gather(heads, buffer, starts, lengths) -> list[Gathered]\n\n"
 "`encode_from`, but each datagram keeps its payload in `buffer` (whose export it\n"
 "holds) instead of a copy: its header and tag are a 64-byte bytes object. The\n"
-"tag covers the payload as it is now; the caller must not change those bytes\n"
-"while the datagram may still be sent.");
+"tag is computed when the datagram is first sent (dlcp.daemon._udp) or read\n"
+"whole (bytes(), its tag bytes, `head`, detach) and covers the payload as it is\n"
+"then; the caller must not change those bytes while the datagram may be sent.");
 
 static PyObject *
 Mac_encode_gather(MacObject *self, PyObject *args)
@@ -791,7 +829,7 @@ Mac_encode_gather(MacObject *self, PyObject *args)
     list = PyList_New(n);
     if (list == NULL)
         goto done;
-    const unsigned char *heads = raw.buf, *src = buf.buf;
+    const unsigned char *heads = raw.buf;
     const int64_t *starts = st.buf, *lengths = ln.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *head = PyBytes_FromStringAndSize(NULL, HEADER);
@@ -799,12 +837,9 @@ Mac_encode_gather(MacObject *self, PyObject *args)
             goto fail;
         unsigned char *h = (unsigned char *)PyBytes_AS_STRING(head);
         memcpy(h, heads + i * HEADER, HEAD);
-        if (tag_of(self, h, src + starts[i], (Py_ssize_t)lengths[i], h + HEAD)) {
-            Py_DECREF(head);
-            openssl_failed();
-            goto fail;
-        }
-        PyObject *g = gathered_new(head, &buf, (Py_ssize_t)starts[i], (Py_ssize_t)lengths[i]);
+        memset(h + HEAD, 0, TAG); /* until sealed */
+        PyObject *g =
+            gathered_new(head, &buf, (Py_ssize_t)starts[i], (Py_ssize_t)lengths[i], self);
         if (g == NULL)
             goto fail;
         PyList_SET_ITEM(list, i, g);

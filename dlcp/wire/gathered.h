@@ -12,18 +12,35 @@
 
 #include <Python.h>
 
-typedef struct {
+typedef struct GatheredObject GatheredObject;
+
+struct GatheredObject {
     PyObject_HEAD
     PyObject *head;  /* bytes: the header, 64 bytes */
     Py_buffer view;  /* held over the payload's buffer object (view.obj) */
     Py_ssize_t off;  /* the payload: view.buf[off : off + len] */
     Py_ssize_t len;
-} GatheredObject;
+    /* Until the datagram is sealed, its tag (header bytes 48..64) is not yet
+     * computed: `mac` is the key that will (a reference) and `seal` writes it,
+     * just before the payload is first read as a whole (sent, joined, copied),
+     * so that the kernel's copy of a payload read from memory by the MAC finds
+     * it in cache. Sealed: mac is NULL. The other header bytes are set from
+     * the start. */
+    PyObject *mac;
+    int (*seal)(GatheredObject *g); /* 0, or -1 with an exception set */
+};
 
 static inline const char *
 gathered_payload(const GatheredObject *g)
 {
     return (const char *)g->view.buf + g->off;
+}
+
+/* Compute the tag if it is not yet: 0, or -1 with an exception set. */
+static inline int
+gathered_sealed(GatheredObject *g)
+{
+    return g->mac == NULL ? 0 : g->seal(g);
 }
 
 /* The Gathered type of dlcp.wire._ghash, or NULL (not built: then no datagram

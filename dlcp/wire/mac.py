@@ -174,7 +174,8 @@ class GhashAesKey:
         """`encode`, each datagram keeping its payload in `payloads.buffer`: a
         `Gathered` (dlcp.wire._ghash) of the 64 header bytes and the payload in
         place, which reads as the joined datagram (`len`, indexing, `bytes()`).
-        Its tag covers the payload as it is now. Without the C MAC: `encode`."""
+        Its tag is computed when it is first sent or read whole, over the
+        payload as it is then. Without the C MAC: `encode`."""
         if self._native is None:
             return self.encode(heads, payloads)
         n = len(payloads)
