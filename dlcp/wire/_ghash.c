@@ -489,39 +489,6 @@ PyDoc_STRVAR(encode_from_doc,
 "(`starts` and `lengths`: native int64 arrays, one per header record): no\n"
 "slice object per packet.");
 
-static PyObject *
-Mac_encode_from(MacObject *self, PyObject *args)
-{
-    Py_buffer raw, buf, st, ln;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*", &raw, &buf, &st, &ln))
-        return NULL;
-    PyObject *list = NULL;
-    Py_ssize_t n = st.len / (Py_ssize_t)sizeof(int64_t);
-    if (check_runs(&raw, &buf, &st, &ln, n) < 0)
-        goto done;
-    const int64_t *starts = st.buf, *lengths = ln.buf;
-    list = PyList_New(n);
-    if (list == NULL)
-        goto done;
-    const unsigned char *heads = raw.buf, *src = buf.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *dg = datagram_of(self, heads + i * HEADER, src + starts[i],
-                                   (Py_ssize_t)lengths[i]);
-        if (dg == NULL)
-            goto fail;
-        PyList_SET_ITEM(list, i, dg);
-    }
-    goto done;
-fail:
-    Py_CLEAR(list);
-done:
-    PyBuffer_Release(&raw);
-    PyBuffer_Release(&buf);
-    PyBuffer_Release(&st);
-    PyBuffer_Release(&ln);
-    return list;
-}
-
 /* ---- Gathered: a datagram whose payload stays where it is ------------------
  *
  * encode_gather's datagrams: the header (with its tag) is a 64-byte bytes
@@ -816,8 +783,24 @@ PyDoc_STRVAR(encode_gather_doc,
 "whole (bytes(), its tag bytes, `head`, detach) and covers the payload as it is\n"
 "then; the caller must not change those bytes while the datagram may be sent.");
 
+/* One Gathered datagram: a new header bytes object (its tag to come) and the
+ * payload at off of `buf`. */
 static PyObject *
-Mac_encode_gather(MacObject *self, PyObject *args)
+gathered_of(MacObject *self, const unsigned char *head, const Py_buffer *buf, Py_ssize_t off,
+            Py_ssize_t len)
+{
+    PyObject *h = PyBytes_FromStringAndSize(NULL, HEADER);
+    if (h == NULL)
+        return NULL;
+    unsigned char *d = (unsigned char *)PyBytes_AS_STRING(h);
+    memcpy(d, head, HEAD);
+    memset(d + HEAD, 0, TAG); /* until sealed */
+    return gathered_new(h, buf, off, len, self);
+}
+
+/* encode_from (gather 0: datagram_of) and encode_gather (1: gathered_of). */
+static PyObject *
+encode_runs(MacObject *self, PyObject *args, int gather)
 {
     Py_buffer raw, buf, st, ln;
     if (!PyArg_ParseTuple(args, "y*y*y*y*", &raw, &buf, &st, &ln))
@@ -829,20 +812,15 @@ Mac_encode_gather(MacObject *self, PyObject *args)
     list = PyList_New(n);
     if (list == NULL)
         goto done;
-    const unsigned char *heads = raw.buf;
+    const unsigned char *heads = raw.buf, *src = buf.buf;
     const int64_t *starts = st.buf, *lengths = ln.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *head = PyBytes_FromStringAndSize(NULL, HEADER);
-        if (head == NULL)
+        Py_ssize_t off = (Py_ssize_t)starts[i], len = (Py_ssize_t)lengths[i];
+        PyObject *dg = gather ? gathered_of(self, heads + i * HEADER, &buf, off, len)
+                              : datagram_of(self, heads + i * HEADER, src + off, len);
+        if (dg == NULL)
             goto fail;
-        unsigned char *h = (unsigned char *)PyBytes_AS_STRING(head);
-        memcpy(h, heads + i * HEADER, HEAD);
-        memset(h + HEAD, 0, TAG); /* until sealed */
-        PyObject *g =
-            gathered_new(head, &buf, (Py_ssize_t)starts[i], (Py_ssize_t)lengths[i], self);
-        if (g == NULL)
-            goto fail;
-        PyList_SET_ITEM(list, i, g);
+        PyList_SET_ITEM(list, i, dg);
     }
     goto done;
 fail:
@@ -853,6 +831,18 @@ done:
     PyBuffer_Release(&st);
     PyBuffer_Release(&ln);
     return list;
+}
+
+static PyObject *
+Mac_encode_from(MacObject *self, PyObject *args)
+{
+    return encode_runs(self, args, 0);
+}
+
+static PyObject *
+Mac_encode_gather(MacObject *self, PyObject *args)
+{
+    return encode_runs(self, args, 1);
 }
 
 PyDoc_STRVAR(verify_doc,
