@@ -1228,12 +1228,14 @@ class Engine:
         self.stats["rounds_completed"] += 1
         self._events.append(event)
 
-    def _unacked_gathered(self, op: OpKey) -> bool:
-        """Whether a receiver has yet to ACK a result shard of round `op` that
-        this node sent from the caller's buffer in place."""
-        return any(
-            o == op and f.gathered and f.waiting for (o, _shard), f in self._finished.items()
-        )
+    def _unacked_gathered(self, op: OpKey) -> list[list[bytes]]:
+        """The datagrams of the result shards of round `op` that this node sent
+        from the caller's buffer in place and some receiver has yet to ACK."""
+        return [
+            f.datagrams
+            for (o, _shard), f in self._finished.items()
+            if o == op and f.gathered and f.waiting and f.datagrams is not None
+        ]
 
     def _release_held(self, now: float, *, op: OpKey | None = None) -> None:
         """Complete the held rounds whose ACKs are all in or whose wait is over
@@ -1255,11 +1257,7 @@ class Engine:
         lists = self._gathered.pop(op, None)
         if not lists:
             return
-        keep = [
-            f.datagrams
-            for (o, _shard), f in self._finished.items()
-            if o == op and f.waiting and f.datagrams is not None
-        ]
+        keep = self._unacked_gathered(op)
         copied = sum(detach_gathered(dgs) for dgs in keep)
         kept = {id(dgs) for dgs in keep}
         copied += sum(detach_gathered(dgs, True) for dgs in lists if id(dgs) not in kept)

@@ -79,8 +79,6 @@ def split_gro(data: bytes, seg: int) -> tuple[list[memoryview], int, int, int | 
 def _buffers(datagrams: Sequence[Any]) -> list[Any]:
     """The buffers of `datagrams` for sendmsg: a `Gathered` datagram (made by
     `GhashAesKey.encode_gather`) is two, its header and its payload in place."""
-    if all(isinstance(dg, bytes | bytearray | memoryview) for dg in datagrams):
-        return list(datagrams)
     out: list[Any] = []
     for dg in datagrams:
         if isinstance(dg, bytes | bytearray | memoryview):
