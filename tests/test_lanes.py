@@ -314,12 +314,14 @@ def test_add_runs_sums_own_lanes_and_payloads(native: bool, summed: bool) -> Non
             lanes._bulk.add_runs(got, own[:8], np.array([0]), np.array([1]), [bytes(4)])
 
 
+@pytest.mark.parametrize("dest_offset", [0, 1, 2])
 @pytest.mark.parametrize("add", [False, True])
-def test_long_runs_store_and_sum_as_short_ones(add: bool) -> None:
+def test_long_runs_store_and_sum_as_short_ones(add: bool, dest_offset: int) -> None:
     """Runs of STREAM_MIN bytes or more go through the C loops' streaming
     stores (dlcp/wire/_bulk.c): at every alignment of the destination and the
     payload, and lengths off the 16- and 64-byte steps, they store (or sum)
-    the lanes the Python definitions store, and touch nothing around them."""
+    the lanes the Python definitions store, and touch nothing around them; a
+    destination off the 4-byte grid (a rank's `out` at an odd offset) too."""
     if not _native_lanes():
         pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
     rng = np.random.default_rng(41 + add)
@@ -336,8 +338,9 @@ def test_long_runs_store_and_sum_as_short_ones(add: bool) -> None:
         dgs.append(memoryview(raw)[i % 4 :])  # payloads at every 4-byte misalignment
     starts = np.array([s for s, _ in runs])
     counts = np.array([c for _, c in runs])
-    got = np.full(total, 5, np.float32)
-    want = got.copy()
+    got = np.frombuffer(bytearray(4 * total + dest_offset), np.float32, total, dest_offset)
+    got[:] = 5
+    want = np.full(total, 5, np.float32)
     if add:
         lanes.add_runs(got, own, Codec.FP32, False, starts, counts, Payloads(dgs), native=True)
         lanes.add_runs(want, own, Codec.FP32, False, starts, counts, Payloads(dgs), native=False)

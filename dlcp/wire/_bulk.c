@@ -106,6 +106,18 @@ fail:
     return NULL;
 }
 
+/* dest[k] = own[k] + payload lane k for k in [from, to), one lane at a time
+ * (the payload may be unaligned). */
+static void
+add_lanes(float *dest, const float *own, const char *payload, Py_ssize_t from, Py_ssize_t to)
+{
+    for (Py_ssize_t k = from; k < to; k++) {
+        float b;
+        memcpy(&b, payload + k * 4, sizeof b);
+        dest[k] = own[k] + b;
+    }
+}
+
 /* Runs at least this long are written with non-temporal stores: a run's
  * destination (a rank's result lanes, tens of megabytes a round) is not read
  * again before the round ends, so caching it only evicts what is, and a
@@ -142,11 +154,9 @@ static void
 stream_add_f32(float *dest, const float *own, const char *payload, Py_ssize_t n)
 {
     Py_ssize_t k = 0;
-    for (; k < n && ((uintptr_t)(dest + k) & 15); k++) {
-        float b;
-        memcpy(&b, payload + k * 4, sizeof b);
-        dest[k] = own[k] + b;
-    }
+    while (k < n && ((uintptr_t)(dest + k) & 15)) /* never, for a dest off 4 bytes */
+        k++;
+    add_lanes(dest, own, payload, 0, k); /* up to dest's first 16-byte boundary */
     for (; k + 8 <= n; k += 8) {
         __m128 a0 = _mm_loadu_ps(own + k), a1 = _mm_loadu_ps(own + k + 4);
         __m128 b0 = _mm_loadu_ps((const float *)(payload + k * 4));
@@ -154,11 +164,7 @@ stream_add_f32(float *dest, const float *own, const char *payload, Py_ssize_t n)
         _mm_stream_ps(dest + k, _mm_add_ps(a0, b0));
         _mm_stream_ps(dest + k + 4, _mm_add_ps(a1, b1));
     }
-    for (; k < n; k++) {
-        float b;
-        memcpy(&b, payload + k * 4, sizeof b);
-        dest[k] = own[k] + b;
-    }
+    add_lanes(dest, own, payload, k, n);
 }
 
 /* own[k] + payload[k] into dest[k], float32 lanes; the payload may be unaligned. */
@@ -174,11 +180,7 @@ add_f32(float *dest, const float *own, const char *payload, Py_ssize_t n)
         a += b;
         memcpy(dest + k, &a, sizeof a);
     }
-    for (; k < n; k++) {
-        float b;
-        memcpy(&b, payload + k * 4, sizeof b);
-        dest[k] = own[k] + b;
-    }
+    add_lanes(dest, own, payload, k, n);
 }
 
 /* copy_runs (own == NULL) and add_runs: the same arguments, checks and order. */
