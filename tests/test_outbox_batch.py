@@ -132,14 +132,16 @@ def script(seed: int, steps: int = 60) -> list[Op]:
 
 
 def state(ob: Outbox, peer: Peer, paths: list[ScriptedPath]) -> dict[str, Any]:
+    extra = {}
     if isinstance(ob, outbox_reference.Outbox):  # its keys, as the outbox spells them
         bkey, tkey = _old_barrier_key, _old_tracked_key
     else:
         bkey = tkey = _same
-    return {
+        extra["unwatched"] = sum(1 for k, v in peer.inflight.items() if v and k not in peer.watched)
+    return extra | {
         "queues": [list(q) for q in peer.queues],
         "queued": peer.queued,
-        "pending": set(peer.pending),
+        "pending": set(peer.pending) if bkey is not _same else _pending(peer),
         "inflight": {bkey(k): v for k, v in peer.inflight.items() if v},
         # in order: the oldest go first
         "trail_class": [(bkey(k), v) for k, v in peer.trail_class.items()],
@@ -161,6 +163,23 @@ def state(ob: Outbox, peer: Peer, paths: list[ScriptedPath]) -> dict[str, Any]:
 
 def _same(key: bytes) -> bytes:
     return key
+
+
+def _pending(peer: Peer) -> set[bytes]:
+    """The identities a push must not queue again (what the reference keeps in
+    its `pending`: every queued packet's but DONEs'), checked against what the
+    outbox keeps: those of the packets of shards it watches, and of the others
+    that are not DATA/RESULT packets; no more."""
+    queued = [dg for q in peer.queues for dg in q if dg[3] != PacketType.DONE]
+    ids = {outbox_mod._identity(dg) for dg in queued}
+    kept = {
+        outbox_mod._identity(dg)
+        for dg in queued
+        if dg[3] not in outbox_mod._DR or outbox_mod._barrier_key(dg) in peer.watched
+    }
+    assert kept <= peer.pending <= ids
+    assert peer.watched <= {k for k, v in peer.inflight.items() if v}
+    return ids
 
 
 def _old_barrier_key(key: bytes) -> bytes:
@@ -216,10 +235,21 @@ def at_once(ob: Outbox, peer: Peer, chunk: list[tuple[bytes, int]]) -> int:
 @pytest.mark.parametrize("n_paths", [1, 2])
 @pytest.mark.parametrize("paced", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_push_many_is_push_one_by_one(n_paths: int, paced: bool, seed: int) -> None:
+def test_push_many_is_push_one_by_one(
+    n_paths: int, paced: bool, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ops = script(seed)
     want = replay(ops, n_paths, paced, seed, one_by_one, outbox_reference.Outbox)
+    watch = Outbox._watch
+    watched: list[bool] = []  # per call: whether some of the shard was queued (at_once's)
+
+    def counted(peer: Peer, bkey: bytes) -> None:
+        watched.append(bool(peer.inflight.get(bkey)))
+        watch(peer, bkey)
+
+    monkeypatch.setattr(Outbox, "_watch", staticmethod(counted))
     for push in (one_by_one, at_once):
+        watched.clear()
         got = replay(ops, n_paths, paced, seed, push)
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -228,6 +258,9 @@ def test_push_many_is_push_one_by_one(n_paths: int, paced: bool, seed: int) -> N
     # the script did exercise what it is meant to
     final = want[-1]
     assert final["repeats"] > 0
+    # push_many took both ways: shards queued unwatched (no identities kept),
+    # and watched when pushed again while queued (their queued packets looked up)
+    assert any(g["unwatched"] for g in got) and any(watched)
     assert sum(len(c[0]) for p in final["calls"] for c in p) > 500
     assert any(w["held"] for w in want)  # some DONEs were held behind their shard
     assert len({tos for p in final["calls"] for _, _, tos in p}) >= 4  # several classes
@@ -242,8 +275,9 @@ def test_push_many_with_a_small_trail_and_tracking(monkeypatch: Any) -> None:
     ops = script(7)
     for n_paths in (1, 2):
         want = replay(ops, n_paths, False, 7, one_by_one, outbox_reference.Outbox)
-        assert replay(ops, n_paths, False, 7, one_by_one) == want
-        assert replay(ops, n_paths, False, 7, at_once) == want
+        for push in (one_by_one, at_once):
+            got = replay(ops, n_paths, False, 7, push)
+            assert [{f: g[f] for f in w} for g, w in zip(got, want, strict=True)] == want
 
 
 def test_push_many_counts_and_checks() -> None:

@@ -1,7 +1,8 @@
 """The outbox's packet identities in C (dlcp/daemon/_keys.c) against their
 Python definitions in dlcp.daemon.outbox: the same bytes for every datagram,
-the same pending set and shard counts when a batch leaves the queue
-(`unqueue`), errors (not reads past the end) for bad input.
+the same barrier keys and runs (`shard_keys`), the same pending set and shard
+counts when a batch leaves the queue (`unqueue`), errors (not reads past the
+end) for bad input.
 
 The project's install builds the extension (setup.py), so its absence fails
 here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
@@ -77,18 +78,6 @@ def test_bad_input_raises_instead_of_reading_past_the_datagram(keys: ModuleType)
         keys.identities([memoryview(bytes(80))[::2]])  # not contiguous
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 63, 500])
-def test_identities_flags_equal_the_python_definitions(keys: ModuleType, n: int) -> None:
-    dgs = _datagrams(n, 100 + n)
-    ids, flags = keys.identities_flags(dgs)
-    assert (ids, flags) == outbox._py_identities_flags(dgs)
-    assert flags == b"".join(dg[3:5] for dg in dgs)
-    others = [memoryview(dg) if k % 2 else bytearray(dg) for k, dg in enumerate(dgs)]
-    assert keys.identities_flags(others) == (ids, flags)
-    with pytest.raises(ValueError, match="datagram 1 is 35 bytes"):
-        keys.identities_flags([bytes(36), bytes(35)])
-
-
 DATA, RESULT, NACK, DONE = 1, 2, 3, 4
 
 
@@ -114,6 +103,96 @@ def _batch(n: int, seed: int, shards: int) -> list[bytes]:
         dg[8:22] = shard
         out.append(bytes(dg))
     return out
+
+
+def _packet(kind: int, shard: int, offset: int, flags: int = 0) -> bytes:
+    """A 64-byte header: type, flags, shard (all 14 bytes from job to shard)
+    and offset; the rest zeros."""
+    return (
+        bytes(3)
+        + bytes((kind, flags))
+        + bytes(3)
+        + bytes((shard,)) * 14
+        + bytes(6)
+        + offset.to_bytes(4, "big")
+        + bytes(32)
+    )
+
+
+def _bkey(kind: int, shard: int) -> bytes:
+    return bytes((kind,)) + bytes((shard,)) * 14
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 63, 500])
+@pytest.mark.parametrize("shards", [1, 3, 100])
+def test_shard_keys_equal_the_python_definition(keys: ModuleType, n: int, shards: int) -> None:
+    dgs = _batch(n, 100 + n, shards)  # with repeats: runs broken, or None
+    ordered = [  # increasing offsets per shard, shard after shard, DONEs between
+        _packet(DONE if k % 7 == 6 else DATA, k * shards // max(n, 1), k) for k in range(n)
+    ]
+    for batch in (dgs, ordered):
+        got = keys.shard_keys(batch)
+        assert got == outbox._py_shard_keys(batch)
+        heads, bkeys, _ = got
+        assert heads == b"".join(dg[3:5] for dg in batch)
+        assert bkeys == [
+            outbox._barrier_key(dg) if dg[3] in (DATA, RESULT) else None for dg in batch
+        ]
+        others = [memoryview(dg) if k % 2 else bytearray(dg) for k, dg in enumerate(batch)]
+        assert keys.shard_keys(others) == got == outbox._py_shard_keys(others)
+    want = list(dict.fromkeys(outbox._barrier_key(dg) for dg in ordered if dg[3] == DATA))
+    assert keys.shard_keys(ordered)[2] == (want if len(want) <= outbox._DISTINCT_MAX else None)
+
+
+def test_shard_keys_say_when_a_packet_may_be_there_twice(keys: ModuleType) -> None:
+    a = [_packet(DATA, 1, k) for k in (0, 5, 9)]
+    b = [_packet(RESULT, 1, k) for k in (0, 5)]  # the result leg of shard 1: another key
+    done, nack = _packet(DONE, 1, 0), _packet(NACK, 1, 0)
+    for f in (keys.shard_keys, outbox._py_shard_keys):
+        heads, bkeys, distinct = f([*a, done, nack, *b])
+        assert distinct == [_bkey(DATA, 1), _bkey(RESULT, 1)]
+        assert bkeys[3] is None and bkeys[4] is None
+        assert bkeys[0] is bkeys[1] is bkeys[2]  # one object a run
+        assert bkeys[5] is bkeys[6] and bkeys[5] == _bkey(RESULT, 1)
+        assert heads[6:10] == bytes((DONE, 0, NACK, 0))
+        # a DONE between packets of one shard does not break its run
+        assert f([a[0], done, *a[1:]])[2] == [_bkey(DATA, 1)]
+        # the same offset again, one going back, a shard met again after another
+        assert f([*a, a[2]])[2] is None
+        assert f([a[1], a[0]])[2] is None
+        assert f([a[0], *b, a[1]])[2] is None
+        many = [_packet(DATA, k, 0) for k in range(outbox._DISTINCT_MAX + 1)]
+        assert f(many[:-1])[2] == [_bkey(DATA, k) for k in range(outbox._DISTINCT_MAX)]
+        assert f(many)[2] is None
+        assert f([]) == (b"", [], [])
+        with pytest.raises(ValueError, match="datagram 1 is 35 bytes"):
+            f([bytes(36), bytes(35)])
+    with pytest.raises(TypeError):
+        keys.shard_keys([bytes(40), 7])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unqueue_discards_only_watched_shards(keys: ModuleType, seed: int) -> None:
+    """With `watched`, the identities of DATA/RESULT packets of other shards
+    stay in the set (they were never put there: the outbox does not keep
+    them); every other packet's leave it."""
+    rng = random.Random(seed)
+    dgs = _batch(300, seed, 6)
+    ids = outbox._py_identities(dgs)
+    heads = sorted({i[: outbox._BKEY] for i in ids if i[0] in (DATA, RESULT)})
+    for watched in (set(), set(rng.sample(heads, 2)), set(heads)):
+        pending = set(ids) | {bytes((DATA,)) + rng.randbytes(28) for _ in range(100)}
+        c_set, py_set = set(pending), set(pending)
+        n = rng.randrange(301)
+        got = keys.unqueue(c_set, dgs, n, None, watched)
+        assert got == outbox._py_unqueue(py_set, dgs, n, None, watched)
+        assert got == keys.unqueue(set(pending), dgs, n)  # the same shards counted
+        assert c_set == py_set
+        gone = {i for i in ids[:n] if i[0] not in (DATA, RESULT) or i[: outbox._BKEY] in watched}
+        assert c_set == pending - gone
+    for f in (keys.unqueue, outbox._py_unqueue):
+        with pytest.raises(TypeError, match="watched must be a set"):
+            f(set(), dgs, 1, None, list(heads))
 
 
 def _unqueue_both(
@@ -206,7 +285,7 @@ def test_gathered_datagrams_give_the_same_identities_and_unqueue(keys: ModuleTyp
     assert any(not isinstance(dg, bytes) for dg in mixed)
     joined = [bytes(dg) for dg in mixed]  # bytes 48..64 (the tag) differ from dgs
     assert keys.identities(mixed) == [outbox._identity(dg) for dg in joined]
-    assert keys.identities_flags(mixed) == outbox._py_identities_flags(joined)
+    assert keys.shard_keys(mixed) == outbox._py_shard_keys(joined)
     pending = set(outbox._py_identities(joined))
     a, b = set(pending), set(pending)
     assert keys.unqueue(a, mixed, 50) == outbox._py_unqueue(b, joined, 50)
@@ -292,27 +371,5 @@ def test_the_outbox_uses_the_extension_where_it_is_built(keys: ModuleType) -> No
         pytest.skip("DLCP_NATIVE_KEYS=0 turns the extension off")
     assert outbox._identities is keys.identities
     assert outbox._identities_heads is keys.identities_heads
-    assert outbox._identities_flags is keys.identities_flags
+    assert outbox._shard_keys is keys.shard_keys
     assert outbox._unqueue is keys.unqueue
-
-
-@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 300])
-def test_one_head_says_whether_a_run_is_one_shard(n: int) -> None:
-    """`_one_head` (a slice apiece below `_HEADS_IN_NUMPY`, one array compare
-    from there) against the per-identity answer, with the odd one anywhere."""
-    rng = random.Random(n)
-    head = rng.randbytes(outbox._BKEY)
-    ids = [head + rng.randbytes(14) for _ in range(n)]
-    assert outbox._one_head(ids, head)
-    for at in {0, n // 2, n - 1}:
-        for pos in (0, outbox._BKEY - 1):  # a head byte differs: another shard or leg
-            other = bytearray(ids[at])
-            other[pos] ^= 1
-            odd = [*ids[:at], bytes(other), *ids[at + 1 :]]
-            assert not outbox._one_head(odd, head)
-        tail = bytearray(ids[at])
-        tail[outbox._BKEY] ^= 1  # past the head: still the same shard
-        assert outbox._one_head([*ids[:at], bytes(tail), *ids[at + 1 :]], head)
-    if n > 1:  # identities of unequal length are compared one by one
-        assert outbox._one_head([*ids[:-1], head + b"x"], head)
-        assert not outbox._one_head([*ids[:-1], b"y" * 40], head)

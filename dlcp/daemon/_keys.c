@@ -5,8 +5,10 @@
  * its flags, class or MAC (see dlcp/daemon/outbox.py, `_identity`). Its head
  * is the identity's first 15 bytes: the leg and (job, round, bucket, shard).
  * Python builds each with two slices and a concatenation; here each is one
- * allocation and a copy. `unqueue` does a sent batch's bookkeeping (identities
- * out of the pending set, packets per shard, the queue popped) in one call. The
+ * allocation and a copy. `shard_keys` reads what queueing a batch takes (type,
+ * flags and barrier key of each packet, and whether a packet may be there
+ * twice). `unqueue` does a sent batch's bookkeeping (identities out of the
+ * pending set, packets per shard, the queue popped) in one call. The
  * Python definitions in outbox.py stay the reference: tests/test_outbox_keys.py
  * checks these against them.
  */
@@ -81,10 +83,9 @@ item_at(PyObject *seq, Py_ssize_t i)
     return PySequence_Fast_ITEMS(seq)[i];
 }
 
-/* The identity of datagram `index` of `seq` as new bytes; its flags byte goes
- * to *flags unless that is NULL. */
+/* The identity of datagram `index` of `seq` as new bytes. */
 static PyObject *
-identity_of(PyObject *seq, Py_ssize_t index, char *flags)
+identity_of(PyObject *seq, Py_ssize_t index)
 {
     PyObject *dg = item_at(seq, index);
     if (dg == NULL)
@@ -97,17 +98,14 @@ identity_of(PyObject *seq, Py_ssize_t index, char *flags)
     PyObject *id = PyBytes_FromStringAndSize(NULL, ID_LEN);
     if (id != NULL)
         fill_identity(PyBytes_AS_STRING(id), p);
-    if (flags != NULL)
-        *flags = p[FLAGS_AT];
     if (have_view)
         PyBuffer_Release(&view);
     return id;
 }
 
-enum extra { IDS_ONLY, WITH_HEADS, WITH_FLAGS };
+enum extra { IDS_ONLY, WITH_HEADS };
 
-/* ids of a sequence of datagrams, and with them their heads (a list) or their
- * type and flags bytes (bytes, two a datagram). */
+/* ids of a sequence of datagrams, and with them their heads (a list). */
 static PyObject *
 build(PyObject *arg, enum extra extra)
 {
@@ -119,20 +117,14 @@ build(PyObject *arg, enum extra extra)
     PyObject *more = NULL;
     if (extra == WITH_HEADS)
         more = PyList_New(n);
-    else if (extra == WITH_FLAGS)
-        more = PyBytes_FromStringAndSize(NULL, 2 * n);
     if (ids == NULL || (extra != IDS_ONLY && more == NULL))
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        /* type and flags: the type byte is the identity's first */
-        char *tf = extra == WITH_FLAGS ? PyBytes_AS_STRING(more) + 2 * i : NULL;
-        PyObject *id = identity_of(seq, i, tf == NULL ? NULL : tf + 1);
+        PyObject *id = identity_of(seq, i);
         if (id == NULL)
             goto fail;
         PyList_SET_ITEM(ids, i, id);
-        if (tf != NULL) {
-            tf[0] = PyBytes_AS_STRING(id)[0];
-        } else if (extra == WITH_HEADS) {
+        if (extra == WITH_HEADS) {
             PyObject *head = PyBytes_FromStringAndSize(PyBytes_AS_STRING(id), HEAD_LEN);
             if (head == NULL)
                 goto fail;
@@ -167,11 +159,104 @@ identities_heads(PyObject *self, PyObject *arg)
     return build(arg, WITH_HEADS);
 }
 
+
+/* The big-endian u32 at p. */
+static inline uint32_t
+be32(const char *p)
+{
+    const unsigned char *u = (const unsigned char *)p;
+    return (uint32_t)u[0] << 24 | (uint32_t)u[1] << 16 | (uint32_t)u[2] << 8 | u[3];
+}
+
+#define OFFSET_AT 28
+#define DISTINCT_MAX 64
+
+/* shard_keys(datagrams) -> (heads, bkeys, distinct): what `Outbox.push_many`
+ * needs to queue a batch without the identity of each packet. */
 static PyObject *
-identities_flags(PyObject *self, PyObject *arg)
+shard_keys(PyObject *self, PyObject *arg)
 {
     (void)self;
-    return build(arg, WITH_FLAGS);
+    PyObject *seq = PySequence_Fast(arg, "expected a sequence of datagrams");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *heads = PyBytes_FromStringAndSize(NULL, 2 * n);
+    PyObject *bkeys = PyList_New(n);
+    PyObject *distinct = PyList_New(0);
+    PyObject *key = NULL; /* the previous DATA/RESULT packet's barrier key */
+    uint32_t offset = 0;  /* and its offset */
+    int ordered = 1;
+    if (heads == NULL || bkeys == NULL || distinct == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dg = item_at(seq, i);
+        if (dg == NULL)
+            goto fail;
+        Py_buffer view;
+        int have_view;
+        const char *p = header_of(dg, i, &view, &have_view);
+        if (p == NULL)
+            goto fail;
+        char *tf = PyBytes_AS_STRING(heads) + 2 * i;
+        tf[0] = p[TYPE_AT];
+        tf[1] = p[FLAGS_AT];
+        PyObject *item = Py_None;
+        int failed = 0;
+        if (p[TYPE_AT] == DATA || p[TYPE_AT] == RESULT) {
+            char head[HEAD_LEN];
+            head[0] = p[TYPE_AT];
+            memcpy(head + 1, p + FIELDS_AT, HEAD_LEN - 1);
+            uint32_t off = be32(p + OFFSET_AT);
+            if (key != NULL && memcmp(PyBytes_AS_STRING(key), head, HEAD_LEN) == 0) {
+                if (off <= offset)
+                    ordered = 0; /* not increasing: maybe the same packet again */
+            } else {
+                Py_XDECREF(key);
+                key = PyBytes_FromStringAndSize(head, HEAD_LEN);
+                if (key == NULL) {
+                    failed = 1;
+                } else if (ordered) {
+                    /* a shard met before, after another: its packets are not one
+                     * run (and past DISTINCT_MAX shards the caller takes the long way) */
+                    int seen = PySequence_Contains(distinct, key);
+                    if (seen < 0)
+                        failed = 1;
+                    else if (seen || PyList_GET_SIZE(distinct) >= DISTINCT_MAX)
+                        ordered = 0;
+                    else if (PyList_Append(distinct, key) < 0)
+                        failed = 1;
+                }
+            }
+            offset = off;
+            if (!failed)
+                item = key;
+        }
+        if (have_view)
+            PyBuffer_Release(&view);
+        if (failed)
+            goto fail;
+        Py_INCREF(item);
+        PyList_SET_ITEM(bkeys, i, item);
+    }
+    Py_DECREF(seq);
+    Py_XDECREF(key);
+    if (!ordered) {
+        Py_DECREF(distinct);
+        distinct = Py_NewRef(Py_None);
+    }
+    PyObject *out = PyTuple_Pack(3, heads, bkeys, distinct);
+    Py_DECREF(heads);
+    Py_DECREF(bkeys);
+    Py_DECREF(distinct);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(key);
+    Py_XDECREF(heads);
+    Py_XDECREF(bkeys);
+    Py_XDECREF(distinct);
+    return NULL;
 }
 
 /* A shard and leg among a sent batch's DATA/RESULT packets: its barrier key
@@ -179,6 +264,7 @@ identities_flags(PyObject *self, PyObject *arg)
 typedef struct {
     char key[HEAD_LEN];
     Py_ssize_t count;
+    int watched; /* its identities are in the pending set (see `unqueue`) */
 } Shard;
 
 /* The shards of a batch, counted. A batch is nearly always one shard, and
@@ -194,6 +280,7 @@ typedef struct {
     Py_ssize_t last; /* the shard the previous packet counted for, or -1 */
     Py_ssize_t *table; /* NULL until more than LINEAR_SHARDS shards */
     size_t mask;
+    PyObject *watched; /* a set of barrier keys, or NULL: every shard is */
 } Shards;
 
 static size_t
@@ -215,21 +302,38 @@ table_insert(Shards *s, Py_ssize_t index)
     s->table[i] = index;
 }
 
-/* Count one packet for shard `key` among at most `cap` shards; -1 (with
- * MemoryError set) when the table cannot be made. */
+/* Whether shard `key` is in s->watched (always, without that set); -1 with
+ * an exception set on error. */
 static int
+is_watched(Shards *s, const char *key)
+{
+    if (s->watched == NULL)
+        return 1;
+    if (PySet_GET_SIZE(s->watched) == 0)
+        return 0;
+    PyObject *k = PyBytes_FromStringAndSize(key, HEAD_LEN);
+    if (k == NULL)
+        return -1;
+    int r = PySet_Contains(s->watched, k);
+    Py_DECREF(k);
+    return r;
+}
+
+/* Count one packet for shard `key` among at most `cap` shards; its index, or
+ * -1 (with an exception set) when the table cannot be made. */
+static Py_ssize_t
 shards_count(Shards *s, const char *key, Py_ssize_t cap)
 {
     if (s->last >= 0 && memcmp(s->shards[s->last].key, key, HEAD_LEN) == 0) {
         s->shards[s->last].count++;
-        return 0;
+        return s->last;
     }
     if (s->table == NULL) {
         for (Py_ssize_t j = 0; j < s->n; j++) {
             if (memcmp(s->shards[j].key, key, HEAD_LEN) == 0) {
                 s->shards[j].count++;
                 s->last = j;
-                return 0;
+                return j;
             }
         }
         if (s->n == LINEAR_SHARDS) {
@@ -254,17 +358,21 @@ shards_count(Shards *s, const char *key, Py_ssize_t cap)
             if (memcmp(s->shards[j].key, key, HEAD_LEN) == 0) {
                 s->shards[j].count++;
                 s->last = j;
-                return 0;
+                return j;
             }
         }
     }
+    int watched = is_watched(s, key);
+    if (watched < 0)
+        return -1;
     Shard *new = &s->shards[s->n];
     memcpy(new->key, key, HEAD_LEN);
     new->count = 1;
+    new->watched = watched;
     s->last = s->n++;
     if (s->table != NULL)
         table_insert(s, s->last);
-    return 0;
+    return s->last;
 }
 
 /* Remove the identity of the datagram at `p` from `pending`. (A reused key
@@ -286,15 +394,21 @@ static PyObject *
 unqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 3 && nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "unqueue() takes 3 or 4 arguments (%zd given)", nargs);
+    if (nargs < 3 || nargs > 5) {
+        PyErr_Format(PyExc_TypeError, "unqueue() takes 3 to 5 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *pending = args[0];
-    PyObject *popleft = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
+    PyObject *popleft = nargs >= 4 && args[3] != Py_None ? args[3] : NULL;
+    PyObject *watched = nargs == 5 && args[4] != Py_None ? args[4] : NULL;
     if (!PySet_Check(pending)) {
         PyErr_Format(PyExc_TypeError, "pending must be a set, not %.100s",
                      Py_TYPE(pending)->tp_name);
+        return NULL;
+    }
+    if (watched != NULL && !PyAnySet_Check(watched)) {
+        PyErr_Format(PyExc_TypeError, "watched must be a set, not %.100s",
+                     Py_TYPE(watched)->tp_name);
         return NULL;
     }
     Py_ssize_t n = PyNumber_AsSsize_t(args[2], NULL); /* clipped: out of range below */
@@ -305,7 +419,7 @@ unqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = NULL;
-    Shards s = {.n = 0, .last = -1, .table = NULL};
+    Shards s = {.n = 0, .last = -1, .table = NULL, .watched = watched};
     s.shards = s.local;
     if (n < 0 || n > len) {
         PyErr_Format(PyExc_ValueError, "%zd datagrams left the queue, of a batch of %zd", n,
@@ -337,14 +451,16 @@ unqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const char *p = header_of(dg, i, &view, &have_view);
         if (p == NULL)
             goto done;
-        int failed = 0;
+        int failed = 0, tracked = 1;
         if (p[TYPE_AT] == DATA || p[TYPE_AT] == RESULT) {
             char key[HEAD_LEN];
             key[0] = p[TYPE_AT];
             memcpy(key + 1, p + FIELDS_AT, HEAD_LEN - 1);
-            failed = shards_count(&s, key, n);
+            Py_ssize_t j = shards_count(&s, key, n);
+            failed = j < 0;
+            tracked = !failed && s.shards[j].watched;
         }
-        if (!failed)
+        if (!failed && tracked)
             failed = discard(pending, p);
         if (have_view)
             PyBuffer_Release(&view);
@@ -395,21 +511,27 @@ PyDoc_STRVAR(identities_doc,
 PyDoc_STRVAR(identities_heads_doc,
              "identities_heads(datagrams) -> (list[bytes], list[bytes])\n\n"
              "The identities and their first 15 bytes (leg, job, round, bucket, shard).");
-PyDoc_STRVAR(identities_flags_doc,
-             "identities_flags(datagrams) -> (list[bytes], bytes)\n\n"
-             "The identities and each datagram's type and flags bytes (header bytes 3\n"
-             "and 4), two a datagram.");
 PyDoc_STRVAR(unqueue_doc,
-             "unqueue(pending, datagrams, n, popleft=None) -> list[tuple[bytes, int]]\n\n"
+             "unqueue(pending, datagrams, n, popleft=None, watched=None) -> list[tuple[bytes, int]]\n\n"
              "The first n datagrams left the queue: discard their identities from the\n"
-             "set pending, call popleft (the queue's, which the batch heads) n times,\n"
-             "and return (barrier key, packets) for each shard and leg of the\n"
-             "DATA/RESULT packets among them, in the order of its last packet.");
+             "set pending (of DATA/RESULT packets, only those of the shards and legs\n"
+             "whose barrier keys are in the set watched, when given), call popleft\n"
+             "(the queue's, which the batch heads) n times, and return (barrier key,\n"
+             "packets) for each shard and leg of the DATA/RESULT packets among them,\n"
+             "in the order of its last packet.");
+PyDoc_STRVAR(shard_keys_doc,
+             "shard_keys(datagrams) -> (bytes, list[bytes | None], list[bytes] | None)\n\n"
+             "Each datagram's type and flags bytes (two a datagram); its barrier key\n"
+             "(15 bytes: leg, job, round, bucket, shard) if it is a DATA/RESULT packet,\n"
+             "else None, one object for each run of one key; and the distinct keys in\n"
+             "order of first appearance, or None when a key's packets are not one run\n"
+             "of increasing offsets (so two may be the same packet) or there are more\n"
+             "than 64 keys.");
 
 static PyMethodDef methods[] = {
     {"identities", identities, METH_O, identities_doc},
     {"identities_heads", identities_heads, METH_O, identities_heads_doc},
-    {"identities_flags", identities_flags, METH_O, identities_flags_doc},
+    {"shard_keys", shard_keys, METH_O, shard_keys_doc},
     {"unqueue", (PyCFunction)(void (*)(void))unqueue, METH_FASTCALL, unqueue_doc},
     {NULL, NULL, 0, NULL},
 };

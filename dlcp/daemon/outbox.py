@@ -55,10 +55,45 @@ def _py_identities_heads(datagrams: Iterable[bytes]) -> tuple[list[bytes], list[
     return ids, [i[:_BKEY] for i in ids]
 
 
-def _py_identities_flags(datagrams: Sequence[bytes]) -> tuple[list[bytes], bytes]:
-    """`_identities` and the type and flags bytes (header bytes 3 and 4) of
-    each datagram, two a datagram."""
-    return _py_identities(datagrams), b"".join([dg[3:5] for dg in datagrams])
+def _py_shard_keys(
+    datagrams: Sequence[bytes],
+) -> tuple[bytes, list[bytes | None], list[bytes] | None]:
+    """The type and flags bytes (header bytes 3 and 4) of each datagram, two a
+    datagram; the `_barrier_key` of each DATA/RESULT packet (None for the
+    others), one object for each run of one key; and the distinct keys, in
+    order of first appearance, or None when some key's packets are not one run
+    of increasing offsets (then two of them may be the same packet) or there
+    are more than `_DISTINCT_MAX` keys."""
+    bkeys: list[bytes | None] = []
+    distinct: list[bytes] | None = []
+    prev: bytes | None = None
+    prev_offset = 0
+    for dg in datagrams:
+        if len(dg) < _ID_END:
+            raise ValueError(
+                f"datagram {len(bkeys)} is {len(dg)} bytes: shorter than the {_ID_END} "
+                "header bytes an identity takes"
+            )
+        if dg[3] not in _DR:
+            bkeys.append(None)
+            continue
+        key = bytes(dg[3:4]) + bytes(dg[8:22])
+        offset = int.from_bytes(dg[28:32], "big")
+        if key == prev:
+            assert prev is not None
+            key = prev
+            if offset <= prev_offset:
+                distinct = None
+        else:
+            if distinct is not None:
+                if key in distinct or len(distinct) >= _DISTINCT_MAX:
+                    distinct = None
+                else:
+                    distinct.append(key)
+            prev = key
+        prev_offset = offset
+        bkeys.append(key)
+    return b"".join([bytes(dg[3:5]) for dg in datagrams]), bkeys, distinct
 
 
 def _py_shards_left(heads: list[bytes]) -> list[tuple[bytes, int]]:
@@ -79,17 +114,26 @@ def _py_unqueue(
     datagrams: Sequence[bytes],
     n: int,
     popleft: Callable[[], bytes] | None = None,
+    watched: set[bytes] | None = None,
 ) -> list[tuple[bytes, int]]:
     """The first `n` of `datagrams` left the queue: their identities leave
-    `pending`, `popleft` (the queue's, which the batch heads) takes them off
-    it, and the DATA/RESULT packets among them are counted per shard and leg
-    for `Outbox._release` (`_py_shards_left`)."""
+    `pending` (of the DATA/RESULT packets, only those of shards and legs in
+    `watched`, when given: `Peer.watched`), `popleft` (the queue's, which the
+    batch heads) takes them off it, and the DATA/RESULT packets among them are
+    counted per shard and leg for `Outbox._release` (`_py_shards_left`)."""
     if not isinstance(pending, set):
         raise TypeError(f"pending must be a set, not {type(pending).__name__}")
+    if watched is not None and not isinstance(watched, (set, frozenset)):
+        raise TypeError(f"watched must be a set, not {type(watched).__name__}")
     if not 0 <= n <= len(datagrams):
         raise ValueError(f"{n} datagrams left the queue, of a batch of {len(datagrams)}")
     ids, heads = _py_identities_heads(datagrams[:n])
-    pending.difference_update(ids)
+    if watched is None:
+        pending.difference_update(ids)
+    else:
+        pending.difference_update(
+            [i for i, h in zip(ids, heads, strict=True) if h[0] not in _DR or h in watched]
+        )
     if popleft is not None:
         for i in range(n):
             if popleft() is not datagrams[i]:
@@ -98,19 +142,19 @@ def _py_unqueue(
 
 
 # The same in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a key
-# instead of slices and a concatenation, and `unqueue`, a sent batch's
-# bookkeeping in one call (no lists of keys, no Python loop). DLCP_NATIVE_KEYS=0
-# turns it off.
+# instead of slices and a concatenation, `shard_keys` without a slice apiece,
+# and `unqueue`, a sent batch's bookkeeping in one call (no lists of keys, no
+# Python loop). DLCP_NATIVE_KEYS=0 turns it off.
 NATIVE_KEYS = _keys is not None and os.environ.get("DLCP_NATIVE_KEYS", "1") != "0"
 if NATIVE_KEYS:
     _identities = _keys.identities
     _identities_heads = _keys.identities_heads
-    _identities_flags = _keys.identities_flags
+    _shard_keys = _keys.shard_keys
     _unqueue = _keys.unqueue
 else:
     _identities = _py_identities
     _identities_heads = _py_identities_heads
-    _identities_flags = _py_identities_flags
+    _shard_keys = _py_shard_keys
     _unqueue = _py_unqueue
 
 
@@ -138,6 +182,8 @@ _DROPPABLE_TABLE = bytes(f & _F_DROPPABLE for f in range(256))
 _DR = frozenset((_DATA, _RESULT))
 _DATA_LEG, _RESULT_LEG = bytes((_DATA,)), bytes((_RESULT,))
 _BKEY = 15  # `_barrier_key` of a DATA/RESULT packet: the first bytes of its identity
+_ID_END = 36  # an identity takes the header up to here
+_DISTINCT_MAX = 64  # `_shard_keys` gives up on batches of more shards and legs
 _MIN_RUN = 4  # shorter runs of DATA/RESULT packets are queued one by one
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
@@ -191,22 +237,6 @@ def _batch(
     return head, sizes
 
 
-_HEADS_IN_NUMPY = 64  # runs at least this long compare their heads in numpy
-
-
-def _one_head(ids: list[bytes], head: bytes) -> bool:
-    """Whether every identity of `ids` begins with `head` (`_BKEY` bytes: one
-    shard and leg). A long run is compared as one array (no slice apiece)."""
-    n = len(ids)
-    if n < _HEADS_IN_NUMPY:
-        return all(i.startswith(head) for i in ids)
-    flat = np.frombuffer(b"".join(ids), dtype=np.uint8)
-    if flat.size != n * len(ids[0]):  # not all of one length (identities are)
-        return all(i.startswith(head) for i in ids)
-    rows = flat.reshape(n, -1)[:, :_BKEY]
-    return bool((rows == np.frombuffer(head, dtype=np.uint8)).all())
-
-
 def _pacing_wake(now: float, waits: list[float]) -> float:
     """When to come back for the paths still short of budget (`waits` > 0): the
     first of them due, but no sooner than PACING_QUANTUM."""
@@ -230,7 +260,15 @@ class Peer:
     paths: list[PathState] = field(default_factory=list)
     queues: list[deque[bytes]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
     queued: int = 0
-    pending: set[bytes] = field(default_factory=set)  # identities of queued packets
+    # identities of queued packets, so that a push does not queue one twice: all
+    # but DONEs (never repeats) and the DATA/RESULT packets of shards and legs
+    # not `watched`. A shard's packets are queued unwatched when none of it is
+    # queued yet and the batch cannot repeat itself (the engine's first send of
+    # a shard); a later push of that shard while some of it is still queued
+    # (a retransmission) watches it: its queued packets' identities are found
+    # in the queues, once. It is unwatched when its last packet has left.
+    pending: set[bytes] = field(default_factory=set)
+    watched: set[bytes] = field(default_factory=set)  # barrier keys
     # DONE barrier per (job, round, bucket, shard, leg): DATA/RESULT packets still
     # queued here, the lowest-priority class of its non-droppable ones (kept for
     # DONEs sent again; bounded: SHARDS_TRACKED), held DONEs
@@ -320,6 +358,8 @@ class Outbox:
         """
         if datagram[3] != _DONE:
             key = _identity(datagram)
+            if datagram[3] in _DR and key[:_BKEY] not in peer.watched:
+                self._watch(peer, key[:_BKEY])
             if key in peer.pending:
                 self.repeats += 1
                 return False
@@ -328,6 +368,19 @@ class Outbox:
         self.backlog.add(peer)
         self._queue(peer, datagram, min(max(priority, 0), N_CLASSES - 1))
         return True
+
+    @staticmethod
+    def _watch(peer: Peer, bkey: bytes) -> None:
+        """Keep the identities of shard and leg `bkey`'s DATA/RESULT packets in
+        `pending` from now on until none is queued; those queued already are
+        looked up in the queues (see `Peer.pending`)."""
+        peer.watched.add(bkey)
+        if not peer.inflight.get(bkey):
+            return
+        for q in peer.queues:
+            if q:
+                ids, heads = _identities_heads(list(q))
+                peer.pending.update([i for i, h in zip(ids, heads, strict=True) if h == bkey])
 
     @staticmethod
     def _queue(peer: Peer, datagram: bytes, cls: int) -> None:
@@ -370,44 +423,30 @@ class Outbox:
             raise LocalError(f"{n} datagrams but {len(priorities)} priorities")
         if n < 2:
             return self._push_each(peer, datagrams, priorities)
-        pending = peer.pending
-        ids, heads = _identities_flags(datagrams)  # heads: type and flags bytes
-        # a DONE is never a repeat (see `push`): a key of its own, not kept
-        tokens = []
+        heads, bkeys, distinct = _shard_keys(datagrams)  # heads: type and flags bytes
         types = heads[0::2]
-        k = types.find(_DONE_BYTE)
-        while k >= 0:
-            ids[k] = _DONE_TOKEN + k.to_bytes(4, "little")
-            tokens.append(ids[k])
-            k = types.find(_DONE_BYTE, k + 1)
-        before = len(pending)
-        fresh = pending.isdisjoint(ids)
-        if fresh:
-            pending.update(ids)
-            if len(pending) - before != n:  # a repeat within the batch
-                pending.difference_update(ids)  # all of them were new
-                fresh = False
-        if not fresh:
-            # repeats: a datagram whose identity is queued already, or was
-            # earlier in the batch, is left out (and counted), as by `push`
-            seen: set[bytes] = set()
-            keep = []
-            for k, key in enumerate(ids):
-                if key not in pending and key not in seen:
-                    seen.add(key)
-                    keep.append(k)
-            self.repeats += n - len(keep)
-            if not keep:
-                return 0
-            pending.update(seen)
-        if tokens:
-            pending.difference_update(tokens)
-        if not fresh:
-            n = len(keep)
-            datagrams = [datagrams[k] for k in keep]
-            priorities = [priorities[k] for k in keep]
-            ids = [ids[k] for k in keep]
-            heads = b"".join([heads[2 * k : 2 * k + 2] for k in keep])
+        watched, inflight = peer.watched, peer.inflight
+        if (
+            distinct is None  # two of its DATA/RESULT packets may be the same
+            or types.count(_DATA) + types.count(_RESULT) + types.count(_DONE) < n
+            or any(b in watched or inflight.get(b) for b in distinct)
+        ):
+            # a repeat is possible: every shard and leg of the batch is watched,
+            # and the identities of all but the DONEs are looked up
+            for b in distinct if distinct is not None else dict.fromkeys(bkeys):
+                if b is not None and b not in watched:
+                    self._watch(peer, b)
+            kept = self._not_repeats(peer, datagrams, types)
+            if kept is not None:
+                if not kept:
+                    return 0
+                n = len(kept)
+                datagrams = [datagrams[k] for k in kept]
+                priorities = [priorities[k] for k in kept]
+                bkeys = [bkeys[k] for k in kept]
+                heads = b"".join([heads[2 * k : 2 * k + 2] for k in kept])
+        # else none can be a repeat: a run of increasing offsets per shard and
+        # leg, none of them queued (or watched), and DONEs
         peer.queued += n
         self.backlog.add(peer)
         if min(priorities) < 0 or max(priorities) >= N_CLASSES:
@@ -425,7 +464,7 @@ class Outbox:
                 self._queue_run(
                     peer,
                     datagrams[start:stop],
-                    ids[start:stop],
+                    bkeys[start:stop],  # all DATA/RESULT: no None
                     priorities[start:stop],
                     flags[start:stop],
                 )
@@ -437,6 +476,45 @@ class Outbox:
             start = stop + 1
         return n
 
+    def _not_repeats(
+        self, peer: Peer, datagrams: Sequence[bytes], types: bytes
+    ) -> list[int] | None:
+        """Put the identities of `datagrams` (their type bytes `types`) but
+        DONEs in `pending`, leaving out (and counting) a repeat: one already
+        queued, or earlier in the batch. Returns the positions of those that are
+        not repeats, or None when all of them are new."""
+        pending = peer.pending
+        ids = _identities(datagrams)
+        k = types.find(_DONE_BYTE)
+        if k >= 0:  # a DONE is never a repeat (see `push`): a key of its own, not kept
+            tokens = []
+            while k >= 0:
+                ids[k] = _DONE_TOKEN + k.to_bytes(4, "little")
+                tokens.append(ids[k])
+                k = types.find(_DONE_BYTE, k + 1)
+        else:
+            tokens = None
+        before = len(pending)
+        kept: list[int] | None = None
+        if pending.isdisjoint(ids):
+            pending.update(ids)
+            if len(pending) - before != len(ids):  # a repeat within the batch
+                pending.difference_update(ids)  # all of them were new
+                kept = []
+        else:
+            kept = []
+        if kept is not None:
+            seen: set[bytes] = set()
+            for k, key in enumerate(ids):
+                if key not in pending and key not in seen:
+                    seen.add(key)
+                    kept.append(k)
+            self.repeats += len(ids) - len(kept)
+            pending.update(seen)
+        if tokens:
+            pending.difference_update(tokens)
+        return kept
+
     def _push_each(self, peer: Peer, datagrams: Sequence[bytes], priorities: Sequence[int]) -> int:
         push = self.push
         k = 0
@@ -447,21 +525,19 @@ class Outbox:
 
     @staticmethod
     def _queue_run(
-        peer: Peer, dgs: Sequence[bytes], ids: list[bytes], classes: Sequence[int], flags: bytes
+        peer: Peer, dgs: Sequence[bytes], bkeys: list[bytes], classes: Sequence[int], flags: bytes
     ) -> None:
-        """`_queue` for each of `dgs`, DATA/RESULT packets (with their identities,
-        classes and flags bytes) that are not repeats, in bulk: same queues,
-        barriers, trail."""
+        """`_queue` for each of `dgs`, DATA/RESULT packets (with their barrier
+        keys, classes and flags bytes) that are not repeats, in bulk: same
+        queues, barriers, trail."""
         n = len(dgs)
-        head = ids[0][:_BKEY]
+        head = bkeys[0]
         inflight = peer.inflight
         distinct: Iterable[bytes]  # in order of first appearance
-        if _one_head(ids, head):  # one shard and leg (the usual run)
-            bkeys = [head] * n
+        if bkeys.count(head) == n:  # one shard and leg (the usual run)
             inflight[head] += n
             distinct = (head,)
         else:
-            bkeys = [i[:_BKEY] for i in ids]
             counts = Counter(bkeys)
             for bkey, k in counts.items():
                 inflight[bkey] += k
@@ -528,6 +604,7 @@ class Outbox:
             inflight[bkey] = left
             return
         del inflight[bkey]
+        peer.watched.discard(bkey)  # none queued: nothing to repeat
         held = peer.held.pop(bkey, None)
         if held:
             trail = peer.trail_class.get(bkey)
@@ -670,7 +747,7 @@ class Outbox:
             self._show_rates(peer)
         one = len(peer.paths) == 1
         pacer0 = pacers[0] if pacers is not None and one else None
-        pending = peer.pending
+        pending, watched = peer.pending, peer.watched
         release = self._release
         for cls, q in enumerate(peer.queues):
             if not q:
@@ -700,7 +777,7 @@ class Outbox:
                         self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
                         # identities out of `pending`, the batch off the queue, and
                         # per shard the packets its held DONEs were waiting for
-                        for bkey, k in _unqueue(pending, batch, sent, popleft):
+                        for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
                             release(peer, bkey, k)
                         peer.queued -= sent
                 else:
@@ -708,7 +785,7 @@ class Outbox:
                     ids, heads = _identities_heads(batch)
                     sent, held, full = self._send(peer, batch, ids, heads, cls, waits, now)
                     if sent:  # the batch's first `sent` (`_send` took those sent behind)
-                        for bkey, k in _unqueue(pending, batch, sent, popleft):
+                        for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
                             release(peer, bkey, k)
                         peer.queued -= sent
                 if full:
