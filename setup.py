@@ -1,15 +1,16 @@
 """The C extensions: dlcp.wire._ghash (the ghash-aes packet MAC over OpenSSL),
 dlcp.daemon._keys (the outbox's packet identities), dlcp.daemon._udp (GSO
-sends in batches of sendmmsg, GRO receives split) and dlcp.wire._bulk (the
+sends in batches of sendmmsg, GRO receives split), dlcp.wire._bulk (the
 receive path's per-datagram header gathers, header checks and lane copies, one
-call a batch).
+call a batch) and dlcp.daemon._arenas (freed object arenas kept for reuse).
 
-Everything else is in pyproject.toml. All four are optional: without a C compiler
+Everything else is in pyproject.toml. All five are optional: without a C compiler
 or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the
 `cryptography` package (the same tags, slower; `dlcp status` and the daemon's
 log say which one runs), the outbox to its Python definitions and the UDP
 paths to one sendmsg per GSO super-datagram and a Python split of receives,
-the header gathers and lane copies to Python loops.
+the header gathers and lane copies to Python loops, and the daemon's object
+arenas come and go as CPython makes them.
 """
 
 from setuptools import Extension, setup
@@ -43,6 +44,12 @@ setup(
         Extension(
             "dlcp.wire._bulk",
             sources=["dlcp/wire/_bulk.c"],
+            extra_compile_args=_CFLAGS,
+            optional=True,
+        ),
+        Extension(
+            "dlcp.daemon._arenas",
+            sources=["dlcp/daemon/_arenas.c"],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),
