@@ -417,7 +417,9 @@ class Outbox:
         one after the other would; returns how many were queued (the rest were
         repeats). The per-packet bookkeeping is done in bulk where it can be: a
         run of DATA/RESULT packets of one class (the bulk of a shard) costs a
-        few list comprehensions and C-level set/Counter/deque operations."""
+        few list comprehensions and C-level Counter/deque operations, and a
+        batch that cannot repeat a packet (a shard's first send) keeps no
+        identity apiece (see `Peer.pending`)."""
         n = len(datagrams)
         if n != len(priorities):
             raise LocalError(f"{n} datagrams but {len(priorities)} priorities")
