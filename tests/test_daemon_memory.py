@@ -97,3 +97,23 @@ def test_keep_checks_its_limit() -> None:
             text=True,
         )
         assert out.returncode != 0 and "ValueError" in out.stderr
+
+
+def test_arenas_can_be_turned_off() -> None:
+    _need_arenas()
+    script = (
+        "import json; from dlcp.daemon import _arenas; from dlcp.daemon.memory import tune_process;"
+        "a = tune_process(); print(json.dumps([a['arenas'], _arenas.stats()['limit']]))"
+    )
+    from dlcp.daemon.memory import ARENAS_KEPT
+
+    for env, want in (({"DLCP_NATIVE_ARENAS": "0"}, [False, 0]), ({}, [True, ARENAS_KEPT])):
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "DLCP_NATIVE_ARENAS": "1", **env},
+        )
+        assert json.loads(out.stdout) == want

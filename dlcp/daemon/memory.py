@@ -15,7 +15,8 @@ CPython's own allocator for small objects maps memory an arena (1 MiB) at a
 time and unmaps an arena as soon as its last object is freed: at MTU 1500 a
 round's datagrams, views and lists made and dropped about 4,000 page faults a
 round a daemon that way. Up to ARENAS_KEPT freed arenas are kept mapped and
-reused (dlcp/daemon/_arenas.c, where it is built).
+reused (dlcp/daemon/_arenas.c, where it is built; DLCP_NATIVE_ARENAS=0 turns
+it off).
 
 CPython's cyclic collector runs every 700 net container allocations, and a
 daemon at full rate allocates hundreds of thousands of short-lived tuples and
@@ -30,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
 
 try:
     from dlcp.daemon import _arenas  # type: ignore[attr-defined]
@@ -64,7 +66,7 @@ ARENAS_KEPT = 128  # freed object arenas of 1 MiB kept for reuse: at most 128 Mi
 
 def tune_process() -> dict[str, bool]:
     """Apply MALLOPT (where the C library is glibc), ARENAS_KEPT (where
-    dlcp.daemon._arenas is built) and GC_THRESHOLDS, and freeze the objects
+    dlcp.daemon._arenas is built and not turned off) and GC_THRESHOLDS, and freeze the objects
     alive now out of the cyclic collector. Returns what was applied, per
     setting (False: not glibc, or refused, or not built)."""
     applied: dict[str, bool] = {}
@@ -77,9 +79,10 @@ def tune_process() -> dict[str, bool]:
         applied[name] = bool(
             mallopt is not None and mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
         )
-    if _arenas is not None:
+    arenas = _arenas is not None and os.environ.get("DLCP_NATIVE_ARENAS", "1") != "0"
+    if arenas:
         _arenas.keep(ARENAS_KEPT)
-    applied["arenas"] = _arenas is not None
+    applied["arenas"] = arenas
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
