@@ -354,3 +354,89 @@ def test_long_runs_store_and_sum_as_short_ones(add: bool, dest_offset: int) -> N
         ref = own[s : s + c] + theirs[s : s + c] if add else theirs[s : s + c]
         assert got[s : s + c].tobytes() == ref.tobytes()
     assert (got[mask] == 5).all()
+
+
+def _runs_reference(
+    dest: np.ndarray, own: np.ndarray | None, runs: list[tuple[int, int]], payloads: list[bytes]
+) -> None:
+    """copy_runs/add_runs one run after the other, in numpy."""
+    for (s, c), p in zip(runs, payloads, strict=True):
+        lanes_in = np.frombuffer(p, dest.dtype, c)
+        dest[s : s + c] = lanes_in if own is None else own[s : s + c] + lanes_in
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_runs_that_follow_one_another_store_what_one_at_a_time_stores(seed: int) -> None:
+    """Short runs that continue one another in dest (a shard's packets at a
+    1500-byte MTU) are written line by line with streaming stores, a line's
+    start held until the next run ends it (dlcp/wire/_bulk.c `Lines`). Mixed
+    with gaps, runs that go back over lanes already written, long runs, runs
+    of a lane or two, every alignment of dest and of the payloads, u16 lanes,
+    sums into `own` and into dest itself: the same bytes as storing each run
+    in turn, nothing around them touched; and a bad run stops the call with
+    the runs before it stored."""
+    if not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    c_ = lanes._bulk
+    rng = np.random.default_rng(seed)
+    add = seed % 3 != 0
+    dtype = np.dtype(np.float32 if add or seed % 2 else np.uint16)
+    total = 20_000
+    offset = int(rng.integers(0, 4)) if not add or seed % 4 else 0  # bytes: off the lane grid too
+    runs: list[tuple[int, int]] = []
+    s = int(rng.integers(0, 40))
+    while len(runs) < 120:
+        c = int(rng.choice([1, 2, 3, 15, 16, 17, 352, 353, 1100, 2236]))
+        if s + c > total:
+            break
+        runs.append((s, c))
+        r = rng.random()
+        if r < 0.7:
+            s += c  # the next run follows this one
+        elif r < 0.85:
+            s += c + int(rng.integers(1, 40))  # a gap
+        else:
+            s = int(rng.integers(0, max(1, s)))  # back over lanes written before
+    payloads: list[bytes] = []
+    dgs: list[bytes | memoryview] = []
+    for i, (_, c) in enumerate(runs):
+        if dtype == np.float32:
+            lanes_in = rng.standard_normal(c).astype(np.float32)
+        else:
+            lanes_in = rng.integers(0, 2**16, c).astype(np.uint16)
+        p = lanes_in.tobytes()
+        payloads.append(p)
+        mis = i % 5
+        dgs.append(memoryview(bytes(HEADER_SIZE + mis) + p)[mis:])  # payloads at every misalignment
+    starts = np.array([s for s, _ in runs], np.int64)
+    counts = np.array([c for _, c in runs], np.int64)
+
+    def fresh() -> np.ndarray:
+        a = np.frombuffer(bytearray(dtype.itemsize * total + 64 + offset), dtype, total, offset)
+        a[:] = 7 if dtype == np.uint16 else np.float32(7.5)
+        return a
+
+    own = rng.standard_normal(total).astype(np.float32) if add else None
+    into_itself = add and seed % 2 == 1  # dest is own: each sum reads what the runs before wrote
+    got, want = fresh(), fresh()
+    if into_itself:
+        got[:] = want[:] = rng.standard_normal(total).astype(np.float32)
+    if add:
+        c_.add_runs(got, got if into_itself else own, starts, counts, dgs, HEADER_SIZE)
+        _runs_reference(want, want if into_itself else own, runs, payloads)
+    else:
+        c_.copy_runs(got, dtype.itemsize, starts, counts, dgs, HEADER_SIZE)
+        _runs_reference(want, None, runs, payloads)
+    assert got.tobytes() == want.tobytes()
+    # a short payload halfway: LengthError, and what the runs before it wrote stays
+    half = len(runs) // 2
+    bad = list(dgs)
+    bad[half] = bytes(bad[half])[:-1]
+    got, want = fresh(), fresh()
+    with pytest.raises(c_.LengthError):
+        if add:
+            c_.add_runs(got, own, starts, counts, bad, HEADER_SIZE)
+        else:
+            c_.copy_runs(got, dtype.itemsize, starts, counts, bad, HEADER_SIZE)
+    _runs_reference(want, own, runs[:half], payloads[:half])
+    assert got.tobytes() == want.tobytes()

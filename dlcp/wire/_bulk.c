@@ -118,54 +118,12 @@ add_lanes(float *dest, const float *own, const char *payload, Py_ssize_t from, P
     }
 }
 
-/* Runs at least this long are written with non-temporal stores: a run's
+/* Runs at least this long, and runs that follow one another (see `Lines`),
+ * are written with non-temporal stores: a run's
  * destination (a rank's result lanes, tens of megabytes a round) is not read
  * again before the round ends, so caching it only evicts what is, and a
  * normal store first reads each cache line it writes from memory. */
 #define STREAM_MIN 4096
-
-/* memcpy with SSE2 streaming stores for the 16-byte-aligned middle of dst. */
-static void
-stream_copy(char *dst, const char *src, size_t n)
-{
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    for (; n >= 64; n -= 64, dst += 64, src += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    memcpy(dst, src, n);
-}
-
-/* add_f32 with streaming stores for the 16-byte-aligned middle of dest (the
- * same IEEE additions, lane by lane). */
-static void
-stream_add_f32(float *dest, const float *own, const char *payload, Py_ssize_t n)
-{
-    Py_ssize_t k = 0;
-    while (k < n && ((uintptr_t)(dest + k) & 15)) /* never, for a dest off 4 bytes */
-        k++;
-    add_lanes(dest, own, payload, 0, k); /* up to dest's first 16-byte boundary */
-    for (; k + 8 <= n; k += 8) {
-        __m128 a0 = _mm_loadu_ps(own + k), a1 = _mm_loadu_ps(own + k + 4);
-        __m128 b0 = _mm_loadu_ps((const float *)(payload + k * 4));
-        __m128 b1 = _mm_loadu_ps((const float *)(payload + k * 4 + 16));
-        _mm_stream_ps(dest + k, _mm_add_ps(a0, b0));
-        _mm_stream_ps(dest + k + 4, _mm_add_ps(a1, b1));
-    }
-    add_lanes(dest, own, payload, k, n);
-}
 
 /* own[k] + payload[k] into dest[k], float32 lanes; the payload may be unaligned. */
 static void
@@ -181,6 +139,108 @@ add_f32(float *dest, const float *own, const char *payload, Py_ssize_t n)
         memcpy(dest + k, &a, sizeof a);
     }
     add_lanes(dest, own, payload, k, n);
+}
+
+/* Short runs that follow one another in dest (a shard's packets, a few
+ * hundred lanes each at a 1500-byte MTU) are written as one stream: each whole
+ * 64-byte line of dest with one non-temporal store, the bytes of a line a run
+ * leaves unfinished held here until the next run finishes it (or written with
+ * normal stores when it does not continue there). Runs of STREAM_MIN bytes or
+ * more that do not follow one another take the same path. The bytes stored are
+ * those of memcpy and add_f32 (the same IEEE additions): only the order in
+ * which lines reach memory differs, never what a later run reads (a run that
+ * does not start where the held bytes end has them written first; one that
+ * does reads past them). At 1500 bytes a packet this made a batch's copies
+ * about 1.5x and its sums about 1.2x as fast as normal stores did. */
+typedef struct {
+    char *line; /* the 64-byte-aligned line of dest the held bytes belong to, or NULL */
+    char *end;  /* where they end: line < end < line + 64 (they start at line) */
+    int streamed;
+    char buf[64] __attribute__((aligned(64)));
+} Lines;
+
+/* Write out the held bytes with normal stores. */
+static void
+lines_flush(Lines *w)
+{
+    if (w->line != NULL)
+        memcpy(w->line, w->buf, (size_t)(w->end - w->line));
+    w->line = NULL;
+}
+
+/* `n` bytes of the run's output from byte `at` on (a multiple of 4 for
+ * adds: dest is on the lane grid when this is used) into `to`. */
+static inline void
+produce(char *to, const char *src, const float *own, Py_ssize_t at, Py_ssize_t n)
+{
+    if (own == NULL) {
+        memcpy(to, src + at, (size_t)n);
+        return;
+    }
+    for (Py_ssize_t k = 0; k < n; k += 4) {
+        float a, b;
+        memcpy(&a, (const char *)own + at + k, 4);
+        memcpy(&b, src + at + k, 4);
+        a += b;
+        memcpy(to + k, &a, 4);
+    }
+}
+
+/* One whole line: 64 bytes of output from byte `at` on to the aligned `to`. */
+static inline void
+stream_line(char *to, const char *src, const float *own, Py_ssize_t at)
+{
+    __m128i v[4];
+    if (own == NULL) {
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm_loadu_si128((const __m128i *)(src + at + 16 * j));
+    } else {
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm_castps_si128(
+                _mm_add_ps(_mm_loadu_ps((const float *)((const char *)own + at + 16 * j)),
+                           _mm_loadu_ps((const float *)(src + at + 16 * j))));
+    }
+    for (int j = 0; j < 4; j++)
+        _mm_stream_si128((__m128i *)(to + 16 * j), v[j]);
+}
+
+/* Write the run of `n` bytes at `dst` (its output: `src`'s bytes, or with
+ * `own` (the same offsets as dst within own's buffer) their float sums). */
+static void
+lines_run(Lines *w, char *dst, const char *src, const float *own, Py_ssize_t n)
+{
+    Py_ssize_t at = 0;
+    if (w->line != NULL && dst == w->end) { /* it goes on where the held bytes end */
+        Py_ssize_t room = (w->line + 64) - w->end, k = n < room ? n : room;
+        produce(w->buf + (w->end - w->line), src, own, 0, k);
+        w->end += k;
+        at = k;
+        if (w->end == w->line + 64) {
+            for (int j = 0; j < 4; j++)
+                _mm_stream_si128((__m128i *)(w->line + 16 * j),
+                                 _mm_load_si128((const __m128i *)(w->buf + 16 * j)));
+            w->streamed = 1;
+            w->line = NULL;
+        }
+        if (at == n)
+            return;
+    } else {
+        lines_flush(w);
+        Py_ssize_t head = (Py_ssize_t)((64 - ((uintptr_t)dst & 63)) & 63);
+        if (head > n)
+            head = n;
+        produce(dst, src, own, 0, head); /* up to the first whole line: normal stores */
+        at = head;
+    }
+    for (; n - at >= 64; at += 64) {
+        stream_line(dst + at, src, own, at);
+        w->streamed = 1;
+    }
+    if (at < n) { /* the start of a line: held for the next run */
+        w->line = dst + at;
+        w->end = dst + n;
+        produce(w->buf, src, own, at, n - at);
+    }
 }
 
 /* copy_runs (own == NULL) and add_runs: the same arguments, checks and order. */
@@ -226,7 +286,7 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *ret = NULL;
-    int streamed = 0;
+    Lines lines = {.line = NULL, .end = NULL, .streamed = 0};
     if (starts.len / 8 != n || counts.len / 8 != n) {
         PyErr_Format(PyExc_ValueError, "%zd payloads but %zd starts and %zd counts", n,
                      starts.len / 8, counts.len / 8);
@@ -239,6 +299,9 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
     const int64_t *start = starts.buf, *count = counts.buf;
     const int64_t lanes = dest.len / itemsize;
     char *out = dest.buf;
+    /* adds go through the lines only where a line holds whole lanes (dest on
+     * the 4-byte grid, as numpy's arrays are); copies always may */
+    const int on_grid = own_obj == NULL || ((uintptr_t)out & 3) == 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer p;
@@ -258,22 +321,24 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
             goto done;
         }
         const char *src = (const char *)p.buf + skip;
-        int stream = plen >= STREAM_MIN;
-        streamed |= stream;
-        if (own_obj == NULL && stream)
-            stream_copy(out + s * itemsize, src, (size_t)plen);
-        else if (own_obj == NULL)
-            memcpy(out + s * itemsize, src, (size_t)plen);
-        else if (stream)
-            stream_add_f32((float *)out + s, (const float *)own.buf + s, src, (Py_ssize_t)c);
-        else
-            add_f32((float *)out + s, (const float *)own.buf + s, src, (Py_ssize_t)c);
+        char *to = out + s * itemsize;
+        if (on_grid && (plen >= STREAM_MIN || (lines.line != NULL && to == lines.end) ||
+                        (i + 1 < n && start[i + 1] == s + c))) {
+            lines_run(&lines, to, src, own_obj == NULL ? NULL : (const float *)own.buf + s, plen);
+        } else {
+            lines_flush(&lines);
+            if (own_obj == NULL)
+                memcpy(to, src, (size_t)plen);
+            else
+                add_f32((float *)to, (const float *)own.buf + s, src, (Py_ssize_t)c);
+        }
         PyBuffer_Release(&p);
     }
     ret = Py_None;
     Py_INCREF(ret);
 done:
-    if (streamed)
+    lines_flush(&lines); /* also after an error: the runs before it are stored */
+    if (lines.streamed)
         _mm_sfence(); /* the streaming stores are seen before what follows */
     PyBuffer_Release(&counts);
     PyBuffer_Release(&starts);
