@@ -24,7 +24,8 @@ KEY = bytes(range(32))
 LENGTHS = [
     *range(0, 40),
     *range(240, 275),  # one 16-block AVX-512 step and its edges
-    *range(500, 530),
+    *range(500, 530),  # two steps: one double step (32 blocks) of the AVX-512 loop
+    *range(760, 790),  # three: a double step and a single one
     4095,
     4096,
     4097,
