@@ -11,6 +11,7 @@ here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,6 +75,24 @@ def test_tags_are_the_python_ones(keys: tuple[GhashAesKey, GhashAesKey]) -> None
     other = GhashAesKey(bytes(32), native=True)
     assert other.tags(heads, payloads) != c.tags(heads, payloads)
     assert other.tags(heads, payloads) == GhashAesKey(bytes(32), native=False).tags(heads, payloads)
+
+
+def test_the_avx512_backend_makes_the_tags_aes_with_aes_ni() -> None:
+    """With the AVX-512 backend the tag's AES-256 block is made by AES-NI
+    (its own key expansion, checked against OpenSSL at set-up) where the CPU
+    has it, so that the comparisons with Python above are of that path; the
+    OpenSSL backend leaves it to OpenSSL."""
+    c = _c(KEY, avx512=True)
+    if c.backend != "C, AVX-512":
+        pytest.skip(f"this CPU has no AVX-512 VPCLMULQDQ: {c.backend} only")
+    flags = Path("/proc/cpuinfo").read_text().split()
+    native = c._native
+    assert native.aesni == ("aes" in flags)
+    assert not _c(KEY, avx512=False)._native.aesni
+    for key in (bytes(32), bytes(range(32, 64)), b"\xff" * 32):  # expansions of other keys
+        a, b = GhashAesKey(key, native=True), GhashAesKey(key, native=False)
+        dg = a.encode(b"\x5a" * 48 + bytes(16), [b"payload" * 41])[0]
+        assert dg == b.encode(b"\x5a" * 48 + bytes(16), [b"payload" * 41])[0]
 
 
 def test_encode_and_verify_agree_with_python(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
