@@ -373,3 +373,40 @@ def test_the_outbox_uses_the_extension_where_it_is_built(keys: ModuleType) -> No
     assert outbox._identities_heads is keys.identities_heads
     assert outbox._shard_keys is keys.shard_keys
     assert outbox._unqueue is keys.unqueue
+    assert outbox._take is keys.take
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_take_equals_the_python_definition(keys: ModuleType, seed: int) -> None:
+    """`take`: the same head of the queue (the same objects, the queue left
+    as it was) and the same running byte sums as `_py_take`, for queues of
+    mixed sizes and Gathered datagrams, budgets below one datagram, between
+    and beyond them all, counts below and beyond the queue's length."""
+    rng = random.Random(seed)
+    dgs: list = _datagrams(rng.randrange(1, 300), seed)
+    if seed % 2:
+        dgs = _gathered(_batch(80, 2, seed) + dgs)
+    q = deque(dgs)
+    total = sum(map(len, dgs))
+    for nbytes in (0, 1, 35, 36, 64, 9000, 9001, 65_536, 1 << 20, total, total + 1):
+        for count in (1, 2, 7, 64, len(q), len(q) + 5, 1024):
+            head, sizes = keys.take(q, nbytes, count)
+            want_head, want_sizes = outbox._py_take(q, nbytes, count)
+            assert len(head) == len(want_head) and all(
+                a is b for a, b in zip(head, want_head, strict=True)
+            )
+            assert list(sizes) == list(want_sizes)
+            assert sizes[len(head) - 1] == want_sizes[-1]
+    assert list(q) == dgs
+
+
+def test_take_rejects_bad_input(keys: ModuleType) -> None:
+    with pytest.raises(IndexError):
+        keys.take(deque(), 100, 10)
+    with pytest.raises(ValueError):
+        keys.take(deque([b"x" * 40]), 100, 0)
+    with pytest.raises(TypeError):
+        keys.take(deque([b"x" * 40, 5]), 100, 10)
+    with pytest.raises(TypeError):
+        keys.take(deque([b"x" * 40]), 100)  # type: ignore[call-arg]
+    assert keys.take([b"x" * 40, b"y" * 40], 10, 10)[0] == [b"x" * 40]  # at least one

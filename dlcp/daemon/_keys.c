@@ -528,11 +528,93 @@ PyDoc_STRVAR(shard_keys_doc,
              "of increasing offsets (so two may be the same packet) or there are more\n"
              "than 64 keys.");
 
+PyDoc_STRVAR(take_doc,
+"take(queue, nbytes, count) -> (list, sizes)\n\n"
+"The batch at the head of `queue` (an iterable of datagrams, a deque): as many\n"
+"as fit in `nbytes` bytes, at least one and at most `count`, and their running\n"
+"byte sums (an int64 memoryview). outbox._py_take is the definition.");
+
+static PyObject *
+take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "take() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t count = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    if (count < 1) {
+        PyErr_SetString(PyExc_ValueError, "count must be at least 1");
+        return NULL;
+    }
+    Py_ssize_t len = PyObject_Length(args[0]);
+    if (len < 0)
+        return NULL;
+    if (len == 0) {
+        PyErr_SetString(PyExc_IndexError, "take from an empty queue");
+        return NULL;
+    }
+    Py_ssize_t cap = len < count ? len : count;
+    PyObject *head = PyList_New(0), *sizes = NULL, *it = NULL, *raw = NULL;
+    if (head == NULL)
+        return NULL;
+    raw = PyBytes_FromStringAndSize(NULL, cap * (Py_ssize_t)sizeof(int64_t));
+    it = PyObject_GetIter(args[0]);
+    if (raw == NULL || it == NULL)
+        goto fail;
+    int64_t *sum = (int64_t *)PyBytes_AS_STRING(raw), total = 0;
+    Py_ssize_t k = 0;
+    while (k < cap) {
+        PyObject *dg = PyIter_Next(it);
+        if (dg == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break; /* shorter than its length said */
+        }
+        Py_ssize_t n = PyBytes_CheckExact(dg) ? PyBytes_GET_SIZE(dg) : PyObject_Length(dg);
+        if (n < 0 || (k > 0 && total + n > nbytes)) {
+            Py_DECREF(dg);
+            if (n < 0)
+                goto fail;
+            break;
+        }
+        int r = PyList_Append(head, dg);
+        Py_DECREF(dg);
+        if (r < 0)
+            goto fail;
+        total += n;
+        sum[k++] = total;
+    }
+    Py_CLEAR(it);
+    if (_PyBytes_Resize(&raw, k * (Py_ssize_t)sizeof(int64_t)) < 0)
+        goto fail;
+    PyObject *view = PyMemoryView_FromObject(raw);
+    Py_CLEAR(raw);
+    if (view == NULL)
+        goto fail;
+    sizes = PyObject_CallMethod(view, "cast", "s", "q");
+    Py_DECREF(view);
+    if (sizes == NULL)
+        goto fail;
+    return Py_BuildValue("(NN)", head, sizes);
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(raw);
+    Py_DECREF(head);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"identities", identities, METH_O, identities_doc},
     {"identities_heads", identities_heads, METH_O, identities_heads_doc},
     {"shard_keys", shard_keys, METH_O, shard_keys_doc},
     {"unqueue", (PyCFunction)(void (*)(void))unqueue, METH_FASTCALL, unqueue_doc},
+    {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, take_doc},
     {NULL, NULL, 0, NULL},
 };
 

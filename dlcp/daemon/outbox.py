@@ -144,7 +144,8 @@ def _py_unqueue(
 # The same in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a key
 # instead of slices and a concatenation, `shard_keys` without a slice apiece,
 # and `unqueue`, a sent batch's bookkeeping in one call (no lists of keys, no
-# Python loop). DLCP_NATIVE_KEYS=0 turns it off.
+# Python loop), and `take`, a batch off a queue's head with no int object made
+# a packet. DLCP_NATIVE_KEYS=0 turns it off.
 NATIVE_KEYS = _keys is not None and os.environ.get("DLCP_NATIVE_KEYS", "1") != "0"
 if NATIVE_KEYS:
     _identities = _keys.identities
@@ -217,9 +218,7 @@ PACING_QUANTUM = 0.001
 CATCH_UP_SECONDS = 0.02
 
 
-def _batch(
-    q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
-) -> tuple[list[bytes], list[int]]:
+def _py_take(q: deque[bytes], nbytes: int, count: int) -> tuple[list[bytes], Sequence[int]]:
     """The batch at the head of `q`: as many packets as fit in `nbytes` (at
     least one, at most `count`), and their bytes so far, packet by
     packet (running sums)."""
@@ -235,6 +234,16 @@ def _batch(
     if k < len(head):
         del head[k:], sizes[k:]
     return head, sizes
+
+
+_take = _keys.take if NATIVE_KEYS else _py_take
+
+
+def _batch(
+    q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
+) -> tuple[list[bytes], Sequence[int]]:
+    """`_take` with the defaults of one super-datagram."""
+    return _take(q, nbytes, count)
 
 
 def _pacing_wake(now: float, waits: list[float]) -> float:
