@@ -64,12 +64,19 @@ def make(
 
 
 def packet(kind: PacketType, shard: int, index: int, *, flags: Flags = Flags.NONE) -> bytes:
-    """Packet `index` of a shard (sizes vary: jumbo, small, and the odd short one)."""
+    """Packet `index` of a shard (sizes vary: jumbo, small, and the odd short
+    one); an ACK or a NACK (of `index % 5 + 1` packets) of the shard."""
     count = (2200, 300, 17)[index % 3] if kind != PacketType.DONE else 0
+    payload = np.zeros(count, np.float32).tobytes()
+    if kind == PacketType.ACK:
+        count, payload = 0, b""
+    elif kind == PacketType.NACK:
+        count = index % 5 + 1
+        payload = np.arange(count, dtype=">u4").tobytes()
     h = Header(kind, JOB, 3, 1 + shard // 4, flags=flags, priority=0, shard=shard % 4,
                sender=0, contributors=2 if kind == PacketType.RESULT else 1,
                offset=index * 2200, count=count, total=1 << 24)  # fmt: skip
-    return encode(h, np.zeros(count, np.float32).tobytes(), KEY)
+    return encode(h, payload, KEY)
 
 
 Op = tuple[str, Any]
@@ -78,6 +85,7 @@ Op = tuple[str, Any]
 def script(seed: int, steps: int = 60) -> list[Op]:
     """A random mix of pushes (as chunks) and flushes."""
     rng = random.Random(seed)
+    acks = random.Random(-seed)  # the ACKs and NACKs: the rest as it was without them
     ops: list[Op] = []
     sent: list[bytes] = []  # everything pushed so far: repeats come from here
     next_index: dict[tuple[int, int], int] = {}
@@ -116,6 +124,9 @@ def script(seed: int, steps: int = 60) -> list[Op]:
                 i = next_index.get(key, 0)
                 next_index[key] = i + 1
                 run.append((packet(kind, shard, i), prio))
+            if acks.random() < 0.4:  # an ACK or NACK among them (maybe one queued already)
+                kind = acks.choice((PacketType.ACK, PacketType.NACK))
+                run.insert(acks.randrange(len(run)), (packet(kind, shard, acks.randrange(2)), 1))
             if rng.random() < 0.5:  # and its DONE, held behind it
                 run_leg = Flags.RESULT_LEG if kind == PacketType.RESULT else Flags.NONE
                 run.append((packet(PacketType.DONE, shard, 0, flags=Flags.LAST | run_leg), 0))
@@ -264,6 +275,27 @@ def test_push_many_is_push_one_by_one(
     assert sum(len(c[0]) for p in final["calls"] for c in p) > 500
     assert any(w["held"] for w in want)  # some DONEs were held behind their shard
     assert len({tos for p in final["calls"] for _, _, tos in p}) >= 4  # several classes
+
+
+def test_an_ack_among_a_fresh_shard_is_looked_up_alone() -> None:
+    """A shard's first send with an ACK or NACK among its packets keeps no
+    identity for its DATA packets, only for the ACK, and an ACK still queued
+    is a repeat there as anywhere: the same queues and counts as the
+    reference pushing one by one."""
+    ack, nack = packet(PacketType.ACK, 0, 0), packet(PacketType.NACK, 1, 2)
+    first = [(packet(PacketType.DATA, 0, i), 2) for i in range(10)]
+    first.insert(5, (ack, 1))
+    second = [(packet(PacketType.DATA, 1, i), 2) for i in range(8)]
+    second[3:3] = [(nack, 1), (ack, 1), (nack, 1)]
+    ops: list[Op] = [("push", first), ("push", second), ("flush", 0.001)]
+    want = replay(ops, 1, False, 0, one_by_one, outbox_reference.Outbox)
+    got = replay(ops, 1, False, 0, at_once)
+    assert [{f: g[f] for f in w} for g, w in zip(got, want, strict=True)] == want
+    assert want[1]["repeats"] == 2 and want[1]["queued"] == 11 + 9
+    ob, peer, _ = make(1, False, 0)
+    assert at_once(ob, peer, first) == 11
+    assert peer.pending == {outbox_mod._identity(ack)} and not peer.watched
+    assert at_once(ob, peer, second) == 9 and ob.repeats == 2
 
 
 def test_push_many_with_a_small_trail_and_tracking(monkeypatch: Any) -> None:

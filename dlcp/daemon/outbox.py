@@ -437,10 +437,9 @@ class Outbox:
         heads, bkeys, distinct = _shard_keys(datagrams)  # heads: type and flags bytes
         types = heads[0::2]
         watched, inflight = peer.watched, peer.inflight
-        if (
-            distinct is None  # two of its DATA/RESULT packets may be the same
-            or types.count(_DATA) + types.count(_RESULT) + types.count(_DONE) < n
-            or any(b in watched or inflight.get(b) for b in distinct)
+        checked = False  # whether the packets other than DATA/RESULT/DONE were looked up
+        if distinct is None or any(  # two of its DATA/RESULT packets may be the same
+            b in watched or inflight.get(b) for b in distinct
         ):
             # a repeat is possible: every shard and leg of the batch is watched,
             # and the identities of all but the DONEs are looked up
@@ -448,6 +447,7 @@ class Outbox:
                 if b is not None and b not in watched:
                     self._watch(peer, b)
             kept = self._not_repeats(peer, datagrams, types)
+            checked = True
             if kept is not None:
                 if not kept:
                     return 0
@@ -456,17 +456,20 @@ class Outbox:
                 priorities = [priorities[k] for k in kept]
                 bkeys = [bkeys[k] for k in kept]
                 heads = b"".join([heads[2 * k : 2 * k + 2] for k in kept])
-        # else none can be a repeat: a run of increasing offsets per shard and
-        # leg, none of them queued (or watched), and DONEs
+        # else none of its DATA/RESULT packets can be a repeat: a run of
+        # increasing offsets per shard and leg, none of them queued (or
+        # watched); its other packets (DONEs, never repeats, and the odd ACK or
+        # NACK, looked up one by one below) come between them
         peer.queued += n
         self.backlog.add(peer)
         if min(priorities) < 0 or max(priorities) >= N_CLASSES:
             priorities = [min(max(p, 0), N_CLASSES - 1) for p in priorities]
         flags = heads[1::2]
-        others = heads[0::2].translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT (a DONE)
+        others = heads[0::2].translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT
         # runs of DATA/RESULT packets between the others, in order: each of the
         # others sees what the packets before it left (a DONE is held by them)
         start = 0
+        queued = n
         while start < n:
             stop = others.find(1, start)
             if stop < 0:
@@ -483,9 +486,24 @@ class Outbox:
                 for i in range(start, stop):
                     self._queue(peer, datagrams[i], priorities[i])
             if stop < n:
-                self._queue(peer, datagrams[stop], priorities[stop])
+                dg = datagrams[stop]
+                if checked or dg[3] == _DONE or self._not_pending(peer, dg):
+                    self._queue(peer, dg, priorities[stop])
+                else:  # a repeat of an ACK or NACK still queued
+                    peer.queued -= 1
+                    queued -= 1
             start = stop + 1
-        return n
+        return queued
+
+    def _not_pending(self, peer: Peer, datagram: bytes) -> bool:
+        """`push`'s look-up for a packet other than DATA/RESULT/DONE: False
+        (counted) when it is queued already, else its identity is kept."""
+        key = _identity(datagram)
+        if key in peer.pending:
+            self.repeats += 1
+            return False
+        peer.pending.add(key)
+        return True
 
     def _not_repeats(
         self, peer: Peer, datagrams: Sequence[bytes], types: bytes
@@ -878,9 +896,9 @@ class Outbox:
                     self._track(peer, map(keys.__getitem__, out), ((heads[0], n),), p)
                 else:
                     out = [i for i in out if kinds[i] in _DR]
-                    if out:
-                        per_shard = Counter(map(heads.__getitem__, out))  # first seen first
-                        self._track(peer, map(keys.__getitem__, out), per_shard.items(), p)
+                    # (with none: the shards' counts are still kept within bounds)
+                    per_shard = Counter(map(heads.__getitem__, out))  # first seen first
+                    self._track(peer, map(keys.__getitem__, out), per_shard.items(), p)
             done += n
             if n < len(dgs):
                 full = True
