@@ -22,7 +22,8 @@ setup(
         Extension(
             "dlcp.wire._ghash",
             sources=["dlcp/wire/_ghash.c"],
-            depends=["dlcp/wire/gathered.h"],  # the Gathered datagram's layout
+            # the Gathered datagram's layout; datagrams' bytes read in place
+            depends=["dlcp/wire/gathered.h", "dlcp/wire/bytes_of.h"],
             libraries=["crypto"],
             extra_compile_args=_CFLAGS,
             optional=True,
@@ -44,6 +45,7 @@ setup(
         Extension(
             "dlcp.wire._bulk",
             sources=["dlcp/wire/_bulk.c"],
+            depends=["dlcp/wire/bytes_of.h"],  # datagrams' bytes read in place
             extra_compile_args=_CFLAGS,
             optional=True,
         ),

@@ -440,3 +440,45 @@ def test_runs_that_follow_one_another_store_what_one_at_a_time_stores(seed: int)
             c_.copy_runs(got, dtype.itemsize, starts, counts, bad, HEADER_SIZE)
     _runs_reference(want, own, runs[:half], payloads[:half])
     assert got.tobytes() == want.tobytes()
+
+
+def test_datagrams_read_in_place_are_read_as_their_bytes() -> None:
+    """The C loops read bytes objects and live C-contiguous memoryviews in
+    place (dlcp/wire/bytes_of.h) and anything else through the buffer
+    protocol: the same headers, lengths and lanes as from `bytes(view)`; a
+    released view is a ValueError and a strided or Fortran-ordered one a
+    BufferError, as before, not a read of memory the view no longer holds."""
+    if not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    c_ = lanes._bulk
+    raw = bytes(range(256)) * 4
+    grid = np.frombuffer(raw, np.uint8).reshape(32, 32)
+    same = [
+        raw,
+        bytearray(raw),
+        memoryview(raw)[3:200],
+        memoryview(np.frombuffer(raw, np.float32)),  # another format, contiguous
+        memoryview(raw).cast("B", (32, 32)),
+        memoryview(grid),
+    ]
+    for dg in same:
+        whole = bytes(dg)
+        heads, lengths = c_.heads([dg], HEADER_SIZE)
+        assert bytes(heads) == whole[:HEADER_SIZE]
+        assert np.frombuffer(lengths, np.int64).tolist() == [len(whole)]
+        dest = np.zeros(len(whole), np.uint8)
+        n = len(whole) - HEADER_SIZE
+        c_.copy_runs(dest, 1, np.array([5]), np.array([n]), [dg], HEADER_SIZE)
+        assert dest[5 : 5 + n].tobytes() == whole[HEADER_SIZE:]
+    released = memoryview(raw)
+    released.release()
+    one = np.array([0])
+    for bad, err in (
+        (released, ValueError),
+        (memoryview(raw)[::2], BufferError),
+        (memoryview(np.asfortranarray(grid)), BufferError),
+    ):
+        with pytest.raises(err):
+            c_.heads([bad], HEADER_SIZE)
+        with pytest.raises(err):
+            c_.copy_runs(np.zeros(4096, np.uint8), 1, one, one, [bad], HEADER_SIZE)

@@ -278,6 +278,12 @@ def test_bad_input_is_refused(keys: tuple[GhashAesKey, GhashAesKey]) -> None:
         native.tags([b"h" * 48], [12])
     with pytest.raises(BufferError):  # not contiguous: refused, never read past
         native.tags([b"h" * 48], [memoryview(bytes(100))[::2]])
+    with pytest.raises(BufferError):  # verify reads views in place, but not these
+        native.verify([memoryview(bytes(200))[::2]])
+    released = memoryview(bytes(100))
+    released.release()
+    with pytest.raises(ValueError):
+        native.verify([released])
     with pytest.raises(ValueError, match="32 bytes"):
         mac._ghash.GhashAes(b"k" * 31, b"k" * 32)
     unset = mac._ghash.GhashAes.__new__(mac._ghash.GhashAes)  # never initialised

@@ -44,6 +44,8 @@
 #include <string.h>
 #include <emmintrin.h>
 
+#include "bytes_of.h"
+
 static PyObject *LengthError;
 
 static int
@@ -86,8 +88,8 @@ heads(PyObject *self, PyObject *args)
     int64_t *len = (int64_t *)PyBytes_AS_STRING(lens);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer b;
-        if (PyObject_GetBuffer(items[i], &b, PyBUF_SIMPLE) < 0)
+        Bytes b;
+        if (bytes_get(items[i], &b) < 0)
             goto fail;
         len[i] = b.len;
         if (b.len >= size) {
@@ -95,7 +97,7 @@ heads(PyObject *self, PyObject *args)
         } else {
             memset(o + i * size, 0, (size_t)size);
         }
-        PyBuffer_Release(&b);
+        bytes_release(&b);
     }
     Py_DECREF(seq);
     return Py_BuildValue("(NN)", out, lens);
@@ -304,23 +306,23 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
     const int on_grid = own_obj == NULL || ((uintptr_t)out & 3) == 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer p;
-        if (PyObject_GetBuffer(items[i], &p, PyBUF_SIMPLE) < 0)
+        Bytes p;
+        if (bytes_get(items[i], &p) < 0)
             goto done;
         int64_t s = start[i], c = count[i];
         Py_ssize_t plen = p.len - skip;
         if (c < 0 || c > PY_SSIZE_T_MAX / itemsize || plen != c * itemsize) {
             PyErr_Format(LengthError, "%zd bytes for %lld lanes", plen, (long long)c);
-            PyBuffer_Release(&p);
+            bytes_release(&p);
             goto done;
         }
         if (s < 0 || s > lanes - c) {
             PyErr_Format(PyExc_IndexError, "lanes %lld..%lld outside %lld", (long long)s,
                          (long long)(s + c), (long long)lanes);
-            PyBuffer_Release(&p);
+            bytes_release(&p);
             goto done;
         }
-        const char *src = (const char *)p.buf + skip;
+        const char *src = p.buf + skip;
         char *to = out + s * itemsize;
         if (on_grid && (plen >= STREAM_MIN || (lines.line != NULL && to == lines.end) ||
                         (i + 1 < n && start[i + 1] == s + c))) {
@@ -332,7 +334,7 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
             else
                 add_f32((float *)to, (const float *)own.buf + s, src, (Py_ssize_t)c);
         }
-        PyBuffer_Release(&p);
+        bytes_release(&p);
     }
     ret = Py_None;
     Py_INCREF(ret);

@@ -22,6 +22,7 @@
 #include <openssl/evp.h>
 #include <immintrin.h>
 
+#include "bytes_of.h"
 #include "gathered.h"
 
 #define HEAD 48   /* header bytes a tag covers */
@@ -1004,21 +1005,21 @@ Mac_verify(MacObject *self, PyObject *args)
         goto done;
     unsigned char *ok = (unsigned char *)PyBytes_AS_STRING(result);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer d;
+        Bytes d;
         unsigned char tag[TAG];
-        if (get_bytes(PySequence_Fast_GET_ITEM(ds, i), &d) < 0)
+        if (bytes_get(PySequence_Fast_GET_ITEM(ds, i), &d) < 0)
             goto fail;
         if (d.len < HEADER) {
-            PyBuffer_Release(&d);
+            bytes_release(&d);
             PyErr_Format(PyExc_ValueError, "datagram %zd has %zd bytes, fewer than %d bytes", i,
                          d.len, HEADER);
             goto fail;
         }
-        const unsigned char *b = d.buf;
+        const unsigned char *b = (const unsigned char *)d.buf;
         int bad = tag_of(self, b, b + HEADER, d.len - HEADER, tag);
         if (!bad)
             ok[i] = CRYPTO_memcmp(tag, b + HEAD, TAG) == 0;
-        PyBuffer_Release(&d);
+        bytes_release(&d);
         if (bad) {
             openssl_failed();
             goto fail;
