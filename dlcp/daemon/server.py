@@ -489,9 +489,14 @@ class Daemon:
         if len(parts) == 1:  # the usual case: the lists as the engine made them
             self.outbox.push_many(peer, parts[0].datagrams, parts[0].priorities)
             return
-        # new lists: the engine keeps some of its batches' lists (result datagrams)
-        dgs = [dg for b in parts for dg in b.datagrams]
-        self.outbox.push_many(peer, dgs, [p for b in parts for p in b.priorities])
+        # new lists: the engine keeps some of its batches' lists (result
+        # datagrams); joined by list extends, no Python step a datagram
+        dgs: list[bytes] = []
+        prios: list[int] = []
+        for b in parts:
+            dgs += b.datagrams
+            prios += b.priorities
+        self.outbox.push_many(peer, dgs, prios)
 
     def _wait_writable(self) -> None:
         assert self._loop is not None
