@@ -430,3 +430,40 @@ def test_sources_with_and_without_unknown_ones() -> None:
     assert _sources(np.array([4, 5, 6, 7]), index).tolist() == [4, 6, 7]  # type: ignore[arg-type]
     assert _sources([4, None, None, 7], index).tolist() == [4, -1, 7]
     assert _sources(None, index).tolist() == [-1, -1, -1]
+
+
+def _first_fresh_by_unique(
+    local: np.ndarray, bad: np.ndarray, received: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """`aggregate._first_fresh` as it was: every run through np.unique."""
+    good = np.flatnonzero(~bad)
+    loc = local[good]
+    _, first = np.unique(loc, return_index=True)
+    keep = np.zeros(good.size, dtype=bool)
+    keep[first] = True
+    keep &= ~received[loc]
+    return good[keep], good.size
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_first_fresh_skips_the_sort_only_where_no_position_repeats(seed: int) -> None:
+    """A run of increasing positions (the usual one) takes no np.unique; the
+    packets kept are those the sort keeps, for increasing runs, runs with
+    repeats or out of order, bad packets and packets received before."""
+    from dlcp.core.aggregate import _first_fresh
+
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(0, 40))
+        start = int(rng.integers(0, 20))
+        local = np.arange(start, start + n, dtype=np.int64)
+        if seed % 2 and n:
+            local = np.sort(rng.integers(0, 60, n))  # repeats, in order
+        if seed % 4 == 3 and n:
+            rng.shuffle(local)  # out of order
+        bad = rng.random(n) < 0.1
+        local = np.where(bad, -1, local)  # a bad packet's position is never read
+        received = rng.random(100) < 0.2
+        got = _first_fresh(local, bad, received)
+        want = _first_fresh_by_unique(local, bad, received)
+        assert got[1] == want[1] and got[0].tolist() == want[0].tolist()

@@ -97,10 +97,12 @@ def _first_fresh(
     received before. Also how many were good (the rest of them are duplicates)."""
     good = np.flatnonzero(~bad)
     loc = local[good]
-    _, first = np.unique(loc, return_index=True)
-    keep = np.zeros(good.size, dtype=bool)
-    keep[first] = True
-    keep &= ~received[loc]
+    keep = ~received[loc]
+    if loc.size > 1 and not (loc[1:] > loc[:-1]).all():  # else no position repeats (the usual run)
+        _, first = np.unique(loc, return_index=True)
+        once = np.zeros(good.size, dtype=bool)
+        once[first] = True
+        keep &= once
     return good[keep], good.size
 
 
