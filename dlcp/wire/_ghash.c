@@ -459,13 +459,6 @@ openssl_failed(void)
     return -1;
 }
 
-/* A contiguous byte buffer of an item of a sequence (released by the caller). */
-static int
-get_bytes(PyObject *obj, Py_buffer *view)
-{
-    return PyObject_GetBuffer(obj, view, PyBUF_SIMPLE);
-}
-
 PyDoc_STRVAR(tags_doc,
 "tags(heads, payloads) -> bytes\n\n"
 "The 16-byte tags of packets (48 header bytes each, payload), back to back.");
@@ -496,21 +489,22 @@ Mac_tags(MacObject *self, PyObject *args)
         goto done;
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer h, p;
-        if (get_bytes(PySequence_Fast_GET_ITEM(hs, i), &h) < 0)
+        Bytes h, p;
+        if (bytes_get(PySequence_Fast_GET_ITEM(hs, i), &h) < 0)
             goto fail;
         if (h.len != HEAD) {
-            PyBuffer_Release(&h);
+            bytes_release(&h);
             PyErr_Format(PyExc_ValueError, "headers must be %d bytes each", HEAD);
             goto fail;
         }
-        if (get_bytes(PySequence_Fast_GET_ITEM(ps, i), &p) < 0) {
-            PyBuffer_Release(&h);
+        if (bytes_get(PySequence_Fast_GET_ITEM(ps, i), &p) < 0) {
+            bytes_release(&h);
             goto fail;
         }
-        int bad = tag_of(self, h.buf, p.buf, p.len, out + i * TAG);
-        PyBuffer_Release(&h);
-        PyBuffer_Release(&p);
+        int bad = tag_of(self, (const unsigned char *)h.buf, (const unsigned char *)p.buf, p.len,
+                         out + i * TAG);
+        bytes_release(&h);
+        bytes_release(&p);
         if (bad) {
             openssl_failed();
             goto fail;
@@ -574,11 +568,11 @@ Mac_encode(MacObject *self, PyObject *args)
         goto done;
     const unsigned char *heads = raw.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer p;
-        if (get_bytes(PySequence_Fast_GET_ITEM(ps, i), &p) < 0)
+        Bytes p;
+        if (bytes_get(PySequence_Fast_GET_ITEM(ps, i), &p) < 0)
             goto fail;
         PyObject *dg = datagram_of(self, heads + i * HEADER, p.buf, p.len);
-        PyBuffer_Release(&p);
+        bytes_release(&p);
         if (dg == NULL)
             goto fail;
         PyList_SET_ITEM(list, i, dg);
