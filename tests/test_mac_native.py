@@ -1,7 +1,7 @@
 """The C ghash-aes MAC (dlcp/wire/_ghash.c: its own AVX-512 GHASH, and
 OpenSSL's GCM) against the Python one (the `cryptography` package): the same
 tags, datagrams and verdicts, bit for bit, for every payload length around the
-16-byte block edges and the 256-byte steps, and for views into larger buffers;
+16-byte block edges, the 8-block groups and the 128-block chunks, and for views into larger buffers;
 bad input is refused with an error, not a crash.
 
 The project's install builds the extension (setup.py), so its absence fails
@@ -24,9 +24,11 @@ from dlcp.wire.slices import Slices
 KEY = bytes(range(32))
 LENGTHS = [
     *range(0, 40),
-    *range(240, 275),  # one 16-block AVX-512 step and its edges
-    *range(500, 530),  # two steps: one double step (32 blocks) of the AVX-512 loop
-    *range(760, 790),  # three: a double step and a single one
+    *range(240, 275),  # 15 to 17 blocks: the AVX-512 loop's 8-block groups and rest
+    *range(500, 530),
+    *range(760, 790),
+    *range(1960, 2010),  # 127 to 130 blocks with the header's: one chunk of key powers, two
+    *range(4020, 4045),  # the edge of two chunks and three
     4095,
     4096,
     4097,

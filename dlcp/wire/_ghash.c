@@ -28,6 +28,7 @@
 #define HEAD 48   /* header bytes a tag covers */
 #define TAG 16
 #define HEADER (HEAD + TAG)
+#define NPOW 128  /* POLYVAL key powers held (a chunk of blocks reduced once) */
 
 static const unsigned char NONCE[12] = {0};
 
@@ -36,7 +37,7 @@ typedef struct {
     EVP_CIPHER_CTX *gcm;
     EVP_CIPHER_CTX *ecb;
     int avx512;                    /* GHASH by tag_avx512 (else OpenSSL's GCM) */
-    unsigned char pw[32 * 16];     /* POLYVAL powers of the hash key: H^32 .. H^1 */
+    unsigned char pw[NPOW * 16];   /* POLYVAL powers of the hash key: H^NPOW .. H^1 */
     unsigned char ks[HEAD];        /* GCM's keystream for the header (fixed nonce) */
     unsigned char ej0[16];         /* E_K(J0): the mask of GCM's tag */
     int aesni;                     /* the tag's AES by AES-NI here (rk), not by EVP */
@@ -135,13 +136,14 @@ prp:
 /* ---- GHASH with AVX-512 VPCLMULQDQ ------------------------------------------
  *
  * OpenSSL 3.0 hashes about 6 GB/s here (128-bit carry-less multiplies, eight
- * blocks at a time); this does sixteen blocks per step in four 512-bit
- * multiplies each, with one reduction per step. The arithmetic is POLYVAL's
- * (RFC 8452), GHASH's byte-reversed twin:
+ * blocks at a time); this multiplies four blocks per 512-bit multiply by
+ * their own powers of the key (up to NPOW of them held) and reduces once per
+ * chunk of NPOW blocks: a datagram of up to 2 KiB once. The arithmetic is
+ * POLYVAL's (RFC 8452), GHASH's byte-reversed twin:
  *   GHASH(H, X1..Xn) = rev(POLYVAL(mulX(rev(H)), rev(X1), .., rev(Xn)))
  * and POLYVAL is sum_j dot(Xj, P^(n-j+1)), dot(a, b) = a*b*x^-128 modulo
  * x^128 + x^127 + x^126 + x^121 + 1, P^k the k-fold dot power of the key: the
- * products of a step are summed unreduced and reduced once.
+ * products of a chunk are summed unreduced and reduced once.
  *
  * The GCM tag with the fixed nonce is GHASH over the payload (associated data,
  * zero-padded to 16 bytes), the header's ciphertext (header XOR the keystream
@@ -198,80 +200,69 @@ reduce512(__m512i lo, __m512i hi, __m512i mi)
     return reduce128(l, h);
 }
 
-/* acc (POLYVAL domain) after `steps` steps of 16 blocks at p: acc enters with
- * the first block of each step. Two steps at a time where there are two (the
- * 32 blocks times H^32 .. H^1, one reduction): the reduction that feeds acc
- * into the next step is the loop's chain of latencies, so taking it half as
- * often made long payloads about 1.5x as fast. */
-AVX512 static __m128i
-polyval_steps(const MacObject *self, __m128i acc, const unsigned char *p, size_t steps)
+/* Add the products of m (>= 1) consecutive blocks at p with the m power
+ * slots from pws on (block j times slot j) into lo, hi and mi, unreduced;
+ * acc joins the first block. Nothing is read past the m blocks. */
+AVX512 static inline __attribute__((always_inline)) void
+mul_run(__m512i *lo_, __m512i *hi_, __m512i *mi_, __m128i acc, const unsigned char *p,
+        size_t m, const unsigned char *pws)
 {
     const __m512i rev = _mm512_broadcast_i32x4(
         _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const unsigned char *pw = self->pw;
-    const __m512i p4 = _mm512_loadu_si512((const void *)(pw + 256));
-    const __m512i p5 = _mm512_loadu_si512((const void *)(pw + 320));
-    const __m512i p6 = _mm512_loadu_si512((const void *)(pw + 384));
-    const __m512i p7 = _mm512_loadu_si512((const void *)(pw + 448));
-    if (steps >= 2) {
-        const __m512i p0 = _mm512_loadu_si512((const void *)(pw + 0));
-        const __m512i p1 = _mm512_loadu_si512((const void *)(pw + 64));
-        const __m512i p2 = _mm512_loadu_si512((const void *)(pw + 128));
-        const __m512i p3 = _mm512_loadu_si512((const void *)(pw + 192));
-        for (; steps >= 2; steps -= 2, p += 512) {
-            __m512i x[8];
-            for (int j = 0; j < 8; j++)
-                x[j] = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)(p + 64 * j)), rev);
-            x[0] = _mm512_xor_si512(x[0], _mm512_inserti32x4(_mm512_setzero_si512(), acc, 0));
-            __m512i lo = _mm512_setzero_si512(), hi = lo, mi = lo;
-            MUL4(x[0], p0);
-            MUL4(x[1], p1);
-            MUL4(x[2], p2);
-            MUL4(x[3], p3);
-            MUL4(x[4], p4);
-            MUL4(x[5], p5);
-            MUL4(x[6], p6);
-            MUL4(x[7], p7);
-            acc = reduce512(lo, hi, mi);
-        }
+    __m512i lo = *lo_, hi = *hi_, mi = *mi_;
+    __m512i a = _mm512_inserti32x4(_mm512_setzero_si512(), acc, 0);
+    size_t g = 0;
+    for (; g + 8 <= m; g += 8, p += 128, pws += 128) {
+        /* payloads hashed in place stream from memory: ask for them early */
+        _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + 1088), _MM_HINT_T0);
+        __m512i x0 = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)p), rev);
+        __m512i x1 = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)(p + 64)), rev);
+        x0 = _mm512_xor_si512(x0, a);
+        a = _mm512_setzero_si512();
+        MUL4(x0, _mm512_loadu_si512((const void *)pws));
+        MUL4(x1, _mm512_loadu_si512((const void *)(pws + 64)));
     }
-    if (steps) { /* the last 16 blocks: times H^16 .. H^1 */
-        __m512i x[4];
-        for (int j = 0; j < 4; j++)
-            x[j] = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)(p + 64 * j)), rev);
-        x[0] = _mm512_xor_si512(x[0], _mm512_inserti32x4(_mm512_setzero_si512(), acc, 0));
+    for (; g < m; g += 4, p += 64, pws += 64) {
+        size_t left = m - g;
+        __mmask8 k = left >= 4 ? 0xff : (__mmask8)((1u << (2 * left)) - 1); /* 64-bit words */
+        __m512i x = _mm512_shuffle_epi8(_mm512_maskz_loadu_epi64(k, (const void *)p), rev);
+        x = _mm512_xor_si512(x, a);
+        a = _mm512_setzero_si512();
+        MUL4(x, _mm512_maskz_loadu_epi64(k, (const void *)pws));
+    }
+    *lo_ = lo;
+    *hi_ = hi;
+    *mi_ = mi;
+}
+
+/* POLYVAL of the n = full + tn blocks (full at payload, then tn at tail)
+ * from acc = 0. Horner's rule over chunks of at most NPOW blocks, the last
+ * chunk ending at block n: in a chunk ending at block b, block j is
+ * multiplied by H^(b - j) (slot NPOW - b + j) and the accumulator joins the
+ * chunk's first block, so a chunk's products are summed unreduced and
+ * reduced once. A datagram of up to NPOW blocks (2 KiB) is one chunk: one
+ * reduction, no chain of latencies between its blocks. */
+AVX512 static __m128i
+polyval_all(const MacObject *self, const unsigned char *payload, size_t full,
+            const unsigned char *tail, size_t tn)
+{
+    size_t n = full + tn;
+    size_t a = 0, b = n - (n - 1) / NPOW * NPOW; /* the first chunk: 1 .. NPOW blocks */
+    __m128i acc = _mm_setzero_si128();
+    for (; a < n; a = b, b += NPOW) {
         __m512i lo = _mm512_setzero_si512(), hi = lo, mi = lo;
-        MUL4(x[0], p4);
-        MUL4(x[1], p5);
-        MUL4(x[2], p6);
-        MUL4(x[3], p7);
+        const unsigned char *pws = self->pw + (NPOW - (b - a)) * 16;
+        size_t k = a < full ? (b < full ? b : full) - a : 0; /* payload blocks here */
+        if (k) {
+            mul_run(&lo, &hi, &mi, acc, payload + a * 16, k, pws);
+            acc = _mm_setzero_si128();
+        }
+        if (b - a > k) /* tail blocks: from max(a, full) to b */
+            mul_run(&lo, &hi, &mi, acc, tail + (a + k - full) * 16, b - a - k, pws + k * 16);
         acc = reduce512(lo, hi, mi);
     }
     return acc;
-}
-
-/* acc after n (1 to 16) more blocks: acc joins the first, block j is
- * multiplied by H^(n - j) (the powers' slots 32 - n .. 31 lie in that order),
- * only the zmm groups the blocks fill are multiplied, and nothing is read past
- * the n blocks. */
-AVX512 static __m128i
-polyval_short(const MacObject *self, __m128i acc, const unsigned char *blocks, size_t n)
-{
-    const __m512i rev = _mm512_broadcast_i32x4(
-        _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const unsigned char *pw = self->pw + (32 - n) * 16;
-    __m512i lo = _mm512_setzero_si512(), hi = lo, mi = lo;
-    for (size_t g = 0; g * 4 < n; g++) {
-        size_t left = n - g * 4;
-        __mmask8 m = left >= 4 ? 0xff : (__mmask8)((1u << (2 * left)) - 1); /* 64-bit words */
-        __m512i x = _mm512_shuffle_epi8(
-            _mm512_maskz_loadu_epi64(m, (const void *)(blocks + g * 64)), rev);
-        if (g == 0)
-            x = _mm512_xor_si512(x, _mm512_inserti32x4(_mm512_setzero_si512(), acc, 0));
-        __m512i q = _mm512_maskz_loadu_epi64(m, (const void *)(pw + g * 64));
-        MUL4(x, q);
-    }
-    return reduce512(lo, hi, mi);
 }
 
 AVX512 static void
@@ -279,11 +270,7 @@ tag_avx512(const MacObject *self, const unsigned char *head, const unsigned char
            size_t plen, unsigned char *inner)
 {
     const __m128i rev = _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    size_t full = plen / 16, first = full % 16;
-    __m128i acc = _mm_setzero_si128();
-    if (first)
-        acc = polyval_short(self, acc, payload, first);
-    acc = polyval_steps(self, acc, payload + first * 16, full / 16);
+    size_t full = plen / 16;
     /* the tail: the payload's partial block, the header's ciphertext, the lengths */
     unsigned char tail[5 * 16] = {0};
     size_t n = 0, part = plen % 16;
@@ -300,12 +287,11 @@ tag_avx512(const MacObject *self, const unsigned char *head, const unsigned char
         tail[n * 16 + 8 + i] = (unsigned char)(cbits >> (56 - 8 * i));
     }
     n += 1;
-    acc = polyval_short(self, acc, tail, n);
+    __m128i acc = polyval_all(self, payload, full, tail, n);
     __m128i g = _mm_shuffle_epi8(acc, rev);  /* GHASH, in the message's byte order */
     g = _mm_xor_si128(g, _mm_loadu_si128((const __m128i *)self->ej0));
     _mm_storeu_si128((__m128i *)inner, g);
 }
-
 AVX512 static void
 avx512_powers(MacObject *self, const unsigned char *h_bytes)
 {
@@ -323,8 +309,8 @@ avx512_powers(MacObject *self, const unsigned char *h_bytes)
     }
     __m128i h = _mm_set_epi64x((long long)hi, (long long)lo);
     __m128i pk = h;
-    for (int k = 1; k <= 32; k++) {  /* P^k at slot 32 - k: step lane order */
-        _mm_storeu_si128((__m128i *)(self->pw + (32 - k) * 16), pk);
+    for (int k = 1; k <= NPOW; k++) {  /* P^k at slot NPOW - k */
+        _mm_storeu_si128((__m128i *)(self->pw + (NPOW - k) * 16), pk);
         pk = dot128(pk, h);
     }
 }
