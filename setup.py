@@ -23,7 +23,7 @@ setup(
             "dlcp.wire._ghash",
             sources=["dlcp/wire/_ghash.c"],
             # the Gathered datagram's layout; datagrams' bytes read in place
-            depends=["dlcp/wire/gathered.h", "dlcp/wire/bytes_of.h"],
+            depends=["dlcp/wire/gathered.h", "dlcp/wire/bytes_of.h", "dlcp/wire/segment.h"],
             libraries=["crypto"],
             extra_compile_args=_CFLAGS,
             optional=True,
@@ -38,14 +38,16 @@ setup(
         Extension(
             "dlcp.daemon._udp",
             sources=["dlcp/daemon/_udp.c"],
-            depends=["dlcp/wire/gathered.h"],  # the Gathered datagram's layout
+            # the Gathered datagram's layout, and the Segment's it makes of receives
+            depends=["dlcp/wire/gathered.h", "dlcp/wire/segment.h"],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),
         Extension(
             "dlcp.wire._bulk",
             sources=["dlcp/wire/_bulk.c"],
-            depends=["dlcp/wire/bytes_of.h"],  # datagrams' bytes read in place
+            # datagrams' bytes read in place; the Segment type
+            depends=["dlcp/wire/bytes_of.h", "dlcp/wire/segment.h"],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),

@@ -455,6 +455,7 @@ def test_datagrams_read_in_place_are_read_as_their_bytes() -> None:
     grid = np.frombuffer(raw, np.uint8).reshape(32, 32)
     same = [
         raw,
+        *_segments(raw, 1000)[:1],  # a GRO buffer's datagram (dlcp/wire/segment.h)
         bytearray(raw),
         memoryview(raw)[3:200],
         memoryview(np.frombuffer(raw, np.float32)),  # another format, contiguous
@@ -482,3 +483,73 @@ def test_datagrams_read_in_place_are_read_as_their_bytes() -> None:
             c_.heads([bad], HEADER_SIZE)
         with pytest.raises(err):
             c_.copy_runs(np.zeros(4096, np.uint8), 1, one, one, [bad], HEADER_SIZE)
+
+
+def _segments(data: bytes, seg: int) -> list:
+    """What dlcp.daemon._udp makes of a GRO buffer: its datagrams as Segments."""
+    from dlcp.daemon import transport
+
+    if transport._udp is None:
+        pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    segs = transport._udp.split_gro(data, seg)[0]
+    assert all(isinstance(s, lanes._bulk.Segment) and s.obj is data for s in segs)
+    return segs
+
+
+def test_segments_are_read_as_the_bytes_they_hold() -> None:
+    """A GRO buffer's datagrams are Segments (dlcp/wire/segment.h): read-only
+    bytes-like objects that Python reads as memoryviews of the same bytes
+    (len, indexing, slicing, ==, bytes, struct, numpy), that keep their
+    buffer alive, and that the C loops (headers, lanes, MAC) read in place."""
+    if not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    import gc
+    import struct
+
+    from dlcp.wire.mac import GhashAesKey
+
+    data = bytes(range(256)) * 12
+    segs = _segments(data, 1000)
+    assert [len(x) for x in segs] == [1000, 1000, 1000, 72]
+    for i, x in enumerate(segs):
+        want = data[i * 1000 : (i + 1) * 1000]
+        assert bytes(x) == want and x == want and x == memoryview(want)
+        assert (x != want) is False
+        assert x != want[:-1] + b"?" and x != want[:-1]
+        assert x[3] == want[3] and x[-1] == want[-1]
+        assert bytes(x[10:20]) == want[10:20] and bytes(x[::7]) == want[::7]
+        view = memoryview(x)
+        assert view.readonly and view.cast("B")[5] == want[5] and view.obj is x
+        assert np.frombuffer(x, np.uint8).tobytes() == want
+        assert struct.unpack_from(">I", x, 8) == struct.unpack_from(">I", want, 8)
+        with pytest.raises(TypeError):
+            view[0] = 1
+        with pytest.raises(TypeError):
+            hash(x)
+    with pytest.raises(IndexError):
+        segs[3][72]
+    with pytest.raises(TypeError):
+        type(segs[0])()
+    # a segment holds its buffer: nothing else refers to these bytes
+    held = _segments(os.urandom(5000), 1000)[1:3]
+    copies = [bytes(x) for x in held]
+    gc.collect()
+    assert [bytes(x) for x in held] == copies and held[0].obj is held[1].obj
+    # the C loops: headers and lengths, lanes, the MAC's verdicts
+    c_ = lanes._bulk
+    heads, lengths = c_.heads(segs, HEADER_SIZE)
+    assert bytes(heads) == b"".join(data[i * 1000 : i * 1000 + HEADER_SIZE] for i in range(4))
+    assert np.frombuffer(lengths, np.int64).tolist() == [1000, 1000, 1000, 72]
+    dest = np.zeros(4000, np.uint8)
+    starts = np.array([0, 1000, 2000, 3000])
+    counts = np.array([936, 936, 936, 8])
+    c_.copy_runs(dest, 1, starts, counts, segs, HEADER_SIZE)
+    for i, x in enumerate(segs):
+        assert dest[starts[i] : starts[i] + counts[i]].tobytes() == bytes(x)[HEADER_SIZE:]
+    key = GhashAesKey(bytes(range(32)))
+    recs = np.frombuffer(bytes(range(64)) * 3, np.uint8).reshape(3, 64).copy()
+    dgs = key.encode(recs.tobytes(), [bytes([i]) * 500 for i in range(3)])
+    good = _segments(b"".join(dgs), len(dgs[0]))
+    forged = _segments(b"".join(dgs[:2]) + dgs[2][:-1] + b"?", len(dgs[0]))
+    assert key.verify(good).tolist() == [True] * 3
+    assert key.verify(forged).tolist() == [True, True, False]

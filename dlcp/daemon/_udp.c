@@ -33,6 +33,7 @@
 #include <sys/socket.h>
 
 #include "../wire/gathered.h"
+#include "../wire/segment.h"
 
 #ifndef SOL_UDP
 #define SOL_UDP 17
@@ -248,39 +249,32 @@ split_buffer(PyObject *data, Py_ssize_t seg)
 {
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(data);
     Py_ssize_t size = PyBytes_GET_SIZE(data);
-    PyObject *mv = PyMemoryView_FromObject(data);
-    if (mv == NULL)
-        return NULL;
-    PyObject *segs;
-    Py_ssize_t k;
-    if (seg <= 0 || seg >= size) {
-        k = 1;
+    if (seg <= 0 || seg >= size)
         seg = size;
-        segs = PyList_New(1);
-        if (segs == NULL) {
-            Py_DECREF(mv);
-            return NULL;
-        }
-        PyList_SET_ITEM(segs, 0, mv); /* steals */
-    } else {
-        k = (size + seg - 1) / seg;
-        segs = PyList_New(k);
-        if (segs == NULL) {
-            Py_DECREF(mv);
-            return NULL;
-        }
-        for (Py_ssize_t i = 0; i < k; i++) {
-            Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
-            PyObject *v = PySequence_GetSlice(mv, a, b);
-            if (v == NULL) {
-                Py_DECREF(segs);
-                Py_DECREF(mv);
-                return NULL;
-            }
-            PyList_SET_ITEM(segs, i, v);
-        }
-        Py_DECREF(mv);
+    Py_ssize_t k = size == 0 ? 1 : (size + seg - 1) / seg;
+    PyObject *segs = PyList_New(k);
+    if (segs == NULL)
+        return NULL;
+    /* Segments (dlcp/wire/segment.h) where dlcp.wire._bulk is built, else
+     * memoryview slices: the same bytes either way */
+    PyTypeObject *st = segment_type();
+    PyObject *mv = NULL;
+    if (st == NULL && (mv = PyMemoryView_FromObject(data)) == NULL) {
+        Py_DECREF(segs);
+        return NULL;
     }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
+        PyObject *v = st != NULL ? segment_new(st, data, (const char *)p + a, b - a)
+                                 : PySequence_GetSlice(mv, a, b);
+        if (v == NULL) {
+            Py_DECREF(segs);
+            Py_XDECREF(mv);
+            return NULL;
+        }
+        PyList_SET_ITEM(segs, i, v);
+    }
+    Py_XDECREF(mv);
     Py_ssize_t last = size - (k - 1) * seg;
     Py_ssize_t full = seg < HEADER_SIZE ? 0 : (last >= HEADER_SIZE ? k : k - 1);
     PyObject *ids = NULL, *kinds = NULL;

@@ -37,9 +37,16 @@
  *   The header checks of `dlcp.wire.batch._field_reasons` in one pass: per
  *   64-byte header record the index of the first check it fails (255: none),
  *   or None when every record passes. The tables and constants are Python's.
+ *
+ * Segment
+ *
+ *   A datagram inside a receive buffer, read in place (dlcp/wire/segment.h):
+ *   dlcp.daemon._udp makes them; Python cannot.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <emmintrin.h>
@@ -505,6 +512,85 @@ done:
     return result;
 }
 
+/* ---- Segment (segment.h) ------------------------------------------------ */
+
+static void
+Segment_dealloc(SegmentObject *self)
+{
+    Py_XDECREF(self->owner);
+    PyObject_Free(self);
+}
+
+static int
+Segment_getbuffer(SegmentObject *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)self, (void *)self->buf, self->len, 1, flags);
+}
+
+static Py_ssize_t
+Segment_length(SegmentObject *self)
+{
+    return self->len;
+}
+
+/* Indexing, slicing and comparison as a memoryview of the bytes: made only
+ * for the few datagrams Python code reads itself. */
+static PyObject *
+Segment_subscript(SegmentObject *self, PyObject *key)
+{
+    PyObject *mv = PyMemoryView_FromObject((PyObject *)self);
+    if (mv == NULL)
+        return NULL;
+    PyObject *r = PyObject_GetItem(mv, key);
+    Py_DECREF(mv);
+    return r;
+}
+
+static PyObject *
+Segment_richcompare(PyObject *self, PyObject *other, int op)
+{
+    if (op != Py_EQ && op != Py_NE)
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *mv = PyMemoryView_FromObject(self);
+    if (mv == NULL)
+        return NULL;
+    PyObject *r = PyObject_RichCompare(mv, other, op);
+    Py_DECREF(mv);
+    return r;
+}
+
+static PyObject *
+Segment_repr(SegmentObject *self)
+{
+    return PyUnicode_FromFormat("<dlcp Segment of %zd bytes>", self->len);
+}
+
+static PyBufferProcs Segment_as_buffer = {(getbufferproc)Segment_getbuffer, NULL};
+static PyMappingMethods Segment_mapping = {(lenfunc)Segment_length,
+                                           (binaryfunc)Segment_subscript, NULL};
+static PySequenceMethods Segment_sequence = {(lenfunc)Segment_length};
+static PyMemberDef Segment_members[] = {
+    {"obj", T_OBJECT, offsetof(SegmentObject, owner), READONLY,
+     "the receive buffer (bytes) the datagram lies in"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject SegmentType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dlcp.wire._bulk.Segment",
+    .tp_basicsize = sizeof(SegmentObject),
+    .tp_dealloc = (destructor)Segment_dealloc,
+    .tp_repr = (reprfunc)Segment_repr,
+    .tp_as_sequence = &Segment_sequence,
+    .tp_as_mapping = &Segment_mapping,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_as_buffer = &Segment_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A datagram inside a receive buffer: read-only bytes, read in place by dlcp's C loops.",
+    .tp_richcompare = Segment_richcompare,
+    .tp_members = Segment_members,
+};
+
 static PyMethodDef methods[] = {
     {"heads", heads, METH_VARARGS,
      "heads(datagrams, size) -> (bytearray, bytes): the first size bytes of each "
@@ -541,5 +627,15 @@ PyInit__bulk(void)
         return NULL;
     }
     Py_INCREF(LengthError);
+    if (PyType_Ready(&SegmentType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SegmentType);
+    if (PyModule_AddObject(m, "Segment", (PyObject *)&SegmentType) < 0) {
+        Py_DECREF(&SegmentType);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

@@ -1,27 +1,39 @@
 /* The bytes of a datagram without a buffer export where that is safe.
  *
- * The receive path hands the C loops lists of memoryviews (a GRO buffer's
- * segments, dlcp/daemon/_udp.c) and reads each three times: headers, MAC,
+ * The receive path hands the C loops lists of datagrams (a GRO buffer's
+ * segments, dlcp/daemon/_udp.c; memoryviews where that is not built) and
+ * reads each three times: headers, MAC,
  * lanes. A PyObject_GetBuffer and PyBuffer_Release pair per datagram and
  * pass was a few percent of a daemon at 1500 bytes a packet. Within one C
  * call that runs no Python code, a bytes object's bytes, and those of a
  * memoryview that is not released and is C-contiguous, stay where they are
  * while the caller holds a reference (the list does): they are read in
- * place. Anything else goes through the buffer protocol as before.
+ * place, and so are those of a Segment (segment.h), which holds its bytes
+ * object. Anything else goes through the buffer protocol as before.
  */
 #ifndef DLCP_BYTES_OF_H
 #define DLCP_BYTES_OF_H
 
 #include <Python.h>
 
-/* 1 with *buf and *len set for a bytes object or a live C-contiguous
- * memoryview; 0 for anything else (the caller takes a buffer view). */
+#include "segment.h"
+
+/* 1 with *buf and *len set for a bytes object, a Segment (segment.h) or a
+ * live C-contiguous memoryview; 0 for anything else (the caller takes a
+ * buffer view). */
 static inline int
 bytes_of(PyObject *obj, const char **buf, Py_ssize_t *len)
 {
-    if (PyBytes_CheckExact(obj)) {
+    PyTypeObject *t = Py_TYPE(obj);
+    if (t == &PyBytes_Type) {
         *buf = PyBytes_AS_STRING(obj);
         *len = PyBytes_GET_SIZE(obj);
+        return 1;
+    }
+    if (t == segment_type() && t != NULL) {
+        const SegmentObject *s = (const SegmentObject *)obj;
+        *buf = s->buf;
+        *len = s->len;
         return 1;
     }
     if (PyMemoryView_Check(obj)) {
