@@ -47,7 +47,9 @@ typedef struct {
 static int avx512_usable = -1;     /* the CPU has AVX-512BW and VPCLMULQDQ (set once) */
 static int avx512_setup(MacObject *self, const unsigned char *hash_key);
 static int aesni_setup(MacObject *self, const unsigned char *prp_key);
-static void aesni_block(const MacObject *self, const unsigned char *in, unsigned char *out);
+#define PRP_BATCH 8 /* tags whose AES blocks verify makes together */
+static void aesni_blocks(const MacObject *self, const unsigned char *in, unsigned char *out,
+                         int k);
 
 static void
 Mac_dealloc(MacObject *self)
@@ -99,19 +101,19 @@ done:
 static void tag_avx512(const MacObject *self, const unsigned char *head,
                        const unsigned char *payload, size_t plen, unsigned char *inner);
 
-/* The tag of (head[0:48], payload[0:plen]) into out[0:16]; 0 on success. */
+/* GCM's tag of (head[0:48], payload[0:plen]) into inner[0:16], before the
+ * PRP block (prp_blocks) makes it the packet's tag; 0 on success. */
 static int
-tag_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
-       Py_ssize_t plen, unsigned char *out)
+inner_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
+         Py_ssize_t plen, unsigned char *inner)
 {
     unsigned char ct[HEAD + 16];
-    unsigned char inner[TAG];
     int n = 0, m = 0;
     if (self->gcm == NULL || self->ecb == NULL || plen > INT_MAX)
         return -1;
     if (self->avx512) {
         tag_avx512(self, head, payload, (size_t)plen, inner);
-        goto prp;
+        return 0;
     }
     if (EVP_EncryptInit_ex(self->gcm, NULL, NULL, NULL, NONCE) != 1)
         return -1;
@@ -123,14 +125,33 @@ tag_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
         return -1;
     if (EVP_CIPHER_CTX_ctrl(self->gcm, EVP_CTRL_GCM_GET_TAG, TAG, inner) != 1)
         return -1;
-prp:
-    if (self->aesni) { /* one block: EVP's call costs several times the AES itself */
-        aesni_block(self, inner, out);
+    return 0;
+}
+
+/* The PRP (AES-256 under the PRP key) of k (1 to PRP_BATCH) blocks of 16
+ * bytes, in to out; 0 on success. */
+static int
+prp_blocks(MacObject *self, const unsigned char *in, unsigned char *out, int k)
+{
+    if (self->aesni) { /* EVP's call costs several times the AES itself */
+        aesni_blocks(self, in, out, k);
         return 0;
     }
-    if (EVP_EncryptUpdate(self->ecb, out, &n, inner, TAG) != 1 || n != TAG)
+    int n = 0;
+    if (EVP_EncryptUpdate(self->ecb, out, &n, in, TAG * k) != 1 || n != TAG * k)
         return -1;
     return 0;
+}
+
+/* The tag of (head[0:48], payload[0:plen]) into out[0:16]; 0 on success. */
+static int
+tag_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
+       Py_ssize_t plen, unsigned char *out)
+{
+    unsigned char inner[TAG];
+    if (inner_of(self, head, payload, plen, inner) < 0)
+        return -1;
+    return prp_blocks(self, inner, out, 1);
 }
 
 /* ---- GHASH with AVX-512 VPCLMULQDQ ------------------------------------------
@@ -373,17 +394,25 @@ aesni_expand(MacObject *self, const unsigned char *key)
 }
 
 AESNI static void
-aesni_block(const MacObject *self, const unsigned char *in, unsigned char *out)
+aesni_blocks(const MacObject *self, const unsigned char *in, unsigned char *out, int k)
 {
+    /* k independent chains of 14 rounds: interleaved, their latencies overlap */
     const __m128i *rk = (const __m128i *)self->rk;
-    __m128i m = _mm_xor_si128(_mm_loadu_si128((const __m128i *)in), _mm_load_si128(rk));
-    for (int i = 1; i < 14; i++)
-        m = _mm_aesenc_si128(m, _mm_load_si128(rk + i));
-    _mm_storeu_si128((__m128i *)out, _mm_aesenclast_si128(m, _mm_load_si128(rk + 14)));
+    __m128i m[PRP_BATCH];
+    for (int j = 0; j < k; j++)
+        m[j] = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(in + 16 * j)), _mm_load_si128(rk));
+    for (int i = 1; i < 14; i++) {
+        const __m128i r = _mm_load_si128(rk + i);
+        for (int j = 0; j < k; j++)
+            m[j] = _mm_aesenc_si128(m[j], r);
+    }
+    for (int j = 0; j < k; j++)
+        _mm_storeu_si128((__m128i *)(out + 16 * j),
+                         _mm_aesenclast_si128(m[j], _mm_load_si128(rk + 14)));
 }
 
-/* Expand the PRP key for aesni_block where the CPU has AES-NI, and check it
- * against OpenSSL (self->ecb) on a few blocks: 0 to use it, -1 not to. */
+/* Expand the PRP key for aesni_blocks where the CPU has AES-NI, and check it
+ * against OpenSSL (self->ecb) on a batch of blocks: 0 to use it, -1 not to. */
 static int
 aesni_setup(MacObject *self, const unsigned char *prp_key)
 {
@@ -391,15 +420,16 @@ aesni_setup(MacObject *self, const unsigned char *prp_key)
     if (!__builtin_cpu_supports("aes"))
         return -1;
     aesni_expand(self, prp_key);
-    for (int t = 0; t < 3; t++) {
-        unsigned char in[16], want[16], got[16];
-        for (int i = 0; i < 16; i++)
-            in[i] = (unsigned char)(t * 91 + i * 37);
-        int n = 0;
-        if (EVP_EncryptUpdate(self->ecb, want, &n, in, 16) != 1 || n != 16)
-            return -1;
-        aesni_block(self, in, got);
-        if (memcmp(want, got, 16) != 0)
+    unsigned char in[16 * PRP_BATCH], want[16 * PRP_BATCH], got[16 * PRP_BATCH];
+    for (int i = 0; i < (int)sizeof in; i++)
+        in[i] = (unsigned char)(i * 37 + i / 16 * 91);
+    int n = 0;
+    if (EVP_EncryptUpdate(self->ecb, want, &n, in, sizeof in) != 1 || n != (int)sizeof in)
+        return -1;
+    for (int k = 1; k <= PRP_BATCH; k++) { /* every batch size, each block its own */
+        memset(got, 0, sizeof got);
+        aesni_blocks(self, in, got, k);
+        if (memcmp(want, got, 16 * (size_t)k) != 0)
             return -1;
     }
     return 0;
@@ -984,26 +1014,45 @@ Mac_verify(MacObject *self, PyObject *args)
     if (result == NULL)
         goto done;
     unsigned char *ok = (unsigned char *)PyBytes_AS_STRING(result);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Bytes d;
-        unsigned char tag[TAG];
-        if (bytes_get(PySequence_Fast_GET_ITEM(ds, i), &d) < 0)
-            goto fail;
-        if (d.len < HEADER) {
-            bytes_release(&d);
-            PyErr_Format(PyExc_ValueError, "datagram %zd has %zd bytes, fewer than %d bytes", i,
-                         d.len, HEADER);
-            goto fail;
+    /* PRP_BATCH datagrams at a time: their GCM tags, then their AES blocks
+     * together (prp_blocks), then the comparisons */
+    for (Py_ssize_t i0 = 0; i0 < n; i0 += PRP_BATCH) {
+        int k = n - i0 < PRP_BATCH ? (int)(n - i0) : PRP_BATCH, got = 0, bad = 0;
+        Bytes d[PRP_BATCH];
+        unsigned char inner[TAG * PRP_BATCH], tag[TAG * PRP_BATCH];
+        for (; got < k; got++) {
+            Py_ssize_t i = i0 + got;
+            if (bytes_get(PySequence_Fast_GET_ITEM(ds, i), &d[got]) < 0) {
+                bad = 1;
+                break;
+            }
+            if (d[got].len < HEADER) {
+                PyErr_Format(PyExc_ValueError, "datagram %zd has %zd bytes, fewer than %d bytes",
+                             i, d[got].len, HEADER);
+                bytes_release(&d[got]);
+                bad = 1;
+                break;
+            }
+            const unsigned char *b = (const unsigned char *)d[got].buf;
+            if (inner_of(self, b, b + HEADER, d[got].len - HEADER, inner + TAG * got) < 0) {
+                bytes_release(&d[got]);
+                openssl_failed();
+                bad = 1;
+                break;
+            }
         }
-        const unsigned char *b = (const unsigned char *)d.buf;
-        int bad = tag_of(self, b, b + HEADER, d.len - HEADER, tag);
-        if (!bad)
-            ok[i] = CRYPTO_memcmp(tag, b + HEAD, TAG) == 0;
-        bytes_release(&d);
-        if (bad) {
+        if (!bad && prp_blocks(self, inner, tag, k) < 0) {
             openssl_failed();
-            goto fail;
+            bad = 1;
         }
+        for (int j = 0; j < got; j++) {
+            const unsigned char *b = (const unsigned char *)d[j].buf;
+            if (!bad)
+                ok[i0 + j] = CRYPTO_memcmp(tag + TAG * j, b + HEAD, TAG) == 0;
+            bytes_release(&d[j]);
+        }
+        if (bad)
+            goto fail;
     }
     goto done;
 fail:
