@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import struct
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -282,8 +283,12 @@ class _Engine:
     def __init__(self, log: list[Any]) -> None:
         self.log = log
 
-    def receive_many(self, dgs: list[memoryview], now: float, nodes: list[int | None]) -> Any:
-        self.log.append(("engine", [bytes(d) for d in dgs], list(nodes), now))
+    def receive_many(
+        self, dgs: list[memoryview], now: float, nodes: Sequence[int | None] | np.ndarray
+    ) -> Any:
+        # the source node of each (the daemon's array says -1 for the reference's None)
+        srcs = [-1 if x is None else int(x) for x in nodes]
+        self.log.append(("engine", [bytes(d) for d in dgs], srcs, now))
         ok = [
             i
             for i, d in enumerate(dgs)
@@ -427,7 +432,9 @@ def test_a_daemon_with_datagrams_to_send_takes_one_flush_of_buffers_at_a_time() 
 def test_sources_with_and_without_unknown_ones() -> None:
     index = np.array([0, 2, 3], dtype=np.int64)
     assert _sources([4, 5, 6, 7], index).tolist() == [4, 6, 7]
-    assert _sources(np.array([4, 5, 6, 7]), index).tolist() == [4, 6, 7]  # type: ignore[arg-type]
+    assert _sources(np.array([4, 5, 6, 7]), index).tolist() == [4, 6, 7]
+    # the daemon's form: an int array, -1 where the source is not known
+    assert _sources(np.array([4, -1, -1, 7], np.int32), index).tolist() == [4, -1, 7]
     assert _sources([4, None, None, 7], index).tolist() == [4, -1, 7]
     assert _sources(None, index).tolist() == [-1, -1, -1]
 

@@ -229,10 +229,13 @@ def _payload_of(datagram: Any) -> memoryview:
     return payload
 
 
-def _sources(srcs: Sequence[int | None] | None, index: np.ndarray) -> np.ndarray:
-    """The source node of each accepted datagram (`index`: its position), -1 if unknown."""
+def _sources(srcs: Sequence[int | None] | np.ndarray | None, index: np.ndarray) -> np.ndarray:
+    """The source node of each accepted datagram (`index`: its position), -1 if
+    unknown; `srcs` is a sequence (None: unknown) or an int array (-1: unknown)."""
     if srcs is None:
         return np.full(index.size, -1, dtype=np.int64)
+    if isinstance(srcs, np.ndarray):
+        return srcs.astype(np.int64, copy=False)[index]
     try:  # the usual case, every source known: one conversion, no Python per datagram
         return np.fromiter(srcs, np.int64, len(srcs))[index]
     except TypeError:  # some None
@@ -660,7 +663,7 @@ class Engine:
         self,
         datagrams: Sequence[bytes | memoryview],
         now: float,
-        srcs: Sequence[int | None] | None = None,
+        srcs: Sequence[int | None] | np.ndarray | None = None,
     ) -> list[tuple[int, Header]]:
         """Take many datagrams at once (see `receive_many`); returns (position,
         header) of the accepted packets, rejects are counted."""
@@ -671,7 +674,7 @@ class Engine:
         self,
         datagrams: Sequence[bytes | memoryview],
         now: float,
-        srcs: Sequence[int | None] | None = None,
+        srcs: Sequence[int | None] | np.ndarray | None = None,
     ) -> np.ndarray:
         """Take many datagrams at once; returns the positions of the accepted ones.
 

@@ -315,7 +315,6 @@ class Daemon:
         rx = 0
         rx_bytes = 0
         dgs: list[memoryview] = []
-        nodes: list[int | None] = []
         kinds: list[bytes] = []  # the type byte of each of `dgs` (b"\0" for a truncated one)
         sizes: list[int] = []
         groups: list[tuple[JobState | None, int | None]] = []  # (job, node) of a run of `dgs`
@@ -330,7 +329,7 @@ class Daemon:
             rx_bytes += size
             if full:
                 if isinstance(ids, list):  # more than one job: datagram by datagram
-                    self._receive_mixed(segs, ids, src, dgs, nodes, kinds, sizes, groups, runs)
+                    self._receive_mixed(segs, ids, src, dgs, kinds, sizes, groups, runs)
                     continue
                 job = jobs.get(ids)
                 node = None
@@ -341,7 +340,6 @@ class Daemon:
                 if job is None or node is not None:
                     seg = len(segs[0])
                     dgs += segs[:full]
-                    nodes += [node] * full
                     kinds.append(types)
                     sizes += [seg] * (full - 1)
                     sizes.append(len(segs[-1]) if full == k else seg)
@@ -349,13 +347,14 @@ class Daemon:
                     runs.append(full)
             for dg in segs[full:]:  # truncated datagrams: the engine counts them
                 dgs.append(dg)
-                nodes.append(None)
                 kinds.append(b"\0")
                 sizes.append(len(dg))
                 groups.append((None, None))
                 runs.append(1)
         if not dgs:
             return
+        # each datagram's source node (-1: none), made per group, not per datagram
+        nodes = np.repeat(np.array([-1 if g[1] is None else g[1] for g in groups], np.int64), runs)
         accepted = self.engine.receive_many(dgs, now, nodes)
         if accepted.size:
             kind = np.frombuffer(b"".join(kinds), np.uint8)[accepted]
@@ -371,7 +370,6 @@ class Daemon:
         ids: list[int],
         src: str,
         dgs: list[memoryview],
-        nodes: list[int | None],
         kinds: list[bytes],
         sizes: list[int],
         groups: list[tuple[JobState | None, int | None]],
@@ -389,7 +387,6 @@ class Daemon:
                         self.daemon_rejects["bad_address"] += 1
                         continue
             dgs.append(dg)
-            nodes.append(node)
             kinds.append(bytes(dg[3:4]) if i < len(ids) else b"\0")
             sizes.append(len(dg))
             groups.append((job, node))
