@@ -173,6 +173,46 @@ def test_gathered_datagrams_go_as_their_bytes_joined(
         assert tx.sendmsg_calls - calls == len(_groups(joined))
 
 
+@pytest.mark.skipif(
+    transport._udp is None or not _ghash_built(), reason="dlcp.wire._ghash is not built"
+)
+def test_runs_of_gathered_datagrams_are_sealed_together_as_each_alone(
+    pair: tuple[UdpPath, UdpPath],
+) -> None:
+    """The C send seals a Gathered datagram with the unsealed ones of its key
+    that follow it (their tags' AES blocks at once, dlcp/wire/gathered.h):
+    runs of every length around that batch, of two keys, a datagram already
+    sealed amid them and bytes between them, arrive as the copying encoder
+    makes each of them."""
+    import numpy as np
+
+    from dlcp.wire.mac import GhashAesKey
+    from dlcp.wire.slices import Slices
+
+    tx, rx = pair
+    dest = ("127.0.0.1", rx.sock.getsockname()[1])
+    keys = [GhashAesKey(bytes(range(32))), GhashAesKey(bytes(range(1, 33)))]
+    rng = random.Random(5)
+    dgs: list[bytes] = []
+    want: list[bytes] = []
+    for run in (1, 7, 8, 9, 16, 17, 3, 30):
+        key = keys[run % 2]
+        size = 200 + 16 * rng.randrange(4)  # one size per run: its own super-datagrams
+        store = bytearray(rng.randbytes(run * size))
+        lengths = np.full(run, size, np.int64)
+        starts = np.arange(run, dtype=np.int64) * size
+        heads = bytes(rng.randbytes(HEADER_SIZE * run))
+        made = key.encode_gather(heads, Slices(memoryview(store), starts, lengths))
+        if run == 17:
+            bytes(made[4])  # read whole: sealed before the send
+        dgs += made
+        want += key.encode(heads, Slices(memoryview(store), starts, lengths))
+        dgs.append(b"between" * 3)
+        want.append(b"between" * 3)
+    assert tx.send(dgs, dest, 0) == len(dgs)
+    assert _split(_drain(rx, sum(map(len, want)))) == want
+
+
 def _groups(dgs: list[bytes]) -> list[int]:
     """Bytes of each super-datagram the rule makes: a run of equal sizes, plus
     one shorter datagram after it, within MAX_GSO_SEGMENTS and MAX_GSO_BYTES."""

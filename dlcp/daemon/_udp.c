@@ -69,18 +69,20 @@ release(batch_t *b, int nviews)
         PyBuffer_Release(&b->views[i]);
 }
 
-/* Datagram `obj`'s iovecs from b->views[*nv] on: one for a bytes-like object,
- * two (header, payload in place) for a Gathered one, whose views hold a
- * reference to it. Returns its size, or -1 with an exception set. */
+/* Datagram list[j]'s iovecs from b->views[*nv] on: one for a bytes-like
+ * object, two (header, payload in place) for a Gathered one, whose views hold
+ * a reference to it. Returns its size, or -1 with an exception set. */
 static Py_ssize_t
-take(batch_t *b, PyObject *obj, int *nv)
+take(batch_t *b, PyObject *list, Py_ssize_t j, int *nv)
 {
+    PyObject *obj = PyList_GET_ITEM(list, j);
     Py_buffer *v = &b->views[*nv];
     if (is_gathered(obj)) {
         GatheredObject *g = (GatheredObject *)obj;
-        /* its tag now, if not yet: the MAC reads the payload just before the
-         * kernel copies it, which then finds it in cache */
-        if (gathered_sealed(g) < 0 || PyObject_GetBuffer(g->head, &v[0], PyBUF_SIMPLE) < 0)
+        /* its tag now, if not yet, with those of the few Gathered datagrams
+         * after it: the MAC reads the payloads just before the kernel copies
+         * them, which then finds them in cache */
+        if (gathered_seal_ahead(list, j) < 0 || PyObject_GetBuffer(g->head, &v[0], PyBUF_SIMPLE) < 0)
             return -1;
         /* released by PyBuffer_Release: a reference to the datagram, which
          * holds the payload's buffer */
@@ -137,7 +139,7 @@ send_gso(PyObject *self, PyObject *args)
         Py_ssize_t j = i;
         while (j < n && m < MSGS) {
             int first = nv;
-            Py_ssize_t size = take(b, PyList_GET_ITEM(list, j), &nv);
+            Py_ssize_t size = take(b, list, j, &nv);
             if (size < 0) {
                 release(b, nv);
                 PyMem_Free(b);
@@ -153,7 +155,7 @@ send_gso(PyObject *self, PyObject *args)
                     lim = 1;
                 while (k < lim && j < n && nv < IOVS - 1) {
                     int at = nv;
-                    Py_ssize_t len = take(b, PyList_GET_ITEM(list, j), &nv);
+                    Py_ssize_t len = take(b, list, j, &nv);
                     if (len < 0) {
                         release(b, nv);
                         PyMem_Free(b);

@@ -664,6 +664,10 @@ Gathered_dealloc(GatheredObject *self)
 }
 
 static int gathered_seal(GatheredObject *g);
+static int gathered_seal_many(GatheredObject **gs, int k);
+#if GATHERED_SEAL_BATCH > PRP_BATCH
+#error "gathered_seal_many makes at most PRP_BATCH AES blocks at once"
+#endif
 
 /* A Gathered of `head` (a new reference, stolen) and len bytes at off of the
  * buffer `view` (a new export is taken of view->obj), its tag to be computed
@@ -683,6 +687,7 @@ gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t l
     g->mac = (PyObject *)mac;
     Py_INCREF(mac);
     g->seal = gathered_seal;
+    g->seal_many = gathered_seal_many;
     if (PyObject_GetBuffer(view->obj, &g->view, PyBUF_SIMPLE) < 0) {
         g->view.obj = NULL;
         Py_DECREF(g);
@@ -709,6 +714,30 @@ gathered_seal(GatheredObject *g)
         return openssl_failed();
     g->mac = NULL;
     Py_DECREF(mac);
+    return 0;
+}
+
+/* gathered_seal of k datagrams of one key at once: their GCM tags, then
+ * their AES blocks together (prp_blocks). */
+static int
+gathered_seal_many(GatheredObject **gs, int k)
+{
+    MacObject *mac = (MacObject *)gs[0]->mac;
+    unsigned char inner[TAG * PRP_BATCH] = {0}, tag[TAG * PRP_BATCH];
+    for (int j = 0; j < k; j++) {
+        const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(gs[j]->head);
+        const unsigned char *p = (const unsigned char *)gathered_payload(gs[j]);
+        if (inner_of(mac, h, p, gs[j]->len, inner + TAG * j))
+            return openssl_failed();
+    }
+    if (prp_blocks(mac, inner, tag, k))
+        return openssl_failed();
+    for (int j = 0; j < k; j++) {
+        memcpy(PyBytes_AS_STRING(gs[j]->head) + HEAD, tag + TAG * j, TAG);
+        gs[j]->mac = NULL;
+    }
+    for (int j = 0; j < k; j++)
+        Py_DECREF(mac); /* each held a reference */
     return 0;
 }
 
