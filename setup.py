@@ -23,7 +23,12 @@ setup(
             "dlcp.wire._ghash",
             sources=["dlcp/wire/_ghash.c"],
             # the Gathered datagram's layout; datagrams' bytes read in place
-            depends=["dlcp/wire/gathered.h", "dlcp/wire/bytes_of.h", "dlcp/wire/segment.h"],
+            depends=[
+                "dlcp/wire/gathered.h",
+                "dlcp/wire/bytes_of.h",
+                "dlcp/wire/segment.h",
+                "dlcp/wire/imported_type.h",
+            ],
             libraries=["crypto"],
             extra_compile_args=_CFLAGS,
             optional=True,
@@ -31,7 +36,7 @@ setup(
         Extension(
             "dlcp.daemon._keys",
             sources=["dlcp/daemon/_keys.c"],
-            depends=["dlcp/wire/gathered.h"],  # the Gathered datagram's layout
+            depends=["dlcp/wire/gathered.h", "dlcp/wire/imported_type.h"],  # the Gathered layout
             extra_compile_args=_CFLAGS,
             optional=True,
         ),
@@ -39,7 +44,7 @@ setup(
             "dlcp.daemon._udp",
             sources=["dlcp/daemon/_udp.c"],
             # the Gathered datagram's layout, and the Segment's it makes of receives
-            depends=["dlcp/wire/gathered.h", "dlcp/wire/segment.h"],
+            depends=["dlcp/wire/gathered.h", "dlcp/wire/segment.h", "dlcp/wire/imported_type.h"],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),
@@ -47,7 +52,7 @@ setup(
             "dlcp.wire._bulk",
             sources=["dlcp/wire/_bulk.c"],
             # datagrams' bytes read in place; the Segment type
-            depends=["dlcp/wire/bytes_of.h", "dlcp/wire/segment.h"],
+            depends=["dlcp/wire/bytes_of.h", "dlcp/wire/segment.h", "dlcp/wire/imported_type.h"],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),

@@ -47,7 +47,7 @@ typedef struct {
 static int avx512_usable = -1;     /* the CPU has AVX-512BW and VPCLMULQDQ (set once) */
 static int avx512_setup(MacObject *self, const unsigned char *hash_key);
 static int aesni_setup(MacObject *self, const unsigned char *prp_key);
-#define PRP_BATCH 8 /* tags whose AES blocks verify makes together */
+#define PRP_BATCH 8 /* tags whose AES blocks are made together (tags_of) */
 static void aesni_blocks(const MacObject *self, const unsigned char *in, unsigned char *out,
                          int k);
 
@@ -143,15 +143,26 @@ prp_blocks(MacObject *self, const unsigned char *in, unsigned char *out, int k)
     return 0;
 }
 
+/* The tags of k (1 to PRP_BATCH) packets (heads[j][0:48], payloads[j][0:
+ * plens[j]]) into out[16 j : 16 j + 16]: their GCM tags, then their AES
+ * blocks together (prp_blocks); 0 on success. */
+static int
+tags_of(MacObject *self, const unsigned char *const *heads, const unsigned char *const *payloads,
+        const Py_ssize_t *plens, int k, unsigned char *out)
+{
+    unsigned char inner[TAG * PRP_BATCH] = {0};
+    for (int j = 0; j < k; j++)
+        if (inner_of(self, heads[j], payloads[j], plens[j], inner + TAG * j) < 0)
+            return -1;
+    return prp_blocks(self, inner, out, k);
+}
+
 /* The tag of (head[0:48], payload[0:plen]) into out[0:16]; 0 on success. */
 static int
 tag_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
        Py_ssize_t plen, unsigned char *out)
 {
-    unsigned char inner[TAG];
-    if (inner_of(self, head, payload, plen, inner) < 0)
-        return -1;
-    return prp_blocks(self, inner, out, 1);
+    return tags_of(self, &head, &payload, &plen, 1, out);
 }
 
 /* ---- GHASH with AVX-512 VPCLMULQDQ ------------------------------------------
@@ -313,6 +324,7 @@ tag_avx512(const MacObject *self, const unsigned char *head, const unsigned char
     g = _mm_xor_si128(g, _mm_loadu_si128((const __m128i *)self->ej0));
     _mm_storeu_si128((__m128i *)inner, g);
 }
+
 AVX512 static void
 avx512_powers(MacObject *self, const unsigned char *h_bytes)
 {
@@ -663,7 +675,6 @@ Gathered_dealloc(GatheredObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int gathered_seal(GatheredObject *g);
 static int gathered_seal_many(GatheredObject **gs, int k);
 #if GATHERED_SEAL_BATCH > PRP_BATCH
 #error "gathered_seal_many makes at most PRP_BATCH AES blocks at once"
@@ -686,7 +697,6 @@ gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t l
     g->len = len;
     g->mac = (PyObject *)mac;
     Py_INCREF(mac);
-    g->seal = gathered_seal;
     g->seal_many = gathered_seal_many;
     if (PyObject_GetBuffer(view->obj, &g->view, PyBUF_SIMPLE) < 0) {
         g->view.obj = NULL;
@@ -701,36 +711,26 @@ gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t l
     return (PyObject *)g;
 }
 
-/* The tag, into the header bytes object (nobody has read it as a whole yet:
- * the getters seal first). */
-static int
-gathered_seal(GatheredObject *g)
-{
-    MacObject *mac = (MacObject *)g->mac;
-    if (mac == NULL)
-        return 0;
-    unsigned char *h = (unsigned char *)PyBytes_AS_STRING(g->head);
-    if (tag_of(mac, h, (const unsigned char *)gathered_payload(g), g->len, h + HEAD))
-        return openssl_failed();
-    g->mac = NULL;
-    Py_DECREF(mac);
-    return 0;
-}
-
-/* gathered_seal of k datagrams of one key at once: their GCM tags, then
- * their AES blocks together (prp_blocks). */
+/* Seal k datagrams of one key at once (gathered.h): their tags, into their
+ * header bytes objects (nobody has read those as a whole yet: the getters seal
+ * first). */
 static int
 gathered_seal_many(GatheredObject **gs, int k)
 {
-    MacObject *mac = (MacObject *)gs[0]->mac;
-    unsigned char inner[TAG * PRP_BATCH] = {0}, tag[TAG * PRP_BATCH];
-    for (int j = 0; j < k; j++) {
-        const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(gs[j]->head);
-        const unsigned char *p = (const unsigned char *)gathered_payload(gs[j]);
-        if (inner_of(mac, h, p, gs[j]->len, inner + TAG * j))
-            return openssl_failed();
+    if (k < 1 || k > GATHERED_SEAL_BATCH) {
+        PyErr_Format(PyExc_SystemError, "%d datagrams to seal at once", k);
+        return -1;
     }
-    if (prp_blocks(mac, inner, tag, k))
+    MacObject *mac = (MacObject *)gs[0]->mac;
+    const unsigned char *heads[GATHERED_SEAL_BATCH], *payloads[GATHERED_SEAL_BATCH];
+    Py_ssize_t plens[GATHERED_SEAL_BATCH];
+    unsigned char tag[TAG * GATHERED_SEAL_BATCH];
+    for (int j = 0; j < k; j++) {
+        heads[j] = (const unsigned char *)PyBytes_AS_STRING(gs[j]->head);
+        payloads[j] = (const unsigned char *)gathered_payload(gs[j]);
+        plens[j] = gs[j]->len;
+    }
+    if (tags_of(mac, heads, payloads, plens, k, tag))
         return openssl_failed();
     for (int j = 0; j < k; j++) {
         memcpy(PyBytes_AS_STRING(gs[j]->head) + HEAD, tag + TAG * j, TAG);
@@ -1043,12 +1043,13 @@ Mac_verify(MacObject *self, PyObject *args)
     if (result == NULL)
         goto done;
     unsigned char *ok = (unsigned char *)PyBytes_AS_STRING(result);
-    /* PRP_BATCH datagrams at a time: their GCM tags, then their AES blocks
-     * together (prp_blocks), then the comparisons */
+    /* PRP_BATCH datagrams at a time (tags_of), then the comparisons */
     for (Py_ssize_t i0 = 0; i0 < n; i0 += PRP_BATCH) {
         int k = n - i0 < PRP_BATCH ? (int)(n - i0) : PRP_BATCH, got = 0, bad = 0;
         Bytes d[PRP_BATCH];
-        unsigned char inner[TAG * PRP_BATCH], tag[TAG * PRP_BATCH];
+        const unsigned char *heads[PRP_BATCH], *payloads[PRP_BATCH];
+        Py_ssize_t plens[PRP_BATCH];
+        unsigned char tag[TAG * PRP_BATCH];
         for (; got < k; got++) {
             Py_ssize_t i = i0 + got;
             if (bytes_get(PySequence_Fast_GET_ITEM(ds, i), &d[got]) < 0) {
@@ -1062,22 +1063,17 @@ Mac_verify(MacObject *self, PyObject *args)
                 bad = 1;
                 break;
             }
-            const unsigned char *b = (const unsigned char *)d[got].buf;
-            if (inner_of(self, b, b + HEADER, d[got].len - HEADER, inner + TAG * got) < 0) {
-                bytes_release(&d[got]);
-                openssl_failed();
-                bad = 1;
-                break;
-            }
+            heads[got] = (const unsigned char *)d[got].buf;
+            payloads[got] = heads[got] + HEADER;
+            plens[got] = d[got].len - HEADER;
         }
-        if (!bad && prp_blocks(self, inner, tag, k) < 0) {
+        if (!bad && tags_of(self, heads, payloads, plens, k, tag) < 0) {
             openssl_failed();
             bad = 1;
         }
         for (int j = 0; j < got; j++) {
-            const unsigned char *b = (const unsigned char *)d[j].buf;
             if (!bad)
-                ok[i0 + j] = CRYPTO_memcmp(tag + TAG * j, b + HEAD, TAG) == 0;
+                ok[i0 + j] = CRYPTO_memcmp(tag + TAG * j, heads[j] + HEAD, TAG) == 0;
             bytes_release(&d[j]);
         }
         if (bad)

@@ -2,9 +2,9 @@
  *
  * The receive path hands the C loops lists of datagrams (a GRO buffer's
  * segments, dlcp/daemon/_udp.c; memoryviews where that is not built) and
- * reads each three times: headers, MAC,
- * lanes. A PyObject_GetBuffer and PyBuffer_Release pair per datagram and
- * pass was a few percent of a daemon at 1500 bytes a packet. Within one C
+ * reads each three times: headers, MAC, lanes. A PyObject_GetBuffer and
+ * PyBuffer_Release pair per datagram and pass was a few percent of a daemon
+ * at 1500 bytes a packet. Within one C
  * call that runs no Python code, a bytes object's bytes, and those of a
  * memoryview that is not released and is C-contiguous, stay where they are
  * while the caller holds a reference (the list does): they are read in
@@ -30,7 +30,7 @@ bytes_of(PyObject *obj, const char **buf, Py_ssize_t *len)
         *len = PyBytes_GET_SIZE(obj);
         return 1;
     }
-    if (t == segment_type() && t != NULL) {
+    if (t == segment_type()) {
         const SegmentObject *s = (const SegmentObject *)obj;
         *buf = s->buf;
         *len = s->len;

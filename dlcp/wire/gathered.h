@@ -12,6 +12,8 @@
 
 #include <Python.h>
 
+#include "imported_type.h"
+
 typedef struct GatheredObject GatheredObject;
 
 struct GatheredObject {
@@ -21,15 +23,15 @@ struct GatheredObject {
     Py_ssize_t off;  /* the payload: view.buf[off : off + len] */
     Py_ssize_t len;
     /* Until the datagram is sealed, its tag (header bytes 48..64) is not yet
-     * computed: `mac` is the key that will (a reference) and `seal` writes it,
+     * computed: `mac` is the key that will (a reference) and `seal_many` writes it,
      * just before the payload is first read as a whole (sent, joined, copied),
      * so that the kernel's copy of a payload read from memory by the MAC finds
      * it in cache. Sealed: mac is NULL. The other header bytes are set from
      * the start. */
     PyObject *mac;
-    int (*seal)(GatheredObject *g); /* 0, or -1 with an exception set */
     /* seal gs[0 .. k - 1] (1 <= k <= GATHERED_SEAL_BATCH), all unsealed and
-     * of one key, together: their tags' AES blocks made at once */
+     * of one key, together (their tags' AES blocks made at once): 0, or -1
+     * with an exception set */
     int (*seal_many)(GatheredObject **gs, int k);
 };
 
@@ -45,7 +47,7 @@ gathered_payload(const GatheredObject *g)
 static inline int
 gathered_sealed(GatheredObject *g)
 {
-    return g->mac == NULL ? 0 : g->seal(g);
+    return g->mac == NULL ? 0 : g->seal_many(&g, 1);
 }
 
 /* The Gathered type of dlcp.wire._ghash, or NULL (not built: then no datagram
@@ -56,22 +58,11 @@ static int gathered_type_looked;
 static inline PyTypeObject *
 gathered_type(void)
 {
-    if (gathered_type_looked)
-        return gathered_type_cache;
-    gathered_type_looked = 1;
-    PyObject *m = PyImport_ImportModule("dlcp.wire._ghash");
-    if (m == NULL) {
-        PyErr_Clear();
-        return NULL;
+    if (!gathered_type_looked) {
+        gathered_type_looked = 1;
+        gathered_type_cache =
+            imported_type("dlcp.wire._ghash", "Gathered", (Py_ssize_t)sizeof(GatheredObject));
     }
-    PyObject *t = PyObject_GetAttrString(m, "Gathered");
-    Py_DECREF(m);
-    if (t == NULL || !PyType_Check(t)) {
-        PyErr_Clear();
-        Py_XDECREF(t);
-        return NULL;
-    }
-    gathered_type_cache = (PyTypeObject *)t; /* kept: a module-lifetime reference */
     return gathered_type_cache;
 }
 

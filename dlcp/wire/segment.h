@@ -18,6 +18,8 @@
 
 #include <Python.h>
 
+#include "imported_type.h"
+
 typedef struct {
     PyObject_HEAD
     PyObject *owner;  /* a bytes object: never resized or freed while held */
@@ -33,22 +35,11 @@ static int segment_type_looked;
 static inline PyTypeObject *
 segment_type(void)
 {
-    if (segment_type_looked)
-        return segment_type_cache;
-    segment_type_looked = 1;
-    PyObject *m = PyImport_ImportModule("dlcp.wire._bulk");
-    if (m == NULL) {
-        PyErr_Clear();
-        return NULL;
+    if (!segment_type_looked) {
+        segment_type_looked = 1;
+        segment_type_cache =
+            imported_type("dlcp.wire._bulk", "Segment", (Py_ssize_t)sizeof(SegmentObject));
     }
-    PyObject *t = PyObject_GetAttrString(m, "Segment");
-    Py_DECREF(m);
-    if (t == NULL || !PyType_Check(t) || ((PyTypeObject *)t)->tp_basicsize != sizeof(SegmentObject)) {
-        PyErr_Clear();
-        Py_XDECREF(t);
-        return NULL;
-    }
-    segment_type_cache = (PyTypeObject *)t; /* kept: a module-lifetime reference */
     return segment_type_cache;
 }
 
