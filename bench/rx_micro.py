@@ -35,12 +35,14 @@ if not os.environ.get("PYTHONPATH"):  # else the checkout PYTHONPATH names (to t
 
 from dlcp.core.engine import Engine, JobSpec  # noqa: E402
 from dlcp.daemon.server import Daemon  # noqa: E402
+from dlcp.daemon.transport import _udp, split_gro  # noqa: E402
 from dlcp.wire import Codec  # noqa: E402
 from dlcp.wire.batch import decode_batch  # noqa: E402
 from dlcp.wire.mac import GhashAesKey, mac_state  # noqa: E402
 
-BATCH = 448
-PER_BUFFER = 7
+BATCH = 448  # datagrams a decode_batch call
+GRO_BYTES = 65535  # a GRO buffer holds as many datagrams as fit in this
+READS = 64  # buffers a timed Daemon._receive call (its recvmsg budget)
 
 
 class _CachedVerdicts:
@@ -77,6 +79,10 @@ class _Engine:
         return np.arange(len(dgs))
 
 
+class _Outbox:
+    backlog: set[Any] = set()
+
+
 class _Loop:
     def time(self) -> float:
         return 0.0
@@ -88,6 +94,12 @@ class _Path:
 
     def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
         return self.buffers
+
+    def receive_split(self, budget: int = 64) -> list[Any]:
+        """What `UdpPath.receive_split` returns for the buffers (split in C
+        where `_udp` is built, as the daemon's receive does)."""
+        split = _udp.split_gro if _udp is not None else split_gro
+        return [(*split(data, seg), src) for data, seg, src in self.buffers]
 
     def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
         """What `UdpPath.receive` yields (the daemon before `receive_buffers`)."""
@@ -120,8 +132,9 @@ def main() -> int:
     seg = len(outs[0])
     outs = [o for o in outs if len(o) == seg]  # data packets of full size only
     buffers = []
-    for j, i in enumerate(range(0, len(outs) - PER_BUFFER + 1, PER_BUFFER)):
-        buf = bytearray(b"".join(outs[i : i + PER_BUFFER]))
+    per_buffer = GRO_BYTES // seg
+    for j, i in enumerate(range(0, len(outs) - per_buffer + 1, per_buffer)):
+        buf = bytearray(b"".join(outs[i : i + per_buffer]))
         if j % 2:
             for o in range(0, len(buf), seg):
                 buf[o + 3] = 2  # RESULT: the daemon acknowledges its bytes
@@ -158,9 +171,10 @@ def main() -> int:
         jobs={1: _Job()},
         daemon_rejects=Counter(),
         counters=Counter(),
+        outbox=_Outbox(),
         _loop=_Loop(),
     )
-    path = _Path(buffers[: BATCH // PER_BUFFER])
+    path = _Path(buffers[:READS])
     m = sum(len(b) // seg for b, _, _ in path.buffers)
     ts = _time(lambda: Daemon._receive(d, path), a.calls)  # type: ignore[arg-type]
     print(

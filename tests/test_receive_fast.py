@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlcp.core import engine as engine_mod
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, _sources
 from dlcp.daemon import server, transport
 from dlcp.daemon.server import Daemon
@@ -379,6 +380,66 @@ def _buffers(rng: np.random.Generator, n: int) -> list[tuple[bytes, int, str]]:
             gro = 0
         out.append((data, gro, src))
     return out
+
+
+def _field_run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
+    """Where runs start, field by field as `Engine.receive_many` first defined
+    them (an independent statement of what the masks compare)."""
+    starts = []
+    for i in range(len(f)):
+        a, b = f[i - 1], f[i]
+        same = (
+            i > 0
+            and int(a["type"]) in (PacketType.DATA, PacketType.RESULT)
+            and int(b["type"]) in (PacketType.DATA, PacketType.RESULT)
+            and src[i] == src[i - 1]
+            and all(a[k] == b[k] for k in engine_mod._RUN_FIELDS)
+            and (int(a["flags"]) ^ int(b["flags"])) & engine_mod._RUN_FLAGS == 0
+            and (
+                int(b["type"]) != PacketType.DATA
+                or (
+                    a["contributors"] == b["contributors"]
+                    and a["param"].tobytes() == b["param"].tobytes()
+                )
+            )
+        )
+        if not same:
+            starts.append(i)
+    return starts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_run_starts_in_c_and_numpy_are_the_fields_compared(seed: int) -> None:
+    """`_run_starts` (C where built) and `_py_run_starts` split a batch into runs
+    where a field-by-field comparison does: real data and result headers with
+    one byte changed here and there (each field, the flags bits in and out of
+    _RUN_FLAGS), other types, changing sources, -0.0 beside 0.0."""
+    rng = np.random.default_rng(seed)
+    base = np.frombuffer(
+        b"".join(d[:HEADER_SIZE] for d in _traffic(JOB_A, "ghash-aes", 4)), dtype=HEADER_DTYPE
+    )
+    n = 3000
+    pick = np.sort(rng.integers(0, base.size, n))
+    heads = base[pick].copy()
+    raw = heads.view(np.uint8).reshape(n, HEADER_SIZE)
+    for k in rng.integers(0, n, n // 10):  # a byte of the first 48 changed
+        raw[k, rng.integers(0, 48)] ^= np.uint8(1 << int(rng.integers(0, 8)))
+    heads["type"][rng.integers(0, n, n // 20)] = rng.choice([1, 2, 3, 4, 5], n // 20)
+    heads["param"][rng.integers(0, n, n // 20)] = rng.choice([0.0, -0.0], n // 20)
+    src = np.repeat(rng.integers(-1, 3, n // 100 + 1), 100)[:n].astype(np.int64)
+    want = _field_run_starts(heads, src)
+    assert 50 < len(want) < n  # runs, and breaks of many kinds
+    assert engine_mod._py_run_starts(heads, src) == want
+    assert engine_mod._run_starts(heads, src) == want
+    assert engine_mod._run_starts(heads[:0], src[:0]) == []
+    assert engine_mod._py_run_starts(heads[:1], src[:1]) == [0]
+    if engine_mod._bulk is None:
+        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.wire._bulk was not built"
+        return
+    with pytest.raises(ValueError, match="header bytes"):
+        engine_mod._bulk.run_starts(bytes(65), src[:1], bytes(64), bytes(64), bytes(256), 3, 1)
+    with pytest.raises(ValueError, match="masks"):
+        engine_mod._bulk.run_starts(bytes(64), src[:1], bytes(63), bytes(64), bytes(256), 3, 1)
 
 
 @pytest.mark.parametrize("native", [False, True])

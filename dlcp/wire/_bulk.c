@@ -38,6 +38,16 @@
  *   64-byte header record the index of the first check it fails (255: none),
  *   or None when every record passes. The tables and constants are Python's.
  *
+ * run_starts(heads, src, mask, data_mask, lanes, type_at, data_type) -> bytes
+ *
+ *   Where the runs of `dlcp.core.engine.Engine.receive_many` start: record i
+ *   (of the 64-byte header records `heads`, sources `src`, int64) starts one
+ *   unless it and record i - 1 are both of a lane-carrying type (lanes[type]
+ *   nonzero; the type byte at type_at), come from one source and agree on
+ *   every bit of `mask` (64 bytes), and, for a record of type data_type, on
+ *   every bit of `data_mask` too. The starts as native int64s (record 0
+ *   always), one compare of eight 64-bit words a record.
+ *
  * Segment
  *
  *   A datagram inside a receive buffer, read in place (dlcp/wire/segment.h):
@@ -512,6 +522,73 @@ done:
     return result;
 }
 
+static PyObject *
+run_starts(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *heads_obj, *src_obj;
+    Py_buffer mask, data_mask, lanes;
+    int type_at, data_type;
+    if (!PyArg_ParseTuple(args, "OOy*y*y*ii", &heads_obj, &src_obj, &mask, &data_mask, &lanes,
+                          &type_at, &data_type))
+        return NULL;
+    Py_buffer heads = {0}, src = {0};
+    PyObject *result = NULL;
+    if (mask.len != HEAD_SIZE || data_mask.len != HEAD_SIZE || lanes.len != 256 || type_at < 0 ||
+        type_at >= HEAD_SIZE) {
+        PyErr_Format(PyExc_ValueError, "masks must be %d bytes, lanes 256, type_at a header byte",
+                     HEAD_SIZE);
+        goto done;
+    }
+    if (PyObject_GetBuffer(heads_obj, &heads, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (int64_buffer(src_obj, &src, "src") < 0)
+        goto done;
+    Py_ssize_t n = src.len / 8;
+    if (heads.len != n * HEAD_SIZE) {
+        PyErr_Format(PyExc_ValueError, "%zd header bytes for %zd sources of %d-byte headers",
+                     heads.len, n, HEAD_SIZE);
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, (n ? n : 1) * 8);
+    if (result == NULL)
+        goto done;
+    uint64_t m[HEAD_SIZE / 8], dm[HEAD_SIZE / 8];
+    memcpy(m, mask.buf, HEAD_SIZE);
+    memcpy(dm, data_mask.buf, HEAD_SIZE);
+    const unsigned char *h = heads.buf, *lt = lanes.buf;
+    const int64_t *sr = src.buf;
+    int64_t *out = (int64_t *)PyBytes_AS_STRING(result);
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *b = h + i * HEAD_SIZE;
+        int same = 0;
+        if (i > 0 && lt[b[type_at]] && lt[b[type_at - HEAD_SIZE]] && sr[i] == sr[i - 1]) {
+            uint64_t w[HEAD_SIZE / 8], v[HEAD_SIZE / 8], diff = 0, ddiff = 0;
+            memcpy(w, b, HEAD_SIZE);
+            memcpy(v, b - HEAD_SIZE, HEAD_SIZE);
+            for (int j = 0; j < HEAD_SIZE / 8; j++) {
+                diff |= (w[j] ^ v[j]) & m[j];
+                ddiff |= (w[j] ^ v[j]) & dm[j];
+            }
+            same = diff == 0 && (b[type_at] != data_type || ddiff == 0);
+        }
+        if (!same)
+            out[k++] = i;
+    }
+    if (_PyBytes_Resize(&result, k * 8) < 0)
+        result = NULL;
+done:
+    PyBuffer_Release(&mask);
+    PyBuffer_Release(&data_mask);
+    PyBuffer_Release(&lanes);
+    if (heads.obj != NULL)
+        PyBuffer_Release(&heads);
+    if (src.obj != NULL)
+        PyBuffer_Release(&src);
+    return result;
+}
+
 /* ---- Segment (segment.h) ------------------------------------------------ */
 
 static void
@@ -606,6 +683,9 @@ static PyMethodDef methods[] = {
      "max_priority, max_payload) -> bytes | None: per header record the index of the "
      "first check of dlcp.wire.batch._field_reasons it fails (255: none); None when "
      "all pass"},
+    {"run_starts", run_starts, METH_VARARGS,
+     "run_starts(heads, src, mask, data_mask, lanes, type_at, data_type) -> bytes: the "
+     "int64 indices of the header records that start a run of Engine.receive_many"},
     {NULL, NULL, 0, NULL},
 };
 
