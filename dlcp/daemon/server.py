@@ -316,9 +316,10 @@ class Daemon:
         rx_bytes = 0
         dgs: list[memoryview] = []
         kinds: list[bytes] = []  # the type byte of each of `dgs` (b"\0" for a truncated one)
-        sizes: list[int] = []
         groups: list[tuple[JobState | None, int | None]] = []  # (job, node) of a run of `dgs`
         runs: list[int] = []  # datagrams of each group
+        sizes: list[int] = []  # bytes of each group's datagrams but its last (all one size)
+        lasts: list[int] = []  # bytes of each group's last datagram
         # per buffer (transport.Split): its datagrams, bytes, how many have a
         # whole header (all but a shorter last one, or none), their job (a list
         # when they name more than one) and type bytes, the source
@@ -329,7 +330,7 @@ class Daemon:
             rx_bytes += size
             if full:
                 if isinstance(ids, list):  # more than one job: datagram by datagram
-                    self._receive_mixed(segs, ids, src, dgs, kinds, sizes, groups, runs)
+                    self._receive_mixed(segs, ids, src, dgs, kinds, groups, runs, sizes, lasts)
                     continue
                 job = jobs.get(ids)
                 node = None
@@ -341,16 +342,17 @@ class Daemon:
                     seg = len(segs[0])
                     dgs += segs[:full]
                     kinds.append(types)
-                    sizes += [seg] * (full - 1)
-                    sizes.append(len(segs[-1]) if full == k else seg)
                     groups.append((job, node))
                     runs.append(full)
+                    sizes.append(seg)
+                    lasts.append(len(segs[-1]) if full == k else seg)
             for dg in segs[full:]:  # truncated datagrams: the engine counts them
                 dgs.append(dg)
                 kinds.append(b"\0")
-                sizes.append(len(dg))
                 groups.append((None, None))
                 runs.append(1)
+                sizes.append(len(dg))
+                lasts.append(len(dg))
         if not dgs:
             return
         # each datagram's source node (-1: none), made per group, not per datagram
@@ -360,7 +362,9 @@ class Daemon:
             kind = np.frombuffer(b"".join(kinds), np.uint8)[accepted]
             control = kind != _DATA
             if control.any():
-                self._on_control(accepted[control], kind[control], dgs, sizes, groups, runs, now)
+                self._on_control(
+                    accepted[control], kind[control], dgs, groups, runs, sizes, lasts, now
+                )
         self.counters["rx_packets"] += rx
         self.counters["rx_bytes"] += rx_bytes
 
@@ -371,9 +375,10 @@ class Daemon:
         src: str,
         dgs: list[memoryview],
         kinds: list[bytes],
-        sizes: list[int],
         groups: list[tuple[JobState | None, int | None]],
         runs: list[int],
+        sizes: list[int],
+        lasts: list[int],
     ) -> None:
         """`_receive` for a buffer whose datagrams name more than one job."""
         jobs = self.jobs
@@ -388,22 +393,26 @@ class Daemon:
                         continue
             dgs.append(dg)
             kinds.append(bytes(dg[3:4]) if i < len(ids) else b"\0")
-            sizes.append(len(dg))
             groups.append((job, node))
             runs.append(1)
+            sizes.append(len(dg))
+            lasts.append(len(dg))
 
     def _on_control(
         self,
         positions: np.ndarray,
         kind: np.ndarray,
         dgs: list[memoryview],
-        sizes: list[int],
         groups: list[tuple[JobState | None, int | None]],
         runs: list[int],
+        sizes: list[int],
+        lasts: list[int],
         now: float,
     ) -> None:
-        """Accepted packets other than data, at `positions` of `dgs`: each NACK
-        in order, then per peer the bytes of its results, ACKs and DONEs."""
+        """Accepted packets other than data, at `positions` of `dgs` (in groups
+        of `runs` datagrams, each of `sizes` bytes but the group's last, of
+        `lasts`): each NACK in order, then per peer the bytes of its results,
+        ACKs and DONEs."""
         group = np.repeat(np.arange(len(groups)), runs)[positions]
         nack = kind == _NACK
         for i, g in zip(positions[nack].tolist(), group[nack].tolist(), strict=True):
@@ -422,9 +431,12 @@ class Daemon:
         acking = _ACKING[kind]
         if not acking.any():
             return
-        at = positions[acking].tolist()
-        weights = np.fromiter(map(sizes.__getitem__, at), np.int64, len(at))
-        nbytes = np.bincount(group[acking], weights=weights, minlength=len(groups))
+        at = positions[acking]
+        g = group[acking]
+        weights = np.array(sizes, np.int64)[g]  # by group: no Python step a datagram
+        last = at == np.cumsum(runs)[g] - 1
+        weights[last] = np.array(lasts, np.int64)[g[last]]
+        nbytes = np.bincount(g, weights=weights, minlength=len(groups))
         acked: dict[Peer, int] = {}
         for g in np.flatnonzero(nbytes).tolist():  # groups in arrival order
             job, node = groups[g]
