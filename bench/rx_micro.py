@@ -3,14 +3,14 @@
     python bench/rx_micro.py [--payload 8908] [--calls 2000]
 
 Datagrams of a real 25 MB fp32 round (one engine's data packets) are grouped
-seven to a buffer as GRO would (every other buffer relabelled as results) and
-timed through:
+as many to a 64 KiB buffer as fit, as GRO would (every other buffer relabelled
+as results), and timed through:
 - `decode_batch` in batches of 448 with the ghash-aes MAC (in C where
   dlcp.wire._ghash is built, and through the cryptography package), and with
   the verdicts replaced by precomputed ones (the rest of decode_batch alone);
-- `Daemon._receive` on those buffers with the engine stubbed out (it accepts
-  every datagram): splitting, job and node lookup, control packets. (A
-  checkout from before `UdpPath.receive_buffers` takes them from `receive`.)
+- `Daemon._receive` on 64 of those buffers a call (its recvmsg budget) with
+  the engine stubbed out (it accepts every datagram): splitting (`_udp`'s C
+  split where built), job and node lookup, control packets.
 Prints medians (and the fastest call for the daemon) in us per datagram. Run
 it under the bench lock, alternated with another checkout, as with any timing.
 """
