@@ -255,7 +255,9 @@ _RUN_MASK = _field_mask(_RUN_FIELDS, _RUN_FLAGS)
 _RUN_DATA_MASK = _field_mask(("contributors", "param"))
 _LANE_TYPES = np.zeros(256, dtype=bool)  # by type byte: DATA and RESULT carry lanes
 _LANE_TYPES[[PacketType.DATA, PacketType.RESULT]] = True
+_LANE_TYPE_BYTES = _LANE_TYPES.view(np.uint8).tobytes()  # the same, as `_bulk` takes it
 _TYPE_AT = _field_at("type")
+_DATA_TYPE = int(PacketType.DATA)
 
 
 def _run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
@@ -269,9 +271,9 @@ def _run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
             np.ascontiguousarray(src, dtype=np.int64),
             _RUN_MASK,
             _RUN_DATA_MASK,
-            _LANE_TYPES.view(np.uint8).tobytes(),
+            _LANE_TYPE_BYTES,
             _TYPE_AT,
-            int(PacketType.DATA),
+            _DATA_TYPE,
         )
         return np.frombuffer(raw, np.int64).tolist()
     return _py_run_starts(f, src)

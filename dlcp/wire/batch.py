@@ -305,29 +305,20 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
                 raw = b"".join([views[i][:HEADER_SIZE] for i in np.flatnonzero(full).tolist()])
                 heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
     found = _field_reasons(heads, lengths, full)
-    checked = None  # the MAC verdicts of all n, where one job's key was found for all
-    if found is None and n:  # the usual batch: every header passes, one job
-        jobs = heads["job"]
-        key = keys.get(int(jobs[0]))
-        if key is not None and (n == 1 or (jobs == jobs[0]).all()):
-            checked = verify_blake2b(key, items) if isinstance(key, bytes) else key.verify(items)
-            if checked.all():  # every datagram accepted: no per-reason bookkeeping
-                return Batch(
-                    fields=heads, payloads=Payloads(items), index=np.arange(n), rejects=Counter()
-                )
     reasons = np.zeros(n, dtype=np.int64) if found is None else found
 
     # MAC of the candidates (those that passed every check), per job
     if found is None:
         candidates = np.arange(n)
         cand = items
+        cand_jobs = heads["job"]
     else:
         candidates = np.flatnonzero(reasons == 0)
         cand = [items[i] for i in candidates.tolist()]
+        cand_jobs = heads["job"][candidates]
     m = len(cand)
     verified = np.zeros(m, dtype=bool)
     if m:
-        cand_jobs = heads["job"][candidates]
         first = cand_jobs[0]
         if (cand_jobs == first).all():
             groups: list[tuple[int, np.ndarray | None]] = [(int(first), None)]
@@ -339,24 +330,18 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
                 reasons[candidates if sel is None else candidates[sel]] = Reason.UNKNOWN_JOB
                 continue
             mine = cand if sel is None else [cand[j] for j in sel.tolist()]
-            if checked is not None:  # all of them, verified above
-                ok = checked
-            else:
-                ok = verify_blake2b(key, mine) if isinstance(key, bytes) else key.verify(mine)
+            ok = verify_blake2b(key, mine) if isinstance(key, bytes) else key.verify(mine)
             if sel is None:
                 verified = ok
             else:
                 verified[sel] = ok
-        reasons[candidates[~verified & (reasons[candidates] == 0)]] = Reason.BAD_MAC
-    if found is None and verified.all():  # every datagram accepted
-        idx = candidates
-        fields = heads
-        kept_items = cand
-    else:
-        kept = np.flatnonzero(verified)
-        idx = candidates[kept]
-        fields = heads[idx]
-        kept_items = [cand[j] for j in kept.tolist()]
+    if found is None and verified.all():  # the usual batch: every datagram accepted
+        return Batch(fields=heads, payloads=Payloads(items), index=candidates, rejects=Counter())
+    reasons[candidates[~verified & (reasons[candidates] == 0)]] = Reason.BAD_MAC
+    kept = np.flatnonzero(verified)
+    idx = candidates[kept]
+    fields = heads[idx]
+    kept_items = [cand[j] for j in kept.tolist()]
     payloads = Payloads(kept_items)
 
     rejects: Counter[Reason] = Counter()
