@@ -353,30 +353,30 @@ avx512_powers(MacObject *self, const unsigned char *h_bytes)
  * it agrees with OpenSSL on a block at set-up (aesni_setup). */
 #define AESNI __attribute__((target("aes,sse4.1")))
 
+/* t XOR its copies shifted up by 4, 8 and 12 bytes: each word of a round key
+ * is the XOR of the previous key's words up to it */
+AESNI static inline __m128i
+xor_shifted(__m128i t)
+{
+    __m128i u = _mm_slli_si128(t, 4);
+    t = _mm_xor_si128(t, u);
+    u = _mm_slli_si128(u, 4);
+    t = _mm_xor_si128(t, u);
+    u = _mm_slli_si128(u, 4);
+    return _mm_xor_si128(t, u);
+}
+
 AESNI static inline __m128i
 expand_a(__m128i t1, __m128i t2)
 {
-    t2 = _mm_shuffle_epi32(t2, 0xff);
-    __m128i t4 = _mm_slli_si128(t1, 4);
-    t1 = _mm_xor_si128(t1, t4);
-    t4 = _mm_slli_si128(t4, 4);
-    t1 = _mm_xor_si128(t1, t4);
-    t4 = _mm_slli_si128(t4, 4);
-    t1 = _mm_xor_si128(t1, t4);
-    return _mm_xor_si128(t1, t2);
+    return _mm_xor_si128(xor_shifted(t1), _mm_shuffle_epi32(t2, 0xff));
 }
 
 AESNI static inline __m128i
 expand_b(__m128i t1, __m128i t3)
 {
     __m128i t2 = _mm_shuffle_epi32(_mm_aeskeygenassist_si128(t1, 0x00), 0xaa);
-    __m128i t4 = _mm_slli_si128(t3, 4);
-    t3 = _mm_xor_si128(t3, t4);
-    t4 = _mm_slli_si128(t4, 4);
-    t3 = _mm_xor_si128(t3, t4);
-    t4 = _mm_slli_si128(t4, 4);
-    t3 = _mm_xor_si128(t3, t4);
-    return _mm_xor_si128(t3, t2);
+    return _mm_xor_si128(xor_shifted(t3), t2);
 }
 
 #define EXPAND(i, rcon)                                                    \
