@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from dlcp.core import aggregate as aggregate_mod
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
 from dlcp.errors import Reason
 from dlcp.wire import Codec, Flags, PacketType
@@ -159,6 +160,16 @@ def test_batched_receive_matches_per_packet(
     codec: Codec, hosts: int, payload: int, seed: int
 ) -> None:
     _run(codec, hosts, payload, seed)
+
+
+@pytest.mark.parametrize(("codec", "seed"), [(Codec.FP32, 6), (Codec.THC8, 7)])
+def test_batched_receive_matches_per_packet_without_the_c_run_pass(
+    codec: Codec, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs taken by `on_data_many` and `on_results_many` in numpy, as
+    where `dlcp.wire._bulk` is not built."""
+    monkeypatch.setattr(aggregate_mod, "_bulk", None)
+    _run(codec, 3, 1408, seed)
 
 
 def test_batched_receive_matches_per_packet_with_ghash_aes_mac() -> None:

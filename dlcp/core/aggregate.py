@@ -27,6 +27,8 @@ from dlcp.core.buffers import SpareBuffers
 from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import LocalError, Reason, RemoteError
+from dlcp.wire.batch import _bulk
+from dlcp.wire.header import MAX_PRIORITY, Flags
 
 __all__ = ["Nack", "ResultCollector", "RunRejected", "ShardAggregator", "ShardResult"]
 
@@ -113,6 +115,9 @@ def _taken(items: Sequence[T], take: np.ndarray) -> Sequence[T]:
     return [items[k] for k in take.tolist()]
 
 
+_DROPPABLE = int(Flags.DROPPABLE)
+
+
 class ShardAggregator:
     """Sums one shard of one round from every sender, within a loss bound."""
 
@@ -147,6 +152,10 @@ class ShardAggregator:
         self._held: dict[int, np.ndarray] = {}
         self.received = np.zeros((s, self.n_packets), dtype=bool)
         self.droppable = np.zeros((s, self.n_packets), dtype=bool)
+        # per packet, the highest priority (lowest class) and the layer it came
+        # with from any sender: what its result packet is sent with
+        self.classes = np.full(self.n_packets, MAX_PRIORITY, dtype=np.uint8)
+        self.layers = np.zeros(self.n_packets, dtype=np.uint16)
         self.manifest = np.zeros(s, dtype=bool)
         self.weight = np.ones(s, dtype=np.int64)  # contributions summed in each sender's lanes
         self.block_max = np.zeros((s, self.n_packets), dtype=np.float32)
@@ -184,8 +193,13 @@ class ShardAggregator:
         scale: float,
         block_max: float,
         now: float,
+        priority: int = MAX_PRIORITY,
+        layer: int | None = None,
     ) -> bool:
-        """Store one data packet; False if it was a duplicate. Raises RemoteError."""
+        """Store one data packet; False if it was a duplicate. Raises RemoteError.
+
+        `priority` and `layer` (None: unknown) are the packet's class and layer,
+        noted in `classes` and `layers`."""
         row, local = self._locate(sender, offset, count)
         self._adopt_scale(scale)
         if self.received[row, local]:
@@ -206,6 +220,10 @@ class ShardAggregator:
         self.block_max[row, local] = block_max
         if droppable and not self.manifest[row]:
             self.droppable[row, local] = True
+        if priority < self.classes[local]:
+            self.classes[local] = priority
+        if layer is not None:
+            self.layers[local] = layer
         self.last_arrival = now
         return True
 
@@ -222,6 +240,8 @@ class ShardAggregator:
         scale: float,
         block_max: np.ndarray,
         now: float,
+        priority: np.ndarray | None = None,
+        layer: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Store a run of one sender's data packets, in order; the batch form of
         `on_data`, with the same outcome as calling it per packet.
@@ -244,6 +264,7 @@ class ShardAggregator:
             (local < 0)
             | (local >= self.n_packets)
             | (offsets != i * per)
+            | (offsets >= lay.total)
             | (counts != np.minimum(per, lay.total - offsets))
         )
         if bad.all():
@@ -258,26 +279,9 @@ class ShardAggregator:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        if self._summing_row(row, summed):
-            assert self.out is not None and self._summed_own is not None
-            lane_ops.add_runs(
-                self.out,
-                self._summed_own,
-                lay.codec,
-                summed,
-                offsets[take] - self.offset,
-                counts[take],
-                _taken(payloads, take),
-            )
-        else:
-            lane_ops.store_runs(
-                self.slots[row],
-                lay.codec,
-                summed,
-                offsets[take] - self.offset,
-                counts[take],
-                _taken(payloads, take),
-            )
+        self._store_lanes(
+            row, summed, offsets[take] - self.offset, counts[take], _taken(payloads, take)
+        )
         lt = local[take]
         self.received[row, lt] = True
         self.n_received += take.size
@@ -285,8 +289,116 @@ class ShardAggregator:
         self.block_max[row, lt] = block_max[take]
         if not self.manifest[row]:
             self.droppable[row, lt] |= droppable[take]
+        if priority is not None:
+            self.classes[lt] = np.minimum(self.classes[lt], priority[take])
+        if layer is not None:
+            self.layers[lt] = layer[take]
         self.last_arrival = now
         return fresh, bad
+
+    def on_data_run(
+        self,
+        *,
+        sender: int,
+        heads: np.ndarray,
+        payloads: Sequence[memoryview | bytes],
+        summed: bool,
+        weight: int,
+        scale: float,
+        now: float,
+    ) -> tuple[int, np.ndarray | None]:
+        """`on_data_many` for a run given as its header records (HEADER_DTYPE:
+        offset, count, flags, aux (the block max's float32 bits), priority and
+        layer each packet's own; the rest the run's, given here). In C where
+        `_bulk` is built: one pass that finds the packets to store, the lane
+        sums, one pass that notes them; the outcome is `on_data_many`'s.
+
+        Returns how many were stored and which were BAD_RANGE (None: none);
+        raises as `on_data_many` does.
+        """
+        if _bulk is None:
+            fresh, rejected = self.on_data_many(
+                sender=sender,
+                offsets=heads["offset"].astype(np.int64),
+                counts=heads["count"].astype(np.int64),
+                payloads=payloads,
+                summed=summed,
+                weight=weight,
+                droppable=(heads["flags"] & _DROPPABLE) != 0,
+                scale=scale,
+                block_max=heads["aux"].astype("<u4").view(np.float32),
+                now=now,
+                priority=heads["priority"],
+                layer=heads["layer"],
+            )
+            return int(fresh.sum()), (rejected if rejected.any() else None)
+        row = self._sender_row(sender)
+        lay = self.layout
+        n = len(heads)
+        raw, n_bad, bad_raw = _bulk.run_index(
+            heads,
+            lay.per_packet,
+            1,
+            lay.total,
+            self.first_packet,
+            self.n_packets,
+            self.offset,
+            self.received[row],
+        )
+        bad = None if bad_raw is None else np.frombuffer(bad_raw, dtype=bool)
+        if n_bad == n:
+            return 0, bad
+        try:
+            self._adopt_scale(scale)
+        except RemoteError as exc:
+            raise RunRejected(
+                exc.reason, exc.detail, np.zeros(n, dtype=bool) if bad is None else bad
+            ) from None
+        take, local, starts, counts = np.frombuffer(raw, np.int64).reshape(4, -1)
+        self.duplicates += n - n_bad - take.size
+        if take.size == 0:
+            return 0, bad
+        self._store_lanes(row, summed, starts, counts, _taken(payloads, take))
+        _bulk.mark_data(
+            heads,
+            take,
+            local,
+            self.received[row],
+            self.block_max[row],
+            None if self.manifest[row] else self.droppable[row],
+            self.classes,
+            self.layers,
+            _DROPPABLE,
+        )
+        self.n_received += take.size
+        self.weight[row] = weight
+        self.last_arrival = now
+        return take.size, bad
+
+    def _store_lanes(
+        self,
+        row: int,
+        summed: bool,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        payloads: Sequence[memoryview | bytes],
+    ) -> None:
+        """Packets' lanes (`starts` relative to the shard) summed into `out` or
+        stored in `row` of `slots` (`_summing_row`)."""
+        lay = self.layout
+        if self._summing_row(row, summed):
+            assert self.out is not None and self._summed_own is not None
+            lane_ops.add_runs(
+                self.out, self._summed_own, lay.codec, summed, starts, counts, payloads
+            )
+        else:
+            lane_ops.store_runs(self.slots[row], lay.codec, summed, starts, counts, payloads)
+
+    def note_meta(self, classes: np.ndarray, layers: np.ndarray) -> None:
+        """Every packet's class and layer as this node's own contribution has
+        them (`on_local`)."""
+        np.minimum(self.classes, classes, out=self.classes)
+        self.layers[:] = layers
 
     def on_local(
         self,
@@ -761,6 +873,63 @@ class ResultCollector:
         if w.received.all():
             del self.waiting[shard]
         return fresh, bad
+
+    def on_result_run(
+        self,
+        *,
+        shard: int,
+        sender: int,
+        heads: np.ndarray,
+        payloads: Sequence[memoryview | bytes],
+        now: float,
+    ) -> tuple[int, np.ndarray | None]:
+        """`on_results_many` for a run given as its header records (HEADER_DTYPE:
+        offset, count, contributors and param (the block max) each packet's
+        own). In C where `_bulk` is built, as `ShardAggregator.on_data_run`.
+        Returns how many were stored and which were BAD_RANGE (None: none)."""
+        if _bulk is None:
+            fresh, rejected = self.on_results_many(
+                shard=shard,
+                sender=sender,
+                offsets=heads["offset"].astype(np.int64),
+                counts=heads["count"].astype(np.int64),
+                payloads=payloads,
+                contributors=heads["contributors"].astype(np.int64),
+                block_max=heads["param"].astype(np.float32),
+                now=now,
+            )
+            return int(fresh.sum()), (rejected if rejected.any() else None)
+        n = len(heads)
+        w = self.waiting.get(shard)
+        if w is None:
+            self.duplicates += n
+            return 0, None
+        if sender != w.owner:
+            raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not own shard {shard}")
+        lay = self.layout
+        raw, n_bad, bad_raw = _bulk.run_index(
+            heads,
+            lay.per_packet,
+            lay.result_split,
+            lay.total,
+            int(w.indices[0]) if w.indices.size else 0,
+            w.indices.size,
+            0,
+            w.received,
+        )
+        bad = None if bad_raw is None else np.frombuffer(bad_raw, dtype=bool)
+        take, local, starts, counts = np.frombuffer(raw, np.int64).reshape(4, -1)
+        self.duplicates += n - n_bad - take.size
+        if take.size == 0:
+            return 0, bad
+        lane_ops.store_runs(self.sums, lay.codec, True, starts, counts, _taken(payloads, take))
+        _bulk.mark_results(
+            heads, take, local, w.received, self.contributors, self.block_max, lay.per_packet
+        )
+        w.last_arrival = now
+        if w.received.all():
+            del self.waiting[shard]
+        return take.size, bad
 
     def on_done(self, *, shard: int, sender: int, lost_lanes: int, now: float) -> None:
         """The owner's DONE for a shard: it has sent every result packet."""

@@ -321,7 +321,6 @@ class Engine:
         self.jobs: dict[int, JobSpec] = {}
         self._keys: dict[int, MacKey] = {}
         self._aggs: dict[tuple[OpKey, int], ShardAggregator] = {}
-        self._agg_meta: dict[tuple[OpKey, int], tuple[np.ndarray, np.ndarray]] = {}
         self._finished: dict[tuple[OpKey, int], _Finished] = {}
         self._contribs: dict[OpKey, _Contribution] = {}
         self._collectors: dict[OpKey, ResultCollector] = {}
@@ -524,7 +523,7 @@ class Engine:
             block_max=c.block_max[pk.start : pk.stop],
             now=now,
         )
-        self._note_meta(op, shard, pk, c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
+        agg.note_meta(c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
         agg.on_manifest(sender=c.spec.me, droppable=np.zeros(len(pk), bool), bound=c.bound, now=now)
         self._progress(op, shard, now)
 
@@ -770,7 +769,8 @@ class Engine:
             if _LANE_TYPES[ptype[a]]:
                 h = header_of_valid(datagrams[int(index[a])])
                 s_ = int(src[a])
-                ok[a:b] = self._receive_run(h, f[a:b], payloads[a:b], now, None if s_ < 0 else s_)
+                bad = self._receive_run(h, f[a:b], payloads[a:b], now, None if s_ < 0 else s_)
+                ok[a:b] = True if bad is None else ~bad
                 continue
             for k in range(a, b):
                 s_ = int(src[k])
@@ -781,20 +781,21 @@ class Engine:
     def _receive_run(
         self,
         h: Header,
-        rec: np.ndarray,
+        heads: np.ndarray,
         payloads: Sequence[memoryview],
         now: float,
         src: int | None,
-    ) -> np.ndarray:
+    ) -> np.ndarray | None:
         """A run of data or result packets that share everything `_dispatch`
-        checks (`h` is the first one's header); returns which were accepted."""
+        checks (`h` is the first one's header, `heads` their records); returns
+        which were rejected (None: none)."""
         n = len(payloads)
         try:
             spec = self._check_dispatch(h, src)
             op = (h.job, h.round, h.bucket)
             if h.type == PacketType.DATA:
-                return self._data_run(spec, op, h, rec, payloads, now)
-            return self._result_run(spec, op, h, rec, payloads, now)
+                return self._data_run(spec, op, h, heads, payloads, now)
+            return self._result_run(spec, op, h, heads, payloads, now)
         except RunRejected as exc:
             n_bad = int(exc.bad.sum())
             self.rejects[Reason.BAD_RANGE] += n_bad
@@ -805,89 +806,68 @@ class Engine:
             self.rejects[Reason.BAD_RANGE] += n
             self.stats["internal_errors"] += n
             self.last_error = str(exc)
-        return np.zeros(n, dtype=bool)
+        return np.ones(n, dtype=bool)
 
     def _data_run(
         self,
         spec: JobSpec,
         op: OpKey,
         h: Header,
-        rec: np.ndarray,
+        heads: np.ndarray,
         payloads: Sequence[memoryview],
         now: float,
-    ) -> np.ndarray:
-        n = len(payloads)
+    ) -> np.ndarray | None:
         lay = self._owned_layout(spec, op, h)
         if lay is None:
-            self.stats["late_packets"] += n - 1
-            return np.ones(n, dtype=bool)
-        key = (op, h.shard)
+            self.stats["late_packets"] += len(payloads) - 1
+            return None
         agg = self._aggregator(op, h.shard, lay, now)
-        flags = rec["flags"]
-        offsets = rec["offset"].astype(np.int64)
-        fresh, bad = agg.on_data_many(
+        stored, bad = agg.on_data_run(
             sender=h.sender,
-            offsets=offsets,
-            counts=rec["count"].astype(np.int64),
+            heads=heads,
             payloads=payloads,
             summed=bool(h.flags & Flags.SUMMED),
             weight=h.contributors,
-            droppable=(flags & int(Flags.DROPPABLE)) != 0,
             scale=h.param,
-            block_max=rec["aux"].astype("<u4").view(np.float32),
             now=now,
         )
-        if self._count_run(fresh, bad, "data_packets_received"):
-            local = offsets[fresh] // lay.per_packet - agg.first_packet
-            classes, layers = self._agg_meta[key]
-            classes[local] = np.minimum(classes[local], rec["priority"][fresh])
-            layers[local] = rec["layer"][fresh]
-            if agg.may_complete():
-                self._progress(op, h.shard, now)
-        return ~bad
+        self._count_run(len(payloads), stored, bad, "data_packets_received")
+        if stored and agg.may_complete():
+            self._progress(op, h.shard, now)
+        return bad
 
     def _result_run(
         self,
         spec: JobSpec,
         op: OpKey,
         h: Header,
-        rec: np.ndarray,
+        heads: np.ndarray,
         payloads: Sequence[memoryview],
         now: float,
-    ) -> np.ndarray:
-        n = len(payloads)
+    ) -> np.ndarray | None:
         col = self._collectors.get(op)
         if col is None:
-            self.stats["late_packets"] += n
-            return np.ones(n, dtype=bool)
+            self.stats["late_packets"] += len(payloads)
+            return None
         self._check_owner(spec, h)
         if col.layout.total != h.total or col.layout.codec != h.codec:
             raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
-        fresh, bad = col.on_results_many(
-            shard=h.shard,
-            sender=h.sender,
-            offsets=rec["offset"].astype(np.int64),
-            counts=rec["count"].astype(np.int64),
-            payloads=payloads,
-            contributors=rec["contributors"].astype(np.int64),
-            block_max=rec["param"].astype(np.float32),
-            now=now,
+        stored, bad = col.on_result_run(
+            shard=h.shard, sender=h.sender, heads=heads, payloads=payloads, now=now
         )
-        self._count_run(fresh, bad, "result_packets_received")
+        self._count_run(len(payloads), stored, bad, "result_packets_received")
         self._check_complete(op, now)
-        return ~bad
+        return bad
 
-    def _count_run(self, fresh: np.ndarray, bad: np.ndarray, received: str) -> int:
-        """Count a run's outcome (stored, BAD_RANGE, duplicate); how many were stored."""
-        n_bad = int(bad.sum())
-        n_fresh = int(fresh.sum())
+    def _count_run(self, n: int, stored: int, bad: np.ndarray | None, received: str) -> None:
+        """Count a run's outcome (`stored`, BAD_RANGE, the rest duplicates)."""
+        n_bad = 0 if bad is None else int(bad.sum())
         if n_bad:
             self.rejects[Reason.BAD_RANGE] += n_bad
-        if n_fresh:
-            self.stats[received] += n_fresh
-        if bad.size - n_bad - n_fresh:
-            self.stats["duplicate_packets"] += bad.size - n_bad - n_fresh
-        return n_fresh
+        if stored:
+            self.stats[received] += stored
+        if n - n_bad - stored:
+            self.stats["duplicate_packets"] += n - n_bad - stored
 
     def receive_packet(
         self, h: Header, payload: memoryview, now: float, src: int | None = None
@@ -990,7 +970,6 @@ class Engine:
         lay = self._owned_layout(spec, op, h)
         if lay is None:
             return
-        key = (op, h.shard)
         agg = self._aggregator(op, h.shard, lay, now)
         fresh = agg.on_data(
             sender=h.sender,
@@ -1003,16 +982,13 @@ class Engine:
             scale=h.param,
             block_max=_F32.unpack(_U32.pack(h.aux))[0],
             now=now,
+            priority=h.priority,
+            layer=h.layer,
         )
         if not fresh:
             self.stats["duplicate_packets"] += 1
             return
         self.stats["data_packets_received"] += 1
-        local = lay.packet_of(h.offset) - agg.first_packet
-        classes, layers = self._agg_meta[key]
-        if h.priority < classes[local]:
-            classes[local] = h.priority
-        layers[local] = h.layer
         if agg.may_complete():
             self._progress(op, h.shard, now)
 
@@ -1128,8 +1104,6 @@ class Engine:
                 layout=lay, shard=shard, senders=spec.contributors, now=now, timing=self.timing
             )
             self._aggs[key] = agg
-            n = agg.n_packets
-            self._agg_meta[key] = (np.full(n, 7, np.uint8), np.zeros(n, np.uint16))
             self._see_round(op[0], op[1])
         return agg
 
@@ -1183,13 +1157,6 @@ class Engine:
             return False
         return high - rnd > spec.window or bool(bits >> (high - rnd) & 1)
 
-    def _note_meta(
-        self, op: OpKey, shard: int, pk: range, classes: np.ndarray, layers: np.ndarray
-    ) -> None:
-        meta_c, meta_l = self._agg_meta[(op, shard)]
-        np.minimum(meta_c, classes, out=meta_c)
-        meta_l[:] = layers
-
     def _progress(self, op: OpKey, shard: int, now: float) -> None:
         agg = self._aggs.get((op, shard))
         if agg is None:
@@ -1210,7 +1177,6 @@ class Engine:
     def _shard_done(self, op: OpKey, shard: int, agg: ShardAggregator, now: float) -> None:
         spec = self.jobs[op[0]]
         del self._aggs[(op, shard)]
-        classes, layers = self._agg_meta.pop((op, shard))
         assert agg.result is not None
         receivers = {n for n in spec.contributors if n != spec.me}
         f = _Finished(
@@ -1219,8 +1185,8 @@ class Engine:
             round=op[1],
             bucket=op[2],
             result=agg.result,
-            classes=classes,
-            layers=layers,
+            classes=agg.classes,
+            layers=agg.layers,
             # kept until every receiver ACKs, or as long as a receiver's round
             # may still be waiting for it (it times out after `timeout`)
             until=now + max(self.timing.retain, self.timing.timeout),
@@ -1327,7 +1293,6 @@ class Engine:
         self._settle_gathered(op)
         for k in [k for k in self._aggs if k[0] == op]:
             del self._aggs[k]
-            self._agg_meta.pop(k, None)
             self._close_shard(op, k[1])
         self._closed[op] = now
         self.stats["rounds_failed"] += 1
@@ -1361,7 +1326,6 @@ class Engine:
                     self._fail(op, why, now)
                 else:
                     del self._aggs[(op, shard)]
-                    self._agg_meta.pop((op, shard), None)
                     self._close_shard(op, shard)
                     self.stats["rounds_failed"] += 1
                 continue

@@ -589,6 +589,249 @@ done:
     return result;
 }
 
+/* ---- a run's slots (ShardAggregator / ResultCollector) ------------------- */
+
+#define AT_FLAGS 4
+#define AT_PRIORITY 5
+#define AT_LAYER 22
+#define AT_CONTRIBUTORS 26
+#define AT_OFFSET 28
+#define AT_COUNT 32
+#define AT_PARAM 40
+#define AT_AUX 44
+
+/* A writable C-contiguous buffer of `itemsize`-byte items. */
+static int
+items_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return -1;
+    if (view->len % itemsize != 0) {
+        PyErr_Format(PyExc_TypeError, "%s must hold %zd-byte items", what, itemsize);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static void
+release_all(Py_buffer *views, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (views[i].obj != NULL)
+            PyBuffer_Release(&views[i]);
+}
+
+static PyObject *
+run_index(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *heads_obj, *received_obj;
+    long long per, split, total, base, slots, start_sub;
+    if (!PyArg_ParseTuple(args, "OLLLLLLO", &heads_obj, &per, &split, &total, &base, &slots,
+                          &start_sub, &received_obj))
+        return NULL;
+    if (per < 1 || split < 1 || slots < 0) {
+        PyErr_SetString(PyExc_ValueError, "per and split must be positive, slots not negative");
+        return NULL;
+    }
+    Py_buffer v[2] = {{0}, {0}};
+    PyObject *idx = NULL, *bad = NULL, *result = NULL;
+    unsigned char *seen = NULL;
+    if (PyObject_GetBuffer(heads_obj, &v[0], PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (PyObject_GetBuffer(received_obj, &v[1], PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (v[0].len % HEAD_SIZE != 0 || v[1].len != slots) {
+        PyErr_Format(PyExc_ValueError, "%zd header bytes, %zd received flags for %lld slots",
+                     v[0].len, v[1].len, slots);
+        goto done;
+    }
+    Py_ssize_t n = v[0].len / HEAD_SIZE, m = 0, n_bad = 0;
+    idx = PyBytes_FromStringAndSize(NULL, (n ? n : 1) * 4 * 8);
+    if (idx == NULL)
+        goto done;
+    int64_t *take = (int64_t *)PyBytes_AS_STRING(idx), *loc = take + n, *sta = take + 2 * n,
+            *cnt = take + 3 * n;
+    const unsigned char *h = v[0].buf, *received = v[1].buf;
+    const int64_t step = (per + split - 1) / split;
+    int64_t last = -1; /* the last good slot: while they increase, none repeats */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const unsigned char *b = h + k * HEAD_SIZE;
+        int64_t offset = be32(b + AT_OFFSET), count = be32(b + AT_COUNT);
+        int64_t i = offset / per, within = offset - i * per;
+        int64_t local = i * split + within / step - base;
+        int64_t end = (i + 1) * per < total ? (i + 1) * per : total;
+        int64_t want = end - offset < step ? end - offset : step;
+        if (slots == 0 || local < 0 || local >= slots || within % step != 0 || offset >= end ||
+            count != want) {
+            if (bad == NULL) {
+                bad = PyBytes_FromStringAndSize(NULL, n);
+                if (bad == NULL)
+                    goto done;
+                memset(PyBytes_AS_STRING(bad), 0, (size_t)n);
+            }
+            PyBytes_AS_STRING(bad)[k] = 1;
+            n_bad++;
+            continue;
+        }
+        if (seen == NULL && local <= last) { /* a slot may repeat: note those taken */
+            seen = calloc((size_t)slots, 1);
+            if (seen == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            for (Py_ssize_t j = 0; j < m; j++)
+                seen[loc[j]] = 1;
+        }
+        last = local;
+        if (received[local] || (seen != NULL && seen[local]))
+            continue; /* a duplicate */
+        if (seen != NULL)
+            seen[local] = 1;
+        take[m] = k;
+        loc[m] = local;
+        sta[m] = offset - start_sub;
+        cnt[m] = count;
+        m++;
+    }
+    /* the four arrays back to back, m each */
+    memmove(take + m, loc, (size_t)m * 8);
+    memmove(take + 2 * m, sta, (size_t)m * 8);
+    memmove(take + 3 * m, cnt, (size_t)m * 8);
+    if (_PyBytes_Resize(&idx, m * 4 * 8) < 0)
+        goto done; /* idx is NULL */
+    result = Py_BuildValue("(OnO)", idx, n_bad, bad != NULL ? bad : Py_None);
+done:
+    free(seen);
+    Py_XDECREF(idx);
+    Py_XDECREF(bad);
+    release_all(v, 2);
+    return result;
+}
+
+/* Checks shared by the mark functions: take and local of one length, every
+ * take a record, every local a slot of `slots`. */
+static int
+check_marks(const Py_buffer *take, const Py_buffer *local, Py_ssize_t records,
+            Py_ssize_t slots)
+{
+    if (take->len != local->len) {
+        PyErr_SetString(PyExc_ValueError, "take and local differ in length");
+        return -1;
+    }
+    const int64_t *t = take->buf, *l = local->buf;
+    for (Py_ssize_t j = 0; j < take->len / 8; j++)
+        if (t[j] < 0 || t[j] >= records || l[j] < 0 || l[j] >= slots) {
+            PyErr_Format(PyExc_IndexError, "record %lld or slot %lld out of range",
+                         (long long)t[j], (long long)l[j]);
+            return -1;
+        }
+    return 0;
+}
+
+static PyObject *
+mark_data(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o[8];
+    int droppable_bit;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6],
+                          &o[7], &droppable_bit))
+        return NULL;
+    /* heads, take, local, received, block_max, droppable|None, classes, layers */
+    Py_buffer v[8] = {{0}};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(o[0], &v[0], PyBUF_C_CONTIGUOUS) < 0 ||
+        int64_buffer(o[1], &v[1], "take") < 0 || int64_buffer(o[2], &v[2], "local") < 0 ||
+        items_buffer(o[3], &v[3], 1, "received") < 0 ||
+        items_buffer(o[4], &v[4], 4, "block_max") < 0 ||
+        (o[5] != Py_None && items_buffer(o[5], &v[5], 1, "droppable") < 0) ||
+        items_buffer(o[6], &v[6], 1, "classes") < 0 || items_buffer(o[7], &v[7], 2, "layers") < 0)
+        goto done;
+    Py_ssize_t slots = v[3].len;
+    if (v[4].len != slots * 4 || (v[5].obj != NULL && v[5].len != slots) || v[6].len != slots ||
+        v[7].len != slots * 2) {
+        PyErr_SetString(PyExc_ValueError, "received, block_max, droppable, classes and layers "
+                                          "must have one item a slot");
+        goto done;
+    }
+    if (check_marks(&v[1], &v[2], v[0].len / HEAD_SIZE, slots) < 0)
+        goto done;
+    const unsigned char *h = v[0].buf;
+    const int64_t *take = v[1].buf, *local = v[2].buf;
+    unsigned char *received = v[3].buf, *droppable = v[5].buf, *classes = v[6].buf;
+    unsigned char *block_max = v[4].buf;
+    uint16_t *layers = v[7].buf;
+    for (Py_ssize_t j = 0; j < v[1].len / 8; j++) {
+        const unsigned char *b = h + take[j] * HEAD_SIZE;
+        int64_t l = local[j];
+        received[l] = 1;
+        uint32_t aux = be32(b + AT_AUX); /* the block max's float32 bits */
+        memcpy(block_max + 4 * l, &aux, 4);
+        if (droppable != NULL && (b[AT_FLAGS] & droppable_bit))
+            droppable[l] = 1;
+        if (b[AT_PRIORITY] < classes[l])
+            classes[l] = b[AT_PRIORITY];
+        layers[l] = be16(b + AT_LAYER);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_all(v, 8);
+    return result;
+}
+
+static PyObject *
+mark_results(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o[6];
+    long long per;
+    if (!PyArg_ParseTuple(args, "OOOOOOL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &per))
+        return NULL;
+    /* heads, take, local, received, contributors (int64), block_max (float32) */
+    Py_buffer v[6] = {{0}};
+    PyObject *result = NULL;
+    if (per < 1) {
+        PyErr_SetString(PyExc_ValueError, "per must be positive");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(o[0], &v[0], PyBUF_C_CONTIGUOUS) < 0 ||
+        int64_buffer(o[1], &v[1], "take") < 0 || int64_buffer(o[2], &v[2], "local") < 0 ||
+        items_buffer(o[3], &v[3], 1, "received") < 0 ||
+        items_buffer(o[4], &v[4], 8, "contributors") < 0 ||
+        items_buffer(o[5], &v[5], 4, "block_max") < 0)
+        goto done;
+    if (v[4].len / 8 != v[5].len / 4) {
+        PyErr_SetString(PyExc_ValueError, "contributors and block_max differ in length");
+        goto done;
+    }
+    if (check_marks(&v[1], &v[2], v[0].len / HEAD_SIZE, v[3].len) < 0)
+        goto done;
+    const unsigned char *h = v[0].buf;
+    const int64_t *take = v[1].buf, *local = v[2].buf;
+    unsigned char *received = v[3].buf, *block_max = v[5].buf;
+    int64_t *contributors = v[4].buf, packets = v[4].len / 8;
+    for (Py_ssize_t j = 0; j < v[1].len / 8; j++) {
+        const unsigned char *b = h + take[j] * HEAD_SIZE;
+        int64_t i = be32(b + AT_OFFSET) / per;
+        if (i >= packets) {
+            PyErr_Format(PyExc_IndexError, "packet %lld of %lld", (long long)i,
+                         (long long)packets);
+            goto done;
+        }
+        received[local[j]] = 1;
+        contributors[i] = be16(b + AT_CONTRIBUTORS);
+        uint32_t param = be32(b + AT_PARAM); /* the block max's float32 bits */
+        memcpy(block_max + 4 * i, &param, 4);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_all(v, 6);
+    return result;
+}
+
 /* ---- Segment (segment.h) ------------------------------------------------ */
 
 static void
@@ -686,6 +929,17 @@ static PyMethodDef methods[] = {
     {"run_starts", run_starts, METH_VARARGS,
      "run_starts(heads, src, mask, data_mask, lanes, type_at, data_type) -> bytes: the "
      "int64 indices of the header records that start a run of Engine.receive_many"},
+    {"run_index", run_index, METH_VARARGS,
+     "run_index(heads, per, split, total, base, slots, start_sub, received) -> "
+     "(bytes, int, bytes | None): the records of a run to store (take, local slot, "
+     "start lane less start_sub, count: int64 arrays back to back), how many are not "
+     "of the slots, and which (None: none)"},
+    {"mark_data", mark_data, METH_VARARGS,
+     "mark_data(heads, take, local, received, block_max, droppable, classes, layers, "
+     "droppable_bit): a data run's stored packets noted in a sender's row"},
+    {"mark_results", mark_results, METH_VARARGS,
+     "mark_results(heads, take, local, received, contributors, block_max, per): a "
+     "result run's stored packets noted"},
     {NULL, NULL, 0, NULL},
 };
 
