@@ -48,6 +48,37 @@
  *   every bit of `data_mask` too. The starts as native int64s (record 0
  *   always), one compare of eight 64-bit words a record.
  *
+ * run_index(heads, per, split, total, base, slots, start_sub, received)
+ *     -> (bytes, int, bytes | None)
+ *
+ *   The records of a run (64-byte headers of data or result packets) to
+ *   store, as `ShardAggregator.on_data_many` (split 1) and
+ *   `ResultCollector.on_results_many` find them: record k's lanes
+ *   (offset, count) are slot i * split + within / step - base of `slots`
+ *   (i = offset / per, within = offset - i * per, step = ceil(per / split))
+ *   when within is a multiple of step, offset lies before the packet's end
+ *   (min((i + 1) * per, total)) and count is min(step, end - offset); else
+ *   it is bad. A good one is stored unless its slot is set in `received`
+ *   (bytes, one a slot) or taken earlier in the run. Returns four native
+ *   int64 arrays back to back, one entry per record stored (its index, its
+ *   slot, offset - start_sub, count), how many were bad, and a byte per
+ *   record (1: bad), None when none was.
+ *
+ * mark_data(heads, take, local, received, block_max, droppable, classes,
+ *           layers, droppable_bit) -> None
+ *
+ *   The stored records `take` (int64) of a data run noted in their slots
+ *   `local` (int64) of a sender's row: received set, block_max (float32) the
+ *   aux field's bits, droppable (bytes, or None: left alone) set where the
+ *   flags have droppable_bit, classes (bytes) lowered to the priority, layers
+ *   (uint16) the layer field.
+ *
+ * mark_results(heads, take, local, received, contributors, block_max, per)
+ *
+ *   The same for a result run: received[local] set; of packet offset / per,
+ *   contributors (int64) the contributors field and block_max (float32) the
+ *   param field's bits.
+ *
  * Segment
  *
  *   A datagram inside a receive buffer, read in place (dlcp/wire/segment.h):
