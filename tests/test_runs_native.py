@@ -259,7 +259,9 @@ def test_mark_functions_check_their_arguments() -> None:
         c.mark_data(heads, take.astype(np.int32), local, received, bm, None, cl, ly, 1)
     assert not received.any() and not bm.any()  # nothing written by a call refused
     contributors = np.zeros(2, np.int64)
-    heads["offset"] = [0, 352 * 2]  # packet 2 of a 2-packet collector
+    heads["offset"] = [0, 352 * 2]  # packet 0, then packet 2 of a 2-packet collector
+    heads["contributors"] = 3
     with pytest.raises(IndexError, match="packet 2 of 2"):
-        c.mark_results(heads, np.array([1]), np.array([1]), received, contributors,
+        c.mark_results(heads, np.array([0, 1]), np.array([0, 1]), received, contributors,
                        np.zeros(2, np.float32), 352)  # fmt: skip
+    assert not received.any() and not contributors.any()  # not even record 0's

@@ -115,6 +115,24 @@ def _taken(items: Sequence[T], take: np.ndarray) -> Sequence[T]:
     return [items[k] for k in take.tolist()]
 
 
+def _run_slots(
+    heads: np.ndarray,
+    per: int,
+    split: int,
+    total: int,
+    base: int,
+    slots: int,
+    start_sub: int,
+    received: np.ndarray,
+) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """`_bulk.run_index` of a run's header records, as arrays: (take, local,
+    starts, counts) of the packets to store (rows of one int64 array), how
+    many were bad, and which (None: none)."""
+    raw, n_bad, bad = _bulk.run_index(heads, per, split, total, base, slots, start_sub, received)
+    index = np.frombuffer(raw, np.int64).reshape(4, -1)
+    return index, n_bad, None if bad is None else np.frombuffer(bad, dtype=bool)
+
+
 _DROPPABLE = int(Flags.DROPPABLE)
 
 
@@ -335,7 +353,7 @@ class ShardAggregator:
         row = self._sender_row(sender)
         lay = self.layout
         n = len(heads)
-        raw, n_bad, bad_raw = _bulk.run_index(
+        (take, local, starts, counts), n_bad, bad = _run_slots(
             heads,
             lay.per_packet,
             1,
@@ -345,7 +363,6 @@ class ShardAggregator:
             self.offset,
             self.received[row],
         )
-        bad = None if bad_raw is None else np.frombuffer(bad_raw, dtype=bool)
         if n_bad == n:
             return 0, bad
         try:
@@ -354,7 +371,6 @@ class ShardAggregator:
             raise RunRejected(
                 exc.reason, exc.detail, np.zeros(n, dtype=bool) if bad is None else bad
             ) from None
-        take, local, starts, counts = np.frombuffer(raw, np.int64).reshape(4, -1)
         self.duplicates += n - n_bad - take.size
         if take.size == 0:
             return 0, bad
@@ -907,7 +923,7 @@ class ResultCollector:
         if sender != w.owner:
             raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not own shard {shard}")
         lay = self.layout
-        raw, n_bad, bad_raw = _bulk.run_index(
+        (take, local, starts, counts), n_bad, bad = _run_slots(
             heads,
             lay.per_packet,
             lay.result_split,
@@ -917,8 +933,6 @@ class ResultCollector:
             0,
             w.received,
         )
-        bad = None if bad_raw is None else np.frombuffer(bad_raw, dtype=bool)
-        take, local, starts, counts = np.frombuffer(raw, np.int64).reshape(4, -1)
         self.duplicates += n - n_bad - take.size
         if take.size == 0:
             return 0, bad

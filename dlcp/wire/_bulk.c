@@ -432,6 +432,21 @@ enum {
 #define HEAD_SIZE 64
 #define NO_CHECK 255
 
+/* where a header record's fields start (dlcp.wire.batch.HEADER_DTYPE; big endian) */
+#define AT_VERSION 2
+#define AT_TYPE 3
+#define AT_FLAGS 4
+#define AT_PRIORITY 5
+#define AT_CODEC 6
+#define AT_RESERVED 7
+#define AT_LAYER 22
+#define AT_CONTRIBUTORS 26
+#define AT_OFFSET 28
+#define AT_COUNT 32
+#define AT_TOTAL 36
+#define AT_PARAM 40
+#define AT_AUX 44
+
 static uint32_t
 be32(const unsigned char *p)
 {
@@ -453,10 +468,10 @@ first_failed(const unsigned char *h, int64_t length, const unsigned char *t, lon
 {
     if (length < HEAD_SIZE)
         return 0;
-    unsigned ptype = h[3], flags = h[4], codec = h[6];
+    unsigned ptype = h[AT_TYPE], flags = h[AT_FLAGS], codec = h[AT_CODEC];
     if (be16(h) != magic)
         return 1;
-    if (h[2] != version)
+    if (h[AT_VERSION] != version)
         return 2;
     if (!t[T_TYPE_OK * 256 + ptype])
         return 3;
@@ -464,17 +479,17 @@ first_failed(const unsigned char *h, int64_t length, const unsigned char *t, lon
         return 4;
     if (!t[T_CODEC_OK * 256 + codec])
         return 5;
-    if (h[7] != 0)
+    if (h[AT_RESERVED] != 0)
         return 6;
-    if (h[5] > max_priority)
+    if (h[AT_PRIORITY] > max_priority)
         return 7;
     int lanes = t[T_LANES * 256 + ptype];
-    int64_t count = be32(h + 32), offset = be32(h + 28), total = be32(h + 36);
+    int64_t count = be32(h + AT_COUNT), offset = be32(h + AT_OFFSET), total = be32(h + AT_TOTAL);
     if (lanes && count == 0)
         return 8;
     if (lanes && offset + count > total)
         return 9;
-    if (t[T_DATA * 256 + ptype] && be16(h + 26) == 0)
+    if (t[T_DATA * 256 + ptype] && be16(h + AT_CONTRIBUTORS) == 0)
         return 10;
     int64_t plen = length - HEAD_SIZE;
     if (plen > max_payload)
@@ -488,7 +503,7 @@ first_failed(const unsigned char *h, int64_t length, const unsigned char *t, lon
     }
     if ((count * bits + t[T_TYPE_ROUND * 256 + ptype]) / 8 != plen)
         return 12;
-    if (((be32(h + 40) >> 23) & 0xFF) == 0xFF) /* param is not finite */
+    if (((be32(h + AT_PARAM) >> 23) & 0xFF) == 0xFF) /* param is not finite */
         return 13;
     return NO_CHECK;
 }
@@ -621,15 +636,6 @@ done:
 }
 
 /* ---- a run's slots (ShardAggregator / ResultCollector) ------------------- */
-
-#define AT_FLAGS 4
-#define AT_PRIORITY 5
-#define AT_LAYER 22
-#define AT_CONTRIBUTORS 26
-#define AT_OFFSET 28
-#define AT_COUNT 32
-#define AT_PARAM 40
-#define AT_AUX 44
 
 /* A writable C-contiguous buffer of `itemsize`-byte items. */
 static int
@@ -844,14 +850,17 @@ mark_results(PyObject *self, PyObject *args)
     const int64_t *take = v[1].buf, *local = v[2].buf;
     unsigned char *received = v[3].buf, *block_max = v[5].buf;
     int64_t *contributors = v[4].buf, packets = v[4].len / 8;
-    for (Py_ssize_t j = 0; j < v[1].len / 8; j++) {
-        const unsigned char *b = h + take[j] * HEAD_SIZE;
-        int64_t i = be32(b + AT_OFFSET) / per;
+    for (Py_ssize_t j = 0; j < v[1].len / 8; j++) { /* all checked before any is written */
+        int64_t i = be32(h + take[j] * HEAD_SIZE + AT_OFFSET) / per;
         if (i >= packets) {
             PyErr_Format(PyExc_IndexError, "packet %lld of %lld", (long long)i,
                          (long long)packets);
             goto done;
         }
+    }
+    for (Py_ssize_t j = 0; j < v[1].len / 8; j++) {
+        const unsigned char *b = h + take[j] * HEAD_SIZE;
+        int64_t i = be32(b + AT_OFFSET) / per;
         received[local[j]] = 1;
         contributors[i] = be16(b + AT_CONTRIBUTORS);
         uint32_t param = be32(b + AT_PARAM); /* the block max's float32 bits */
