@@ -59,14 +59,13 @@ def one_round(
     while done < len(engines):
         sent = False
         for src, e in enumerate(engines):
-            sends = e.datagrams_to_send()
-            moved += len(sends)
-            for i in range(0, len(sends), RX_BATCH):
-                part = sends[i : i + RX_BATCH]
-                engines[part[0].node].receive_many(
-                    [s.datagram for s in part], now, [src] * len(part)
-                )
-                sent = True
+            # as dlcpd's outbox takes them: the engine's batches, no object a datagram
+            for b in e.send_batches():
+                moved += len(b.datagrams)
+                for i in range(0, len(b.datagrams), RX_BATCH):
+                    part = b.datagrams[i : i + RX_BATCH]
+                    engines[b.node].receive_many(part, now, [src] * len(part))
+                    sent = True
         for e in engines:
             while (ev := e.next_event()) is not None:
                 if not isinstance(ev, RoundComplete):
