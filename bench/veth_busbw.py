@@ -12,7 +12,9 @@ minor page faults over its whole life.
 With `--profile DIR` both daemons are sampled by py-spy (BW_IDLE=1: idle
 samples too; BW_NATIVE=1: native frames too, pausing the daemon per sample)
 or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
-DIR/d<i>.perf). `--floor` adds the UDP floor (`run_floor`) between the two.
+DIR/d<i>.perf; BW_PERF_HZ: its sampling rate, 499 by default; BW_PERF=dwarf:
+user-space call chains from DWARF, for code built without frame pointers).
+`--floor` adds the UDP floor (`run_floor`) between the two.
 The daemons' pacing ceiling (`[rate] ceiling_bps`, dlcpd's default 10
 Gbit/s: a real link's rate) is `--ceiling`, 100 Gbit/s by default: the veth
 has no rate (it reports a nominal 10 Gbit/s, and Gloo moves more than that
@@ -298,9 +300,9 @@ def run_dlcp(
                     [
                         "perf",
                         "record",
-                        "-g",
+                        *(["--call-graph", "dwarf,16384"] if perf == "dwarf" else ["-g"]),
                         "-F",
-                        "499",
+                        os.environ.get("BW_PERF_HZ", "499"),
                         "-o",
                         f"{profile}/d{i}.perf",
                         "-p",

@@ -177,8 +177,8 @@ def test_encode_gather_makes_the_same_datagrams_in_place(
 ) -> None:
     """`encode_gather` (payloads left where they lie) makes the datagrams
     `encode` makes: joined, compared, indexed and sliced they are those bytes;
-    the header is a bytes object of its own and the payload a view of the
-    caller's buffer. Bad slices are refused as by `encode_from`."""
+    the header (`head`: a copy) is held in the datagram and the payload is a
+    view of the caller's buffer. Bad slices are refused as by `encode_from`."""
     c, py = keys
     heads, views = _inputs(12)
     big = bytearray(views[0].obj)  # writable: the payloads are read from it in place
@@ -237,6 +237,33 @@ def test_gathered_payloads_are_read_in_place_until_detached() -> None:
     assert mac.detach_gathered([b"plain bytes", bytearray(3)]) == 0
     del arr, sl  # the datagrams' copies outlive the buffer
     assert bytes(dgs[2]) == before[2]
+
+
+def test_the_datagrams_of_a_call_share_one_export_of_the_buffer() -> None:
+    """The datagrams of one `encode_gather` call hold one export of the
+    caller's buffer between them: it is released when the last of them is
+    freed or detached, not before, and a payload view keeps it too."""
+    c = _c(KEY, avx512=True)
+    buf = bytearray(range(256)) * 12
+    sl = Slices(memoryview(buf), np.array([0, 1000, 2000]), np.array([1000] * 3))
+    dgs = c.encode_gather(bytes(3 * 64), sl)
+    del sl
+    want = [bytes(d) for d in dgs]
+    assert [w[64:] for w in want] == [bytes(buf[i : i + 1000]) for i in (0, 1000, 2000)]
+    last = dgs[2]
+    del dgs
+    with pytest.raises(BufferError):  # one datagram left: the export with it
+        buf.append(0)
+    view = last.payload  # read-only, of the shared buffer
+    assert view.readonly and bytes(view) == want[2][64:]
+    assert mac.detach_gathered([last]) == 1000
+    assert bytes(last) == want[2]
+    with pytest.raises(BufferError):  # the payload view still holds it
+        buf.append(0)
+    view.release()
+    buf.append(0)  # nothing holds the buffer now
+    buf[2000:3000] = bytes(1000)
+    assert bytes(last) == want[2]  # its own copy
 
 
 def test_a_gathered_datagram_is_tagged_when_first_read_whole() -> None:

@@ -40,10 +40,9 @@ header_of(PyObject *dg, Py_ssize_t index, Py_buffer *view, int *have_view)
     if (PyBytes_Check(dg)) {
         p = PyBytes_AS_STRING(dg);
         len = PyBytes_GET_SIZE(dg);
-    } else if (is_gathered(dg)) { /* the header is a bytes object of its own */
-        PyObject *head = ((GatheredObject *)dg)->head;
-        p = PyBytes_AS_STRING(head);
-        len = PyBytes_GET_SIZE(head);
+    } else if (is_gathered(dg)) { /* the header is held in the object */
+        p = (const char *)((GatheredObject *)dg)->head;
+        len = GATHERED_HEADER;
     } else {
         if (PyObject_GetBuffer(dg, view, PyBUF_C_CONTIGUOUS) < 0)
             return NULL;

@@ -82,10 +82,15 @@ take(batch_t *b, PyObject *list, Py_ssize_t j, int *nv)
         /* its tag now, if not yet, with those of the few Gathered datagrams
          * after it: the MAC reads the payloads just before the kernel copies
          * them, which then finds them in cache */
-        if (gathered_seal_ahead(list, j) < 0 || PyObject_GetBuffer(g->head, &v[0], PyBUF_SIMPLE) < 0)
+        if (gathered_seal_ahead(list, j) < 0)
             return -1;
-        /* released by PyBuffer_Release: a reference to the datagram, which
-         * holds the payload's buffer */
+        /* released by PyBuffer_Release: a reference to the datagram each,
+         * which holds its header and the payload's buffer */
+        memset(&v[0], 0, sizeof v[0]);
+        v[0].buf = (void *)g->head;
+        v[0].len = GATHERED_HEADER;
+        v[0].obj = obj;
+        Py_INCREF(obj);
         memset(&v[1], 0, sizeof v[1]);
         v[1].buf = (void *)gathered_payload(g);
         v[1].len = g->len;

@@ -652,9 +652,10 @@ PyDoc_STRVAR(encode_from_doc,
 
 /* ---- Gathered: a datagram whose payload stays where it is ------------------
  *
- * encode_gather's datagrams: the header (with its tag) is a 64-byte bytes
- * object and the payload is read in place from the caller's buffer, whose
- * export the datagram holds; dlcp.daemon._udp sends it as two iovecs, so the
+ * encode_gather's datagrams: the header (with its tag) is 64 bytes inside
+ * the object and the payload is read in place from the caller's buffer, whose
+ * one export (a Holding) the datagrams of a call share; dlcp.daemon._udp
+ * sends one as two iovecs, so the
  * payload is copied once, by the kernel, instead of into a datagram first.
  * Its tag is computed when it is first needed (gathered_sealed): as it is
  * sent, the MAC reads the payload just before the kernel copies it, from
@@ -665,13 +666,70 @@ PyDoc_STRVAR(encode_from_doc,
  */
 static PyTypeObject GatheredType;
 
+/* Holding: one export of a caller's buffer, kept while any datagram made
+ * from it lives (each holds a reference); to Python a read-only buffer over
+ * the same bytes (a payload's memoryview keeps it). */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+} HoldingObject;
+
+static void
+Holding_dealloc(HoldingObject *self)
+{
+    if (self->view.obj != NULL)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+Holding_getbuffer(HoldingObject *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->view.buf, self->view.len, 1, flags);
+}
+
+static PyBufferProcs Holding_as_buffer = {
+    .bf_getbuffer = (getbufferproc)Holding_getbuffer,
+};
+
+static PyTypeObject HoldingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dlcp.wire._ghash.Holding",
+    .tp_doc = PyDoc_STR("The payload buffer of an encode_gather call's datagrams (internal)"),
+    .tp_basicsize = sizeof(HoldingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Holding_dealloc,
+    .tp_as_buffer = &Holding_as_buffer,
+};
+
+/* A Holding of a new export of view->obj, which must be the same memory as
+ * `view` (a caller's parsed argument); NULL with an exception set. */
+static PyObject *
+holding_of(const Py_buffer *view)
+{
+    HoldingObject *h = PyObject_New(HoldingObject, &HoldingType);
+    if (h == NULL)
+        return NULL;
+    if (view->obj == NULL || PyObject_GetBuffer(view->obj, &h->view, PyBUF_SIMPLE) < 0) {
+        if (view->obj == NULL)
+            PyErr_SetString(PyExc_ValueError, "the payload buffer has no object");
+        h->view.obj = NULL;
+        Py_DECREF(h);
+        return NULL;
+    }
+    if (h->view.buf != view->buf || h->view.len != view->len) { /* not the same memory */
+        PyErr_SetString(PyExc_ValueError, "the payload buffer moved");
+        Py_DECREF(h);
+        return NULL;
+    }
+    return (PyObject *)h;
+}
+
 static void
 Gathered_dealloc(GatheredObject *self)
 {
-    Py_XDECREF(self->head);
+    Py_XDECREF(self->owner);
     Py_XDECREF(self->mac);
-    if (self->view.obj != NULL)
-        PyBuffer_Release(&self->view);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -680,40 +738,29 @@ static int gathered_seal_many(GatheredObject **gs, int k);
 #error "gathered_seal_many makes at most PRP_BATCH AES blocks at once"
 #endif
 
-/* A Gathered of `head` (a new reference, stolen) and len bytes at off of the
- * buffer `view` (a new export is taken of view->obj), its tag to be computed
- * under `mac` when first needed. */
+/* A Gathered of the HEAD header bytes at `head` (its tag to be computed under
+ * `mac` when first needed) and len bytes at off of the Holding `holding`. */
 static PyObject *
-gathered_new(PyObject *head, const Py_buffer *view, Py_ssize_t off, Py_ssize_t len,
+gathered_new(const unsigned char *head, PyObject *holding, Py_ssize_t off, Py_ssize_t len,
              MacObject *mac)
 {
     GatheredObject *g = PyObject_New(GatheredObject, &GatheredType);
-    if (g == NULL) {
-        Py_DECREF(head);
+    if (g == NULL)
         return NULL;
-    }
-    g->head = head;
-    g->off = off;
+    memcpy(g->head, head, HEAD);
+    memset(g->head + HEAD, 0, TAG); /* until sealed */
+    Py_INCREF(holding);
+    g->owner = holding;
+    g->payload = (const char *)((HoldingObject *)holding)->view.buf + off;
     g->len = len;
     g->mac = (PyObject *)mac;
     Py_INCREF(mac);
     g->seal_many = gathered_seal_many;
-    if (PyObject_GetBuffer(view->obj, &g->view, PyBUF_SIMPLE) < 0) {
-        g->view.obj = NULL;
-        Py_DECREF(g);
-        return NULL;
-    }
-    if (g->view.buf != view->buf || g->view.len != view->len) { /* not the same memory */
-        PyErr_SetString(PyExc_ValueError, "the payload buffer moved");
-        Py_DECREF(g);
-        return NULL;
-    }
     return (PyObject *)g;
 }
 
 /* Seal k datagrams of one key at once (gathered.h): their tags, into their
- * header bytes objects (nobody has read those as a whole yet: the getters seal
- * first). */
+ * headers (nobody has read those as a whole yet: the getters seal first). */
 static int
 gathered_seal_many(GatheredObject **gs, int k)
 {
@@ -726,14 +773,14 @@ gathered_seal_many(GatheredObject **gs, int k)
     Py_ssize_t plens[GATHERED_SEAL_BATCH];
     unsigned char tag[TAG * GATHERED_SEAL_BATCH];
     for (int j = 0; j < k; j++) {
-        heads[j] = (const unsigned char *)PyBytes_AS_STRING(gs[j]->head);
+        heads[j] = gs[j]->head;
         payloads[j] = (const unsigned char *)gathered_payload(gs[j]);
         plens[j] = gs[j]->len;
     }
     if (tags_of(mac, heads, payloads, plens, k, tag))
         return openssl_failed();
     for (int j = 0; j < k; j++) {
-        memcpy(PyBytes_AS_STRING(gs[j]->head) + HEAD, tag + TAG * j, TAG);
+        memcpy(gs[j]->head + HEAD, tag + TAG * j, TAG);
         gs[j]->mac = NULL;
     }
     for (int j = 0; j < k; j++)
@@ -751,7 +798,7 @@ Gathered_join(GatheredObject *self, PyObject *unused)
     if (out == NULL)
         return NULL;
     char *d = PyBytes_AS_STRING(out);
-    memcpy(d, PyBytes_AS_STRING(self->head), HEADER);
+    memcpy(d, self->head, HEADER);
     memcpy(d + HEADER, gathered_payload(self), (size_t)self->len);
     return out;
 }
@@ -778,7 +825,7 @@ Gathered_subscript(GatheredObject *self, PyObject *key)
         }
         if (i >= HEAD && gathered_sealed(self) < 0)
             return NULL;
-        const unsigned char *p = i < HEADER ? (const unsigned char *)PyBytes_AS_STRING(self->head) + i
+        const unsigned char *p = i < HEADER ? self->head + i
                                             : (const unsigned char *)gathered_payload(self) + (i - HEADER);
         return PyLong_FromLong(*p);
     }
@@ -790,7 +837,7 @@ Gathered_subscript(GatheredObject *self, PyObject *key)
         if (!(step == 1 && stop <= HEAD) && gathered_sealed(self) < 0)
             return NULL; /* the slice may take tag bytes */
         if (step == 1 && stop <= HEADER) /* within the header: no join */
-            return PyBytes_FromStringAndSize(PyBytes_AS_STRING(self->head) + start, k);
+            return PyBytes_FromStringAndSize((const char *)self->head + start, k);
         if (step == 1 && start >= HEADER)
             return PyBytes_FromStringAndSize(gathered_payload(self) + (start - HEADER), k);
     }
@@ -830,23 +877,23 @@ Gathered_get_head(GatheredObject *self, void *closure)
     (void)closure;
     if (gathered_sealed(self) < 0)
         return NULL;
-    Py_INCREF(self->head);
-    return self->head;
+    return PyBytes_FromStringAndSize((const char *)self->head, HEADER);
 }
 
 static PyObject *
 Gathered_get_payload(GatheredObject *self, void *closure)
 {
     (void)closure;
-    PyObject *whole = PyMemoryView_FromObject(self->view.obj);
+    /* the owner's bytes: a Holding's (read-only) or a detached payload's own */
+    const char *base = PyBytes_CheckExact(self->owner)
+                           ? PyBytes_AS_STRING(self->owner)
+                           : (const char *)((HoldingObject *)self->owner)->view.buf;
+    PyObject *whole = PyMemoryView_FromObject(self->owner);
     if (whole == NULL)
         return NULL;
-    PyObject *flat = PyObject_CallMethod(whole, "cast", "s", "B");
+    Py_ssize_t off = self->payload - base;
+    PyObject *out = PySequence_GetSlice(whole, off, off + self->len);
     Py_DECREF(whole);
-    if (flat == NULL)
-        return NULL;
-    PyObject *out = PySequence_GetSlice(flat, self->off, self->off + self->len);
-    Py_DECREF(flat);
     return out;
 }
 
@@ -904,15 +951,10 @@ gathered_detach(GatheredObject *g)
     PyObject *own = PyBytes_FromStringAndSize(gathered_payload(g), g->len);
     if (own == NULL)
         return -1;
-    Py_buffer v;
-    if (PyObject_GetBuffer(own, &v, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(own);
-        return -1;
-    }
-    Py_DECREF(own); /* the view holds it */
-    PyBuffer_Release(&g->view);
-    g->view = v;
-    g->off = 0;
+    PyObject *old = g->owner;
+    g->owner = own;
+    g->payload = PyBytes_AS_STRING(own);
+    Py_DECREF(old);
     return 0;
 }
 
@@ -939,7 +981,7 @@ gathered_detach_list(PyObject *self, PyObject *args)
         GatheredObject *g = (GatheredObject *)o;
         if (shared_only && Py_REFCNT(o) <= 1)
             continue;
-        if (g->off == 0 && g->view.len == g->len && PyBytes_CheckExact(g->view.obj))
+        if (PyBytes_CheckExact(g->owner))
             continue; /* already its own */
         if (gathered_detach(g) < 0)
             return NULL;
@@ -955,26 +997,11 @@ static PyMethodDef module_methods[] = {
 
 PyDoc_STRVAR(encode_gather_doc,
 "encode_gather(heads, buffer, starts, lengths) -> list[Gathered]\n\n"
-"`encode_from`, but each datagram keeps its payload in `buffer` (whose export it\n"
-"holds) instead of a copy: its header and tag are a 64-byte bytes object. The\n"
+"`encode_from`, but each datagram keeps its payload in `buffer` (one export of\n"
+"it, which the call's datagrams share) instead of a copy. The\n"
 "tag is computed when the datagram is first sent (dlcp.daemon._udp) or read\n"
 "whole (bytes(), its tag bytes, `head`, detach) and covers the payload as it is\n"
 "then; the caller must not change those bytes while the datagram may be sent.");
-
-/* One Gathered datagram: a new header bytes object (its tag to come) and the
- * payload at off of `buf`. */
-static PyObject *
-gathered_of(MacObject *self, const unsigned char *head, const Py_buffer *buf, Py_ssize_t off,
-            Py_ssize_t len)
-{
-    PyObject *h = PyBytes_FromStringAndSize(NULL, HEADER);
-    if (h == NULL)
-        return NULL;
-    unsigned char *d = (unsigned char *)PyBytes_AS_STRING(h);
-    memcpy(d, head, HEAD);
-    memset(d + HEAD, 0, TAG); /* until sealed */
-    return gathered_new(h, buf, off, len, self);
-}
 
 /* encode_from (gather 0: datagram_of) and encode_gather (1: gathered_of). */
 static PyObject *
@@ -983,9 +1010,11 @@ encode_runs(MacObject *self, PyObject *args, int gather)
     Py_buffer raw, buf, st, ln;
     if (!PyArg_ParseTuple(args, "y*y*y*y*", &raw, &buf, &st, &ln))
         return NULL;
-    PyObject *list = NULL;
+    PyObject *list = NULL, *holding = NULL;
     Py_ssize_t n = st.len / (Py_ssize_t)sizeof(int64_t);
     if (check_runs(&raw, &buf, &st, &ln, n) < 0)
+        goto done;
+    if (gather && (holding = holding_of(&buf)) == NULL)
         goto done;
     list = PyList_New(n);
     if (list == NULL)
@@ -994,7 +1023,7 @@ encode_runs(MacObject *self, PyObject *args, int gather)
     const int64_t *starts = st.buf, *lengths = ln.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t off = (Py_ssize_t)starts[i], len = (Py_ssize_t)lengths[i];
-        PyObject *dg = gather ? gathered_of(self, heads + i * HEADER, &buf, off, len)
+        PyObject *dg = gather ? gathered_new(heads + i * HEADER, holding, off, len, self)
                               : datagram_of(self, heads + i * HEADER, src + off, len);
         if (dg == NULL)
             goto fail;
@@ -1008,6 +1037,7 @@ done:
     PyBuffer_Release(&buf);
     PyBuffer_Release(&st);
     PyBuffer_Release(&ln);
+    Py_XDECREF(holding); /* the datagrams hold it */
     return list;
 }
 
@@ -1142,7 +1172,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__ghash(void)
 {
-    if (PyType_Ready(&MacType) < 0 || PyType_Ready(&GatheredType) < 0)
+    if (PyType_Ready(&MacType) < 0 || PyType_Ready(&GatheredType) < 0 ||
+        PyType_Ready(&HoldingType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

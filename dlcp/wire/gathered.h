@@ -1,6 +1,10 @@
-/* A datagram in two parts (dlcp.wire._ghash.Gathered): its 64-byte header, a
- * bytes object, and its payload, `len` bytes at `view.buf + off` of a buffer
- * it holds (`view`, over `base`) without copying.
+/* A datagram in two parts (dlcp.wire._ghash.Gathered): its 64-byte header,
+ * held in the object itself, and its payload, `len` bytes at `payload` in
+ * memory that `owner` keeps alive without copying: a Holding (one export of
+ * the caller's buffer, shared by all the datagrams of one encode_gather
+ * call), or once detached a bytes object of the datagram's own. One
+ * allocation a datagram and no buffer export of its own: a datagram used to
+ * be two objects (itself and a bytes header) and an export apiece.
  *
  * dlcp/wire/_ghash.c defines the type (its encode_gather makes them);
  * dlcp/daemon/_udp.c sends one as two iovecs, dlcp/daemon/_keys.c reads its
@@ -16,11 +20,12 @@
 
 typedef struct GatheredObject GatheredObject;
 
+#define GATHERED_HEADER 64
+
 struct GatheredObject {
     PyObject_HEAD
-    PyObject *head;  /* bytes: the header, 64 bytes */
-    Py_buffer view;  /* held over the payload's buffer object (view.obj) */
-    Py_ssize_t off;  /* the payload: view.buf[off : off + len] */
+    PyObject *owner;     /* keeps the payload's memory: a Holding or a bytes object */
+    const char *payload; /* the payload: len bytes, inside owner's memory */
     Py_ssize_t len;
     /* Until the datagram is sealed, its tag (header bytes 48..64) is not yet
      * computed: `mac` is the key that will (a reference) and `seal_many` writes it,
@@ -33,6 +38,7 @@ struct GatheredObject {
      * of one key, together (their tags' AES blocks made at once): 0, or -1
      * with an exception set */
     int (*seal_many)(GatheredObject **gs, int k);
+    unsigned char head[GATHERED_HEADER]; /* the header, its tag once sealed */
 };
 
 #define GATHERED_SEAL_BATCH 8
@@ -40,7 +46,7 @@ struct GatheredObject {
 static inline const char *
 gathered_payload(const GatheredObject *g)
 {
-    return (const char *)g->view.buf + g->off;
+    return g->payload;
 }
 
 /* Compute the tag if it is not yet: 0, or -1 with an exception set. */
