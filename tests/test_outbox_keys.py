@@ -410,3 +410,34 @@ def test_take_rejects_bad_input(keys: ModuleType) -> None:
     with pytest.raises(TypeError):
         keys.take(deque([b"x" * 40]), 100)  # type: ignore[call-arg]
     assert keys.take([b"x" * 40, b"y" * 40], 10, 10)[0] == [b"x" * 40]  # at least one
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_by_class_equals_the_python_definition(keys: ModuleType, seed: int) -> None:
+    """Each class's datagrams in their order and the trail class (the highest
+    non-droppable class below the last), from C as from Python; the same
+    errors for a class out of range and for lengths that differ."""
+    rng = random.Random(seed)
+    n = rng.randrange(1, 300)
+    dgs = [os.urandom(rng.randrange(40, 80)) for _ in range(n)]
+    top = rng.choice([1, 3, 8])  # classes 0 .. top - 1 used
+    classes = [rng.randrange(top) for _ in range(n)]
+    drop = bytes(rng.choice([0, 0, 1]) for _ in range(n))
+    got = keys.by_class(dgs, classes, drop, 8)
+    want = outbox._py_by_class(dgs, classes, drop, 8)
+    assert got == want
+    lists, trail = got
+    assert [dg for part in lists if part for dg in part] == [
+        dg for c in range(8) for dg, k in zip(dgs, classes, strict=True) if k == c
+    ]
+    first = [d for d, k in zip(dgs, classes, strict=True) if k == classes[0]]
+    assert all(a is b for a, b in zip(lists[classes[0]] or [], first, strict=True))  # no copies
+    kept = [k for k, d in zip(classes, drop, strict=True) if not d and k < 7]
+    assert trail == (max(kept) if kept else -1)
+    for f in (keys.by_class, outbox._py_by_class):
+        with pytest.raises(ValueError, match=r"not in 0\.\.7"):
+            f(dgs[:2], [0, 8], bytes(2), 8)
+        with pytest.raises(ValueError, match=r"not in 0\.\.7"):
+            f(dgs[:2], [-1, 0], bytes(2), 8)
+        with pytest.raises(ValueError, match="drop bytes"):
+            f(dgs[:2], [0, 1], bytes(3), 8)

@@ -608,7 +608,88 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(by_class_doc,
+"by_class(datagrams, classes, drop, n) -> (list[list | None], int)\n\n"
+"The datagrams of each class 0 .. n - 1 in their order (None for a class\n"
+"with none; each class an int in 0 .. n - 1, one per datagram), and the\n"
+"highest class below n - 1 of those whose `drop` byte (one per datagram) is\n"
+"0, or -1 when there is none. outbox._py_by_class is the definition.");
+
+static PyObject *
+by_class(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "by_class() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t nc = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    if (nc == -1 && PyErr_Occurred())
+        return NULL;
+    if (nc < 1 || nc > 256) {
+        PyErr_SetString(PyExc_ValueError, "n must be 1 to 256");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "drop must be bytes");
+        return NULL;
+    }
+    PyObject *dgs = PySequence_Fast(args[0], "datagrams must be a sequence");
+    if (dgs == NULL)
+        return NULL;
+    PyObject *cls = PySequence_Fast(args[1], "classes must be a sequence");
+    PyObject *out = NULL, *lists = NULL;
+    if (cls == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dgs);
+    if (PySequence_Fast_GET_SIZE(cls) != n || PyBytes_GET_SIZE(args[2]) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd datagrams, %zd classes and %zd drop bytes", n,
+                     PySequence_Fast_GET_SIZE(cls), PyBytes_GET_SIZE(args[2]));
+        goto done;
+    }
+    const unsigned char *drop = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    lists = PyList_New(nc);
+    if (lists == NULL)
+        goto done;
+    for (Py_ssize_t c = 0; c < nc; c++) {
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(lists, c, Py_None);
+    }
+    long trail = -1;
+    PyObject **items = PySequence_Fast_ITEMS(dgs), **cs = PySequence_Fast_ITEMS(cls);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long c = PyLong_AsLong(cs[i]);
+        if (c == -1 && PyErr_Occurred())
+            goto fail;
+        if (c < 0 || c >= nc) {
+            PyErr_Format(PyExc_ValueError, "class %ld of datagram %zd is not in 0..%zd", c, i,
+                         nc - 1);
+            goto fail;
+        }
+        PyObject *l = PyList_GET_ITEM(lists, c);
+        if (l == Py_None) {
+            l = PyList_New(0);
+            if (l == NULL)
+                goto fail;
+            PyList_SET_ITEM(lists, c, l);
+            Py_DECREF(Py_None);
+        }
+        if (PyList_Append(l, items[i]) < 0)
+            goto fail;
+        if (!drop[i] && c < nc - 1 && c > trail)
+            trail = c;
+    }
+    out = Py_BuildValue("(Ol)", lists, trail);
+fail:
+    Py_XDECREF(lists);
+done:
+    Py_DECREF(dgs);
+    Py_XDECREF(cls);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"by_class", (PyCFunction)(void (*)(void))by_class, METH_FASTCALL, by_class_doc},
     {"identities", identities, METH_O, identities_doc},
     {"identities_heads", identities_heads, METH_O, identities_heads_doc},
     {"shard_keys", shard_keys, METH_O, shard_keys_doc},

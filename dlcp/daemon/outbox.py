@@ -141,6 +141,30 @@ def _py_unqueue(
     return _py_shards_left(heads)
 
 
+def _py_by_class(
+    datagrams: Sequence[bytes], classes: Sequence[int], drop: bytes, n: int
+) -> tuple[list[list[bytes] | None], int]:
+    """The datagrams of each class 0 .. n - 1, in their order (None: none of
+    that class), and the highest class below n - 1 of those whose `drop` byte
+    is 0 (-1: none): a run's queues and trail class (`Outbox._queue_run`)."""
+    if not len(datagrams) == len(classes) == len(drop):
+        raise ValueError(
+            f"{len(datagrams)} datagrams, {len(classes)} classes and {len(drop)} drop bytes"
+        )
+    out: list[list[bytes] | None] = [None] * n
+    trail = -1
+    for i, (dg, c) in enumerate(zip(datagrams, classes, strict=True)):
+        if not 0 <= c < n:
+            raise ValueError(f"class {c} of datagram {i} is not in 0..{n - 1}")
+        lst = out[c]
+        if lst is None:
+            lst = out[c] = []
+        lst.append(dg)
+        if not drop[i] and c < n - 1 and c > trail:
+            trail = c
+    return out, trail
+
+
 # The same in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a key
 # instead of slices and a concatenation, `shard_keys` without a slice apiece,
 # and `unqueue`, a sent batch's bookkeeping in one call (no lists of keys, no
@@ -152,11 +176,13 @@ if NATIVE_KEYS:
     _identities_heads = _keys.identities_heads
     _shard_keys = _keys.shard_keys
     _unqueue = _keys.unqueue
+    _by_class = _keys.by_class
 else:
     _identities = _py_identities
     _identities_heads = _py_identities_heads
     _shard_keys = _py_shard_keys
     _unqueue = _py_unqueue
+    _by_class = _py_by_class
 
 
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
@@ -462,7 +488,14 @@ class Outbox:
         # NACK, looked up one by one below) come between them
         peer.queued += n
         self.backlog.add(peer)
-        if min(priorities) < 0 or max(priorities) >= N_CLASSES:
+        # one class for all (the usual batch): no pass for the smallest and largest
+        p0 = priorities[0]
+        uniform = priorities.count(p0) == n
+        if uniform:
+            if not 0 <= p0 < N_CLASSES:
+                p0 = min(max(p0, 0), N_CLASSES - 1)
+                priorities = [p0] * n
+        elif min(priorities) < 0 or max(priorities) >= N_CLASSES:
             priorities = [min(max(p, 0), N_CLASSES - 1) for p in priorities]
         flags = heads[1::2]
         others = heads[0::2].translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT
@@ -481,6 +514,7 @@ class Outbox:
                     bkeys[start:stop],  # all DATA/RESULT: no None
                     priorities[start:stop],
                     flags[start:stop],
+                    uniform,
                 )
             else:
                 for i in range(start, stop):
@@ -554,16 +588,22 @@ class Outbox:
 
     @staticmethod
     def _queue_run(
-        peer: Peer, dgs: Sequence[bytes], bkeys: list[bytes], classes: Sequence[int], flags: bytes
+        peer: Peer,
+        dgs: Sequence[bytes],
+        bkeys: list[bytes],
+        classes: Sequence[int],
+        flags: bytes,
+        uniform: bool = False,
     ) -> None:
         """`_queue` for each of `dgs`, DATA/RESULT packets (with their barrier
         keys, classes and flags bytes) that are not repeats, in bulk: same
-        queues, barriers, trail."""
+        queues, barriers, trail. `uniform`: the classes are known to be one."""
         n = len(dgs)
         head = bkeys[0]
         inflight = peer.inflight
         distinct: Iterable[bytes]  # in order of first appearance
-        if bkeys.count(head) == n:  # one shard and leg (the usual run)
+        one = bkeys.count(head) == n  # one shard and leg (the usual run)
+        if one:
             inflight[head] += n
             distinct = (head,)
         else:
@@ -572,13 +612,17 @@ class Outbox:
                 inflight[bkey] += k
             distinct = counts
         cls0 = classes[0]
-        uniform = classes.count(cls0) == n
+        uniform = uniform or classes.count(cls0) == n
         # the trail class of each shard: the highest class of its non-droppable
         # packets below the droppable class (in order of first appearance)
         drop = flags.translate(_DROPPABLE_TABLE)
+        split: list[list[bytes] | None] | None = None  # each class's packets, where they differ
         want: dict[bytes, int]
         if uniform and 1 not in drop:
             want = dict.fromkeys(distinct, cls0) if cls0 < N_CLASSES - 1 else {}
+        elif one:  # in C: no Python step a packet
+            split, top = _by_class(dgs, classes, drop, N_CLASSES)
+            want = {head: top} if top >= 0 else {}
         else:
             want = {}
             for bkey, cls, d in zip(bkeys, classes, drop, strict=True):
@@ -598,10 +642,12 @@ class Outbox:
                     trail[bkey] = cls
         if uniform:
             peer.queues[cls0].extend(dgs)
-        else:
-            queues = peer.queues
-            for dg, cls in zip(dgs, classes, strict=True):
-                queues[cls].append(dg)
+            return
+        if split is None:
+            split = _by_class(dgs, classes, drop, N_CLASSES)[0]
+        for q, part in zip(peer.queues, split, strict=True):
+            if part is not None:
+                q.extend(part)
 
     def drop_head(self) -> None:
         """After a send error: drop the first datagram of every backlogged peer's
