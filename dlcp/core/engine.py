@@ -149,6 +149,14 @@ def _batch(
     return SendBatch(node, datagrams, priorities, droppable, kind)
 
 
+def _int_list(a: np.ndarray) -> list[int]:
+    """`a.tolist()`; where every element is one value (a bucket's packets in
+    one class, the usual case) the list repeats one int, made once."""
+    if a.size and a.min() == a.max():
+        return [int(a[0])] * a.size
+    return a.tolist()
+
+
 def _control(node: int, datagram: bytes) -> SendBatch:
     return SendBatch(node, [datagram], [CONTROL_CLASS], None, "control")
 
@@ -533,8 +541,14 @@ class Engine:
         return c.lanes[start : start + lane_bytes(c.layout.codec, count, c.summed)]
 
     # -- packet building ---------------------------------------------------
-    def _heads(self, n: int) -> np.ndarray:
-        return np.zeros(n, dtype=HEADER_DTYPE)
+    def _heads(self, n: int, **common: Any) -> np.ndarray:
+        """`n` header records, each with the `common` fields (the rest 0): the
+        fields all packets share are set in one record, which is copied into
+        each, instead of a pass over all records per field."""
+        one = np.zeros(1, dtype=HEADER_DTYPE)
+        for name, value in common.items():
+            one[name] = value
+        return np.repeat(one, n)
 
     def _send_data(
         self, c: _Contribution, shard: int, owner: int, only: Sequence[int] | None
@@ -544,7 +558,19 @@ class Engine:
         idx = np.arange(pk.start, pk.stop) if only is None else pk.start + np.asarray(only, int)
         if idx.size == 0:
             return
-        h = self._heads(idx.size)
+        h = self._heads(
+            idx.size,
+            type=PacketType.DATA,
+            codec=lay.codec,
+            job=c.spec.job,
+            round=c.round,
+            bucket=c.bucket,
+            shard=shard,
+            sender=c.spec.me,
+            contributors=c.weight,
+            total=lay.total,
+            param=c.scale,
+        )
         offs = idx * lay.per_packet
         counts = np.minimum(lay.per_packet, lay.total - offs)
         drop = c.droppable[idx] if only is None else np.zeros(idx.size, bool)
@@ -555,21 +581,11 @@ class Engine:
         else:
             flags |= int(Flags.RETRANSMIT)
             prio = np.minimum(c.classes[idx], RETRANSMIT_CLASS).astype(np.uint8)
-        h["type"] = PacketType.DATA
         h["flags"] = flags
         h["priority"] = prio
-        h["codec"] = lay.codec
-        h["job"] = c.spec.job
-        h["round"] = c.round
-        h["bucket"] = c.bucket
-        h["shard"] = shard
         h["layer"] = c.layers[idx]
-        h["sender"] = c.spec.me
-        h["contributors"] = c.weight
         h["offset"] = offs
         h["count"] = counts
-        h["total"] = lay.total
-        h["param"] = c.scale
         h["aux"] = c.block_max[idx].view(np.uint32)
         bits = LANE_BITS[lay.codec][1 if c.summed else 0]
         # lane_bytes, for every packet at once; no slice object per packet
@@ -577,7 +593,9 @@ class Engine:
         dgs = encode_batch(h, payloads, self._mac(c.spec), gather=self.gather)
         if self.gather:
             self._gathered.setdefault((c.spec.job, c.round, c.bucket), []).append(dgs)
-        self._out.append(_batch(owner, dgs, prio.tolist(), drop.tolist(), "data"))
+        self._out.append(
+            _batch(owner, dgs, _int_list(prio), drop.tolist() if drop.any() else None, "data")
+        )
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
     def _send_manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
@@ -627,7 +645,18 @@ class Engine:
         else:  # the payloads first sent (the sums may have been overwritten since)
             assert f.datagrams is not None
             payloads = [_payload_of(f.datagrams[int(j)]) for j in only]
-        h = self._heads(offs.size)
+        h = self._heads(
+            offs.size,
+            type=PacketType.RESULT,
+            flags=int(Flags.RETRANSMIT) if only is not None else 0,
+            codec=lay.codec,
+            job=f.spec.job,
+            round=f.round,
+            bucket=f.bucket,
+            shard=shard,
+            sender=f.spec.me,
+            total=lay.total,
+        )
         h["offset"] = offs
         h["count"] = counts
         h["contributors"] = f.result.contributors[local]
@@ -635,17 +664,8 @@ class Engine:
         prio = np.minimum(f.classes[local], LOWEST_RELIABLE_CLASS)
         h["priority"] = prio
         h["layer"] = f.layers[local]
-        h["type"] = PacketType.RESULT
-        h["flags"] = int(Flags.RETRANSMIT) if only is not None else 0
-        h["codec"] = lay.codec
-        h["job"] = f.spec.job
-        h["round"] = f.round
-        h["bucket"] = f.bucket
-        h["shard"] = shard
-        h["sender"] = f.spec.me
-        h["total"] = lay.total
         dgs = encode_batch(h, payloads, self._mac(f.spec), gather=self.gather and only is None)
-        classes = prio.tolist()
+        classes = _int_list(prio)
         if only is None:
             f.datagrams, f.classes_sent = dgs, classes
             op = (f.spec.job, f.round, f.bucket)
