@@ -1,0 +1,129 @@
+"""dlcpd's send path in one process: what a daemon spends a datagram before the kernel.
+
+    python bench/send_path.py [--size 100MB] [--rounds 12] [--classes 1]
+
+Node 0 of a 2-node job submits one fp32 bucket a round (`Engine(gather=True)`,
+as dlcpd runs it); its data for node 1 (half the bucket: 35,500 datagrams of
+1408 payload bytes at 100 MB) is queued with `Outbox.push_many` and flushed
+over a real `UdpPath` on loopback, unpaced, to a socket with UDP_GRO that is
+never read (the kernel drops what its buffer does not hold). Prints the
+median per round of each phase: `submit` (headers, MAC-ready datagrams),
+`push`, `flush` and within it the send calls (MAC seal, iovecs, the kernel),
+and the datagrams' freeing; then the glue (all but the send calls) per
+datagram. `--classes K`: the packets of a bucket spread over K priority
+classes at random (as magnitude classes spread them), instead of one.
+
+The engine's round state is dropped between rounds (its private tables):
+this times the send path only. Run it alternated with another checkout
+(`TREE=path`), as any timing on this VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parent.parent)))
+
+from bench.veth_busbw import parse_size
+from dlcp.core.engine import Engine, JobSpec
+from dlcp.core.layout import Layout
+from dlcp.core.rate import RateConfig
+from dlcp.daemon.memory import tune_process
+from dlcp.daemon.outbox import Outbox
+from dlcp.daemon.transport import UdpPath
+from dlcp.policies import from_config
+from dlcp.wire import Codec
+
+UDP_GRO = 104
+PAYLOAD = 1408
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="100MB")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--classes", type=int, default=1)
+    a = ap.parse_args()
+    tune_process()
+    total = parse_size(a.size) // 4
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+    path = UdpPath("127.0.0.1", 0)
+    send_s = 0.0
+    send = path.send
+
+    def timed(dgs: list[bytes], dest: tuple[str, int], tos: int) -> int:
+        nonlocal send_s
+        t = time.perf_counter()
+        n = send(dgs, dest, tos)
+        send_s += time.perf_counter() - t
+        return n
+
+    path.send = timed  # type: ignore[method-assign]
+    ob = Outbox(
+        [path],
+        dscp=(48, 40, 34, 26, 18, 10, 0, 8),
+        rate=RateConfig(),
+        pacing=False,
+        balancer_factory=lambda: from_config("balance", "spray"),
+    )
+    peer = ob.peer(("127.0.0.1",), rx.getsockname()[1], 0.0)
+    e = Engine(gather=True)
+    e.add_job(JobSpec.transpose(1, os.urandom(32), 0, 2, payload=PAYLOAD, mac="ghash-aes"))
+    lanes = np.random.default_rng(0).standard_normal(total).astype(np.float32)
+    packets = Layout(total, Codec.FP32, 2, PAYLOAD).packets
+    classes = None
+    if a.classes > 1:
+        classes = np.random.default_rng(1).integers(1, 1 + a.classes, packets).astype(np.uint8)
+    rows = []
+    for rnd in range(a.rounds):
+        send_s = 0.0
+        t0 = time.perf_counter()
+        e.submit(
+            job=1,
+            round=rnd,
+            bucket=0,
+            codec=Codec.FP32,
+            total=total,
+            lanes=lanes,
+            now=0.0,
+            classes=classes,
+        )
+        t1 = time.perf_counter()
+        n = 0
+        for b in e.send_batches():
+            if b.node == 1:
+                ob.push_many(peer, b.datagrams, b.priorities)
+                n += len(b.datagrams)
+        t2 = time.perf_counter()
+        while ob.backlog:
+            ob.flush(0.0)
+        t3 = time.perf_counter()
+        for table in (e._contribs, e._collectors, e._aggs, e._gathered):
+            table.clear()
+        t4 = time.perf_counter()
+        if rnd >= 2:  # warm-up
+            rows.append((t1 - t0, t2 - t1, t3 - t2, send_s, t4 - t3, n))
+    names = ("submit", "push", "flush", "  send calls", "free")
+    for i, name in enumerate(names):
+        print(f"{name:14s} {1e3 * statistics.median(r[i] for r in rows):7.2f} ms")
+    n = rows[0][5]
+    glue = statistics.median(r[0] + r[1] + r[2] - r[3] + r[4] for r in rows)
+    sends = statistics.median(r[3] for r in rows)
+    print(
+        f"{n} datagrams a round: glue {1e3 * glue:.2f} ms ({1e9 * glue / n:.0f} ns a datagram), "
+        f"send calls {1e9 * sends / n:.0f} ns a datagram"
+    )
+
+
+if __name__ == "__main__":
+    main()
