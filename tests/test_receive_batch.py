@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from dlcp.core import aggregate as aggregate_mod
-from dlcp.core import engine as engine_mod
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
 from dlcp.errors import Reason
 from dlcp.wire import Codec, Flags, PacketType
@@ -175,27 +174,6 @@ def test_batched_receive_matches_per_packet_without_the_c_run_pass(
 
 def test_batched_receive_matches_per_packet_with_ghash_aes_mac() -> None:
     _run(Codec.FP32, 3, 8908, 5, mac="ghash-aes")
-
-
-@pytest.mark.parametrize(("mac", "seed"), [("blake2b", 9), ("ghash-aes", 10)])
-def test_batched_receive_matches_per_packet_in_small_slices(
-    mac: str, seed: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run's MACs are checked a slice at a time, each just before its lanes
-    are summed: slices of 3 datagrams, forged ones among them (the first of a
-    slice too), change nothing."""
-    monkeypatch.setattr(engine_mod, "RX_SLICE_BYTES", 1)
-    monkeypatch.setattr(engine_mod, "RX_SLICE_MIN", 3)
-    calls: list[int] = []
-    verified = engine_mod.Engine._verified
-
-    def counted(self: Engine, key: object, cands: object, a: int, b: int) -> object:
-        calls.append(b - a)
-        return verified(self, key, cands, a, b)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(engine_mod.Engine, "_verified", counted)
-    _run(Codec.FP32, 3, 1408, seed, mac=mac)
-    assert max(calls) == 3 and len(calls) > 100  # the runs were cut into slices
 
 
 def test_a_batch_of_only_bad_datagrams_changes_nothing() -> None:

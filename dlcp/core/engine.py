@@ -30,7 +30,7 @@ from dlcp.core.aggregate import Nack, ResultCollector, RunRejected, ShardAggrega
 from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
-from dlcp.wire.batch import HEADER_DTYPE, Payloads, _bulk, decode_batch, encode_batch, verify
+from dlcp.wire.batch import HEADER_DTYPE, _bulk, decode_batch, encode_batch
 from dlcp.wire.header import (
     HEADER_SIZE,
     LANE_BITS,
@@ -303,15 +303,6 @@ def _py_run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
     change = np.ones(n, dtype=bool)
     change[1:] = ~same
     return np.flatnonzero(change).tolist()
-
-
-RX_SLICE_BYTES = 1 << 20  # datagrams verified, then summed, at a time: within a core's L2
-RX_SLICE_MIN = 16  # ... but at least this many (the fixed cost of a run's call)
-
-
-def _rx_slice(datagram_bytes: int) -> int:
-    """Datagrams of this size a slice of `receive_many` takes."""
-    return max(RX_SLICE_MIN, RX_SLICE_BYTES // max(datagram_bytes, 1))
 
 
 def _sources(srcs: Sequence[int | None] | np.ndarray | None, index: np.ndarray) -> np.ndarray:
@@ -780,7 +771,7 @@ class Engine:
         array operations. The outcome (state, sums, stats, rejects per reason)
         is that of `receive` called per datagram in order.
         """
-        batch = decode_batch(datagrams, self._keys, defer_mac=True)
+        batch = decode_batch(datagrams, self._keys)
         if batch.rejects:
             self.rejects.update(batch.rejects)
         n = len(batch)
@@ -793,58 +784,19 @@ class Engine:
         ends = [*starts[1:], n]
         ok = np.zeros(n, dtype=bool)
         payloads = batch.payloads
-        key = batch.unverified  # not None: each MAC is checked here, before its packet is used
-        # the candidates themselves (a `Payloads`' datagrams) where MACs are checked here
-        cands = payloads.datagrams if isinstance(payloads, Payloads) else None
-        if cands is None:
-            key = None  # (decode_batch defers them only with a Payloads)
         ptype = f["type"]
         for a, b in zip(starts, ends, strict=True):
-            if not _LANE_TYPES[ptype[a]]:
-                good = self._verified(key, cands, a, b)
-                for k in range(a, b):
-                    if good is None or good[k - a]:
-                        s_ = int(src[k])
-                        h = header_of_valid(datagrams[int(index[k])])
-                        ok[k] = self.receive_packet(h, payloads[k], now, None if s_ < 0 else s_)
+            if _LANE_TYPES[ptype[a]]:
+                h = header_of_valid(datagrams[int(index[a])])
+                s_ = int(src[a])
+                bad = self._receive_run(h, f[a:b], payloads[a:b], now, None if s_ < 0 else s_)
+                ok[a:b] = True if bad is None else ~bad
                 continue
-            s_ = int(src[a])
-            step = b - a if key is None else _rx_slice(len(datagrams[int(index[a])]))
-            # A slice's MACs are checked just before its lanes are summed: the
-            # payloads are read from memory once and then found in cache,
-            # instead of a whole drain (megabytes) read twice.
-            for c in range(a, b, step):
-                d = min(c + step, b)
-                good = self._verified(key, cands, c, d)
-                at = np.arange(c, d) if good is None else c + np.flatnonzero(good)
-                if at.size == 0:
-                    continue
-                h = header_of_valid(datagrams[int(index[at[0]])])
-                if at.size == d - c:
-                    part, heads = payloads[c:d], f[c:d]
-                else:
-                    assert cands is not None
-                    part, heads = Payloads([cands[j] for j in at.tolist()]), f[at]
-                bad = self._receive_run(h, heads, part, now, None if s_ < 0 else s_)
-                ok[at] = True if bad is None else ~bad
+            for k in range(a, b):
+                s_ = int(src[k])
+                h = header_of_valid(datagrams[int(index[k])])
+                ok[k] = self.receive_packet(h, payloads[k], now, None if s_ < 0 else s_)
         return index[ok]
-
-    def _verified(
-        self,
-        key: MacKey | None,
-        cands: Sequence[bytes | memoryview] | None,
-        a: int,
-        b: int,
-    ) -> np.ndarray | None:
-        """Whether the MACs of the datagrams `cands[a:b]` are right (None: all
-        were checked already); the wrong ones are counted."""
-        if key is None or cands is None:
-            return None
-        good = verify(key, cands[a:b])
-        n_bad = b - a - int(np.count_nonzero(good))
-        if n_bad:
-            self.rejects[Reason.BAD_MAC] += n_bad
-        return good
 
     def _receive_run(
         self,

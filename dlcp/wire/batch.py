@@ -170,9 +170,6 @@ class Batch:
     payloads: Sequence[memoryview]  # `Payloads` (views made when asked for), or a list
     index: np.ndarray  # position of each accepted packet in the input batch
     rejects: Counter[Reason] = field(default_factory=Counter)
-    # decode_batch(defer_mac=True) that left the MACs to its caller: the key of
-    # the one job all these packets name (their MACs not yet checked); else None
-    unverified: MacKey | None = None
 
     def __len__(self) -> int:
         return len(self.payloads)
@@ -277,19 +274,8 @@ def _py_field_reasons(
     return np.where(failed, _CHECK_REASONS[masks.argmax(axis=0)], 0)
 
 
-def decode_batch(
-    datagrams: Sequence[bytes | memoryview],
-    keys: Mapping[int, MacKey],
-    *,
-    defer_mac: bool = False,
-) -> Batch:
+def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, MacKey]) -> Batch:
     """Validate and authenticate a batch of datagrams; never raises for bad input.
-
-    With `defer_mac`, where every packet that passes the header checks names
-    one job whose key is known, their MACs are not checked here: the batch
-    says so (`unverified`: that key), and the caller must check each one
-    (`verify`) before it acts on it. It does so in slices that stay in the
-    core's cache for what it does next (`Engine.receive_many`).
 
     With the C gather (`_bulk.heads`) of a list of datagrams, no Python object
     is made per datagram: the header records and lengths come from one call
@@ -332,21 +318,6 @@ def decode_batch(
         cand_jobs = heads["job"][candidates]
     m = len(cand)
     verified = np.zeros(m, dtype=bool)
-    if defer_mac and m and (cand_jobs == cand_jobs[0]).all():
-        key = keys.get(int(cand_jobs[0]))
-        if key is not None:
-            early: Counter[Reason] = Counter()
-            if found is not None:
-                bad = reasons[reasons != 0]
-                for code, k in zip(*np.unique(bad, return_counts=True), strict=True):
-                    early[Reason(int(code))] = int(k)
-            return Batch(
-                fields=heads if found is None else heads[candidates],
-                payloads=Payloads(cand),
-                index=candidates,
-                rejects=early,
-                unverified=key,
-            )
     if m:
         first = cand_jobs[0]
         if (cand_jobs == first).all():
@@ -379,11 +350,6 @@ def decode_batch(
         for code, k in zip(*np.unique(bad, return_counts=True), strict=True):
             rejects[Reason(int(code))] = int(k)
     return Batch(fields=fields, payloads=payloads, index=idx, rejects=rejects)
-
-
-def verify(key: MacKey, datagrams: Sequence[bytes | memoryview]) -> np.ndarray:
-    """Whether each datagram's MAC under `key` is right (a bool array)."""
-    return verify_blake2b(key, datagrams) if isinstance(key, bytes) else key.verify(datagrams)
 
 
 def encode_batch(
