@@ -5,10 +5,12 @@
 35,500 datagrams of 1472 bytes (1408 payload bytes of fp32 lanes), in GRO
 buffers of 44 (as `_udp.recv_gro` splits them), are verified (ghash-aes, C)
 and summed into a 50 MB destination (`_bulk.add_runs`, as a data run is):
-- in two passes over 256 buffers at a time (16 MB: a whole drain, what
-  `Engine.receive_many` did before it took a run in slices),
-- in two passes over 16 buffers at a time (1 MB: `engine.RX_SLICE_BYTES`),
+- in two passes over 256 buffers at a time (16 MB: a whole drain, as
+  `Engine.receive_many` takes it: all its MACs, then its runs' sums),
+- in two passes over 16 buffers at a time (1 MB: within a core's L2),
 - buffer by buffer (44 datagrams: two calls each).
+Round 21 (BENCHMARKS.md) tried the 1 MB slices in `receive_many` and dropped
+them: the gain here is a few percent, less than a slice's fixed cost there.
 A 64 MB array is written before each timing, so the datagrams start in
 memory, not in cache, as a drain that the kernel wrote many megabytes ago.
 Prints the median time of each. Run it alternated with others, as any timing.
