@@ -558,6 +558,9 @@ class Engine:
         idx = np.arange(pk.start, pk.stop) if only is None else pk.start + np.asarray(only, int)
         if idx.size == 0:
             return
+        # the per-packet arrays of these packets: views of the shard's range on a
+        # first send, not copies made by indexing with `idx`
+        pick: slice | np.ndarray = slice(pk.start, pk.stop) if only is None else idx
         h = self._heads(
             idx.size,
             type=PacketType.DATA,
@@ -573,20 +576,20 @@ class Engine:
         )
         offs = idx * lay.per_packet
         counts = np.minimum(lay.per_packet, lay.total - offs)
-        drop = c.droppable[idx] if only is None else np.zeros(idx.size, bool)
+        drop = c.droppable[pick] if only is None else np.zeros(idx.size, bool)
         flags = np.where(drop, int(Flags.DROPPABLE), 0) | (int(Flags.SUMMED) if c.summed else 0)
         if only is None:
             flags[-1] |= int(Flags.LAST)
-            prio = c.classes[idx]
+            prio = c.classes[pick]
         else:
             flags |= int(Flags.RETRANSMIT)
             prio = np.minimum(c.classes[idx], RETRANSMIT_CLASS).astype(np.uint8)
         h["flags"] = flags
         h["priority"] = prio
-        h["layer"] = c.layers[idx]
+        h["layer"] = c.layers[pick]
         h["offset"] = offs
         h["count"] = counts
-        h["aux"] = c.block_max[idx].view(np.uint32)
+        h["aux"] = c.block_max[pick].view(np.uint32)
         bits = LANE_BITS[lay.codec][1 if c.summed else 0]
         # lane_bytes, for every packet at once; no slice object per packet
         payloads = Slices(c.lanes, (offs * bits + 7) // 8, (counts * bits + 7) // 8)
