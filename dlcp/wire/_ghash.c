@@ -145,15 +145,24 @@ prp_blocks(MacObject *self, const unsigned char *in, unsigned char *out, int k)
 
 /* The tags of k (1 to PRP_BATCH) packets (heads[j][0:48], payloads[j][0:
  * plens[j]]) into out[16 j : 16 j + 16]: their GCM tags, then their AES
- * blocks together (prp_blocks); 0 on success. */
+ * blocks together (prp_blocks); 0 on success. With `ahead`, the next
+ * payload's first kilobyte is asked for while one is hashed, unless it
+ * follows this one in memory: payloads sealed to be sent in class order lie
+ * anywhere in their bucket, and the hash's own prefetch (mul_run) starts a
+ * kilobyte in. (Received payloads follow one another in their buffer, where
+ * the hardware's prefetch does as well: verify passes 0.) */
 static int
 tags_of(MacObject *self, const unsigned char *const *heads, const unsigned char *const *payloads,
-        const Py_ssize_t *plens, int k, unsigned char *out)
+        const Py_ssize_t *plens, int k, unsigned char *out, int ahead)
 {
     unsigned char inner[TAG * PRP_BATCH] = {0};
-    for (int j = 0; j < k; j++)
+    for (int j = 0; j < k; j++) {
+        if (ahead && j + 1 < k && payloads[j + 1] != payloads[j] + plens[j]) /* not next */
+            for (Py_ssize_t b = 0; b < plens[j + 1] && b < 1024; b += 64)
+                __builtin_prefetch(payloads[j + 1] + b, 0, 3);
         if (inner_of(self, heads[j], payloads[j], plens[j], inner + TAG * j) < 0)
             return -1;
+    }
     return prp_blocks(self, inner, out, k);
 }
 
@@ -162,7 +171,7 @@ static int
 tag_of(MacObject *self, const unsigned char *head, const unsigned char *payload,
        Py_ssize_t plen, unsigned char *out)
 {
-    return tags_of(self, &head, &payload, &plen, 1, out);
+    return tags_of(self, &head, &payload, &plen, 1, out, 0);
 }
 
 /* ---- GHASH with AVX-512 VPCLMULQDQ ------------------------------------------
@@ -777,7 +786,7 @@ gathered_seal_many(GatheredObject **gs, int k)
         payloads[j] = (const unsigned char *)gathered_payload(gs[j]);
         plens[j] = gs[j]->len;
     }
-    if (tags_of(mac, heads, payloads, plens, k, tag))
+    if (tags_of(mac, heads, payloads, plens, k, tag, 1))
         return openssl_failed();
     for (int j = 0; j < k; j++) {
         memcpy(gs[j]->head + HEAD, tag + TAG * j, TAG);
@@ -1097,7 +1106,7 @@ Mac_verify(MacObject *self, PyObject *args)
             payloads[got] = heads[got] + HEADER;
             plens[got] = d[got].len - HEADER;
         }
-        if (!bad && tags_of(self, heads, payloads, plens, k, tag) < 0) {
+        if (!bad && tags_of(self, heads, payloads, plens, k, tag, 0) < 0) {
             openssl_failed();
             bad = 1;
         }
