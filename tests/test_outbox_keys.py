@@ -441,3 +441,23 @@ def test_by_class_equals_the_python_definition(keys: ModuleType, seed: int) -> N
             f(dgs[:2], [-1, 0], bytes(2), 8)
         with pytest.raises(ValueError, match="drop bytes"):
             f(dgs[:2], [0, 1], bytes(3), 8)
+
+
+def test_clamped_classes_equals_the_python_definition(keys: ModuleType) -> None:
+    """Priorities in range come back as the same list; others are clamped into
+    0..7 in a new one; one class or not, from C as from Python."""
+    big = int("300")  # an int object of its own, equal to another 300
+    cases = [[], [3], [2] * 50, [1, 2, 3], [-1, 9, 3], [300, big], [7, 7, 8], [0, -5]]
+    rng = random.Random(4)
+    cases += [[rng.randrange(-2, 10) for _ in range(rng.randrange(1, 60))] for _ in range(50)]
+    for prios in cases:
+        got = keys.clamped_classes(prios, 8)
+        want = outbox._py_clamped_classes(prios, 8)
+        assert got == want, prios
+        assert got[1] == (len(set(prios)) <= 1)
+        assert got[0] == [min(max(p, 0), 7) for p in prios]
+        if all(0 <= p < 8 for p in prios):
+            assert got[0] is prios and want[0] is prios  # no copy
+    for f in (keys.clamped_classes, outbox._py_clamped_classes):
+        with pytest.raises(TypeError):
+            f([1, "2"], 8)

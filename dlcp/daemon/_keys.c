@@ -608,6 +608,75 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(clamped_classes_doc,
+"clamped_classes(priorities, n) -> (list, bool)\n\n"
+"The priorities (ints) each clamped into 0 .. n - 1: the same list where all\n"
+"are in range already, else a new one; and whether they are all one class.\n"
+"outbox._py_clamped_classes is the definition.");
+
+static PyObject *
+clamped_classes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "clamped_classes() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "priorities must be a list");
+        return NULL;
+    }
+    Py_ssize_t nc = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (nc == -1 && PyErr_Occurred())
+        return NULL;
+    if (nc < 1) {
+        PyErr_SetString(PyExc_ValueError, "n must be 1 or more");
+        return NULL;
+    }
+    PyObject *list = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    long lo = 0, hi = 0, first = 0;
+    int uniform = 1;
+    PyObject *first_obj = n ? PyList_GET_ITEM(list, 0) : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(list, i);
+        if (i > 0 && o == first_obj) /* the same int object: the same class */
+            continue;
+        long c = PyLong_AsLong(o);
+        if (c == -1 && PyErr_Occurred())
+            return NULL;
+        if (i == 0) {
+            lo = hi = first = c;
+        } else {
+            if (c != first)
+                uniform = 0;
+            if (c < lo)
+                lo = c;
+            if (c > hi)
+                hi = c;
+        }
+    }
+    if (lo >= 0 && hi < nc)
+        return Py_BuildValue("(OO)", list, uniform ? Py_True : Py_False);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long c = PyLong_AsLong(PyList_GET_ITEM(list, i));
+        if (c == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *v = PyLong_FromLong(c < 0 ? 0 : (c >= nc ? (long)nc - 1 : c));
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return Py_BuildValue("(NO)", out, uniform ? Py_True : Py_False);
+}
+
 PyDoc_STRVAR(by_class_doc,
 "by_class(datagrams, classes, drop, n) -> (list[list | None], int)\n\n"
 "The datagrams of each class 0 .. n - 1 in their order (None for a class\n"
@@ -690,6 +759,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"by_class", (PyCFunction)(void (*)(void))by_class, METH_FASTCALL, by_class_doc},
+    {"clamped_classes", (PyCFunction)(void (*)(void))clamped_classes, METH_FASTCALL,
+     clamped_classes_doc},
     {"identities", identities, METH_O, identities_doc},
     {"identities_heads", identities_heads, METH_O, identities_heads_doc},
     {"shard_keys", shard_keys, METH_O, shard_keys_doc},

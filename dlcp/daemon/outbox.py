@@ -165,6 +165,18 @@ def _py_by_class(
     return out, trail
 
 
+def _py_clamped_classes(priorities: list[int], n: int) -> tuple[list[int], bool]:
+    """`priorities` each clamped into 0 .. n - 1 (the same list where all are
+    in range already), and whether they are all one class."""
+    if not priorities:
+        return priorities, True
+    lo, hi = min(priorities), max(priorities)
+    uniform = priorities.count(priorities[0]) == len(priorities)
+    if lo >= 0 and hi < n:
+        return priorities, uniform
+    return [min(max(p, 0), n - 1) for p in priorities], uniform
+
+
 # The same in C (dlcp/daemon/_keys.c, built by setup.py): one allocation a key
 # instead of slices and a concatenation, `shard_keys` without a slice apiece,
 # and `unqueue`, a sent batch's bookkeeping in one call (no lists of keys, no
@@ -177,12 +189,14 @@ if NATIVE_KEYS:
     _shard_keys = _keys.shard_keys
     _unqueue = _keys.unqueue
     _by_class = _keys.by_class
+    _clamped_classes = _keys.clamped_classes
 else:
     _identities = _py_identities
     _identities_heads = _py_identities_heads
     _shard_keys = _py_shard_keys
     _unqueue = _py_unqueue
     _by_class = _py_by_class
+    _clamped_classes = _py_clamped_classes
 
 
 _DATA, _RESULT, _DONE = 1, 2, 4  # PacketType values, byte 3 of the header
@@ -488,15 +502,10 @@ class Outbox:
         # NACK, looked up one by one below) come between them
         peer.queued += n
         self.backlog.add(peer)
-        # one class for all (the usual batch): no pass for the smallest and largest
-        p0 = priorities[0]
-        uniform = priorities.count(p0) == n
-        if uniform:
-            if not 0 <= p0 < N_CLASSES:
-                p0 = min(max(p0, 0), N_CLASSES - 1)
-                priorities = [p0] * n
-        elif min(priorities) < 0 or max(priorities) >= N_CLASSES:
-            priorities = [min(max(p, 0), N_CLASSES - 1) for p in priorities]
+        # one pass (in C): whether all are one class, and each into range
+        priorities, uniform = _clamped_classes(
+            priorities if isinstance(priorities, list) else list(priorities), N_CLASSES
+        )
         flags = heads[1::2]
         others = heads[0::2].translate(_NOT_DR_TABLE)  # 1 where not DATA/RESULT
         # runs of DATA/RESULT packets between the others, in order: each of the
