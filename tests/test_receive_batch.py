@@ -143,7 +143,13 @@ def _run(codec: Codec, hosts: int, payload: int, seed: int, mac: str = "blake2b"
     for e in per[1]:
         bad.update(e.rejects)
     assert bad[Reason.BAD_MAC] > 0 and bad[Reason.BAD_SENDER] > 0 and bad[Reason.BAD_RANGE] > 0
-    for name in ("data_packets_received", "result_packets_received", "shards_aggregated"):
+    for name in (
+        "data_packets_received",
+        "result_packets_received",
+        "shards_aggregated",
+        "late_packets",
+        "duplicate_packets",
+    ):
         assert [e.stats[name] for e in per[0]] == [e.stats[name] for e in per[1]], name
 
 
@@ -174,6 +180,15 @@ def test_batched_receive_matches_per_packet_without_the_c_run_pass(
 
 def test_batched_receive_matches_per_packet_with_ghash_aes_mac() -> None:
     _run(Codec.FP32, 3, 8908, 5, mac="ghash-aes")
+
+
+@pytest.mark.parametrize("seed", [8, 20, 37])
+def test_what_follows_the_packet_that_closes_a_shard_is_late_as_per_packet(seed: int) -> None:
+    """Scripts in which a run holds the packet that completes its shard (or
+    the shard's results) and after it duplicates and bad ranges: packet by
+    packet those meet a closed shard and are late or duplicates, not BAD_RANGE.
+    The batched receive counted them BAD_RANGE before; these seeds found it."""
+    _run(Codec.FP32, 3, 1408, seed)
 
 
 def test_a_batch_of_only_bad_datagrams_changes_nothing() -> None:

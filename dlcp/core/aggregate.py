@@ -193,6 +193,9 @@ class ShardAggregator:
         self._summed_own: np.ndarray | None = None  # this node's held lanes they are added to
         self._sum_decided = False
         self.duplicates = 0
+        # the position, in the last run given (`on_data_many`, `on_data_run`),
+        # of its last packet stored; -1: none was
+        self.last_stored = -1
         self.n_received = 0
         self.n_manifests = 0
         self._need: int | None = None
@@ -270,6 +273,7 @@ class ShardAggregator:
         differing from the shard's (MISMATCH for the packets of the shard; its
         `bad` mask names those that are BAD_RANGE, as `on_data` would say).
         """
+        self.last_stored = -1
         row = self._sender_row(sender)
         n = len(payloads)
         offsets = np.asarray(offsets, dtype=np.int64)
@@ -294,6 +298,8 @@ class ShardAggregator:
         take, n_good = _first_fresh(local, bad, self.received[row])
         fresh = np.zeros(n, dtype=bool)
         fresh[take] = True
+        if take.size:
+            self.last_stored = int(take[-1])
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
@@ -350,6 +356,7 @@ class ShardAggregator:
                 layer=heads["layer"],
             )
             return int(fresh.sum()), (rejected if rejected.any() else None)
+        self.last_stored = -1
         row = self._sender_row(sender)
         lay = self.layout
         n = len(heads)
@@ -374,6 +381,7 @@ class ShardAggregator:
         self.duplicates += n - n_bad - take.size
         if take.size == 0:
             return 0, bad
+        self.last_stored = int(take[-1])
         self._store_lanes(row, summed, starts, counts, _taken(payloads, take))
         _bulk.mark_data(
             heads,
@@ -739,6 +747,9 @@ class ResultCollector:
     lost_lanes: int = 0
     total_lanes: int = 0
     duplicates: int = 0
+    # the position, in the last run given (`on_results_many`, `on_result_run`),
+    # of its last packet stored; -1: none was
+    last_stored: int = -1
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -847,6 +858,7 @@ class ResultCollector:
         """Store a run of one owner's result packets of one shard, in order; the
         batch form of `on_result`. Returns (fresh, bad) masks as
         `ShardAggregator.on_data_many` does; the rest were duplicates or late."""
+        self.last_stored = -1
         n = len(payloads)
         fresh = np.zeros(n, dtype=bool)
         w = self.waiting.get(shard)
@@ -875,6 +887,8 @@ class ResultCollector:
         )
         take, n_good = _first_fresh(local, bad, w.received)
         fresh[take] = True
+        if take.size:
+            self.last_stored = int(take[-1])
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
@@ -915,6 +929,7 @@ class ResultCollector:
                 now=now,
             )
             return int(fresh.sum()), (rejected if rejected.any() else None)
+        self.last_stored = -1
         n = len(heads)
         w = self.waiting.get(shard)
         if w is None:
@@ -936,6 +951,7 @@ class ResultCollector:
         self.duplicates += n - n_bad - take.size
         if take.size == 0:
             return 0, bad
+        self.last_stored = int(take[-1])
         lane_ops.store_runs(self.sums, lay.codec, True, starts, counts, _taken(payloads, take))
         _bulk.mark_results(
             heads, take, local, w.received, self.contributors, self.block_max, lay.per_packet

@@ -857,6 +857,9 @@ class Engine:
         self._count_run(len(payloads), stored, bad, "data_packets_received")
         if stored and agg.may_complete():
             self._progress(op, h.shard, now)
+            if self._aggs.get((op, h.shard)) is not agg:  # the run closed the shard
+                # what follows its last stored packet met a closed shard: late
+                bad = self._after_close(bad, agg.last_stored + 1, len(payloads), late=True)
         return bad
 
     def _result_run(
@@ -880,7 +883,36 @@ class Engine:
         )
         self._count_run(len(payloads), stored, bad, "result_packets_received")
         self._check_complete(op, now)
+        if stored and h.shard not in col.waiting:  # the run completed the shard
+            # what follows its last stored packet met a shard no longer waited
+            # for (duplicates), or a completed round (late)
+            late = self._collectors.get(op) is not col
+            bad = self._after_close(bad, col.last_stored + 1, len(payloads), late=late)
         return bad
+
+    def _after_close(
+        self, bad: np.ndarray | None, first: int, n: int, *, late: bool
+    ) -> np.ndarray | None:
+        """A run closed its shard (or the shard's results) at packet `first - 1`;
+        packet by packet, those from `first` on would have found it closed: late
+        (`late`) or duplicates, none of them rejected. `_count_run` counted them
+        as BAD_RANGE (`bad`) and duplicates: recount them so; returns `bad` with
+        them accepted."""
+        tail = n - first
+        if tail <= 0:
+            return bad
+        n_bad = 0 if bad is None else int(bad[first:].sum())
+        if n_bad:
+            assert bad is not None
+            self.rejects[Reason.BAD_RANGE] -= n_bad
+            bad = bad.copy()
+            bad[first:] = False
+        if late:
+            self.stats["duplicate_packets"] -= tail - n_bad
+            self.stats["late_packets"] += tail
+        else:
+            self.stats["duplicate_packets"] += n_bad
+        return bad if bad is None or bad.any() else None
 
     def _count_run(self, n: int, stored: int, bad: np.ndarray | None, received: str) -> None:
         """Count a run's outcome (`stored`, BAD_RANGE, the rest duplicates)."""
