@@ -69,6 +69,18 @@ release(batch_t *b, int nviews)
         PyBuffer_Release(&b->views[i]);
 }
 
+/* A view of the `len` bytes at `buf` inside `obj`, holding a reference to
+ * it (which PyBuffer_Release drops). */
+static void
+held_view(Py_buffer *v, const void *buf, Py_ssize_t len, PyObject *obj)
+{
+    memset(v, 0, sizeof *v);
+    v->buf = (void *)buf;
+    v->len = len;
+    v->obj = obj;
+    Py_INCREF(obj);
+}
+
 /* Datagram list[j]'s iovecs from b->views[*nv] on: one for a bytes-like
  * object, two (header, payload in place) for a Gathered one, whose views hold
  * a reference to it. Returns its size, or -1 with an exception set. */
@@ -86,16 +98,8 @@ take(batch_t *b, PyObject *list, Py_ssize_t j, int *nv)
             return -1;
         /* released by PyBuffer_Release: a reference to the datagram each,
          * which holds its header and the payload's buffer */
-        memset(&v[0], 0, sizeof v[0]);
-        v[0].buf = (void *)g->head;
-        v[0].len = GATHERED_HEADER;
-        v[0].obj = obj;
-        Py_INCREF(obj);
-        memset(&v[1], 0, sizeof v[1]);
-        v[1].buf = (void *)gathered_payload(g);
-        v[1].len = g->len;
-        v[1].obj = obj;
-        Py_INCREF(obj);
+        held_view(&v[0], g->head, GATHERED_HEADER, obj);
+        held_view(&v[1], gathered_payload(g), g->len, obj);
         *nv += 2;
         return v[0].len + v[1].len;
     }

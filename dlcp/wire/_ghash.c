@@ -28,6 +28,7 @@
 #define HEAD 48   /* header bytes a tag covers */
 #define TAG 16
 #define HEADER (HEAD + TAG)
+_Static_assert(HEADER == GATHERED_HEADER, "a Gathered datagram holds one header");
 #define NPOW 128  /* POLYVAL key powers held (a chunk of blocks reduced once) */
 
 static const unsigned char NONCE[12] = {0};
@@ -146,20 +147,18 @@ prp_blocks(MacObject *self, const unsigned char *in, unsigned char *out, int k)
 /* The tags of k (1 to PRP_BATCH) packets (heads[j][0:48], payloads[j][0:
  * plens[j]]) into out[16 j : 16 j + 16]: their GCM tags, then their AES
  * blocks together (prp_blocks); 0 on success. With `ahead`, the next
- * payload's first kilobyte is asked for while one is hashed, unless it
- * follows this one in memory: payloads sealed to be sent in class order lie
- * anywhere in their bucket, and the hash's own prefetch (mul_run) starts a
- * kilobyte in. (Received payloads follow one another in their buffer, where
- * the hardware's prefetch does as well: verify passes 0.) */
+ * payload is asked for while one is hashed (gathered_prefetch: datagrams
+ * about to be sent). Received payloads follow one another in their buffer,
+ * where the hardware's prefetch does as well: verify passes 0. */
 static int
 tags_of(MacObject *self, const unsigned char *const *heads, const unsigned char *const *payloads,
         const Py_ssize_t *plens, int k, unsigned char *out, int ahead)
 {
     unsigned char inner[TAG * PRP_BATCH] = {0};
     for (int j = 0; j < k; j++) {
-        if (ahead && j + 1 < k && payloads[j + 1] != payloads[j] + plens[j]) /* not next */
-            for (Py_ssize_t b = 0; b < plens[j + 1] && b < 1024; b += 64)
-                __builtin_prefetch(payloads[j + 1] + b, 0, 3);
+        if (ahead && j + 1 < k)
+            gathered_prefetch((const char *)payloads[j] + plens[j],
+                              (const char *)payloads[j + 1], plens[j + 1]);
         if (inner_of(self, heads[j], payloads[j], plens[j], inner + TAG * j) < 0)
             return -1;
     }
@@ -1012,7 +1011,7 @@ PyDoc_STRVAR(encode_gather_doc,
 "whole (bytes(), its tag bytes, `head`, detach) and covers the payload as it is\n"
 "then; the caller must not change those bytes while the datagram may be sent.");
 
-/* encode_from (gather 0: datagram_of) and encode_gather (1: gathered_of). */
+/* encode_from (gather 0: datagram_of) and encode_gather (1: gathered_new). */
 static PyObject *
 encode_runs(MacObject *self, PyObject *args, int gather)
 {

@@ -43,6 +43,20 @@ struct GatheredObject {
 
 #define GATHERED_SEAL_BATCH 8
 
+/* Ask for the first kilobyte of the `len` bytes at `p`, to be hashed next,
+ * unless they follow at `end` (where the bytes hashed now end): payloads
+ * sealed to be sent in class order lie anywhere in their bucket, where the
+ * hardware's prefetch, which follows a stream, does not look, and the hash's
+ * own (mul_run) starts a kilobyte in. */
+static inline void
+gathered_prefetch(const char *end, const char *p, Py_ssize_t len)
+{
+    if (p == end)
+        return;
+    for (Py_ssize_t b = 0; b < len && b < 1024; b += 64)
+        __builtin_prefetch(p + b, 0, 3);
+}
+
 static inline const char *
 gathered_payload(const GatheredObject *g)
 {
@@ -102,17 +116,13 @@ gathered_seal_ahead(PyObject *list, Py_ssize_t j)
         gs[k++] = (GatheredObject *)o;
     }
     /* the first payload of the group after this one, asked for while these
-     * are hashed where it does not follow them in memory (seal_many asks
-     * for each next one within a group) */
-    Py_ssize_t after = j + k;
-    if (after < PyList_GET_SIZE(list)) {
-        PyObject *o = PyList_GET_ITEM(list, after);
+     * are hashed (seal_many asks for each next one within a group) */
+    if (j + k < PyList_GET_SIZE(list)) {
+        PyObject *o = PyList_GET_ITEM(list, j + k);
         const GatheredObject *last = gs[k - 1];
-        if (Py_TYPE(o) == Py_TYPE(g)) {
+        if (Py_TYPE(o) == Py_TYPE(g) && ((GatheredObject *)o)->mac != NULL) {
             const GatheredObject *next = (const GatheredObject *)o;
-            if (next->mac != NULL && next->payload != last->payload + last->len)
-                for (Py_ssize_t b = 0; b < next->len && b < 1024; b += 64)
-                    __builtin_prefetch(next->payload + b, 0, 3);
+            gathered_prefetch(last->payload + last->len, next->payload, next->len);
         }
     }
     return g->seal_many(gs, k);
