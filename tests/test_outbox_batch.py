@@ -321,3 +321,19 @@ def test_push_many_counts_and_checks() -> None:
     assert ob.push_many(peer, [], []) == 0
     with pytest.raises(Exception, match="priorities"):
         ob.push_many(peer, dgs, [2])
+
+
+@pytest.mark.parametrize("drops", [[1], [0, 3], list(range(10))])
+def test_a_run_of_one_class_with_droppable_packets_keeps_the_trail(drops: list[int]) -> None:
+    """A shard's run in one class below the droppable one, some of it (or all)
+    droppable: the trail class is that class while any packet is not
+    droppable, as pushing one by one gives it."""
+    run = [
+        (packet(PacketType.DATA, 0, i, flags=Flags.DROPPABLE if i in drops else Flags.NONE), 2)
+        for i in range(10)
+    ]
+    ops: list[Op] = [("push", run), ("flush", 0.001)]
+    want = replay(ops, 1, False, 0, one_by_one, outbox_reference.Outbox)
+    got = replay(ops, 1, False, 0, at_once)
+    assert [{f: g[f] for f in w} for g, w in zip(got, want, strict=True)] == want
+    assert bool(got[0]["trail_class"]) == (len(drops) < 10)

@@ -629,6 +629,8 @@ class Outbox:
         want: dict[bytes, int]
         if uniform and 1 not in drop:
             want = dict.fromkeys(distinct, cls0) if cls0 < N_CLASSES - 1 else {}
+        elif uniform and one:  # some droppable: the class, if any packet is not
+            want = {head: cls0} if cls0 < N_CLASSES - 1 and 0 in drop else {}
         elif one:  # in C: no Python step a packet
             split, top = _by_class(dgs, classes, drop, N_CLASSES)
             want = {head: top} if top >= 0 else {}
