@@ -15,7 +15,8 @@ with its `pair`): one pair swings by 10-20 % on this VM.
 With `--profile DIR` both daemons are sampled by py-spy (BW_IDLE=1: idle
 samples too; BW_NATIVE=1: native frames too, pausing the daemon per sample)
 or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
-DIR/d<i>.perf; BW_PERF_HZ: its sampling rate, 499 by default; BW_PERF=dwarf:
+DIR/d<i>.perf; BW_PERF_HZ: its sampling rate, 499 by default; BW_PERF_EVENT: an
+event (e.g. page-faults) recorded at every occurrence instead of CPU time; BW_PERF=dwarf:
 user-space call chains from DWARF, for code built without frame pointers).
 `--floor` adds the UDP floor (`run_floor`) between the two.
 The daemons' pacing ceiling (`[rate] ceiling_bps`, dlcpd's default 10
@@ -304,8 +305,11 @@ def run_dlcp(
                         "perf",
                         "record",
                         *(["--call-graph", "dwarf,16384"] if perf == "dwarf" else ["-g"]),
-                        "-F",
-                        os.environ.get("BW_PERF_HZ", "499"),
+                        *(
+                            ["-e", os.environ["BW_PERF_EVENT"], "-c", "1"]
+                            if os.environ.get("BW_PERF_EVENT")
+                            else ["-F", os.environ.get("BW_PERF_HZ", "499")]
+                        ),
                         "-o",
                         f"{profile}/d{i}.perf",
                         "-p",
