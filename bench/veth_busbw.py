@@ -18,6 +18,10 @@ or, with BW_PERF=1, by `perf record -g` (kernel and native frames;
 DIR/d<i>.perf; BW_PERF_HZ: its sampling rate, 499 by default; BW_PERF_EVENT: an
 event (e.g. page-faults) recorded at every occurrence instead of CPU time; BW_PERF=dwarf:
 user-space call chains from DWARF, for code built without frame pointers).
+BW_TRACE=DIR runs the daemons with their event loop traced
+(bench/daemon_trace.py; DIR/d<i>.trace, the last run's) and prints each one's
+summary: per round, the time in receives, flushes and the round's start, per
+datagram, and the median round's timeline.
 `--floor` adds the UDP floor (`run_floor`) between the two.
 The daemons' pacing ceiling (`[rate] ceiling_bps`, dlcpd's default 10
 Gbit/s: a real link's rate) is `--ceiling`, 100 Gbit/s by default: the veth
@@ -97,6 +101,11 @@ def python_in(ns: int, *argv: str) -> list[str]:
     """argv running this Python in namespace NS[ns]."""
     pin = ["taskset", "-c", str(ns)] if os.environ.get("BW_PIN") else []
     return ["ip", "netns", "exec", NS[ns], *pin, sys.executable, *argv]
+
+
+def trace_of(folder: str, daemon: int) -> Path:
+    """Where daemon `daemon` writes its BW_TRACE trace (the last run's)."""
+    return Path(folder) / f"d{daemon}.trace"
 
 
 def teardown() -> None:
@@ -268,6 +277,9 @@ def run_dlcp(
 
     daemons = []
     spies: list[subprocess.Popen[bytes]] = []
+    trace = os.environ.get("BW_TRACE")
+    if trace:
+        Path(trace).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         for i in range(2):
@@ -281,10 +293,13 @@ def run_dlcp(
                 + os.environ.get("BW_RATE", "").replace(";", "\n")
                 + "\n"
             )
+            argv: tuple[str, ...] = ("-m", "dlcp.daemon")
+            if trace:  # the daemon's loop traced (bench/daemon_trace.py)
+                argv = (str(ROOT / "bench" / "daemon_trace.py"), str(trace_of(trace, i)), "--")
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
                 daemons.append(
                     subprocess.Popen(
-                        python_in(i, "-m", "dlcp.daemon", "--config", str(cfg)),
+                        python_in(i, *argv, "--config", str(cfg)),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         env=env,
@@ -553,6 +568,14 @@ def main() -> int:
         )
     for i, d in enumerate(by["dlcp"][-1]["daemons"]):
         print(f"dlcp daemon {i}: {json.dumps(d)}")
+    trace = os.environ.get("BW_TRACE")
+    if trace:
+        from bench.daemon_trace import parse, summary
+
+        for i in range(2):
+            path = trace_of(trace, i)
+            print(f"dlcp daemon {i}'s loop, last run ({path}):")
+            print(summary(parse(path.read_text().splitlines())))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0
