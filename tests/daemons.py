@@ -33,26 +33,45 @@ def wire_key(key: bytes) -> MacKey:
     return mac_state(key, Config().mac)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_HANDED_OUT: set[int] = set()
+
+
+def _port(kind: socket.SocketKind, addresses: Sequence[str]) -> int:
+    """A port free on every address, below the kernel's ephemeral range (so no
+    connection or bind(0) of this or another test takes it between now and the
+    daemon's bind), never handed out twice by this process."""
+    lo, _ = _ephemeral_range()
+    top = lo - 1 if lo > 12000 else 65535
+    for _ in range(200):
+        port = random.randint(10000, top)
+        if port in _HANDED_OUT:
+            continue
+        try:
+            for addr in addresses:
+                with socket.socket(socket.AF_INET, kind) as s:
+                    s.bind((addr, port))
+        except OSError:
+            continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port")
+
+
 def free_udp_port() -> int:
-    for _ in range(100):
-        port = random.randint(20000, 60000)
-        ok = True
-        for i in range(1, 9):
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:
-                    s.bind((f"127.0.0.{i}", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return port
-    raise RuntimeError("no free UDP port")
+    """A UDP port free on 127.0.0.1..8, the loopback daemons' addresses."""
+    return _port(socket.SOCK_DGRAM, [f"127.0.0.{i}" for i in range(1, 9)])
 
 
 def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _port(socket.SOCK_STREAM, ["127.0.0.1"])
 
 
 def toml_value(v: Any) -> str:

@@ -30,11 +30,15 @@ from dlcp.wire.header import Header, PacketType, encode
 from tests.daemons import (
     ROOT,
     Rank,
+    free_tcp_port,
+    free_udp_port,
     hosts_of,
     loopback_daemons,
     packet_norms,
     submit,
+    toml_value,
     wire_key,
+    write_config,
 )
 
 KEY = bytes(range(32))
@@ -372,6 +376,48 @@ def test_bad_config_is_one_clear_error(tmp_path: Path) -> None:
     assert "udp_port" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("taken", ["udp", "metrics"])
+def test_a_port_in_use_is_one_clear_error_and_no_control_socket(tmp_path: Path, taken: str) -> None:
+    """A daemon that cannot bind, even where the port's holder allows sharing it,
+    exits before its control socket appears: a client (or a test) that sees the
+    socket finds a daemon that stays up."""
+    kind = socket.SOCK_DGRAM if taken == "udp" else socket.SOCK_STREAM
+    with socket.socket(socket.AF_INET, kind) as holder:
+        if taken == "udp":  # as another daemon on this address and port would
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", free_udp_port() if taken == "udp" else free_tcp_port()))
+        if taken == "metrics":
+            holder.listen()
+        port = holder.getsockname()[1]
+        sock = tmp_path / "d.sock"
+        cfg = tmp_path / "d.toml"
+        write_config(
+            cfg,
+            {
+                "daemon": {
+                    "socket": str(sock),
+                    "metrics_address": "127.0.0.1",
+                    "metrics_port": port if taken == "metrics" else free_tcp_port(),
+                },
+                "network": {
+                    "addresses": ["127.0.0.1"],
+                    "udp_port": port if taken == "udp" else free_udp_port(),
+                },
+            },
+        )
+        p = subprocess.run(
+            [sys.executable, "-m", "dlcp.daemon", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+        )
+    assert p.returncode == 1, p.stderr
+    assert "dlcpd: error:" in p.stderr and str(port) in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    assert not sock.exists()
+
+
 def test_example_config_is_valid_and_documents_every_key() -> None:
     from dlcp.daemon.config import load
 
@@ -436,8 +482,6 @@ def test_two_local_ranks_are_summed_on_their_host_first(tmp_path: Path) -> None:
 
 def test_ps_mode_with_a_dedicated_aggregator_daemon(tmp_path: Path) -> None:
     """Host 0 runs only an aggregator (job declared in its config); hosts 1, 2 train."""
-    from tests.daemons import free_udp_port
-
     port = free_udp_port()
     hosts = [{"addresses": [f"127.0.0.{i + 1}"], "udp_port": port} for i in range(3)]
     job = {
@@ -455,8 +499,6 @@ def test_ps_mode_with_a_dedicated_aggregator_daemon(tmp_path: Path) -> None:
             text = d.config.read_text().replace(f"udp_port = {ds[0].port}", f"udp_port = {port}")
             text = re.sub(r"udp_port = \d+", f"udp_port = {port}", text)
             d.config.write_text(text)
-        from tests.daemons import toml_value
-
         ds[0].config.write_text(
             ds[0].config.read_text()
             + "\n[[jobs]]\n"

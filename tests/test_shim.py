@@ -13,7 +13,6 @@ import inspect
 import io
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -43,14 +42,9 @@ from dlcp.shim.regions import meta_size, read_out, region_sizes, write_meta
 from dlcp.shim.rendezvous import all_gather, first_failure, plan_membership
 from dlcp.shim.staging import Staging
 from dlcp.wire.header import Codec
+from tests.daemons import free_tcp_port
 
 # -- shared helpers (multi-process) ------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(
@@ -73,7 +67,7 @@ def _entry(
 def spawn(fn: Callable[..., Any], world: int, tmp: Path, **kwargs: Any) -> list[Any]:
     """Run fn(rank, world, **kwargs) in `world` processes of one gloo group on
     loopback; returns what each rank returned (torch.save-able)."""
-    mp.spawn(_entry, args=(world, free_port(), fn, str(tmp), kwargs), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_tcp_port(), fn, str(tmp), kwargs), nprocs=world, join=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -195,6 +195,16 @@ class Daemon:
             loop.add_reader(path.fileno(), self._on_readable, path)
         for job in cfg.jobs:
             self._add_static_job(job)
+        # everything that can fail to bind comes before the control socket: a
+        # client that sees the socket finds a daemon that stays up
+        if cfg.metrics_port:
+            from dlcp.daemon.metrics import make_registry, serve_metrics
+
+            registry, self._round_hist = make_registry(self)
+            self._metrics_server = await serve_metrics(
+                registry, cfg.metrics_address, cfg.metrics_port
+            )
+            self._tc_task = loop.create_task(self._refresh_tc())
         sock_dir = os.path.dirname(cfg.socket)
         if sock_dir:
             os.makedirs(sock_dir, exist_ok=True)
@@ -204,14 +214,6 @@ class Daemon:
             self._serve_client, path=cfg.socket, limit=ipc.MAX_MESSAGE + 4
         )
         os.chmod(cfg.socket, cfg.socket_mode)
-        if cfg.metrics_port:
-            from dlcp.daemon.metrics import make_registry, serve_metrics
-
-            registry, self._round_hist = make_registry(self)
-            self._metrics_server = await serve_metrics(
-                registry, cfg.metrics_address, cfg.metrics_port
-            )
-            self._tc_task = loop.create_task(self._refresh_tc())
         log.info(
             "dlcpd %s serving %s on %s udp/%d, metrics %s, MAC %s",
             self.id,

@@ -104,14 +104,20 @@ class UdpPath:
         self.port = port
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # no SO_REUSEADDR: with it a second daemon on the same address and
+            # port would bind too and take part of the first one's datagrams
             for force, opt in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):
                 try:  # SO_RCVBUFFORCE/SO_SNDBUFFORCE pass net.core.*mem_max with CAP_NET_ADMIN
                     self.sock.setsockopt(socket.SOL_SOCKET, force, buffer_bytes)
                 except OSError:
                     with contextlib.suppress(OSError):
                         self.sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
-            self.sock.bind((address, port))
+            try:
+                self.sock.bind((address, port))
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"cannot bind UDP {address}:{port}: {exc.strerror}"
+                ) from exc
             self.sock.setblocking(False)
         except OSError:
             self.sock.close()
