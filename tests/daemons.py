@@ -174,6 +174,12 @@ def loopback_daemons(
             for d in ds:
                 d.start()
         yield ds
+    except BaseException:
+        # pytest shows what a failing test printed: the daemons' side of it
+        for d in ds:
+            if d.log.exists():
+                print(f"--- {d.log.name} (rc {d.stop()}):\n{d.log.read_text()[-3000:]}")
+        raise
     finally:
         for d in ds:
             d.stop()
