@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 
 import pytest
 
@@ -45,3 +46,17 @@ def _poison_uninitialised(monkeypatch: pytest.MonkeyPatch) -> None:
         return out
 
     monkeypatch.setattr(aggregate, "_uninitialised", poisoned)
+
+
+@pytest.fixture(autouse=True)
+def _close_ranks() -> Iterator[None]:
+    """Ranks (tests/daemons.py) a test made and left open, as when it failed
+    between making them and its own cleanup: their connections closed and
+    /dev/shm segments removed. Ranks of wider-scoped fixtures (set up before
+    this one) are theirs to close."""
+    from tests.daemons import OPEN_RANKS
+
+    before = set(OPEN_RANKS)
+    yield
+    for rank in list(OPEN_RANKS - before):
+        rank.close()

@@ -185,6 +185,9 @@ def loopback_daemons(
             d.stop()
 
 
+OPEN_RANKS: set[Rank] = set()  # closed by conftest after each test, whatever happened
+
+
 class Rank:
     """One rank's connection, segment and job, speaking the shim protocol."""
 
@@ -192,16 +195,32 @@ class Rank:
         """`sealed`: the segment is a sealed memfd the daemon maps, else a named
         /dev/shm file it copies from and to."""
         self.client = DaemonClient(daemon.socket)
-        self.info = self.client.hello()
-        self.seg: Segment | SealedSegment = (SealedSegment if sealed else Segment)(name, size)
-        self.client.segment(self.seg)
+        try:
+            self.info = self.client.hello()
+            self.seg: Segment | SealedSegment = (SealedSegment if sealed else Segment)(name, size)
+        except BaseException:
+            self.client.close()
+            raise
+        OPEN_RANKS.add(self)
+        try:
+            self.client.segment(self.seg)
+        except BaseException:
+            self.close()
+            raise
 
     def join(self, job: int, key: bytes, hosts: list[dict[str, Any]], me: int, **kw: Any) -> None:
         self.client.join(job=job, key=key, hosts=hosts, me=me, **kw)
 
     def close(self) -> None:
-        self.client.close()
-        self.seg.close()
+        """Idempotent; the segment goes (its /dev/shm file unlinked) even when
+        the connection's close fails."""
+        if self not in OPEN_RANKS:
+            return
+        OPEN_RANKS.discard(self)
+        try:
+            self.client.close()
+        finally:
+            self.seg.close()
 
 
 def hosts_of(ds: Sequence[Daemon]) -> list[dict[str, Any]]:

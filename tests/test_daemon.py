@@ -626,3 +626,25 @@ def test_a_memfd_segment_must_be_sealed_and_handed_over_as_announced(
             raw.close()
     with DaemonClient(d.socket) as c:
         assert c.hello()["id"]
+
+
+def test_a_rank_the_daemon_refuses_leaves_no_segment_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test helper's own cleanup: a Rank whose segment request fails closes
+    its connection and removes its /dev/shm file before the error propagates."""
+    from tests.daemons import OPEN_RANKS
+
+    name = f"dlcp-refused{os.getpid()}"
+    before = set(OPEN_RANKS)
+
+    def refuse(self: DaemonClient, seg: object) -> None:
+        assert os.path.exists(f"/dev/shm/{name}")  # made, then refused
+        raise DaemonError("bad_request", "refused by the test")
+
+    with loopback_daemons(tmp_path, 1) as (d,):
+        monkeypatch.setattr(DaemonClient, "segment", refuse)
+        with pytest.raises(DaemonError, match="refused"):
+            Rank(d, name, 1 << 20)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert before == OPEN_RANKS
