@@ -33,12 +33,12 @@ def wire_key(key: bytes) -> MacKey:
     return mac_state(key, Config().mac)
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (bind(0), connections)."""
     try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 _HANDED_OUT: set[int] = set()
@@ -48,7 +48,7 @@ def _port(kind: socket.SocketKind, addresses: Sequence[str]) -> int:
     """A port free on every address, below the kernel's ephemeral range (so no
     connection or bind(0) of this or another test takes it between now and the
     daemon's bind), never handed out twice by this process."""
-    lo, _ = _ephemeral_range()
+    lo = _ephemeral_low()
     top = lo - 1 if lo > 12000 else 65535
     for _ in range(200):
         port = random.randint(10000, top)

@@ -496,9 +496,9 @@ def test_ps_mode_with_a_dedicated_aggregator_daemon(tmp_path: Path) -> None:
     with loopback_daemons(tmp_path, 3, start=False) as ds:
         for d in ds:
             d.port = port
-            text = d.config.read_text().replace(f"udp_port = {ds[0].port}", f"udp_port = {port}")
-            text = re.sub(r"udp_port = \d+", f"udp_port = {port}", text)
-            d.config.write_text(text)
+            d.config.write_text(
+                re.sub(r"udp_port = \d+", f"udp_port = {port}", d.config.read_text())
+            )
         ds[0].config.write_text(
             ds[0].config.read_text()
             + "\n[[jobs]]\n"
