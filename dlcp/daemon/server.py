@@ -52,7 +52,12 @@ _ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
 FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
 _INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
-_RX_BUDGET = 256  # recvmsg calls per readable event before yielding to the loop
+# recvmsg calls per readable event before yielding to the loop: a drain of up
+# to 4 MB (64 GRO buffers of 64 KB), whose buffers are still in cache when the
+# MAC and the sums read them after the last recvmsg. With 256 (16 MB) they
+# were not: each daemon spent about 10 % more CPU a round (BENCHMARKS.md,
+# round 25).
+_RX_BUDGET = 64
 # ... while the outbox has datagrams to send: about one flush (16 GRO buffers of
 # 64 KB; an outbox flush sends up to 1 MB). Draining 16 MB of arrivals per 1 MB
 # sent let the daemon that received more fall behind in sending, so that its
