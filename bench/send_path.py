@@ -1,6 +1,6 @@
 """dlcpd's send path in one process: what a daemon spends a datagram before the kernel.
 
-    python bench/send_path.py [--size 100MB] [--rounds 12] [--classes 1]
+    python bench/send_path.py [--size 100MB] [--rounds 12] [--classes 1] [--queue]
 
 Node 0 of a 2-node job submits one fp32 bucket a round (`Engine(gather=True)`,
 as dlcpd runs it); its data for node 1 (half the bucket: 35,500 datagrams of
@@ -12,6 +12,11 @@ median per round of each phase: `submit` (headers, MAC-ready datagrams),
 and the datagrams' freeing; then the glue (all but the send calls) per
 datagram. `--classes K`: the packets of a bucket spread over K priority
 classes at random (as magnitude classes spread them), instead of one.
+`--queue`: the receiving socket's buffer holds a whole round (as a peer
+dlcpd's does while it is flushing too) and is drained after each round,
+untimed; the kernel then keeps every datagram, in pages of its own, where
+without it it drops most and reuses their memory at once (run as root:
+SO_RCVBUFFORCE).
 
 The engine's round state is dropped between rounds (its private tables):
 this times the send path only. Run it alternated with another checkout
@@ -43,6 +48,7 @@ from dlcp.policies import from_config
 from dlcp.wire import Codec
 
 UDP_GRO = 104
+SO_RCVBUFFORCE = 33
 PAYLOAD = 1408
 
 
@@ -51,12 +57,16 @@ def main() -> None:
     ap.add_argument("--size", default="100MB")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--classes", type=int, default=1)
+    ap.add_argument("--queue", action="store_true", help="the receiver keeps a whole round")
     a = ap.parse_args()
     tune_process()
     total = parse_size(a.size) // 4
     rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     rx.bind(("127.0.0.1", 0))
     rx.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+    if a.queue:
+        rx.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 256 << 20)
+        rx.setblocking(False)
     path = UdpPath("127.0.0.1", 0)
     send_s = 0.0
     send = path.send
@@ -111,6 +121,12 @@ def main() -> None:
         for table in (e._contribs, e._collectors, e._aggs, e._gathered):
             table.clear()
         t4 = time.perf_counter()
+        if a.queue:  # what the peer's reads would do, untimed
+            while True:
+                try:
+                    rx.recv(1 << 16)
+                except BlockingIOError:
+                    break
         if rnd >= 2:  # warm-up
             rows.append((t1 - t0, t2 - t1, t3 - t2, send_s, t4 - t3, n))
     names = ("submit", "push", "flush", "  send calls", "free")
