@@ -167,6 +167,10 @@ def reference_receive(self: Any, path: Any) -> None:
         dgs.append(dg)
         nodes.append(node)
         owners.append(job)
+    # changed: counted before the return, so that a batch rejected whole
+    # (every datagram from an address outside its job) is counted as received
+    self.counters["rx_packets"] += rx
+    self.counters["rx_bytes"] += rx_bytes
     if not dgs:
         return
     acked: dict[Any, int] = {}
@@ -191,5 +195,3 @@ def reference_receive(self: Any, path: Any) -> None:
             acked[peer] = acked.get(peer, 0) + len(dg)
     for peer, nbytes in acked.items():  # once per peer and batch
         peer.rate.on_ack(nbytes, None, now)
-    self.counters["rx_packets"] += rx
-    self.counters["rx_bytes"] += rx_bytes

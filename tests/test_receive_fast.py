@@ -464,6 +464,25 @@ def test_daemon_receive_matches_the_reference(seed: int, native: bool) -> None:
     assert daemons[0].daemon_rejects["bad_address"] > 0
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_datagrams_rejected_before_the_engine_are_still_counted_as_received(
+    native: bool,
+) -> None:
+    """A drain of nothing but datagrams from an address outside their job
+    reaches no engine, and its datagrams and bytes still count as received
+    (they were not counted at all when nothing of the drain was left)."""
+    if native and transport._udp is None:
+        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.daemon._udp was not built"
+        pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    dgs = _traffic(JOB_A, "ghash-aes", 0)[:5]
+    for d, receive in ((_daemon([]), reference_receive), (_daemon([]), Daemon._receive)):
+        log = d.engine.log
+        receive(d, _Path([(dg, 0, "10.9.9.9") for dg in dgs], native))  # not in job A
+        assert d.daemon_rejects == {"bad_address": 5}
+        assert d.counters == {"rx_packets": 5, "rx_bytes": sum(map(len, dgs))}
+        assert log == []  # nothing reached the engine
+
+
 def test_a_nack_that_asks_only_for_the_done_reports_no_loss() -> None:
     log: list[Any] = []
     d = _daemon(log)

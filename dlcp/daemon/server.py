@@ -360,6 +360,8 @@ class Daemon:
                 runs.append(1)
                 sizes.append(len(dg))
                 lasts.append(len(dg))
+        self.counters["rx_packets"] += rx  # all of them, those rejected here too
+        self.counters["rx_bytes"] += rx_bytes
         if not dgs:
             return
         # each datagram's source node (-1: none), made per group, not per datagram
@@ -372,8 +374,6 @@ class Daemon:
                 self._on_control(
                     accepted[control], kind[control], dgs, groups, runs, sizes, lasts, now
                 )
-        self.counters["rx_packets"] += rx
-        self.counters["rx_bytes"] += rx_bytes
 
     def _receive_mixed(
         self,
