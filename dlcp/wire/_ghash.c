@@ -276,17 +276,22 @@ mul_run(__m512i *lo_, __m512i *hi_, __m512i *mi_, __m128i acc, const unsigned ch
     *mi_ = mi;
 }
 
-/* POLYVAL of the n = full + tn blocks (full at payload, then tn at tail)
- * from acc = 0. Horner's rule over chunks of at most NPOW blocks, the last
- * chunk ending at block n: in a chunk ending at block b, block j is
- * multiplied by H^(b - j) (slot NPOW - b + j) and the accumulator joins the
- * chunk's first block, so a chunk's products are summed unreduced and
- * reduced once. A datagram of up to NPOW blocks (2 KiB) is one chunk: one
- * reduction, no chain of latencies between its blocks. */
+/* POLYVAL of a packet's blocks from acc = 0: the payload's `full` whole
+ * blocks, then the tail made in registers (no round trip through memory:
+ * a load of bytes just stored piecewise waits for the stores): the
+ * payload's partial block `pb` where `part`, the header's ciphertext and the
+ * lengths block (`hz`, 4 blocks). Horner's rule over chunks of at most NPOW
+ * blocks, the last chunk ending at the packet's last block: in a chunk
+ * ending at block b, block j is multiplied by H^(b - j) (slot NPOW - b + j)
+ * and the accumulator joins the chunk's first block, so a chunk's products
+ * are summed unreduced and reduced once. A datagram of up to NPOW blocks
+ * (2 KiB) is one chunk: one reduction, no chain of latencies between its
+ * blocks. The tail (4 or 5 blocks) always lies in the last chunk. */
 AVX512 static __m128i
-polyval_all(const MacObject *self, const unsigned char *payload, size_t full,
-            const unsigned char *tail, size_t tn)
+polyval_all(const MacObject *self, const unsigned char *payload, size_t full, int part,
+            __m128i pb, __m512i hz)
 {
+    size_t tn = 4 + (part != 0);
     size_t n = full + tn;
     size_t a = 0, b = n - (n - 1) / NPOW * NPOW; /* the first chunk: 1 .. NPOW blocks */
     __m128i acc = _mm_setzero_si128();
@@ -298,8 +303,17 @@ polyval_all(const MacObject *self, const unsigned char *payload, size_t full,
             mul_run(&lo, &hi, &mi, acc, payload + a * 16, k, pws);
             acc = _mm_setzero_si128();
         }
-        if (b - a > k) /* tail blocks: from max(a, full) to b */
-            mul_run(&lo, &hi, &mi, acc, tail + (a + k - full) * 16, b - a - k, pws + k * 16);
+        if (b == n) { /* the last chunk: the tail's blocks, at the last tn slots */
+            const unsigned char *tws = self->pw + (NPOW - tn) * 16;
+            if (part) {
+                __m512i x = _mm512_inserti32x4(_mm512_setzero_si512(), _mm_xor_si128(pb, acc), 0);
+                MUL4(x, _mm512_maskz_loadu_epi64(0x3, (const void *)tws));
+                acc = _mm_setzero_si128();
+                tws += 16;
+            }
+            hz = _mm512_xor_si512(hz, _mm512_inserti32x4(_mm512_setzero_si512(), acc, 0));
+            MUL4(hz, _mm512_loadu_si512((const void *)tws));
+        }
         acc = reduce512(lo, hi, mi);
     }
     return acc;
@@ -310,24 +324,27 @@ tag_avx512(const MacObject *self, const unsigned char *head, const unsigned char
            size_t plen, unsigned char *inner)
 {
     const __m128i rev = _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i rev4 = _mm512_broadcast_i32x4(rev);
     size_t full = plen / 16;
-    /* the tail: the payload's partial block, the header's ciphertext, the lengths */
-    unsigned char tail[5 * 16] = {0};
-    size_t n = 0, part = plen % 16;
-    if (part) {
-        memcpy(tail, payload + full * 16, part);
-        n = 1;
-    }
-    for (int i = 0; i < HEAD; i++)
-        tail[n * 16 + i] = head[i] ^ self->ks[i];
-    n += HEAD / 16;
-    uint64_t abits = (uint64_t)plen * 8, cbits = (uint64_t)HEAD * 8;
-    for (int i = 0; i < 8; i++) {
-        tail[n * 16 + i] = (unsigned char)(abits >> (56 - 8 * i));
-        tail[n * 16 + 8 + i] = (unsigned char)(cbits >> (56 - 8 * i));
-    }
-    n += 1;
-    __m128i acc = polyval_all(self, payload, full, tail, n);
+    int part = (int)(plen % 16);
+    /* the payload's partial block, zero-padded */
+    __m128i pb = _mm_setzero_si128();
+    if (part)
+        pb = _mm_shuffle_epi8(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(
+                                  (__mmask64)((1u << part) - 1), (const void *)(payload + full * 16))),
+                              rev);
+    /* the header's ciphertext (3 blocks: header XOR keystream) and the lengths
+     * block (the payload's and the header's bits, 64 bits each, big-endian) */
+    __m512i hz = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)head)),
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(head + 32))), 1);
+    hz = _mm512_xor_si512(hz, _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)self->ks)),
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(self->ks + 32))), 1));
+    __m128i len = _mm_set_epi64x((long long)__builtin_bswap64((uint64_t)HEAD * 8),
+                                 (long long)__builtin_bswap64((uint64_t)plen * 8));
+    hz = _mm512_shuffle_epi8(_mm512_inserti32x4(hz, len, 3), rev4);
+    __m128i acc = polyval_all(self, payload, full, part, pb, hz);
     __m128i g = _mm_shuffle_epi8(acc, rev);  /* GHASH, in the message's byte order */
     g = _mm_xor_si128(g, _mm_loadu_si128((const __m128i *)self->ej0));
     _mm_storeu_si128((__m128i *)inner, g);
