@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dlcp.core.buffers import SpareBuffers
+from dlcp.core.buffers import ALIGN, SpareBuffers
 
 
 def test_a_buffer_comes_back_only_when_nothing_holds_it() -> None:
@@ -41,3 +41,16 @@ def test_a_full_keeper_makes_room_with_a_free_buffer_only() -> None:
     assert kept.ctypes.data != other.ctypes.data
     with pytest.raises(ValueError):
         SpareBuffers(0)
+
+
+def test_a_buffer_starts_on_a_cache_line() -> None:
+    # numpy's allocations start 16 bytes apart at best: 20 aligned by chance
+    # would be one chance in 4**20
+    spare = SpareBuffers(20)
+    bufs = [spare.take(1000 + 48 * i) for i in range(20)]
+    assert [b.ctypes.data % ALIGN for b in bufs] == [0] * 20
+    assert [b.size for b in bufs] == [1000 + 48 * i for i in range(20)]
+    addr = bufs[5].ctypes.data
+    bufs[5] = None  # type: ignore[call-overload]
+    again = spare.take(1240)
+    assert again.ctypes.data == addr and again.ctypes.data % ALIGN == 0
