@@ -31,7 +31,8 @@ operator sets it to a fast NIC's rate; `--ceiling 10e9` measures with dlcpd's
 default. BW_RATE="key = value;key = value" adds settings to the daemons'
 [rate] table (e.g. BW_RATE="min_rate_bps = 9e9" pins the pacing rate). BW_PIN=1 runs each
 namespace's processes (Gloo's rank i, dlcp's daemon i) on CPU i only: one
-core per emulated host, for both backends.
+core per emulated host, for both backends. BW_DAEMON_ENV="NAME=value;NAME=value" adds
+variables to the daemons' environment only (e.g. glibc tunables), not Gloo's.
 
 The JSON has, per dlcp round, its wall time, each daemon's CPU seconds and
 seconds waiting runnable for a CPU (schedstat), and the machine's idle and
@@ -281,6 +282,9 @@ def run_dlcp(
     if trace:
         Path(trace).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for item in filter(None, os.environ.get("BW_DAEMON_ENV", "").split(";")):
+        name, _, value = item.partition("=")  # the daemons' environment only, not Gloo's
+        env[name] = value
     try:
         for i in range(2):
             cfg = tmp / f"d{i}.toml"
