@@ -307,6 +307,10 @@ def run_dlcp(
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         env=env,
+                        # `-m` puts the working directory first on sys.path:
+                        # run from this checkout, so that its dlcp is the one
+                        # imported even when the bench is started from another
+                        cwd=ROOT,
                     )
                 )
         for i in range(2):
