@@ -72,7 +72,12 @@ class Config:
     gso: bool = True
     gro: bool = True
     mac: str = "ghash-aes"  # packet MAC of every job (dlcp/wire/mac.py)
-    socket_buffer_bytes: int = 32 << 20
+    # SO_RCVBUF/SO_SNDBUF asked for (the kernel doubles it). A peer may send a
+    # whole leg of a bucket before this daemon reads: 50.5 MiB of the kernel's
+    # accounting for a 100 MB fp32 bucket on two hosts. With 32 MiB (64 MiB
+    # granted) the queue overflowed now and then on a fast veth, and the lost
+    # datagrams cost NACK rounds (BENCHMARKS.md, round 26).
+    socket_buffer_bytes: int = 64 << 20
     peers: tuple[PeerConfig, ...] = ()
     # [policies]
     priority: dict[str, Any] = field(default_factory=lambda: {"name": "layer_magnitude"})
