@@ -433,19 +433,28 @@ aesni_expand(MacObject *self, const unsigned char *key)
 AESNI static void
 aesni_blocks(const MacObject *self, const unsigned char *in, unsigned char *out, int k)
 {
-    /* k independent chains of 14 rounds: interleaved, their latencies overlap */
+    /* PRP_BATCH independent chains of 14 rounds, interleaved so that their
+     * latencies overlap, held in registers: the loops have constant bounds
+     * (a chain per block of `in`, the rest repeat block 0; only k are stored).
+     * With k as the bound, the chains went through memory at every round. */
     const __m128i *rk = (const __m128i *)self->rk;
     __m128i m[PRP_BATCH];
-    for (int j = 0; j < k; j++)
-        m[j] = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(in + 16 * j)), _mm_load_si128(rk));
+#pragma GCC unroll 8
+    for (int j = 0; j < PRP_BATCH; j++)
+        m[j] = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(in + 16 * (j < k ? j : 0))),
+                             _mm_load_si128(rk));
+#pragma GCC unroll 13
     for (int i = 1; i < 14; i++) {
         const __m128i r = _mm_load_si128(rk + i);
-        for (int j = 0; j < k; j++)
+#pragma GCC unroll 8
+        for (int j = 0; j < PRP_BATCH; j++)
             m[j] = _mm_aesenc_si128(m[j], r);
     }
-    for (int j = 0; j < k; j++)
-        _mm_storeu_si128((__m128i *)(out + 16 * j),
-                         _mm_aesenclast_si128(m[j], _mm_load_si128(rk + 14)));
+    const __m128i last = _mm_load_si128(rk + 14);
+#pragma GCC unroll 8
+    for (int j = 0; j < PRP_BATCH; j++)
+        if (j < k)
+            _mm_storeu_si128((__m128i *)(out + 16 * j), _mm_aesenclast_si128(m[j], last));
 }
 
 /* Expand the PRP key for aesni_blocks where the CPU has AES-NI, and check it
