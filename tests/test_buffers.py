@@ -39,6 +39,9 @@ def test_a_full_keeper_makes_room_with_a_free_buffer_only() -> None:
     assert len(spare) == 2
     kept = spare.take(128)  # `other` is still referenced here
     assert kept.ctypes.data != other.ctypes.data
+    addr, reused = other.ctypes.data, spare.reused
+    del other, kept
+    assert spare.take(128).ctypes.data == addr and spare.reused == reused + 1  # it was kept
     with pytest.raises(ValueError):
         SpareBuffers(0)
 

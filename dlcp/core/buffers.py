@@ -59,7 +59,9 @@ class SpareBuffers:
         self.allocated += 1
         owner = np.empty(nbytes + ALIGN, np.uint8)
         if len(self._buffers) >= self.max_buffers:
-            free = [i for i, b in enumerate(self._buffers) if sys.getrefcount(b) == 2]
+            # references: the list and getrefcount's argument (no loop variable,
+            # nor enumerate's tuple, that would hold one more)
+            free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) == 2]
             if not free:
                 return _aligned(owner, nbytes)  # every kept one is in use: not kept
             del self._buffers[free[0]]
