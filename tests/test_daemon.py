@@ -648,3 +648,36 @@ def test_a_rank_the_daemon_refuses_leaves_no_segment_behind(
             Rank(d, name, 1 << 20)
     assert not os.path.exists(f"/dev/shm/{name}")
     assert before == OPEN_RANKS
+
+
+def test_the_timer_is_armed_again_when_the_engine_fails_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error raised while the engine handles its timers is logged by the
+    event loop, and the daemon still pumps and arms its timer again: before,
+    the timer stayed disarmed, and a daemon that had no other event coming
+    never timed out its round (found with a 400 MB bucket whose NACK could
+    not be encoded)."""
+    import asyncio
+
+    from dlcp.daemon.config import Config
+    from dlcp.daemon.server import Daemon
+
+    d = Daemon(Config())
+    loop = asyncio.new_event_loop()  # its clock only: never run
+    d._loop = loop
+    due = d.now - 1.0
+
+    def fail(now: float) -> None:
+        raise ValueError("boom")
+
+    monkeypatch.setattr(d.engine, "get_timer", lambda: due)
+    monkeypatch.setattr(d.engine, "handle_timer", fail)
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            d._on_timer()
+        assert d._timer is not None and d._timer_at == due
+    finally:
+        if d._timer is not None:
+            d._timer.cancel()
+        loop.close()

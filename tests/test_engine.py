@@ -852,3 +852,83 @@ def test_queued_data_datagrams_copy_their_lanes_when_the_round_ends() -> None:
     assert copied == sum(len(dg) - 64 for _s, dg in queued)
     xs[0][:] = np.nan  # the caller reuses its lanes
     assert all(bytes(s.datagram) == dg for s, dg in queued)
+
+
+def test_a_nack_for_more_packets_than_one_datagram_holds_goes_in_parts() -> None:
+    """Every first copy of node 1's result leg is lost: node 0's NACK names
+    more packets than one datagram of the job's payload budget holds. It goes
+    as several NACKs, each within the budget (one IP packet), that together
+    name every lost packet; the round completes with exact sums. (A NACK was
+    one datagram: over about 16,000 lost packets it could not be encoded,
+    and the error stopped the engine's timers.)"""
+    payload = 64  # 16 lanes a packet; 16 packet indices a NACK
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(3_000).astype(np.float32) for _ in range(2)]
+    lost: list[int] = []
+    nacks: list[tuple[int, int, np.ndarray]] = []
+
+    def drop(src: int, s: Send) -> bool:
+        dg = s.datagram if isinstance(s.datagram, bytes) else bytes(s.datagram)
+        if dg[3] == 3:  # a NACK: what it asks for
+            h, body = decode(dg, {JOB: net.engines[src].keys[JOB]})
+            nacks.append((src, h.offset, np.frombuffer(body, ">u4")))
+            assert len(body) <= payload and h.count == len(body) // 4
+        if src == 1 and dg[3] == 2 and not dg[4] & Flags.RETRANSMIT:
+            lost.append(1)
+            return True
+        return False
+
+    net = Network(cluster(2, payload=payload), seed=3, drop=drop)
+    submit_all(net, xs)
+    net.run()
+    done = completions(net)
+    want = xs[0] + xs[1]
+    assert sorted(done) == [0, 1]
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, want)
+    mine = [(off, idx) for src, off, idx in nacks if src == 0]
+    named = np.concatenate([idx for _, idx in mine]).tolist()
+    # node 1's whole result leg was lost (local indices 0..n-1), and asked for
+    # in parts of at most 16 packets, each part a packet of its own (offsets)
+    assert len(lost) > 16 and len(mine) >= -(-len(lost) // 16)
+    assert set(named) == set(range(len(lost)))
+    assert len({off for off, _ in mine}) > 1
+    assert net.engines[0].stats["result_nacks_sent"] == len(mine)
+
+
+def test_an_error_in_one_rounds_timer_fails_that_round_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug met while a timer handles one round (here: its NACK cannot be
+    sent) fails that round with the error as its reason; it does not escape
+    `handle_timer`, and the other rounds go on to complete."""
+    rng = np.random.default_rng(8)
+    xs = [rng.standard_normal(2_000).astype(np.float32) for _ in range(2)]
+
+    def drop(src: int, s: Send) -> bool:  # node 1's first result copies, both buckets
+        dg = s.datagram if isinstance(s.datagram, bytes) else bytes(s.datagram)
+        return src == 1 and dg[3] == 2 and not dg[4] & Flags.RETRANSMIT
+
+    net = Network(cluster(2), seed=4, drop=drop)
+    e0 = net.engines[0]
+    send_nack = e0._send_nack
+
+    def broken(spec: JobSpec, op: tuple[int, int, int], *a: object, **kw: object) -> None:
+        if op[2] == 0:
+            raise ValueError("cannot encode")
+        send_nack(spec, op, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(e0, "_send_nack", broken)
+    for bucket in (0, 1):
+        for me, x in enumerate(xs):
+            net.engines[me].submit(job=JOB, round=0, bucket=bucket, codec=Codec.FP32,
+                                   total=x.size, lanes=x.tobytes(), now=0.0)  # fmt: skip
+    net.run()
+    failed = [ev for ev in net.events[0] if isinstance(ev, RoundFailed)]
+    assert [(ev.bucket, ev.reason) for ev in failed] == [(0, "internal error: cannot encode")]
+    assert e0.stats["internal_errors"] == 1 and e0.last_error == "cannot encode"
+    done = {(n, ev.bucket): ev for n, evs in net.events.items() for ev in evs
+            if isinstance(ev, RoundComplete)}  # fmt: skip
+    assert sorted(done) == [(0, 1), (1, 0), (1, 1)]
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, xs[0] + xs[1])

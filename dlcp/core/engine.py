@@ -54,6 +54,7 @@ __all__ = [
     "RoundFailed",
     "Send",
     "SendBatch",
+    "nack_capacity",
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
@@ -155,6 +156,12 @@ def _int_list(a: np.ndarray) -> list[int]:
     if a.size and a.min() == a.max():
         return [int(a[0])] * a.size
     return a.tolist()
+
+
+def nack_capacity(payload: int) -> int:
+    """How many packets one NACK lists within a payload budget of `payload`
+    bytes (a u32 index each)."""
+    return max(1, payload // 4)
 
 
 def _control(node: int, datagram: bytes) -> SendBatch:
@@ -697,25 +704,41 @@ class Engine:
             self._out.append(_control(node, dg))
 
     def _send_nack(self, spec: JobSpec, op: OpKey, lay: Layout, nack: Nack, result: bool) -> None:
+        """Ask for `nack.packets` again in as many NACK datagrams as it takes
+        for each to fit the job's payload budget (`nack_capacity`: one IP
+        packet each, however many were lost; before, one NACK listed them all
+        and more than about 16,000 could not be encoded). A part's `offset` is
+        its place in the list, so the outbox does not take the parts for
+        repeats of one another; the first part carries NEED_MANIFEST when the
+        manifest is asked for too."""
         flags = Flags.RESULT_LEG if result else Flags.NONE
         if nack.need_manifest:
             flags |= Flags.NEED_MANIFEST
-        header = Header(
-            type=PacketType.NACK,
-            job=op[0],
-            round=op[1],
-            bucket=op[2],
-            flags=flags,
-            priority=CONTROL_CLASS,
-            codec=lay.codec,
-            shard=nack.shard,
-            sender=spec.me,
-            count=len(nack.packets),
-            total=lay.total,
+        wanted = np.asarray(nack.packets, dtype=">u4")
+        per = nack_capacity(lay.payload)
+        key = self._mac(spec)
+        datagrams = []
+        for first in range(0, max(wanted.size, 1), per):
+            part = wanted[first : first + per]
+            header = Header(
+                type=PacketType.NACK,
+                job=op[0],
+                round=op[1],
+                bucket=op[2],
+                flags=flags if first == 0 else flags & ~Flags.NEED_MANIFEST,
+                priority=CONTROL_CLASS,
+                codec=lay.codec,
+                shard=nack.shard,
+                sender=spec.me,
+                offset=first,  # the part's place in the list: each part a packet of its own
+                count=part.size,
+                total=lay.total,
+            )
+            datagrams.append(encode(header, part.tobytes(), key))
+        self._out.append(
+            _batch(nack.node, datagrams, [CONTROL_CLASS] * len(datagrams), None, "control")
         )
-        payload = np.asarray(nack.packets, dtype=">u4").tobytes()
-        self._out.append(_control(nack.node, encode(header, payload, self._mac(spec))))
-        self.stats["result_nacks_sent" if result else "data_nacks_sent"] += 1
+        self.stats["result_nacks_sent" if result else "data_nacks_sent"] += len(datagrams)
 
     def _send_ack(self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int) -> None:
         header = Header(
@@ -1353,6 +1376,19 @@ class Engine:
         self.stats["rounds_failed"] += 1
         self._events.append(RoundFailed(job=op[0], round=op[1], bucket=op[2], reason=reason))
 
+    def _timer_failed(self, op: OpKey, exc: Exception, now: float) -> None:
+        """A bug or inconsistency met while a timer handled round `op`: the
+        round fails with the error as its reason (its ranks are told), rather
+        than the error escaping and stopping every other round's timers."""
+        self.stats["internal_errors"] += 1
+        self.last_error = str(exc)
+        if op not in self._closed:
+            self._fail(op, f"internal error: {exc}", now)
+            return
+        for k in [k for k in self._aggs if k[0] == op]:  # a shard outliving its round
+            del self._aggs[k]
+            self._close_shard(op, k[1])
+
     # -- timers -------------------------------------------------------------
     def get_timer(self) -> float | None:
         times: Iterable[float | None] = (
@@ -1384,14 +1420,22 @@ class Engine:
                     self._close_shard(op, shard)
                     self.stats["rounds_failed"] += 1
                 continue
-            self._progress(op, shard, now)
+            try:
+                self._progress(op, shard, now)
+            except (DlcpError, ValueError) as exc:
+                self._timer_failed(op, exc, now)
         for op, col in list(self._collectors.items()):
+            if self._collectors.get(op) is not col:  # failed above
+                continue
             if col.timed_out(now):
                 owners = sorted({w.owner for w in col.waiting.values()})
                 why = f"results from node(s) {owners} timed out ({col.describe_waiting(now)})"
                 self._fail(op, why, now)
                 continue
-            self._poll_collector(op, col, now)
+            try:
+                self._poll_collector(op, col, now)
+            except (DlcpError, ValueError) as exc:
+                self._timer_failed(op, exc, now)
         if self._held:
             self._release_held(now)
         for key in [k for k, f in self._finished.items() if f.until <= now]:

@@ -550,13 +550,17 @@ class Daemon:
         # Datagrams may be waiting in the sockets (the loop runs timers before
         # IO callbacks): take them first, or a NACK timer fires for packets
         # that have already arrived.
-        for path in self.paths:
-            self._receive(path)
-        now = self.now
-        t = self.engine.get_timer()
-        if t is not None and t <= now:
-            self.engine.handle_timer(now)
-        self._pump()
+        try:
+            for path in self.paths:
+                self._receive(path)
+            now = self.now
+            t = self.engine.get_timer()
+            if t is not None and t <= now:
+                self.engine.handle_timer(now)
+        finally:
+            # whatever went wrong above (it is logged by the loop), the timer
+            # is armed again: without it no round would ever time out
+            self._pump()
 
     # -- rounds -----------------------------------------------------------
     def _complete(self, ev: RoundComplete) -> None:

@@ -66,7 +66,8 @@ assert _STRUCT.size == MAC_OFFSET
 class PacketType(enum.IntEnum):
     DATA = 1  # a sender's contribution to a shard
     RESULT = 2  # the shard owner's aggregated sums
-    NACK = 3  # request for missing packets (payload: u32 packet indices)
+    NACK = 3  # request for missing packets (payload: u32 packet indices, within the
+    # job's payload budget: more go in several NACKs, `offset` each one's place in the list)
     DONE = 4  # end of a sender's packets for a shard (payload: droppable bitmap)
     ACK = 5  # a result receiver holds the whole shard; the owner may free it
     CONTROL = 6  # heartbeats and membership (payload: opaque bytes)
