@@ -33,6 +33,8 @@ default. BW_RATE="key = value;key = value" adds settings to the daemons'
 namespace's processes (Gloo's rank i, dlcp's daemon i) on CPU i only: one
 core per emulated host, for both backends. BW_DAEMON_ENV="NAME=value;NAME=value" adds
 variables to the daemons' environment only (e.g. glibc tunables), not Gloo's.
+BW_NETWORK="key = value;..." adds settings to their [network] table (e.g.
+BW_NETWORK="window_bytes = 0" turns flow control off).
 
 The JSON has, per dlcp round, its wall time, each daemon's CPU seconds and
 seconds waiting runnable for a CPU (schedstat), and the machine's idle and
@@ -292,6 +294,8 @@ def run_dlcp(
                 f'[daemon]\nsocket = "{tmp}/d{i}.sock"\nmetrics_port = 0\nhost_index = {i}\n'
                 f'[network]\naddresses = ["{ADDR[i]}"]\nudp_port = 7400\npayload = {payload}\n'
                 + (f'mac = "{mac}"\n' if mac is not None else "")  # None: dlcpd's default
+                + os.environ.get("BW_NETWORK", "").replace(";", "\n")
+                + "\n"
                 + f"[timing]\ntimeout = 60.0\n[rate]\npacing = {'true' if pacing else 'false'}\n"
                 + f"ceiling_bps = {ceiling:.6g}\n"
                 + os.environ.get("BW_RATE", "").replace(";", "\n")

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from dlcp.daemon.outbox import CREDIT_STEP
 from dlcp.errors import Reason
 from dlcp.wire.batch import _DATA_BITS, _SUM_BITS, _VALID_CODEC, _VALID_TYPE, HEADER_DTYPE, Batch
 from dlcp.wire.header import (
@@ -152,6 +153,7 @@ def reference_receive(self: Any, path: Any) -> None:
     dgs: list[memoryview] = []
     nodes: list[int | None] = []
     owners: list[Any] = []
+    senders: dict[Any, Any] = {}  # added (flow control): peer -> a job of its datagrams
     for dg, src in path.receive(256):
         rx += 1
         rx_bytes += len(dg)
@@ -164,6 +166,10 @@ def reference_receive(self: Any, path: Any) -> None:
                 if node is None:
                     self.daemon_rejects["bad_address"] += 1
                     continue
+                peer = job.peers.get(node)
+                if peer is not None:  # added: the bytes each peer's credits count
+                    peer.rx_bytes += len(dg)
+                    senders[peer] = job
         dgs.append(dg)
         nodes.append(node)
         owners.append(job)
@@ -171,6 +177,9 @@ def reference_receive(self: Any, path: Any) -> None:
     # (every datagram from an address outside its job) is counted as received
     self.counters["rx_packets"] += rx
     self.counters["rx_bytes"] += rx_bytes
+    for peer, job in senders.items():  # added: credited every CREDIT_STEP bytes
+        if peer.rx_bytes - peer.rx_credited >= CREDIT_STEP:
+            self._credit(peer, job)
     if not dgs:
         return
     acked: dict[Any, int] = {}

@@ -33,6 +33,7 @@ from dlcp.wire import batch as batch_mod
 from dlcp.wire.batch import HEADER_DTYPE, decode_batch
 from dlcp.wire.header import HEADER_SIZE, MAGIC, VERSION, Header
 from dlcp.wire.mac import mac_state
+from tests import receive_reference
 from tests.receive_reference import reference_decode_batch, reference_receive
 
 JOB_A, JOB_B, JOB_UNKNOWN = 11, 12, 13
@@ -251,6 +252,8 @@ class _Peer:
     def __init__(self, log: list[Any], name: str) -> None:
         self.name = name
         self.rate = _Rate(log, name)
+        self.rx_bytes = 0  # flow control: bytes taken from the sockets, credited
+        self.rx_credited = 0
 
 
 class _Spec:
@@ -336,6 +339,12 @@ def _daemon(log: list[Any]) -> Any:
         outbox=_Outbox(log),
         _loop=_Loop(),
     )
+
+    def credit(peer: _Peer, job: _Job) -> None:
+        log.append(("credit", peer.name, peer.rx_bytes))
+        peer.rx_credited = peer.rx_bytes
+
+    d.__dict__["_credit"] = credit
     return d
 
 
@@ -444,10 +453,14 @@ def test_run_starts_in_c_and_numpy_are_the_fields_compared(seed: int) -> None:
 
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("seed", range(8))
-def test_daemon_receive_matches_the_reference(seed: int, native: bool) -> None:
+def test_daemon_receive_matches_the_reference(
+    seed: int, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if native and transport._udp is None:
         assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.daemon._udp was not built"
         pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    for module in (server, receive_reference):  # credits within this little traffic
+        monkeypatch.setattr(module, "CREDIT_STEP", 4096)
     rng = np.random.default_rng(seed)
     buffers = _buffers(rng, 300)
     logs: list[list[Any]] = [[], []]
@@ -459,8 +472,11 @@ def test_daemon_receive_matches_the_reference(seed: int, native: bool) -> None:
     assert logs[1] == logs[0]
     assert daemons[1].daemon_rejects == daemons[0].daemon_rejects
     assert daemons[1].counters == daemons[0].counters
+    got = {(j, n): p.rx_bytes for j, job in daemons[1].jobs.items() for n, p in job.peers.items()}
+    want = {(j, n): p.rx_bytes for j, job in daemons[0].jobs.items() for n, p in job.peers.items()}
+    assert got == want and all(want.values()), want
     kinds = Counter(entry[0] for entry in logs[0])
-    assert kinds["engine"] and kinds["nack"] and kinds["ack"], kinds
+    assert kinds["engine"] and kinds["nack"] and kinds["ack"] and kinds["credit"], kinds
     assert daemons[0].daemon_rejects["bad_address"] > 0
 
 

@@ -417,6 +417,11 @@ class Engine:
         """Rounds begun here and not yet completed or failed (held ones too)."""
         return len(self._collectors) + len(self._held)
 
+    def newest_round(self, job: int) -> int:
+        """The newest round of `job` seen here (a packet about an older round
+        than this minus the job's window is stale)."""
+        return self._newest.get(job, 0)
+
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""
         op = (job, round, bucket)

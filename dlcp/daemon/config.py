@@ -14,6 +14,7 @@ from typing import Any
 from dlcp.core.layout import DEFAULT_PAYLOAD
 from dlcp.core.rate import RateConfig
 from dlcp.core.timing import Timing
+from dlcp.daemon.outbox import WINDOW_MIN
 from dlcp.errors import LocalError
 from dlcp.ipc import DEFAULT_SOCKET
 from dlcp.policies import DEFAULT_DSCP, check_dscp_table
@@ -78,6 +79,12 @@ class Config:
     # granted) the queue overflowed now and then on a fast veth, and the lost
     # datagrams cost NACK rounds (BENCHMARKS.md, round 26).
     socket_buffer_bytes: int = 64 << 20
+    # Flow control: bytes sent to a peer that it has not yet taken from its
+    # sockets (its credits say how many it has), at most (0: no limit). As
+    # large as the socket buffer asked for, so that two peers' windows fit in
+    # what the kernel grants (twice that). Half of it cost 6 % of a 100 MB
+    # round's time on a veth (more wake-ups; BENCHMARKS.md round 27).
+    window_bytes: int = 64 << 20
     peers: tuple[PeerConfig, ...] = ()
     # [policies]
     priority: dict[str, Any] = field(default_factory=lambda: {"name": "layer_magnitude"})
@@ -114,6 +121,7 @@ _SECTIONS = {
         "gro",
         "mac",
         "socket_buffer_bytes",
+        "window_bytes",
         "peers",
     },
     "policies": {"priority", "drop", "balance", "dscp"},
@@ -257,6 +265,14 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
         "network.socket_buffer_bytes",
         1 << 16,
         1 << 30,
+    )
+    cfg.window_bytes = _int(
+        n.get("window_bytes", cfg.window_bytes), "network.window_bytes", 0, 1 << 30
+    )
+    _need(
+        cfg.window_bytes == 0 or cfg.window_bytes >= WINDOW_MIN,
+        f"network.window_bytes must be 0 (no flow control) or at least {WINDOW_MIN} "
+        "(4 credit steps)",
     )
     peers = n.get("peers", [])
     _need(isinstance(peers, list), "network.peers must be a list of tables")

@@ -184,6 +184,24 @@ class DaemonCollector(Collector):
                 {"peer": peer.name},
                 peer.queued,
             )
+            gauge(
+                "dlcp_peer_in_flight_bytes",
+                "Bytes sent to a peer that it has not yet credited (flow control)",
+                {"peer": peer.name},
+                peer.sent_total - peer.credited,
+            )
+            counter(
+                "dlcp_peer_window_stalls_total",
+                "Times sending to a peer stopped at its full flow-control window",
+                {"peer": peer.name},
+                peer.window_stalls,
+            )
+            counter(
+                "dlcp_peer_window_resets_total",
+                "Flow-control windows taken as drained after no credit for 50 ms",
+                {"peer": peer.name},
+                peer.window_resets,
+            )
             for (cls, path), n in sorted(peer.sent_packets.items()):
                 labels = {"class": str(cls), "path": str(path), "peer": peer.name}
                 counter(

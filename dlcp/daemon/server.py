@@ -31,13 +31,21 @@ from dlcp.core.layout import Layout
 from dlcp.daemon import notify
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
-from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.daemon.outbox import CREDIT_STEP, Outbox, Peer
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import NATIVE_SEND, UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
 from dlcp.wire import mac
-from dlcp.wire.header import Codec, PacketType, header_of_valid, lane_bytes
+from dlcp.wire.header import (
+    HEADER_SIZE,
+    Codec,
+    Header,
+    PacketType,
+    encode,
+    header_of_valid,
+    lane_bytes,
+)
 
 __all__ = ["Daemon", "RequestError"]
 
@@ -47,6 +55,11 @@ _JOB = struct.Struct("!I")
 _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _NACK = int(PacketType.NACK)
+_CONTROL = int(PacketType.CONTROL)
+# A CONTROL packet's payload that credits its receiver (flow control,
+# dlcp/daemon/outbox.py): kind 1, the count's epoch, the bytes counted
+_CREDIT = struct.Struct("!BQQ")
+_CREDIT_KIND = 1
 _ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
 _ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
 FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
@@ -142,6 +155,7 @@ class Daemon:
             rate=config.rate,
             pacing=config.pacing,
             balancer_factory=self._balancer_factory,
+            window_bytes=config.window_bytes,
         )
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -331,13 +345,16 @@ class Daemon:
         # whole header (all but a shorter last one, or none), their job (a list
         # when they name more than one) and type bytes, the source
         budget = _RX_SENDING if self.outbox.backlog else _RX_BUDGET
+        senders: dict[Peer, JobState] = {}  # the peers the buffers came from (a job of each)
         for segs, size, full, ids, types, src in path.receive_split(budget):
             k = len(segs)
             rx += k
             rx_bytes += size
             if full:
                 if isinstance(ids, list):  # more than one job: datagram by datagram
-                    self._receive_mixed(segs, ids, src, dgs, kinds, groups, runs, sizes, lasts)
+                    self._receive_mixed(
+                        segs, ids, src, dgs, kinds, groups, runs, sizes, lasts, senders
+                    )
                     continue
                 job = jobs.get(ids)
                 node = None
@@ -345,6 +362,11 @@ class Daemon:
                     node = job.node_of.get(src)
                     if node is None:
                         self.daemon_rejects["bad_address"] += full
+                    else:
+                        peer = job.peers.get(node)
+                        if peer is not None:  # its bytes but a truncated last one's
+                            peer.rx_bytes += size if full == k else size - len(segs[-1])
+                            senders[peer] = job
                 if job is None or node is not None:
                     seg = len(segs[0])
                     dgs += segs[:full]
@@ -362,6 +384,9 @@ class Daemon:
                 lasts.append(len(dg))
         self.counters["rx_packets"] += rx  # all of them, those rejected here too
         self.counters["rx_bytes"] += rx_bytes
+        for peer, job in senders.items():  # their bytes left the socket: room for more
+            if peer.rx_bytes - peer.rx_credited >= CREDIT_STEP:
+                self._credit(peer, job)
         if not dgs:
             return
         # each datagram's source node (-1: none), made per group, not per datagram
@@ -386,6 +411,7 @@ class Daemon:
         runs: list[int],
         sizes: list[int],
         lasts: list[int],
+        senders: dict[Peer, JobState],
     ) -> None:
         """`_receive` for a buffer whose datagrams name more than one job."""
         jobs = self.jobs
@@ -398,12 +424,44 @@ class Daemon:
                     if node is None:
                         self.daemon_rejects["bad_address"] += 1
                         continue
+                    peer = job.peers.get(node)
+                    if peer is not None:
+                        peer.rx_bytes += len(dg)
+                        senders[peer] = job
             dgs.append(dg)
             kinds.append(bytes(dg[3:4]) if i < len(ids) else b"\0")
             groups.append((job, node))
             runs.append(1)
             sizes.append(len(dg))
             lasts.append(len(dg))
+
+    def _credit(self, peer: Peer, job: JobState) -> None:
+        """Tell `peer` how many of its bytes this daemon has taken from its
+        sockets (a CONTROL packet of `job`, sent at once, past the queues: a
+        credit must never wait for the window it opens)."""
+        spec = job.spec
+        header = Header(
+            type=PacketType.CONTROL,
+            job=spec.job,
+            round=self.engine.newest_round(spec.job),
+            bucket=0,
+            priority=0,
+            codec=Codec.FP32,
+            shard=0,
+            sender=spec.me,
+            count=_CREDIT.size,
+        )
+        key = self.engine.keys.get(spec.job)
+        if key is None:
+            return
+        dg = encode(header, _CREDIT.pack(_CREDIT_KIND, peer.rx_epoch, peer.rx_bytes), key)
+        try:
+            peer.local[0].send([dg], peer.dest(0), self.outbox.tos[0])
+        except OSError:  # a later credit says as much: it is a count, not a step
+            self.counters["credits_unsent"] += 1
+            return
+        peer.rx_credited = peer.rx_bytes
+        self.counters["credits_sent"] += 1
 
     def _on_control(
         self,
@@ -435,6 +493,15 @@ class Daemon:
                 self.outbox.on_loss(peer, h.count, now)
             spec = job.spec
             self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
+        credit = kind == _CONTROL
+        for i, g in zip(positions[credit].tolist(), group[credit].tolist(), strict=True):
+            job, node = groups[g]
+            peer = None if job is None or node is None else job.peers.get(node)
+            body = dgs[i][HEADER_SIZE:]
+            if peer is None or len(body) != _CREDIT.size or body[0] != _CREDIT_KIND:
+                continue  # another kind of control packet
+            _kind, epoch, received = _CREDIT.unpack(body)
+            self.outbox.on_credit(peer, received, epoch)
         acking = _ACKING[kind]
         if not acking.any():
             return
@@ -1177,6 +1244,10 @@ class Daemon:
                     "lost_packets": peer.rate.lost_packets,
                     "sent_packets": sum(peer.sent_packets.values()),
                     "sent_bytes": sum(peer.sent_bytes.values()),
+                    "window_bytes": peer.window,
+                    "in_flight_bytes": peer.sent_total - peer.credited,
+                    "window_stalls": peer.window_stalls,
+                    "window_resets": peer.window_resets,
                     "paths": [
                         {
                             "weight": ps.weight,
@@ -1189,7 +1260,11 @@ class Daemon:
                 }
                 for peer in self.outbox.peers.values()
             ],
-            "counters": {**dict(self.engine.stats), **dict(self.counters)},
+            "counters": {
+                **dict(self.engine.stats),
+                **dict(self.counters),
+                "credits_taken": self.outbox.credits,
+            },
             "rejects": {r: self.rejected(r) for r in self.reject_reasons()},
         }
 

@@ -70,7 +70,8 @@ class PacketType(enum.IntEnum):
     # job's payload budget: more go in several NACKs, `offset` each one's place in the list)
     DONE = 4  # end of a sender's packets for a shard (payload: droppable bitmap)
     ACK = 5  # a result receiver holds the whole shard; the owner may free it
-    CONTROL = 6  # heartbeats and membership (payload: opaque bytes)
+    CONTROL = 6  # daemon to daemon (payload: kind u8, then per kind; kind 1, a flow-control
+    # credit: epoch u64, bytes taken from the sockets u64; docs/operations.md)
 
 
 class Flags(enum.IntFlag):

@@ -1,0 +1,183 @@
+"""Flow control: a peer is sent at most its window of bytes it has not credited.
+
+The outbox side is sans-IO here (a path stand-in that takes every datagram,
+virtual time); the daemons' side (credits sent as bytes leave the sockets,
+taken back by the sender) runs with real daemons on loopback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlcp.core.rate import RateConfig
+from dlcp.daemon.outbox import CREDIT_TIMEOUT, WINDOW_MIN, Outbox, Peer
+from dlcp.policies import from_config
+from dlcp.wire import Header, PacketType, encode
+from tests.daemons import Rank, hosts_of, loopback_daemons, submit
+
+KEY = bytes(range(32))
+JOB = 7
+PAYLOAD = 8800  # bytes of lanes a datagram (2,200 fp32 lanes)
+DATAGRAM = PAYLOAD + 64
+
+
+class TakeAll:
+    """A UdpPath stand-in: takes every datagram, counts the bytes."""
+
+    address = "10.0.0.1"
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def send(self, batch: list[bytes], dest: tuple[str, int], tos: int) -> int:
+        self.bytes += sum(map(len, batch))
+        return len(batch)
+
+
+def make(window: int) -> tuple[Outbox, Peer, TakeAll]:
+    path = TakeAll()
+    ob = Outbox(
+        [path],  # type: ignore[list-item]
+        dscp=(48, 40, 34, 26, 18, 10, 0, 8),
+        rate=RateConfig(),
+        pacing=False,
+        balancer_factory=lambda: from_config("balance", "spray"),
+        window_bytes=window,
+    )
+    return ob, ob.peer(("10.0.0.2",), 7400, 0.0), path
+
+
+def data(n: int) -> list[bytes]:
+    lanes = np.zeros(PAYLOAD // 4, np.float32).tobytes()
+    out = []
+    for i in range(n):
+        h = Header(
+            PacketType.DATA,
+            JOB,
+            1,
+            0,
+            priority=3,
+            shard=0,
+            sender=0,
+            contributors=1,
+            offset=i * 2200,
+            count=2200,
+            total=1 << 30,
+        )
+        out.append(encode(h, lanes, KEY))
+    return out
+
+
+def test_a_peer_gets_no_more_than_its_window_until_it_credits() -> None:
+    ob, peer, path = make(WINDOW_MIN)
+    n = 3 * WINDOW_MIN // DATAGRAM
+    assert ob.push_many(peer, data(n), [3] * n) == n
+    ob.flush(0.0)
+    first = path.bytes
+    assert WINDOW_MIN - DATAGRAM < first <= WINDOW_MIN  # a window, no more
+    assert peer.queued and peer.window_stalls == 1
+    assert ob.next_wake == pytest.approx(CREDIT_TIMEOUT)  # back when it would give up
+    ob.flush(0.01)  # no credit yet: nothing more
+    assert path.bytes == first and peer.window_stalls == 1
+    ob.on_credit(peer, received=first // 2, epoch=5)  # half of it left the peer's socket
+    ob.flush(0.02)
+    assert first // 2 - DATAGRAM < path.bytes - first <= first // 2
+    assert peer.sent_total - peer.credited <= WINDOW_MIN
+    for t in range(3, 20):  # the peer credits all it has: the rest goes
+        ob.on_credit(peer, received=path.bytes, epoch=5)
+        ob.flush(t / 100)
+        assert path.bytes - peer.credited <= WINDOW_MIN
+    assert peer.queued == 0 and path.bytes == n * DATAGRAM
+    assert peer.window_resets == 0 and ob.credits > 2
+
+
+def test_no_window_sends_everything_at_once() -> None:
+    ob, peer, path = make(0)
+    n = 3 * WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    ob.flush(0.0)
+    assert peer.queued == 0 and path.bytes == n * DATAGRAM and peer.window_stalls == 0
+
+
+def test_a_full_window_without_credit_is_taken_as_drained_after_the_timeout() -> None:
+    """A lost credit (or a peer that restarted) cannot stop the sending for
+    good: after CREDIT_TIMEOUT the window counts as drained, and the next
+    credit, whatever its count, is matched to what was sent by then."""
+    ob, peer, path = make(WINDOW_MIN)
+    n = 3 * WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    ob.flush(0.0)
+    first = path.bytes
+    ob.flush(CREDIT_TIMEOUT / 2)
+    assert path.bytes == first
+    ob.flush(CREDIT_TIMEOUT)  # none came: a second window goes
+    assert peer.window_resets == 1
+    assert WINDOW_MIN - DATAGRAM < path.bytes - first <= WINDOW_MIN
+    ob.on_credit(peer, received=123, epoch=9)  # a small count: all sent so far counts
+    synced = path.bytes
+    assert peer.credited == peer.sent_total == synced
+    ob.flush(0.1)
+    assert path.bytes - synced > WINDOW_MIN - DATAGRAM  # a third window
+    # later counts of that epoch are matched from there
+    ob.on_credit(peer, received=123 + 1000, epoch=9)
+    assert peer.credited == synced + 1000
+
+
+def test_a_new_epoch_is_a_restarted_peer_and_a_stale_count_is_ignored() -> None:
+    ob, peer, path = make(WINDOW_MIN)
+    n = 3 * WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    ob.flush(0.0)
+    ob.on_credit(peer, received=1000, epoch=1)  # the first count: from our first byte
+    assert peer.credited == 1000 and peer.credit_offset == 0
+    ob.on_credit(peer, received=500, epoch=1)  # older than what we have: no step back
+    assert peer.credited == 1000
+    ob.on_credit(peer, received=10**12, epoch=1)  # never past what was sent
+    assert peer.credited == path.bytes
+    ob.flush(0.01)
+    sent = path.bytes
+    ob.on_credit(peer, received=10, epoch=2)  # the peer restarted: its count begins again
+    assert peer.credited == sent and peer.credit_offset == sent - 10
+    ob.on_credit(peer, received=10 + DATAGRAM, epoch=2)
+    assert peer.credited == min(peer.sent_total, sent + DATAGRAM)
+
+
+def test_daemons_credit_each_other_and_lose_nothing_past_their_socket_buffers(
+    tmp_path: Path,
+) -> None:
+    """Two daemons whose sockets hold far less than a leg of the bucket (8 MiB
+    asked, 16 MiB granted; each leg is 40 MB): with 8 MiB windows nothing is
+    dropped by the kernel (no peer reports a loss), the sums are exact, and
+    the credits and windows show in `status`."""
+    extra = {"network": {"socket_buffer_bytes": 8 << 20, "window_bytes": WINDOW_MIN}}
+    with loopback_daemons(tmp_path, 2, extra) as ds:
+        ranks = [Rank(d, f"dlcp-fc{i}-{tmp_path.name[-12:]}", 200 << 20, sealed=True)
+                 for i, d in enumerate(ds)]  # fmt: skip
+        try:
+            for i, r in enumerate(ranks):
+                r.join(job=JOB, key=KEY, hosts=hosts_of(ds), me=i)
+            rng = np.random.default_rng(3)
+            xs = [rng.standard_normal(20_000_000).astype(np.float32) for _ in ranks]
+            for rnd in range(2):
+                waits = [submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=2)
+                         for r, x in zip(ranks, xs, strict=True)]  # fmt: skip
+                for w in waits:
+                    res = w()
+                    np.testing.assert_array_equal(res.sums, xs[0] + xs[1])
+            for r in ranks:
+                st = r.client.status()
+                (peer,) = st["peers"]
+                assert peer["lost_packets"] == 0, st
+                assert peer["window_bytes"] == WINDOW_MIN
+                assert 0 <= peer["in_flight_bytes"] <= WINDOW_MIN
+                assert st["counters"]["credits_sent"] > 0 and st["counters"]["credits_taken"] > 0
+                # nothing sent again: no datagram was missing (a NACK that only
+                # asks for a result DONE, which can overtake nothing, may come)
+                assert st["counters"].get("data_retransmits", 0) == 0, st["counters"]
+                assert st["counters"].get("result_retransmits", 0) == 0, st["counters"]
+        finally:
+            for r in ranks:
+                r.close()
