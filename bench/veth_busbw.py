@@ -419,7 +419,17 @@ def run_dlcp(
             stats.append(
                 {
                     "peers": [
-                        {k: p[k] for k in ("rate_bps", "lost_packets", "sent_packets")}
+                        {
+                            k: p.get(k)
+                            for k in (
+                                "rate_bps",
+                                "lost_packets",
+                                "sent_packets",
+                                "window_stalls",
+                                "window_resets",
+                                "in_flight_bytes",
+                            )
+                        }
                         for p in st["peers"]
                     ],
                     "paths": [

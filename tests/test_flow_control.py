@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dlcp.core.rate import RateConfig
-from dlcp.daemon.outbox import CREDIT_TIMEOUT, WINDOW_MIN, Outbox, Peer
+from dlcp.daemon.outbox import CREDIT_STEP, CREDIT_TIMEOUT, WINDOW_MIN, Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Header, PacketType, encode
 from tests.daemons import Rank, hosts_of, loopback_daemons, submit
@@ -102,10 +102,12 @@ def test_no_window_sends_everything_at_once() -> None:
     assert peer.queued == 0 and path.bytes == n * DATAGRAM and peer.window_stalls == 0
 
 
-def test_a_full_window_without_credit_is_taken_as_drained_after_the_timeout() -> None:
-    """A lost credit (or a peer that restarted) cannot stop the sending for
-    good: after CREDIT_TIMEOUT the window counts as drained, and the next
-    credit, whatever its count, is matched to what was sent by then."""
+def test_a_full_window_without_credit_sends_a_probe_after_the_timeout() -> None:
+    """A lost credit (or bytes the peer's socket dropped, which it never
+    counts, or a peer that restarted) cannot stop the sending for good: after
+    CREDIT_TIMEOUT a probe of CREDIT_STEP bytes goes, not a whole window (the
+    peer may still hold the first), and the next credit, whatever its count, is
+    matched to what was sent by then."""
     ob, peer, path = make(WINDOW_MIN)
     n = 3 * WINDOW_MIN // DATAGRAM
     ob.push_many(peer, data(n), [3] * n)
@@ -113,17 +115,19 @@ def test_a_full_window_without_credit_is_taken_as_drained_after_the_timeout() ->
     first = path.bytes
     ob.flush(CREDIT_TIMEOUT / 2)
     assert path.bytes == first
-    ob.flush(CREDIT_TIMEOUT)  # none came: a second window goes
+    ob.flush(CREDIT_TIMEOUT)  # none came: a probe goes
     assert peer.window_resets == 1
-    assert WINDOW_MIN - DATAGRAM < path.bytes - first <= WINDOW_MIN
+    assert CREDIT_STEP - DATAGRAM < path.bytes - first <= CREDIT_STEP
+    probe = path.bytes
+    ob.flush(CREDIT_TIMEOUT * 1.5)  # and nothing more until a credit or the next timeout
+    assert path.bytes == probe
     ob.on_credit(peer, received=123, epoch=9)  # a small count: all sent so far counts
-    synced = path.bytes
-    assert peer.credited == peer.sent_total == synced
+    assert peer.credited == peer.sent_total == probe
     ob.flush(0.1)
-    assert path.bytes - synced > WINDOW_MIN - DATAGRAM  # a third window
+    assert WINDOW_MIN - DATAGRAM < path.bytes - probe <= WINDOW_MIN  # a whole window again
     # later counts of that epoch are matched from there
     ob.on_credit(peer, received=123 + 1000, epoch=9)
-    assert peer.credited == synced + 1000
+    assert peer.credited == probe + 1000
 
 
 def test_a_new_epoch_is_a_restarted_peer_and_a_stale_count_is_ignored() -> None:

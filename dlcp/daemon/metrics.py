@@ -198,7 +198,7 @@ class DaemonCollector(Collector):
             )
             counter(
                 "dlcp_peer_window_resets_total",
-                "Flow-control windows taken as drained after no credit for 50 ms",
+                "Probes sent after 50 ms at a full flow-control window without a credit",
                 {"peer": peer.name},
                 peer.window_resets,
             )

@@ -262,8 +262,8 @@ CATCH_UP_SECONDS = 0.02
 # into the peer's socket before the peer reads, and past the socket's buffer
 # the kernel drops the rest (a 400 MB bucket on two hosts lost 100,000
 # datagrams a round and ran at 0.14x Gloo). A sender at a full window that has
-# heard no credit for this long takes the window as drained (a credit lost, or
-# the peer restarted) and sends the next window.
+# heard no credit for this long (a credit lost, bytes lost, or the peer
+# restarted) sends a probe of CREDIT_STEP bytes, whose arrival draws a credit.
 CREDIT_TIMEOUT = 0.05
 # A receiver credits a peer each time this many more bytes from it have left
 # its sockets; a window is at least WINDOW_MIN (4 steps), so that credits
@@ -356,10 +356,10 @@ class Peer:
     credited: int = 0
     credit_epoch: int | None = None
     credit_offset: int = 0
-    credit_resync: bool = False  # the window was taken as drained: the next credit sets the offset
+    credit_resync: bool = False  # a probe went (CREDIT_TIMEOUT): the next credit sets the offset
     stalled_since: float | None = None
     window_stalls: int = 0  # times a flush stopped at the full window
-    window_resets: int = 0  # windows taken as drained after CREDIT_TIMEOUT
+    window_resets: int = 0  # probes sent after CREDIT_TIMEOUT at a full window
     # ... and as a receiver: bytes taken from the sockets that came from the
     # peer, and the count last credited to it (`rx_epoch` names this count)
     rx_bytes: int = 0
@@ -1023,7 +1023,7 @@ class Outbox:
     def _window_room(self, peer: Peer, now: float, need: int) -> int:
         """Bytes `peer`'s window lets go now: at least `need` (the next
         datagram), or 0 (then `stalled_since` says since when). A window full
-        for CREDIT_TIMEOUT is taken as drained."""
+        for CREDIT_TIMEOUT lets a probe of CREDIT_STEP go."""
         room = peer.window - (peer.sent_total - peer.credited)
         if room >= need:
             peer.stalled_since = None
@@ -1034,16 +1034,22 @@ class Outbox:
             return 0
         if now - peer.stalled_since < CREDIT_TIMEOUT:
             return 0
-        peer.credited = peer.sent_total
+        # No credit for that long: the credit was lost, or bytes were (a peer
+        # never counts what its socket dropped), or the peer restarted. Not
+        # the whole window (the peer may still hold it: sending it again
+        # overflowed the socket and lost more, which held the window shut
+        # again), only a probe of CREDIT_STEP, whose arrival draws a credit;
+        # that next credit is matched to what was sent by then.
+        peer.credited = max(peer.credited, peer.sent_total - peer.window + max(CREDIT_STEP, need))
         peer.credit_resync = True
         peer.stalled_since = None
         peer.window_resets += 1
-        return peer.window
+        return peer.window - (peer.sent_total - peer.credited)
 
     def on_credit(self, peer: Peer, received: int, epoch: int) -> None:
         """`peer` has taken `received` bytes from us off its sockets, in the
         count it calls `epoch`. A count new to us (the first, or a restarted
-        peer's) or one after a window was taken as drained is matched to what
+        peer's) or the first after a probe is matched to what
         we have sent at once: everything sent until now counts as credited
         (except for the first count, when it is no more than we sent: then
         it counts from our first byte as ours does)."""
