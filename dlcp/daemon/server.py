@@ -456,8 +456,10 @@ class Daemon:
             return
         dg = encode(header, _CREDIT.pack(_CREDIT_KIND, peer.rx_epoch, peer.rx_bytes), key)
         try:
-            peer.local[0].send([dg], peer.dest(0), self.outbox.tos[0])
-        except OSError:  # a later credit says as much: it is a count, not a step
+            sent = peer.local[0].send([dg], peer.dest(0), self.outbox.tos[0])
+        except OSError:
+            sent = 0
+        if not sent:  # socket full or an error: a later credit says as much (a count)
             self.counters["credits_unsent"] += 1
             return
         peer.rx_credited = peer.rx_bytes
