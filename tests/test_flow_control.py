@@ -185,3 +185,24 @@ def test_daemons_credit_each_other_and_lose_nothing_past_their_socket_buffers(
         finally:
             for r in ranks:
                 r.close()
+
+
+def test_a_credit_is_a_control_packet_its_peer_accepts() -> None:
+    """The core makes the credit (sans-IO): a CONTROL packet of the job, MAC'd
+    with its key, from this node, whose payload `credit_of` reads back; the
+    peer's engine accepts it. Other payloads are not credits."""
+    from dlcp.core.engine import Engine, JobSpec, credit_of
+    from dlcp.wire import decode
+    from dlcp.wire.header import HEADER_SIZE
+
+    a, b = Engine(), Engine()
+    a.add_job(JobSpec.transpose(JOB, KEY, 0, 2))
+    b.add_job(JobSpec.transpose(JOB, KEY, 1, 2))
+    assert a.credit_datagram(JOB + 1, 1, 2) is None  # not a job here
+    dg = a.credit_datagram(JOB, epoch=2**62 + 5, received=3 << 40)
+    assert dg is not None
+    h, body = decode(dg, b.keys)
+    assert (h.type, h.job, h.sender) == (PacketType.CONTROL, JOB, 0)
+    assert credit_of(body) == (2**62 + 5, 3 << 40) == credit_of(dg[HEADER_SIZE:])
+    assert b.receive(dg, 0.0, 0) is not None and b.stats["control_packets"] == 1
+    assert credit_of(b"\x02" + bytes(16)) is None and credit_of(b"\x01" + bytes(15)) is None

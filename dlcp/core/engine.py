@@ -54,6 +54,7 @@ __all__ = [
     "RoundFailed",
     "Send",
     "SendBatch",
+    "credit_of",
     "nack_capacity",
 ]
 
@@ -156,6 +157,21 @@ def _int_list(a: np.ndarray) -> list[int]:
     if a.size and a.min() == a.max():
         return [int(a[0])] * a.size
     return a.tolist()
+
+
+# A CONTROL packet's payload that credits its receiver: kind 1, the count's
+# epoch, the bytes counted (`Engine.credit_datagram`, `credit_of`)
+_CREDIT = struct.Struct("!BQQ")
+_CREDIT_KIND = 1
+
+
+def credit_of(payload: bytes | memoryview) -> tuple[int, int] | None:
+    """(epoch, bytes received) of a credit's payload; None for another kind
+    of CONTROL packet."""
+    if len(payload) != _CREDIT.size or payload[0] != _CREDIT_KIND:
+        return None
+    _kind, epoch, received = _CREDIT.unpack(payload)
+    return epoch, received
 
 
 def nack_capacity(payload: int) -> int:
@@ -417,10 +433,27 @@ class Engine:
         """Rounds begun here and not yet completed or failed (held ones too)."""
         return len(self._collectors) + len(self._held)
 
-    def newest_round(self, job: int) -> int:
-        """The newest round of `job` seen here (a packet about an older round
-        than this minus the job's window is stale)."""
-        return self._newest.get(job, 0)
+    def credit_datagram(self, job: int, epoch: int, received: int) -> bytes | None:
+        """A flow-control credit to a peer of `job` (dlcp/daemon/outbox.py):
+        a CONTROL packet saying that `received` bytes from it have left this
+        daemon's sockets, in the count named `epoch`; None for a job not here.
+        Its round is the newest seen, so that the peer does not take it for a
+        stale one."""
+        spec = self.jobs.get(job)
+        if spec is None:
+            return None
+        header = Header(
+            type=PacketType.CONTROL,
+            job=job,
+            round=self._newest.get(job, 0),
+            bucket=0,
+            priority=CONTROL_CLASS,
+            codec=Codec.FP32,
+            shard=0,
+            sender=spec.me,
+            count=_CREDIT.size,
+        )
+        return encode(header, _CREDIT.pack(_CREDIT_KIND, epoch, received), self._mac(spec))
 
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""
@@ -1374,9 +1407,7 @@ class Engine:
         self._collectors.pop(op, None)
         self._contribs.pop(op, None)
         self._settle_gathered(op)
-        for k in [k for k in self._aggs if k[0] == op]:
-            del self._aggs[k]
-            self._close_shard(op, k[1])
+        self._close_aggs(op)
         self._closed[op] = now
         self.stats["rounds_failed"] += 1
         self._events.append(RoundFailed(job=op[0], round=op[1], bucket=op[2], reason=reason))
@@ -1389,8 +1420,12 @@ class Engine:
         self.last_error = str(exc)
         if op not in self._closed:
             self._fail(op, f"internal error: {exc}", now)
-            return
-        for k in [k for k in self._aggs if k[0] == op]:  # a shard outliving its round
+        else:
+            self._close_aggs(op)  # a shard outliving its round
+
+    def _close_aggs(self, op: OpKey) -> None:
+        """Drop and close every shard of round `op` aggregated here."""
+        for k in [k for k in self._aggs if k[0] == op]:
             del self._aggs[k]
             self._close_shard(op, k[1])
 

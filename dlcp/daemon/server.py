@@ -26,7 +26,7 @@ import numpy as np
 from dlcp import ipc
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
-from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, SendBatch
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, SendBatch, credit_of
 from dlcp.core.layout import Layout
 from dlcp.daemon import notify
 from dlcp.daemon.config import Config
@@ -40,9 +40,7 @@ from dlcp.wire import mac
 from dlcp.wire.header import (
     HEADER_SIZE,
     Codec,
-    Header,
     PacketType,
-    encode,
     header_of_valid,
     lane_bytes,
 )
@@ -56,10 +54,6 @@ _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _NACK = int(PacketType.NACK)
 _CONTROL = int(PacketType.CONTROL)
-# A CONTROL packet's payload that credits its receiver (flow control,
-# dlcp/daemon/outbox.py): kind 1, the count's epoch, the bytes counted
-_CREDIT = struct.Struct("!BQQ")
-_CREDIT_KIND = 1
 _ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
 _ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
 FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
@@ -439,22 +433,9 @@ class Daemon:
         """Tell `peer` how many of its bytes this daemon has taken from its
         sockets (a CONTROL packet of `job`, sent at once, past the queues: a
         credit must never wait for the window it opens)."""
-        spec = job.spec
-        header = Header(
-            type=PacketType.CONTROL,
-            job=spec.job,
-            round=self.engine.newest_round(spec.job),
-            bucket=0,
-            priority=0,
-            codec=Codec.FP32,
-            shard=0,
-            sender=spec.me,
-            count=_CREDIT.size,
-        )
-        key = self.engine.keys.get(spec.job)
-        if key is None:
+        dg = self.engine.credit_datagram(job.spec.job, peer.rx_epoch, peer.rx_bytes)
+        if dg is None:
             return
-        dg = encode(header, _CREDIT.pack(_CREDIT_KIND, peer.rx_epoch, peer.rx_bytes), key)
         try:
             sent = peer.local[0].send([dg], peer.dest(0), self.outbox.tos[0])
         except OSError:
@@ -499,10 +480,10 @@ class Daemon:
         for i, g in zip(positions[credit].tolist(), group[credit].tolist(), strict=True):
             job, node = groups[g]
             peer = None if job is None or node is None else job.peers.get(node)
-            body = dgs[i][HEADER_SIZE:]
-            if peer is None or len(body) != _CREDIT.size or body[0] != _CREDIT_KIND:
+            got = credit_of(dgs[i][HEADER_SIZE:])
+            if peer is None or got is None:
                 continue  # another kind of control packet
-            _kind, epoch, received = _CREDIT.unpack(body)
+            epoch, received = got
             self.outbox.on_credit(peer, received, epoch)
         acking = _ACKING[kind]
         if not acking.any():
