@@ -7,6 +7,7 @@ taken back by the sender) runs with real daemons on loopback.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -106,8 +107,9 @@ def test_a_full_window_without_credit_sends_a_probe_after_the_timeout() -> None:
     """A lost credit (or bytes the peer's socket dropped, which it never
     counts, or a peer that restarted) cannot stop the sending for good: after
     CREDIT_TIMEOUT a probe of CREDIT_STEP bytes goes, not a whole window (the
-    peer may still hold the first), and the next credit, whatever its count, is
-    matched to what was sent by then."""
+    peer may still hold the first), and the next credit sent when the peer's
+    sockets were empty, whatever its count, is matched to what was sent by
+    then."""
     ob, peer, path = make(WINDOW_MIN)
     n = 3 * WINDOW_MIN // DATAGRAM
     ob.push_many(peer, data(n), [3] * n)
@@ -121,13 +123,67 @@ def test_a_full_window_without_credit_sends_a_probe_after_the_timeout() -> None:
     probe = path.bytes
     ob.flush(CREDIT_TIMEOUT * 1.5)  # and nothing more until a credit or the next timeout
     assert path.bytes == probe
-    ob.on_credit(peer, received=123, epoch=9)  # a small count: all sent so far counts
+    ob.on_credit(peer, received=123, epoch=9, drained=True)  # all sent so far counts
     assert peer.credited == peer.sent_total == probe
     ob.flush(0.1)
     assert WINDOW_MIN - DATAGRAM < path.bytes - probe <= WINDOW_MIN  # a whole window again
     # later counts of that epoch are matched from there
     ob.on_credit(peer, received=123 + 1000, epoch=9)
     assert peer.credited == probe + 1000
+
+
+def test_after_a_probe_a_peer_still_holding_bytes_is_not_taken_for_empty() -> None:
+    """A peer that did not read for CREDIT_TIMEOUT (busy) still holds the
+    window in its socket. Its credits while it reads it (not drained) are
+    matched as before the probe, so the window opens only as the socket
+    empties; only a credit sent with its sockets empty writes off what its
+    count lacks (what its socket dropped). Before, the first credit after a
+    probe wrote off all that was in flight, the next window went on top of
+    what the socket held, and it overflowed."""
+    ob, peer, _ = make(WINDOW_MIN)
+    n = 4 * WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    ob.flush(0.0)
+    ob.on_credit(peer, received=0, epoch=3)  # the peer's first count: nothing read yet
+    ob.flush(CREDIT_TIMEOUT / 2)
+    ob.flush(CREDIT_TIMEOUT)  # it reads nothing for that long: a probe
+    assert peer.window_resets == 1 and peer.credit_resync
+    ob.on_credit(peer, received=CREDIT_STEP, epoch=3)  # it reads again, not yet empty
+    assert peer.credited == CREDIT_STEP  # matched from its first byte, as before the probe
+    ob.flush(0.06)
+    sent = peer.sent_total
+    assert sent - CREDIT_STEP <= WINDOW_MIN  # no new window on top of what it holds
+    ob.on_credit(peer, received=sent - DATAGRAM, epoch=3)  # all but one (dropped) read
+    assert peer.credit_resync and peer.credited == sent - DATAGRAM  # the offset stays
+    ob.on_credit(peer, received=sent - DATAGRAM, epoch=3, drained=True)  # and now empty
+    assert not peer.credit_resync and peer.credited == peer.sent_total == sent
+    assert peer.credit_offset == DATAGRAM  # the dropped datagram written off
+
+
+def test_probes_without_a_credit_wait_longer_each_time() -> None:
+    """A peer that reads nothing gets a probe after CREDIT_TIMEOUT, the next
+    after twice that, then four times, ..., not one every CREDIT_TIMEOUT on
+    top of what its socket holds; a credit starts over."""
+    ob, peer, _ = make(WINDOW_MIN)
+    n = 8 * WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    t = 0.0
+    ob.flush(t)
+    times = []
+    while len(times) < 4:
+        before = peer.window_resets
+        t = ob.next_wake if ob.next_wake is not None else t + 0.001
+        ob.flush(t)
+        if peer.window_resets > before:
+            times.append(t)
+        ob.flush(t)  # the probe's bytes fill the window again: stalled anew
+    gaps = [b - a for a, b in pairwise(times)]
+    assert gaps == pytest.approx([2 * CREDIT_TIMEOUT, 4 * CREDIT_TIMEOUT, 8 * CREDIT_TIMEOUT])
+    ob.on_credit(peer, received=0, epoch=1)  # a credit: the next probe waits CREDIT_TIMEOUT
+    assert peer.probes == 0
+    ob.flush(t + 0.001)
+    start = peer.stalled_since
+    assert start is not None and ob.next_wake == pytest.approx(start + CREDIT_TIMEOUT)
 
 
 def test_a_new_epoch_is_a_restarted_peer_and_a_stale_count_is_ignored() -> None:
@@ -203,6 +259,8 @@ def test_a_credit_is_a_control_packet_its_peer_accepts() -> None:
     assert dg is not None
     h, body = decode(dg, b.keys)
     assert (h.type, h.job, h.sender) == (PacketType.CONTROL, JOB, 0)
-    assert credit_of(body) == (2**62 + 5, 3 << 40) == credit_of(dg[HEADER_SIZE:])
+    assert credit_of(body) == (2**62 + 5, 3 << 40, False) == credit_of(dg[HEADER_SIZE:])
+    drained = a.credit_datagram(JOB, epoch=1, received=2, drained=True)
+    assert drained is not None and credit_of(decode(drained, b.keys)[1]) == (1, 2, True)
     assert b.receive(dg, 0.0, 0) is not None and b.stats["control_packets"] == 1
-    assert credit_of(b"\x02" + bytes(16)) is None and credit_of(b"\x01" + bytes(15)) is None
+    assert credit_of(b"\x02" + bytes(17)) is None and credit_of(b"\x01" + bytes(16)) is None

@@ -160,18 +160,21 @@ def _int_list(a: np.ndarray) -> list[int]:
 
 
 # A CONTROL packet's payload that credits its receiver: kind 1, the count's
-# epoch, the bytes counted (`Engine.credit_datagram`, `credit_of`)
-_CREDIT = struct.Struct("!BQQ")
+# epoch, the bytes counted, flags (`Engine.credit_datagram`, `credit_of`)
+_CREDIT = struct.Struct("!BQQB")
 _CREDIT_KIND = 1
+# flag: the sender's sockets held no datagram when it counted (nothing of the
+# peer's waits there: what the count lacks was dropped or is still on the way)
+CREDIT_DRAINED = 1
 
 
-def credit_of(payload: bytes | memoryview) -> tuple[int, int] | None:
-    """(epoch, bytes received) of a credit's payload; None for another kind
-    of CONTROL packet."""
+def credit_of(payload: bytes | memoryview) -> tuple[int, int, bool] | None:
+    """(epoch, bytes received, drained) of a credit's payload (see
+    CREDIT_DRAINED); None for another kind of CONTROL packet."""
     if len(payload) != _CREDIT.size or payload[0] != _CREDIT_KIND:
         return None
-    _kind, epoch, received = _CREDIT.unpack(payload)
-    return epoch, received
+    _kind, epoch, received, flags = _CREDIT.unpack(payload)
+    return epoch, received, bool(flags & CREDIT_DRAINED)
 
 
 def nack_capacity(payload: int) -> int:
@@ -433,12 +436,14 @@ class Engine:
         """Rounds begun here and not yet completed or failed (held ones too)."""
         return len(self._collectors) + len(self._held)
 
-    def credit_datagram(self, job: int, epoch: int, received: int) -> bytes | None:
+    def credit_datagram(
+        self, job: int, epoch: int, received: int, drained: bool = False
+    ) -> bytes | None:
         """A flow-control credit to a peer of `job` (dlcp/daemon/outbox.py):
         a CONTROL packet saying that `received` bytes from it have left this
-        daemon's sockets, in the count named `epoch`; None for a job not here.
-        Its round is the newest seen, so that the peer does not take it for a
-        stale one."""
+        daemon's sockets, in the count named `epoch`, and whether the sockets
+        were empty then (`drained`); None for a job not here. Its round is the
+        newest seen, so that the peer does not take it for a stale one."""
         spec = self.jobs.get(job)
         if spec is None:
             return None
@@ -453,7 +458,8 @@ class Engine:
             sender=spec.me,
             count=_CREDIT.size,
         )
-        return encode(header, _CREDIT.pack(_CREDIT_KIND, epoch, received), self._mac(spec))
+        flags = CREDIT_DRAINED if drained else 0
+        return encode(header, _CREDIT.pack(_CREDIT_KIND, epoch, received, flags), self._mac(spec))
 
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""

@@ -265,11 +265,20 @@ CATCH_UP_SECONDS = 0.02
 # heard no credit for this long (a credit lost, bytes lost, or the peer
 # restarted) sends a probe of CREDIT_STEP bytes, whose arrival draws a credit.
 CREDIT_TIMEOUT = 0.05
+# Each probe more without a credit in between waits twice as long, up to
+# 2**PROBE_BACKOFF timeouts (0.8 s): a peer that does not read is not sent a
+# probe every 50 ms, each on top of what its socket holds
+PROBE_BACKOFF = 4
 # A receiver credits a peer each time this many more bytes from it have left
 # its sockets; a window is at least WINDOW_MIN (4 steps), so that credits
 # come back before it fills
 CREDIT_STEP = 2 << 20
 WINDOW_MIN = 4 * CREDIT_STEP
+
+
+def _probe_wait(peer: Peer) -> float:
+    """How long `peer`'s full window waits for a credit before a probe goes."""
+    return CREDIT_TIMEOUT * (1 << min(peer.probes, PROBE_BACKOFF))
 
 
 def _py_take(q: deque[bytes], nbytes: int, count: int) -> tuple[list[bytes], Sequence[int]]:
@@ -356,7 +365,8 @@ class Peer:
     credited: int = 0
     credit_epoch: int | None = None
     credit_offset: int = 0
-    credit_resync: bool = False  # a probe went (CREDIT_TIMEOUT): the next credit sets the offset
+    credit_resync: bool = False  # a probe went: the next drained credit sets the offset
+    probes: int = 0  # probes sent since the last credit (each waits twice as long)
     stalled_since: float | None = None
     window_stalls: int = 0  # times a flush stopped at the full window
     window_resets: int = 0  # probes sent after CREDIT_TIMEOUT at a full window
@@ -882,7 +892,7 @@ class Outbox:
                     window = self._window_room(peer, now, len(q[0]))
                     if window <= 0:
                         assert peer.stalled_since is not None
-                        return peer.stalled_since + CREDIT_TIMEOUT
+                        return peer.stalled_since + _probe_wait(peer)
                 waits: list[float] | None = None
                 if pacer0 is not None:  # one path: its budget alone
                     wait = pacer0.delay(1.0, now)
@@ -1032,29 +1042,37 @@ class Outbox:
             peer.stalled_since = now
             peer.window_stalls += 1
             return 0
-        if now - peer.stalled_since < CREDIT_TIMEOUT:
+        if now < peer.stalled_since + _probe_wait(peer):  # as the flush's wake-up time says
             return 0
         # No credit for that long: the credit was lost, or bytes were (a peer
         # never counts what its socket dropped), or the peer restarted. Not
         # the whole window (the peer may still hold it: sending it again
         # overflowed the socket and lost more, which held the window shut
         # again), only a probe of CREDIT_STEP, whose arrival draws a credit;
-        # that next credit is matched to what was sent by then.
+        # the next credit sent when the peer's sockets were empty (`on_credit`)
+        # is matched to what was sent by then.
         peer.credited = max(peer.credited, peer.sent_total - peer.window + max(CREDIT_STEP, need))
         peer.credit_resync = True
         peer.stalled_since = None
         peer.window_resets += 1
+        peer.probes += 1
         return peer.window - (peer.sent_total - peer.credited)
 
-    def on_credit(self, peer: Peer, received: int, epoch: int) -> None:
+    def on_credit(self, peer: Peer, received: int, epoch: int, drained: bool = False) -> None:
         """`peer` has taken `received` bytes from us off its sockets, in the
-        count it calls `epoch`. A count new to us (the first, or a restarted
-        peer's) or the first after a probe is matched to what
-        we have sent at once: everything sent until now counts as credited
-        (except for the first count, when it is no more than we sent: then
-        it counts from our first byte as ours does)."""
+        count it calls `epoch`; `drained`: its sockets held nothing then. A
+        count new to us (the first, or a restarted peer's), or the first
+        drained one after a probe, is matched to what we have sent at once:
+        everything sent until now counts as credited (except for the first
+        count, when it is no more than we sent: then it counts from our first
+        byte as ours does). After a probe a count from a peer whose sockets
+        still hold our bytes is matched as before: taking it for all we sent
+        wrote off what waited in its socket, the next window went on top of
+        it, and the socket overflowed (300-400 MB buckets lost up to 400,000
+        datagrams a round, after a daemon had not read for 50 ms)."""
         self.credits += 1
-        if epoch != peer.credit_epoch or peer.credit_resync:
+        peer.probes = 0
+        if epoch != peer.credit_epoch or (peer.credit_resync and drained):
             first = peer.credit_epoch is None and not peer.credit_resync
             peer.credit_epoch = epoch
             peer.credit_resync = False

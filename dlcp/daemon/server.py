@@ -431,9 +431,11 @@ class Daemon:
 
     def _credit(self, peer: Peer, job: JobState) -> None:
         """Tell `peer` how many of its bytes this daemon has taken from its
-        sockets (a CONTROL packet of `job`, sent at once, past the queues: a
-        credit must never wait for the window it opens)."""
-        dg = self.engine.credit_datagram(job.spec.job, peer.rx_epoch, peer.rx_bytes)
+        sockets, and whether they are empty now (a CONTROL packet of `job`,
+        sent at once, past the queues: a credit must never wait for the window
+        it opens)."""
+        drained = all(p.empty() for p in self.paths)
+        dg = self.engine.credit_datagram(job.spec.job, peer.rx_epoch, peer.rx_bytes, drained)
         if dg is None:
             return
         try:
@@ -483,8 +485,8 @@ class Daemon:
             got = credit_of(dgs[i][HEADER_SIZE:])
             if peer is None or got is None:
                 continue  # another kind of control packet
-            epoch, received = got
-            self.outbox.on_credit(peer, received, epoch)
+            epoch, received, drained = got
+            self.outbox.on_credit(peer, received, epoch, drained)
         acking = _ACKING[kind]
         if not acking.any():
             return

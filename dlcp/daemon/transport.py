@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import socket
 import struct
+import termios
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ UDP_GRO = 104
 MAX_GSO_SEGMENTS = 64
 MAX_GSO_BYTES = 65000
 _INT = struct.Struct("@i")
+_ZERO = bytes(_INT.size)  # an int 0 (FIONREAD's argument and empty answer)
 _U16 = struct.Struct("@H")
 _RECV_SIZE = 65535
 _CMSG_SPACE = socket.CMSG_SPACE(_INT.size)
@@ -140,6 +143,15 @@ class UdpPath:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    def empty(self) -> bool:
+        """Whether no datagram waits in the socket now (FIONREAD: the next
+        datagram's size, 0 when there is none; False on an error: no
+        telling)."""
+        try:
+            return fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, _ZERO) == _ZERO
+        except OSError:
+            return False
 
     def close(self) -> None:
         self.sock.close()
