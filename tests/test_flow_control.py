@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -264,3 +265,44 @@ def test_a_credit_is_a_control_packet_its_peer_accepts() -> None:
     assert drained is not None and credit_of(decode(drained, b.keys)[1]) == (1, 2, True)
     assert b.receive(dg, 0.0, 0) is not None and b.stats["control_packets"] == 1
     assert credit_of(b"\x02" + bytes(17)) is None and credit_of(b"\x01" + bytes(16)) is None
+
+
+def test_the_senders_to_a_node_are_the_other_contributors_or_owners() -> None:
+    """Sans-IO: who sends a node a bucket's bytes (what a window is shared by)."""
+    from dlcp.core.engine import JobSpec
+
+    t = JobSpec.transpose(JOB, KEY, 0, 4)
+    assert [t.senders_to(n) for n in range(4)] == [frozenset({0, 1, 2, 3} - {n}) for n in range(4)]
+    ps = JobSpec(job=JOB, key=KEY, me=1, contributors=(1, 2, 3), owners=(0,))
+    assert ps.senders_to(0) == {1, 2, 3}  # the aggregator: data from every contributor
+    assert ps.senders_to(2) == {0}  # a contributor: results from the aggregator only
+    both = JobSpec(job=JOB, key=KEY, me=1, contributors=(0, 1, 2), owners=(0, 3))
+    assert both.senders_to(0) == {1, 2, 3}  # owns (data from 1, 2) and contributes (results from 3)
+
+
+def test_windows_are_shared_among_the_hosts_that_send_to_a_peer(tmp_path: Path) -> None:
+    """A peer's socket takes what all its senders have in flight: with a
+    4-host job each of the 3 senders to a peer gets a third of
+    `window_bytes`; a 2-host job alone gives its peer the whole window; when
+    the larger job leaves, its peers' windows grow back. No traffic needed:
+    the windows are set when jobs join and leave."""
+    window = 3 * WINDOW_MIN
+    extra = {"network": {"window_bytes": window}}
+
+    def name(host: dict[str, Any]) -> str:
+        return f"{host['addresses'][0]}:{host['udp_port']}"
+
+    def windows_of(client: Any) -> dict[str, int]:
+        return {p["peer"]: p["window_bytes"] for p in client.status()["peers"]}
+
+    with loopback_daemons(tmp_path, 1, extra) as (d,):
+        hosts = [{"addresses": [f"127.0.0.{i + 1}"], "udp_port": d.port} for i in range(4)]
+        with d.client() as pair, d.client() as quad:
+            pair.hello()
+            quad.hello()
+            pair.join(job=1, key=KEY, hosts=hosts[:2], me=0)
+            assert windows_of(pair) == {name(hosts[1]): window}
+            quad.join(job=2, key=KEY, hosts=hosts, me=0)
+            assert windows_of(pair) == {name(h): window // 3 for h in hosts[1:]}
+            quad.leave(job=2)
+            assert windows_of(pair)[name(hosts[1])] == window  # the 2-host job's peer again

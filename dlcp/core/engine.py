@@ -105,6 +105,17 @@ class JobSpec:
     def members(self) -> frozenset[int]:
         return frozenset(self.contributors) | frozenset(self.owners)
 
+    def senders_to(self, node: int) -> frozenset[int]:
+        """The other nodes that send `node` a bucket's bytes: the contributors
+        when it owns shards (data), the owners when it contributes (results)."""
+        out: set[int] = set()
+        if node in self.owners:
+            out.update(self.contributors)
+        if node in self.contributors:
+            out.update(self.owners)
+        out.discard(node)
+        return frozenset(out)
+
 
 class Send(NamedTuple):
     """A datagram for node `node`, in priority class `priority`."""

@@ -80,14 +80,14 @@ class Config:
     # datagrams cost NACK rounds (BENCHMARKS.md, round 26).
     socket_buffer_bytes: int = 64 << 20
     # Flow control: bytes sent to a peer that it has not yet taken from its
-    # sockets (its credits say how many it has), at most (0: no limit). Half
-    # of what the kernel grants the socket (twice what is asked). On a veth it
-    # took a 400 MB bucket from 100,000 lost datagrams a round (0.14x Gloo) to
-    # none in most pairs, but some pairs of 300-400 MB buckets still lost
-    # thousands (retransmitted and uncoalesced datagrams take more of the
-    # socket's memory than their bytes); 32 MiB lost none in three such pairs
-    # but cost a 100 MB bucket, whose 50 MB leg then no longer goes at once,
-    # about 10 % (0.85x Gloo against 0.95x; BENCHMARKS.md round 27).
+    # sockets (its credits say how many it has), at most (0: no limit), from
+    # all the hosts that send to it in this daemon's jobs together: each gets
+    # an equal share, at least WINDOW_MIN (dlcpd._size_windows). Half of what
+    # the kernel grants the socket (twice what is asked). On a veth it took a
+    # 400 MB bucket from 100,000 lost datagrams a round (0.14x Gloo) to none;
+    # 32 MiB windows cost a 100 MB bucket, whose 50 MB leg then no longer goes
+    # at once, about 10 % (0.85x Gloo against 0.95x; BENCHMARKS.md rounds 27
+    # and 28).
     window_bytes: int = 64 << 20
     peers: tuple[PeerConfig, ...] = ()
     # [policies]

@@ -31,7 +31,7 @@ from dlcp.core.layout import Layout
 from dlcp.daemon import notify
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
-from dlcp.daemon.outbox import CREDIT_STEP, Outbox, Peer
+from dlcp.daemon.outbox import CREDIT_STEP, WINDOW_MIN, Outbox, Peer
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import NATIVE_SEND, UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
@@ -812,6 +812,24 @@ class Daemon:
                 state.node_of[a] = node
         return state
 
+    def _size_windows(self) -> None:
+        """Each peer's flow-control window: `window_bytes` shared among the
+        hosts that send to it in the jobs here (itself included), at least
+        WINDOW_MIN: what they may all have in flight at once then fits the
+        peer's socket as one sender's window does (a transpose job of H hosts:
+        H-1 senders a host; "ps": the contributors to an aggregator, the
+        aggregators to a contributor)."""
+        total = self.config.window_bytes
+        if not total:
+            return
+        senders: dict[int, tuple[Peer, set[HostAddr]]] = {}
+        for job in self.jobs.values():
+            for node, peer in job.peers.items():
+                _, hosts = senders.setdefault(id(peer), (peer, set()))
+                hosts.update(job.hosts[i] for i in job.spec.senders_to(node))
+        for peer, hosts in senders.values():
+            peer.window = max(WINDOW_MIN, total // max(1, len(hosts)))
+
     def _add_static_job(self, jc: Any) -> None:
         hosts = tuple(HostAddr(h.addresses, h.udp_port) for h in jc.hosts)
         state = self._make_job(
@@ -828,6 +846,7 @@ class Daemon:
         )
         self.jobs[jc.job] = state
         self.engine.add_job(state.spec)
+        self._size_windows()
 
     def _leave(self, client: Client, job_id: int) -> None:
         client.jobs.discard(job_id)
@@ -838,6 +857,7 @@ class Daemon:
         if not job.clients and not job.static:
             del self.jobs[job_id]
             self.engine.remove_job(job_id, self.now)
+            self._size_windows()
             for op in [op for op in self.rounds if op[0] == job_id]:
                 del self.rounds[op]
             log.info("job %d left", job_id)
@@ -1069,6 +1089,7 @@ class Daemon:
         else:
             self.jobs[job_id] = state
             self.engine.add_job(state.spec)
+            self._size_windows()
             log.info(
                 "job %d joined: %d hosts, me=%d, %d local ranks", job_id, len(hosts), me, local
             )
