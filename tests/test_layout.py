@@ -242,27 +242,3 @@ def test_default_payload_known_values() -> None:
     assert lanes_per_packet(Codec.THC4) == 2048
     assert Layout(total=2048, codec=Codec.THC4, shards=1).result_split == 3
     assert Layout(total=1024, codec=Codec.THC8, shards=1).result_split == 2
-
-
-def test_a_shard_has_no_more_packets_than_its_manifest_describes() -> None:
-    """A shard's DONE manifest (a bit a packet) travels in one datagram: a
-    bucket whose shards would have more packets is one clear LocalError when
-    it is laid out (before: the engine failed to encode the DONE with a
-    ValueError in the middle of `submit`)."""
-    from dlcp.core.engine import Engine, JobSpec
-    from dlcp.core.layout import MAX_SHARD_PACKETS
-
-    per = Layout(total=1, codec=Codec.FP32, shards=2, payload=8).per_packet  # 2 lanes
-    most = 2 * MAX_SHARD_PACKETS * per  # two shards of MAX_SHARD_PACKETS packets
-    assert (
-        Layout(total=most, codec=Codec.FP32, shards=2, payload=8).packets == 2 * MAX_SHARD_PACKETS
-    )
-    with pytest.raises(LocalError, match="DONE manifest"):
-        Layout(total=most + 1, codec=Codec.FP32, shards=2, payload=8)
-    e = Engine()
-    e.add_job(JobSpec.transpose(1, b"k" * 32, 0, 2, payload=8))
-    lanes = np.ones(most + per, np.float32)
-    with pytest.raises(LocalError, match="smaller buckets"):
-        e.submit(job=1, round=0, bucket=0, codec=Codec.FP32, total=lanes.size,
-                 lanes=lanes.tobytes(), now=0.0)  # fmt: skip
-    assert not e.datagrams_to_send()

@@ -175,6 +175,10 @@ class ShardAggregator:
         self.classes = np.full(self.n_packets, MAX_PRIORITY, dtype=np.uint8)
         self.layers = np.zeros(self.n_packets, dtype=np.uint16)
         self.manifest = np.zeros(s, dtype=bool)
+        # a manifest in parts (DONEs of large shards): per sender row, the
+        # first packets of the parts seen, and the packets they cover
+        self.manifest_parts: dict[int, set[int]] = {}
+        self.manifest_covered = np.zeros(s, dtype=np.int64)
         self.weight = np.ones(s, dtype=np.int64)  # contributions summed in each sender's lanes
         self.block_max = np.zeros((s, self.n_packets), dtype=np.float32)
         self.bound = 1.0  # min over the senders' manifests
@@ -459,20 +463,36 @@ class ShardAggregator:
             self.droppable[row] |= droppable
         self.last_arrival = now
 
-    def on_manifest(self, *, sender: int, droppable: np.ndarray, bound: float, now: float) -> None:
-        """A sender's DONE: which of its packets were droppable, and its bound."""
+    def on_manifest(
+        self, *, sender: int, droppable: np.ndarray, bound: float, now: float, first: int = 0
+    ) -> None:
+        """A sender's DONE, or a part of it: which of its packets `first`,
+        `first + 1`, ... were droppable, and its bound. The sender's manifest
+        is whole once its parts cover the shard's packets; a part seen before
+        (the same `first`) changes nothing. The parts must not overlap (the
+        engine checks them against the partition the senders use)."""
         row = self._sender_row(sender)
-        if droppable.shape != (self.n_packets,):
-            raise RemoteError(Reason.BAD_RANGE, f"manifest of {droppable.size} packets")
+        n = droppable.size
+        if droppable.ndim != 1 or first < 0 or first + n > self.n_packets:
+            raise RemoteError(
+                Reason.BAD_RANGE, f"manifest of packets {first}+{n} of {self.n_packets}"
+            )
         if not 0.0 <= bound <= 1.0:
             raise RemoteError(Reason.BAD_RANGE, f"loss bound {bound}")
         if self.manifest[row]:
             return
-        self.manifest[row] = True
-        self.n_manifests += 1
-        self.droppable[row] = droppable
+        parts = self.manifest_parts.setdefault(row, set())
+        if first in parts:
+            return
+        parts.add(first)
+        self.droppable[row, first : first + n] = droppable
+        self.manifest_covered[row] += n
         self.bound = min(self.bound, bound)
         self.last_arrival = now
+        if self.manifest_covered[row] >= self.n_packets:
+            self.manifest[row] = True
+            self.n_manifests += 1
+            del self.manifest_parts[row]
 
     def _locate(self, sender: int, offset: int, count: int) -> tuple[int, int]:
         row = self._sender_row(sender)

@@ -188,6 +188,12 @@ def credit_of(payload: bytes | memoryview) -> tuple[int, int, bool] | None:
     return epoch, received, bool(flags & CREDIT_DRAINED)
 
 
+def manifest_capacity(payload: int) -> int:
+    """How many packets one DONE part covers within a payload budget of
+    `payload` bytes (a bit each, whole bytes: a multiple of 8)."""
+    return max(1, payload) * 8
+
+
 def nack_capacity(payload: int) -> int:
     """How many packets one NACK lists within a payload budget of `payload`
     bytes (a u32 index each)."""
@@ -664,26 +670,38 @@ class Engine:
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
     def _send_manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
+        """The shard's DONE: a bit a packet (droppable or not), in parts of
+        `manifest_capacity` packets, each within the job's payload budget
+        (one IP packet; one DONE for all of a large shard was IP-fragmented
+        past about 11,000 packets, and could not be encoded past 523,544).
+        A part's `offset` is its first packet, `count` its packets."""
         pk = c.layout.shard_packets(shard)
-        bitmap = np.packbits(c.droppable[pk.start : pk.stop], bitorder="little").tobytes()
-        header = Header(
-            type=PacketType.DONE,
-            job=c.spec.job,
-            round=c.round,
-            bucket=c.bucket,
-            flags=Flags.LAST,
-            priority=CONTROL_CLASS,
-            codec=c.layout.codec,
-            shard=shard,
-            sender=c.spec.me,
-            contributors=c.weight,
-            count=len(pk),
-            total=c.layout.total,
-            param=c.bound,
-        )
-        dg = encode(header, bitmap, self._mac(c.spec))
+        bits = c.droppable[pk.start : pk.stop]
+        per = manifest_capacity(c.layout.payload)
+        key = self._mac(c.spec)
+        parts = []
+        for first in range(0, max(bits.size, 1), per):
+            part = bits[first : first + per]
+            header = Header(
+                type=PacketType.DONE,
+                job=c.spec.job,
+                round=c.round,
+                bucket=c.bucket,
+                flags=Flags.LAST,
+                priority=CONTROL_CLASS,
+                codec=c.layout.codec,
+                shard=shard,
+                sender=c.spec.me,
+                contributors=c.weight,
+                offset=first,
+                count=part.size,
+                total=c.layout.total,
+                param=c.bound,
+            )
+            parts.append(encode(header, np.packbits(part, bitorder="little").tobytes(), key))
         for _ in range(copies):
-            self._out.append(_control(owner, dg))
+            for dg in parts:
+                self._out.append(_control(owner, dg))
 
     def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
         if only is None and f.datagrams is not None:  # the same datagrams to another receiver
@@ -1132,12 +1150,18 @@ class Engine:
         if lay is None:
             return
         agg = self._aggregator(op, h.shard, lay, now)
-        if h.count != agg.n_packets:
+        per = manifest_capacity(lay.payload)
+        first, n = h.offset, h.count
+        if first % per or n != min(per, agg.n_packets - first) or len(payload) * 8 < n:
             raise RemoteError(
-                Reason.BAD_RANGE, f"manifest of {h.count} packets, shard has {agg.n_packets}"
+                Reason.BAD_RANGE,
+                f"manifest part of packets {first}+{n} ({len(payload)} bytes): a shard of "
+                f"{agg.n_packets} packets goes in parts of {per}",
             )
-        bits = np.unpackbits(np.frombuffer(payload, np.uint8), bitorder="little")[: h.count]
-        agg.on_manifest(sender=h.sender, droppable=bits.astype(bool), bound=h.param, now=now)
+        bits = np.unpackbits(np.frombuffer(payload, np.uint8), bitorder="little")[:n]
+        agg.on_manifest(
+            sender=h.sender, droppable=bits.astype(bool), bound=h.param, now=now, first=first
+        )
         self._progress(op, h.shard, now)
 
     def _on_result(

@@ -19,7 +19,7 @@ import numpy as np
 from dlcp.errors import LocalError
 from dlcp.wire.header import LANE_BITS, MAX_PAYLOAD, Codec
 
-__all__ = ["DEFAULT_PAYLOAD", "MAX_SHARD_PACKETS", "Layout", "lanes_per_packet"]
+__all__ = ["DEFAULT_PAYLOAD", "Layout", "lanes_per_packet"]
 
 # 1500-byte MTU - 20 IPv4 - 8 UDP - 64 dlcp header.
 DEFAULT_PAYLOAD = 1408
@@ -27,9 +27,6 @@ DEFAULT_PAYLOAD = 1408
 _BLOCK_CODECS = frozenset({Codec.THC8, Codec.THC4})
 _MAX_TOTAL = 0xFFFFFFFF  # Header.total is u32
 _MAX_SHARDS = 0x10000  # Header.shard is u16
-# A shard's DONE manifest is a bitmap of its packets (droppable or not), one
-# bit a packet, in one datagram: a shard has at most this many packets.
-MAX_SHARD_PACKETS = MAX_PAYLOAD * 8
 
 
 def lanes_per_packet(codec: int, payload: int = DEFAULT_PAYLOAD) -> int:
@@ -66,14 +63,6 @@ class Layout:
             raise LocalError(
                 f"{self.codec.name} bucket of {self.total} lanes is not a multiple of "
                 f"its block of {self.per_packet}"
-            )
-        largest = -(-self.packets // self.shards)
-        if largest > MAX_SHARD_PACKETS:
-            raise LocalError(
-                f"bucket of {self.total} lanes: its shards would have up to {largest} packets "
-                f"of {self.payload} bytes, more than the {MAX_SHARD_PACKETS} a shard's DONE "
-                "manifest (a bit a packet, one datagram) describes; use smaller buckets "
-                "(DDP's bucket_cap_mb) or more hosts"
             )
 
     @cached_property

@@ -68,7 +68,8 @@ class PacketType(enum.IntEnum):
     RESULT = 2  # the shard owner's aggregated sums
     NACK = 3  # request for missing packets (payload: u32 packet indices, within the
     # job's payload budget: more go in several NACKs, `offset` each one's place in the list)
-    DONE = 4  # end of a sender's packets for a shard (payload: droppable bitmap)
+    DONE = 4  # end of a sender's packets for a shard (payload: droppable bitmap of its
+    # packets offset .. offset+count-1, within the job's payload budget: larger shards in parts)
     ACK = 5  # a result receiver holds the whole shard; the owner may free it
     CONTROL = 6  # daemon to daemon (payload: kind u8, then per kind; kind 1, a flow-control
     # credit: epoch u64, bytes taken from the sockets u64; docs/operations.md)
