@@ -38,8 +38,11 @@ def smallest_norm_droppable(x: np.ndarray, lay: Layout, bound: float) -> np.ndar
     return drop
 
 
-def submit_all(net: Network, xs: list[np.ndarray], *, bound: float = 0.0, round: int = 0) -> Layout:
-    lay = Layout(total=xs[0].size, codec=Codec.FP32, shards=len(xs))
+def submit_all(
+    net: Network, xs: list[np.ndarray], *, bound: float = 0.0, round: int = 0, payload: int = 1408
+) -> Layout:
+    """Every engine submits its `xs` row (`payload`: the jobs' payload budget)."""
+    lay = Layout(total=xs[0].size, codec=Codec.FP32, shards=len(xs), payload=payload)
     for me, x in enumerate(xs):
         drop = smallest_norm_droppable(x, lay, bound) if bound else None
         net.engines[me].submit(

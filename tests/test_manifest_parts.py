@@ -11,43 +11,15 @@ import numpy as np
 import pytest
 
 from dlcp.core.engine import Engine, JobSpec, Send, manifest_capacity
-from dlcp.core.layout import Layout
 from dlcp.errors import Reason
 from dlcp.wire import Codec, PacketType, decode
 from dlcp.wire.header import HEADER_SIZE, Header, encode
 from tests.netsim import Network
-from tests.test_engine import completions, smallest_norm_droppable
+from tests.test_engine import JOB, KEY, completions, smallest_norm_droppable, submit_all
+from tests.test_engine import cluster as engines
 
-KEY = bytes(range(32))
-JOB = 11
 PAYLOAD = 64
 PER = manifest_capacity(PAYLOAD)  # 512 packets a part
-
-
-def cluster(hosts: int) -> dict[int, Engine]:
-    engines = {}
-    for me in range(hosts):
-        e = Engine()
-        e.add_job(JobSpec.transpose(JOB, KEY, me, hosts, payload=PAYLOAD))
-        engines[me] = e
-    return engines
-
-
-def submit(net: Network, xs: list[np.ndarray], bound: float) -> Layout:
-    lay = Layout(total=xs[0].size, codec=Codec.FP32, shards=len(xs), payload=PAYLOAD)
-    for me, x in enumerate(xs):
-        net.engines[me].submit(
-            job=JOB,
-            round=0,
-            bucket=0,
-            codec=Codec.FP32,
-            total=x.size,
-            lanes=x.tobytes(),
-            droppable=smallest_norm_droppable(x, lay, bound) if bound else None,
-            bound=bound,
-            now=net.now,
-        )
-    return lay
 
 
 def header(s: Send) -> Header:
@@ -56,8 +28,8 @@ def header(s: Send) -> Header:
 
 def test_each_done_part_fits_the_payload_budget_and_they_cover_the_shard() -> None:
     xs = [np.ones(40_000, np.float32) for _ in range(2)]  # 2,500 packets, 1,250 a shard
-    net = Network(cluster(2))
-    lay = submit(net, xs, 0.0)
+    net = Network(engines(2, payload=PAYLOAD))
+    lay = submit_all(net, xs, payload=PAYLOAD)
     dones = [
         (header(s), len(s.datagram))
         for s in net.engines[0].datagrams_to_send()
@@ -86,8 +58,8 @@ def test_sums_are_exact_with_parts_under_loss(bound: float) -> None:
     def starve(src: int, s: Send) -> bool:
         return bound > 0 and bool(s.droppable)
 
-    net = Network(cluster(3), seed=9, loss=0.0 if bound else 0.2, drop=starve)
-    lay = submit(net, xs, bound)
+    net = Network(engines(3, payload=PAYLOAD), seed=9, loss=0.0 if bound else 0.2, drop=starve)
+    lay = submit_all(net, xs, bound=bound, payload=PAYLOAD)
     assert len(lay.shard_packets(0)) > 2 * PER  # three parts a shard
     net.run()
     done = completions(net)
@@ -128,8 +100,8 @@ def test_a_lost_part_is_asked_for_and_the_round_completes() -> None:
             return True
         return False
 
-    net = Network(cluster(2), drop=droppable_and_middle_part)
-    lay = submit(net, xs, 0.05)
+    net = Network(engines(2, payload=PAYLOAD), drop=droppable_and_middle_part)
+    lay = submit_all(net, xs, bound=0.05, payload=PAYLOAD)
     net.run()
     assert len(lost) == 2
     done = completions(net)
@@ -150,8 +122,7 @@ def test_a_lost_part_is_asked_for_and_the_round_completes() -> None:
 def test_a_part_off_the_partition_is_rejected(offset: int, count: int, why: str) -> None:
     """Parts must be those the senders make (so that they cannot overlap):
     another is a BAD_RANGE reject and changes nothing."""
-    engines = cluster(2)
-    owner = engines[0]
+    owner = engines(2, payload=PAYLOAD)[0]
     xs = np.ones(40_000, np.float32)  # shard 0: packets 0..1249 in 3 parts
     owner.submit(job=JOB, round=0, bucket=0, codec=Codec.FP32, total=xs.size,
                  lanes=xs.tobytes(), now=0.0)  # fmt: skip
