@@ -822,12 +822,13 @@ class Daemon:
         total = self.config.window_bytes
         if not total:
             return
-        senders: dict[int, tuple[Peer, set[HostAddr]]] = {}
+        senders: dict[Peer, set[HostAddr]] = {}
         for job in self.jobs.values():
             for node, peer in job.peers.items():
-                _, hosts = senders.setdefault(id(peer), (peer, set()))
-                hosts.update(job.hosts[i] for i in job.spec.senders_to(node))
-        for peer, hosts in senders.values():
+                senders.setdefault(peer, set()).update(
+                    job.hosts[i] for i in job.spec.senders_to(node)
+                )
+        for peer, hosts in senders.items():
             peer.window = max(WINDOW_MIN, total // max(1, len(hosts)))
 
     def _add_static_job(self, jc: Any) -> None:
