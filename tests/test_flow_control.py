@@ -7,6 +7,7 @@ taken back by the sender) runs with real daemons on loopback.
 
 from __future__ import annotations
 
+import struct
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -260,11 +261,48 @@ def test_a_credit_is_a_control_packet_its_peer_accepts() -> None:
     assert dg is not None
     h, body = decode(dg, b.keys)
     assert (h.type, h.job, h.sender) == (PacketType.CONTROL, JOB, 0)
-    assert credit_of(body) == (2**62 + 5, 3 << 40, False) == credit_of(dg[HEADER_SIZE:])
-    drained = a.credit_datagram(JOB, epoch=1, received=2, drained=True)
-    assert drained is not None and credit_of(decode(drained, b.keys)[1]) == (1, 2, True)
+    assert credit_of(body) == (2**62 + 5, 3 << 40, False, 0) == credit_of(dg[HEADER_SIZE:])
+    drained = a.credit_datagram(JOB, epoch=1, received=2, drained=True, window=3 << 30)
+    assert drained is not None
+    got = credit_of(decode(drained, b.keys)[1])
+    assert got is not None and (got.epoch, got.received, got.drained, got.window) == (
+        1,
+        2,
+        True,
+        3 << 30,
+    )
     assert b.receive(dg, 0.0, 0) is not None and b.stats["control_packets"] == 1
-    assert credit_of(b"\x02" + bytes(17)) is None and credit_of(b"\x01" + bytes(16)) is None
+    # older daemons' credits: without the grant (18 bytes), without the flags too (17)
+    assert credit_of(struct.pack("!BQQB", 1, 4, 5, 1)) == (4, 5, True, 0)
+    assert credit_of(struct.pack("!BQQ", 1, 4, 5)) == (4, 5, False, 0)
+    for other in (b"\x02" + bytes(25), b"\x01" + bytes(15), b"\x01" + bytes(24), b""):
+        assert credit_of(other) is None
+
+
+def test_a_peer_grant_smaller_than_the_window_is_what_goes() -> None:
+    """Sans-IO: a peer that grants less than this daemon's window for it (it
+    has senders this daemon does not know of) is sent no more than its grant;
+    a larger grant does not widen the window, and a grant is never taken
+    below WINDOW_MIN."""
+    ob, peer, path = make(2 * WINDOW_MIN)
+    n = 6 * WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    ob.on_credit(peer, received=0, epoch=5, window=WINDOW_MIN + WINDOW_MIN // 2)
+    assert peer.limit == WINDOW_MIN + WINDOW_MIN // 2
+    ob.flush(0.0)
+    first = path.bytes
+    assert peer.limit - DATAGRAM < first <= peer.limit  # the grant, not the window
+    ob.on_credit(peer, received=first, epoch=5, window=4 * WINDOW_MIN)  # more than ours
+    assert peer.limit == 2 * WINDOW_MIN
+    ob.flush(0.01)
+    assert 2 * WINDOW_MIN - DATAGRAM < path.bytes - first <= 2 * WINDOW_MIN
+    ob.on_credit(peer, received=path.bytes, epoch=5, window=1)  # never below WINDOW_MIN
+    assert peer.granted == WINDOW_MIN == peer.limit
+    sent = path.bytes
+    ob.flush(0.02)
+    assert WINDOW_MIN - DATAGRAM < path.bytes - sent <= WINDOW_MIN
+    ob.on_credit(peer, received=path.bytes, epoch=5)  # a credit without a grant keeps it
+    assert peer.limit == WINDOW_MIN
 
 
 def test_the_senders_to_a_node_are_the_other_contributors_or_owners() -> None:
@@ -306,3 +344,40 @@ def test_windows_are_shared_among_the_hosts_that_send_to_a_peer(tmp_path: Path) 
             assert windows_of(pair) == {name(h): window // 3 for h in hosts[1:]}
             quad.leave(job=2)
             assert windows_of(pair)[name(hosts[1])] == window  # the 2-host job's peer again
+
+
+def test_a_daemon_grants_its_senders_a_share_among_all_its_jobs(tmp_path: Path) -> None:
+    """Daemon 1 is in a 2-host job with daemon 0 and in a 3-host job of its
+    own with two other hosts, which daemon 0 does not know of: daemon 0 alone
+    would send it a whole window. Daemon 1's credits grant a third of its
+    window (three hosts send to it), and after a round daemon 0 keeps to
+    that: `status` shows the grant and the limit, nothing is lost, the sums
+    are exact. Daemon 1 is granted daemon 0's whole window (it alone sends
+    there)."""
+    window = 6 * WINDOW_MIN
+    extra = {"network": {"window_bytes": window}}
+    with loopback_daemons(tmp_path, 2, extra) as ds:
+        ranks = [Rank(d, f"dlcp-gr{i}-{tmp_path.name[-12:]}", 64 << 20, sealed=True)
+                 for i, d in enumerate(ds)]  # fmt: skip
+        try:
+            for i, r in enumerate(ranks):
+                r.join(job=JOB, key=KEY, hosts=hosts_of(ds), me=i)
+            others = [{"addresses": [f"127.0.0.{i}"], "udp_port": ds[1].port} for i in (3, 4)]
+            with ds[1].client() as own:
+                own.hello()
+                own.join(job=JOB + 1, key=KEY, hosts=hosts_of(ds[1:]) + others, me=0)
+                x = np.random.default_rng(5).standard_normal(4_000_000).astype(np.float32)
+                waits = [submit(r, job=JOB, round=0, bucket=0, lanes=x, shards=2) for r in ranks]
+                for w in waits:
+                    np.testing.assert_array_equal(w().sums, x + x)
+                (to_1,) = ranks[0].client.status()["peers"]
+                assert to_1["lost_packets"] == 0
+                assert to_1["window_bytes"] == window  # daemon 0's own share: the whole window
+                assert to_1["granted_bytes"] == to_1["limit_bytes"] == window // 3
+                assert 0 <= to_1["in_flight_bytes"] <= window // 3
+                peers_1 = ranks[1].client.status()["peers"]
+                to_0 = next(p for p in peers_1 if p["peer"].startswith("127.0.0.1:"))
+                assert to_0["granted_bytes"] == to_0["limit_bytes"] == window
+        finally:
+            for r in ranks:
+                r.close()

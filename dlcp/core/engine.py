@@ -47,6 +47,7 @@ from dlcp.wire.mac import MAC_ALGORITHMS, MacKey, detach_gathered, mac_state
 from dlcp.wire.slices import Slices
 
 __all__ = [
+    "Credit",
     "Engine",
     "Event",
     "JobSpec",
@@ -171,21 +172,47 @@ def _int_list(a: np.ndarray) -> list[int]:
 
 
 # A CONTROL packet's payload that credits its receiver: kind 1, the count's
-# epoch, the bytes counted, flags (`Engine.credit_datagram`, `credit_of`)
-_CREDIT = struct.Struct("!BQQB")
+# epoch, the bytes counted, flags, the window granted (`Engine.credit_datagram`,
+# `credit_of`). Credits of older daemons, without the grant (18 bytes) or
+# without flags too (17 bytes), are read as well.
+_CREDIT = struct.Struct("!BQQBQ")
+_CREDIT_V2 = struct.Struct("!BQQB")
+_CREDIT_V1 = struct.Struct("!BQQ")
 _CREDIT_KIND = 1
 # flag: the sender's sockets held no datagram when it counted (nothing of the
 # peer's waits there: what the count lacks was dropped or is still on the way)
 CREDIT_DRAINED = 1
 
 
-def credit_of(payload: bytes | memoryview) -> tuple[int, int, bool] | None:
-    """(epoch, bytes received, drained) of a credit's payload (see
-    CREDIT_DRAINED); None for another kind of CONTROL packet."""
-    if len(payload) != _CREDIT.size or payload[0] != _CREDIT_KIND:
+class Credit(NamedTuple):
+    """What a credit says: `received` bytes of the peer's have left the
+    crediting daemon's sockets, in its count named `epoch`; `drained`: its
+    sockets were empty then; `window`: the bytes the peer may have in flight
+    to it (its share of the crediting daemon's receive budget among all the
+    hosts that send to it, in every job it has; 0: not said)."""
+
+    epoch: int
+    received: int
+    drained: bool
+    window: int
+
+
+def credit_of(payload: bytes | memoryview) -> Credit | None:
+    """What a credit's payload says; None for another kind of CONTROL packet."""
+    if len(payload) < 1 or payload[0] != _CREDIT_KIND:
         return None
-    _kind, epoch, received, flags = _CREDIT.unpack(payload)
-    return epoch, received, bool(flags & CREDIT_DRAINED)
+    n = len(payload)
+    if n == _CREDIT.size:
+        _kind, epoch, received, flags, window = _CREDIT.unpack(payload)
+    elif n == _CREDIT_V2.size:
+        _kind, epoch, received, flags = _CREDIT_V2.unpack(payload)
+        window = 0
+    elif n == _CREDIT_V1.size:
+        _kind, epoch, received = _CREDIT_V1.unpack(payload)
+        flags = window = 0
+    else:
+        return None
+    return Credit(epoch, received, bool(flags & CREDIT_DRAINED), window)
 
 
 def manifest_capacity(payload: int) -> int:
@@ -454,13 +481,15 @@ class Engine:
         return len(self._collectors) + len(self._held)
 
     def credit_datagram(
-        self, job: int, epoch: int, received: int, drained: bool = False
+        self, job: int, epoch: int, received: int, drained: bool = False, window: int = 0
     ) -> bytes | None:
         """A flow-control credit to a peer of `job` (dlcp/daemon/outbox.py):
         a CONTROL packet saying that `received` bytes from it have left this
-        daemon's sockets, in the count named `epoch`, and whether the sockets
-        were empty then (`drained`); None for a job not here. Its round is the
-        newest seen, so that the peer does not take it for a stale one."""
+        daemon's sockets, in the count named `epoch`, whether the sockets
+        were empty then (`drained`) and the window it grants the peer
+        (`window` bytes, 0: none said; see `Credit`); None for a job not
+        here. Its round is the newest seen, so that the peer does not take it
+        for a stale one."""
         spec = self.jobs.get(job)
         if spec is None:
             return None
@@ -476,7 +505,8 @@ class Engine:
             count=_CREDIT.size,
         )
         flags = CREDIT_DRAINED if drained else 0
-        return encode(header, _CREDIT.pack(_CREDIT_KIND, epoch, received, flags), self._mac(spec))
+        body = _CREDIT.pack(_CREDIT_KIND, epoch, received, flags, window)
+        return encode(header, body, self._mac(spec))
 
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""

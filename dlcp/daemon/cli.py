@@ -74,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  peer {p['peer']}  rate {_rate(p['rate_bps'])}  queued {p['queued']}  "
             f"sent {p['sent_packets']} pkts  lost {p['lost_packets']}"
+            + (
+                f"  window {p['limit_bytes'] >> 20} MiB, in flight {p['in_flight_bytes'] >> 20} MiB"
+                if p.get("limit_bytes")
+                else ""
+            )
         )
     print("counters:")
     for k, v in sorted(st["counters"].items()):

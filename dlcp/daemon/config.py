@@ -82,7 +82,9 @@ class Config:
     # Flow control: bytes sent to a peer that it has not yet taken from its
     # sockets (its credits say how many it has), at most (0: no limit), from
     # all the hosts that send to it in this daemon's jobs together: each gets
-    # an equal share, at least WINDOW_MIN (dlcpd._size_windows). Half of what
+    # an equal share, at least WINDOW_MIN (dlcpd._size_windows); the credits
+    # grant each host that sends here its share among all of them, which a
+    # sender in only some of this daemon's jobs cannot count. Half of what
     # the kernel grants the socket (twice what is asked). On a veth it took a
     # 400 MB bucket from 100,000 lost datagrams a round (0.14x Gloo) to none;
     # 32 MiB windows cost a 100 MB bucket, whose 50 MB leg then no longer goes

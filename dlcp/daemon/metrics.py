@@ -190,6 +190,13 @@ class DaemonCollector(Collector):
                 {"peer": peer.name},
                 peer.sent_total - peer.credited,
             )
+            gauge(
+                "dlcp_peer_window_bytes",
+                "Bytes that may be in flight to a peer: this daemon's window for it, "
+                "or the peer's grant where smaller (flow control; 0: none)",
+                {"peer": peer.name},
+                peer.limit,
+            )
             counter(
                 "dlcp_peer_window_stalls_total",
                 "Times sending to a peer stopped at its full flow-control window",

@@ -361,6 +361,10 @@ class Peer:
     # the part the peer has credited (in its count plus `credit_offset`: the
     # count of the receiver `credit_epoch`), since when a full window waits
     window: int = 0  # 0: none
+    # the window the peer grants in its credits (its share of its own receive
+    # budget among all the hosts sending to it, which this daemon may not all
+    # know of; 0: none said): `limit` is the smaller of the two
+    granted: int = 0
     sent_total: int = 0
     credited: int = 0
     credit_epoch: int | None = None
@@ -383,6 +387,14 @@ class Peer:
     @property
     def name(self) -> str:
         return f"{self.addresses[0]}:{self.port}"
+
+    @property
+    def limit(self) -> int:
+        """The bytes that may be in flight to the peer: this daemon's window
+        for it, or the peer's grant where that is smaller."""
+        if self.granted and self.granted < self.window:
+            return self.granted
+        return self.window
 
     def dest(self, path: int) -> tuple[str, int]:
         return self.addresses[path], self.port
@@ -1034,7 +1046,8 @@ class Outbox:
         """Bytes `peer`'s window lets go now: at least `need` (the next
         datagram), or 0 (then `stalled_since` says since when). A window full
         for CREDIT_TIMEOUT lets a probe of CREDIT_STEP go."""
-        room = peer.window - (peer.sent_total - peer.credited)
+        limit = peer.limit
+        room = limit - (peer.sent_total - peer.credited)
         if room >= need:
             peer.stalled_since = None
             return room
@@ -1051,14 +1064,16 @@ class Outbox:
         # again), only a probe of CREDIT_STEP, whose arrival draws a credit;
         # the next credit sent when the peer's sockets were empty (`on_credit`)
         # is matched to what was sent by then.
-        peer.credited = max(peer.credited, peer.sent_total - peer.window + max(CREDIT_STEP, need))
+        peer.credited = max(peer.credited, peer.sent_total - limit + max(CREDIT_STEP, need))
         peer.credit_resync = True
         peer.stalled_since = None
         peer.window_resets += 1
         peer.probes += 1
-        return peer.window - (peer.sent_total - peer.credited)
+        return limit - (peer.sent_total - peer.credited)
 
-    def on_credit(self, peer: Peer, received: int, epoch: int, drained: bool = False) -> None:
+    def on_credit(
+        self, peer: Peer, received: int, epoch: int, drained: bool = False, window: int = 0
+    ) -> None:
         """`peer` has taken `received` bytes from us off its sockets, in the
         count it calls `epoch`; `drained`: its sockets held nothing then. A
         count new to us (the first, or a restarted peer's), or the first
@@ -1069,9 +1084,15 @@ class Outbox:
         still hold our bytes is matched as before: taking it for all we sent
         wrote off what waited in its socket, the next window went on top of
         it, and the socket overflowed (300-400 MB buckets lost up to 400,000
-        datagrams a round, after a daemon had not read for 50 ms)."""
+        datagrams a round, after a daemon had not read for 50 ms).
+
+        `window` (0: none said) is what the peer grants: from now on at most
+        that much, never below WINDOW_MIN, is in flight to it, however large
+        this daemon's own share for it (`Peer.limit`)."""
         self.credits += 1
         peer.probes = 0
+        if window:
+            peer.granted = max(WINDOW_MIN, window)
         if epoch != peer.credit_epoch or (peer.credit_resync and drained):
             first = peer.credit_epoch is None and not peer.credit_resync
             peer.credit_epoch = epoch

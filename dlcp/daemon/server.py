@@ -137,6 +137,8 @@ class Daemon:
         self.engine = Engine(timing=config.timing, gather=NATIVE_SEND)
         self.paths: list[UdpPath] = []
         self.jobs: dict[int, JobState] = {}
+        # the window granted in credits to each host that sends here (`_size_windows`)
+        self.rx_grant = 0
         self.clients: set[Client] = set()
         self.rounds: dict[OpKey, LocalRound] = {}
         self.counters: Counter[str] = Counter()
@@ -435,7 +437,9 @@ class Daemon:
         sent at once, past the queues: a credit must never wait for the window
         it opens)."""
         drained = all(p.empty() for p in self.paths)
-        dg = self.engine.credit_datagram(job.spec.job, peer.rx_epoch, peer.rx_bytes, drained)
+        dg = self.engine.credit_datagram(
+            job.spec.job, peer.rx_epoch, peer.rx_bytes, drained, self.rx_grant
+        )
         if dg is None:
             return
         try:
@@ -485,8 +489,7 @@ class Daemon:
             got = credit_of(dgs[i][HEADER_SIZE:])
             if peer is None or got is None:
                 continue  # another kind of control packet
-            epoch, received, drained = got
-            self.outbox.on_credit(peer, received, epoch, drained)
+            self.outbox.on_credit(peer, got.received, got.epoch, got.drained, got.window)
         acking = _ACKING[kind]
         if not acking.any():
             return
@@ -818,18 +821,24 @@ class Daemon:
         WINDOW_MIN: what they may all have in flight at once then fits the
         peer's socket as one sender's window does (a transpose job of H hosts:
         H-1 senders a host; "ps": the contributors to an aggregator, the
-        aggregators to a contributor)."""
+        aggregators to a contributor). And the window this daemon grants in
+        its credits (`rx_grant`): `window_bytes` shared among all the hosts
+        that send to it in all its jobs, which a sender in only some of them
+        cannot know of (its `Peer.limit` takes the smaller)."""
         total = self.config.window_bytes
         if not total:
+            self.rx_grant = 0
             return
         senders: dict[Peer, set[HostAddr]] = {}
+        mine: set[HostAddr] = set()
         for job in self.jobs.values():
+            spec = job.spec
+            mine.update(job.hosts[i] for i in spec.senders_to(spec.me))
             for node, peer in job.peers.items():
-                senders.setdefault(peer, set()).update(
-                    job.hosts[i] for i in job.spec.senders_to(node)
-                )
+                senders.setdefault(peer, set()).update(job.hosts[i] for i in spec.senders_to(node))
         for peer, hosts in senders.items():
             peer.window = max(WINDOW_MIN, total // max(1, len(hosts)))
+        self.rx_grant = max(WINDOW_MIN, total // max(1, len(mine)))
 
     def _add_static_job(self, jc: Any) -> None:
         hosts = tuple(HostAddr(h.addresses, h.udp_port) for h in jc.hosts)
@@ -1252,6 +1261,8 @@ class Daemon:
                     "sent_packets": sum(peer.sent_packets.values()),
                     "sent_bytes": sum(peer.sent_bytes.values()),
                     "window_bytes": peer.window,
+                    "granted_bytes": peer.granted,
+                    "limit_bytes": peer.limit,
                     "in_flight_bytes": peer.sent_total - peer.credited,
                     "window_stalls": peer.window_stalls,
                     "window_resets": peer.window_resets,
