@@ -8,6 +8,8 @@ taken back by the sender) runs with real daemons on loopback.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from dlcp.core.rate import RateConfig
 from dlcp.daemon.outbox import CREDIT_STEP, CREDIT_TIMEOUT, WINDOW_MIN, Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Header, PacketType, encode
-from tests.daemons import Rank, hosts_of, loopback_daemons, submit
+from tests.daemons import Daemon, Rank, hosts_of, loopback_daemons, submit
 
 KEY = bytes(range(32))
 JOB = 7
@@ -72,6 +74,22 @@ def data(n: int) -> list[bytes]:
         )
         out.append(encode(h, lanes, KEY))
     return out
+
+
+@contextmanager
+def joined(ds: list[Daemon], tag: str, tmp_path: Path, size: int) -> Iterator[list[Rank]]:
+    """A rank at each daemon (a sealed segment of `size` bytes), all in job
+    JOB together; closed on the way out, whatever happened."""
+    ranks: list[Rank] = []
+    try:
+        for i, d in enumerate(ds):
+            ranks.append(Rank(d, f"dlcp-{tag}{i}-{tmp_path.name[-12:]}", size, sealed=True))
+        for i, r in enumerate(ranks):
+            r.join(job=JOB, key=KEY, hosts=hosts_of(ds), me=i)
+        yield ranks
+    finally:
+        for r in ranks:
+            r.close()
 
 
 def test_a_peer_gets_no_more_than_its_window_until_it_credits() -> None:
@@ -215,34 +233,26 @@ def test_daemons_credit_each_other_and_lose_nothing_past_their_socket_buffers(
     dropped by the kernel (no peer reports a loss), the sums are exact, and
     the credits and windows show in `status`."""
     extra = {"network": {"socket_buffer_bytes": 8 << 20, "window_bytes": WINDOW_MIN}}
-    with loopback_daemons(tmp_path, 2, extra) as ds:
-        ranks = [Rank(d, f"dlcp-fc{i}-{tmp_path.name[-12:]}", 200 << 20, sealed=True)
-                 for i, d in enumerate(ds)]  # fmt: skip
-        try:
-            for i, r in enumerate(ranks):
-                r.join(job=JOB, key=KEY, hosts=hosts_of(ds), me=i)
-            rng = np.random.default_rng(3)
-            xs = [rng.standard_normal(20_000_000).astype(np.float32) for _ in ranks]
-            for rnd in range(2):
-                waits = [submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=2)
-                         for r, x in zip(ranks, xs, strict=True)]  # fmt: skip
-                for w in waits:
-                    res = w()
-                    np.testing.assert_array_equal(res.sums, xs[0] + xs[1])
-            for r in ranks:
-                st = r.client.status()
-                (peer,) = st["peers"]
-                assert peer["lost_packets"] == 0, st
-                assert peer["window_bytes"] == WINDOW_MIN
-                assert 0 <= peer["in_flight_bytes"] <= WINDOW_MIN
-                assert st["counters"]["credits_sent"] > 0 and st["counters"]["credits_taken"] > 0
-                # nothing sent again: no datagram was missing (a NACK that only
-                # asks for a result DONE, which can overtake nothing, may come)
-                assert st["counters"].get("data_retransmits", 0) == 0, st["counters"]
-                assert st["counters"].get("result_retransmits", 0) == 0, st["counters"]
-        finally:
-            for r in ranks:
-                r.close()
+    with loopback_daemons(tmp_path, 2, extra) as ds, joined(ds, "fc", tmp_path, 200 << 20) as ranks:
+        rng = np.random.default_rng(3)
+        xs = [rng.standard_normal(20_000_000).astype(np.float32) for _ in ranks]
+        for rnd in range(2):
+            waits = [submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=2)
+                     for r, x in zip(ranks, xs, strict=True)]  # fmt: skip
+            for w in waits:
+                res = w()
+                np.testing.assert_array_equal(res.sums, xs[0] + xs[1])
+        for r in ranks:
+            st = r.client.status()
+            (peer,) = st["peers"]
+            assert peer["lost_packets"] == 0, st
+            assert peer["window_bytes"] == WINDOW_MIN
+            assert 0 <= peer["in_flight_bytes"] <= WINDOW_MIN
+            assert st["counters"]["credits_sent"] > 0 and st["counters"]["credits_taken"] > 0
+            # nothing sent again: no datagram was missing (a NACK that only
+            # asks for a result DONE, which can overtake nothing, may come)
+            assert st["counters"].get("data_retransmits", 0) == 0, st["counters"]
+            assert st["counters"].get("result_retransmits", 0) == 0, st["counters"]
 
 
 def test_a_credit_is_a_control_packet_its_peer_accepts() -> None:
@@ -356,28 +366,20 @@ def test_a_daemon_grants_its_senders_a_share_among_all_its_jobs(tmp_path: Path) 
     there)."""
     window = 6 * WINDOW_MIN
     extra = {"network": {"window_bytes": window}}
-    with loopback_daemons(tmp_path, 2, extra) as ds:
-        ranks = [Rank(d, f"dlcp-gr{i}-{tmp_path.name[-12:]}", 64 << 20, sealed=True)
-                 for i, d in enumerate(ds)]  # fmt: skip
-        try:
-            for i, r in enumerate(ranks):
-                r.join(job=JOB, key=KEY, hosts=hosts_of(ds), me=i)
-            others = [{"addresses": [f"127.0.0.{i}"], "udp_port": ds[1].port} for i in (3, 4)]
-            with ds[1].client() as own:
-                own.hello()
-                own.join(job=JOB + 1, key=KEY, hosts=hosts_of(ds[1:]) + others, me=0)
-                x = np.random.default_rng(5).standard_normal(4_000_000).astype(np.float32)
-                waits = [submit(r, job=JOB, round=0, bucket=0, lanes=x, shards=2) for r in ranks]
-                for w in waits:
-                    np.testing.assert_array_equal(w().sums, x + x)
-                (to_1,) = ranks[0].client.status()["peers"]
-                assert to_1["lost_packets"] == 0
-                assert to_1["window_bytes"] == window  # daemon 0's own share: the whole window
-                assert to_1["granted_bytes"] == to_1["limit_bytes"] == window // 3
-                assert 0 <= to_1["in_flight_bytes"] <= window // 3
-                peers_1 = ranks[1].client.status()["peers"]
-                to_0 = next(p for p in peers_1 if p["peer"].startswith("127.0.0.1:"))
-                assert to_0["granted_bytes"] == to_0["limit_bytes"] == window
-        finally:
-            for r in ranks:
-                r.close()
+    with loopback_daemons(tmp_path, 2, extra) as ds, joined(ds, "gr", tmp_path, 64 << 20) as ranks:
+        others = [{"addresses": [f"127.0.0.{i}"], "udp_port": ds[1].port} for i in (3, 4)]
+        with ds[1].client() as own:
+            own.hello()
+            own.join(job=JOB + 1, key=KEY, hosts=hosts_of(ds[1:]) + others, me=0)
+            x = np.random.default_rng(5).standard_normal(4_000_000).astype(np.float32)
+            waits = [submit(r, job=JOB, round=0, bucket=0, lanes=x, shards=2) for r in ranks]
+            for w in waits:
+                np.testing.assert_array_equal(w().sums, x + x)
+            (to_1,) = ranks[0].client.status()["peers"]
+            assert to_1["lost_packets"] == 0
+            assert to_1["window_bytes"] == window  # daemon 0's own share: the whole window
+            assert to_1["granted_bytes"] == to_1["limit_bytes"] == window // 3
+            assert 0 <= to_1["in_flight_bytes"] <= window // 3
+            peers_1 = ranks[1].client.status()["peers"]
+            to_0 = next(p for p in peers_1 if p["peer"].startswith("127.0.0.1:"))
+            assert to_0["granted_bytes"] == to_0["limit_bytes"] == window
