@@ -8,6 +8,7 @@ taken back by the sender) runs with real daemons on loopback.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import pairwise
@@ -311,8 +312,24 @@ def test_a_peer_grant_smaller_than_the_window_is_what_goes() -> None:
     sent = path.bytes
     ob.flush(0.02)
     assert WINDOW_MIN - DATAGRAM < path.bytes - sent <= WINDOW_MIN
-    ob.on_credit(peer, received=path.bytes, epoch=5)  # a credit without a grant keeps it
-    assert peer.limit == WINDOW_MIN
+    ob.on_credit(peer, received=path.bytes, epoch=5)  # no grant (an older daemon): ours
+    assert peer.granted == 0 and peer.limit == 2 * WINDOW_MIN
+
+
+def test_a_new_peer_gets_the_least_window_until_it_says_what_it_grants() -> None:
+    """Sans-IO: before its first credit a peer may be sent to by hosts this
+    daemon does not know of: it is sent WINDOW_MIN, not this daemon's whole
+    window for it, until a credit says what it grants."""
+    ob, peer, path = make(3 * WINDOW_MIN)
+    n = 6 * WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    ob.flush(0.0)
+    assert WINDOW_MIN - DATAGRAM < path.bytes <= WINDOW_MIN
+    ob.on_credit(peer, received=path.bytes, epoch=1, window=3 * WINDOW_MIN)
+    first = path.bytes
+    ob.flush(0.01)
+    assert 3 * WINDOW_MIN - DATAGRAM < path.bytes - first <= 3 * WINDOW_MIN
+    assert make(0)[1].limit == 0  # no flow control: none
 
 
 def test_the_senders_to_a_node_are_the_other_contributors_or_owners() -> None:
@@ -357,29 +374,43 @@ def test_windows_are_shared_among_the_hosts_that_send_to_a_peer(tmp_path: Path) 
 
 
 def test_a_daemon_grants_its_senders_a_share_among_all_its_jobs(tmp_path: Path) -> None:
-    """Daemon 1 is in a 2-host job with daemon 0 and in a 3-host job of its
-    own with two other hosts, which daemon 0 does not know of: daemon 0 alone
-    would send it a whole window. Daemon 1's credits grant a third of its
-    window (three hosts send to it), and after a round daemon 0 keeps to
-    that: `status` shows the grant and the limit, nothing is lost, the sums
-    are exact. Daemon 1 is granted daemon 0's whole window (it alone sends
-    there)."""
+    """Daemons 0 and 1 share a 2-host job; after a round each grants the
+    other its whole window. Then daemon 1 joins a 3-host job with two other
+    hosts, which daemon 0 does not know of: at once (no traffic needed)
+    its credit grants daemon 0 a third of its window (three hosts send to
+    it now), and daemon 0 keeps to that while its own share for daemon 1
+    stays the whole window. The next round loses nothing and its sums are
+    exact."""
     window = 6 * WINDOW_MIN
     extra = {"network": {"window_bytes": window}}
+
+    def peer_of(rank: Rank, address: str) -> dict[str, Any]:
+        return next(p for p in rank.client.status()["peers"] if p["peer"].startswith(address))
+
     with loopback_daemons(tmp_path, 2, extra) as ds, joined(ds, "gr", tmp_path, 64 << 20) as ranks:
+        x = np.random.default_rng(5).standard_normal(4_000_000).astype(np.float32)
+
+        def all_reduce(rnd: int) -> None:
+            waits = [submit(r, job=JOB, round=rnd, bucket=0, lanes=x, shards=2) for r in ranks]
+            for w in waits:
+                np.testing.assert_array_equal(w().sums, x + x)
+
+        all_reduce(0)
+        to_1 = peer_of(ranks[0], "127.0.0.2:")
+        assert to_1["granted_bytes"] == to_1["limit_bytes"] == to_1["window_bytes"] == window
         others = [{"addresses": [f"127.0.0.{i}"], "udp_port": ds[1].port} for i in (3, 4)]
         with ds[1].client() as own:
             own.hello()
             own.join(job=JOB + 1, key=KEY, hosts=hosts_of(ds[1:]) + others, me=0)
-            x = np.random.default_rng(5).standard_normal(4_000_000).astype(np.float32)
-            waits = [submit(r, job=JOB, round=0, bucket=0, lanes=x, shards=2) for r in ranks]
-            for w in waits:
-                np.testing.assert_array_equal(w().sums, x + x)
-            (to_1,) = ranks[0].client.status()["peers"]
+            deadline = time.monotonic() + 30  # a wait for the credit, not a speed bound
+            while peer_of(ranks[0], "127.0.0.2:")["granted_bytes"] != window // 3:
+                assert time.monotonic() < deadline, peer_of(ranks[0], "127.0.0.2:")
+                time.sleep(0.02)
+            all_reduce(1)
+            to_1 = peer_of(ranks[0], "127.0.0.2:")
             assert to_1["lost_packets"] == 0
             assert to_1["window_bytes"] == window  # daemon 0's own share: the whole window
             assert to_1["granted_bytes"] == to_1["limit_bytes"] == window // 3
             assert 0 <= to_1["in_flight_bytes"] <= window // 3
-            peers_1 = ranks[1].client.status()["peers"]
-            to_0 = next(p for p in peers_1 if p["peer"].startswith("127.0.0.1:"))
+            to_0 = peer_of(ranks[1], "127.0.0.1:")
             assert to_0["granted_bytes"] == to_0["limit_bytes"] == window

@@ -257,6 +257,7 @@ class _Peer:
 
 
 class _Spec:
+    job = 1
     owners = (0, 1, 2)
     payload = 1000
 

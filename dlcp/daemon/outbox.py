@@ -379,6 +379,8 @@ class Peer:
     rx_bytes: int = 0
     rx_credited: int = 0
     rx_epoch: int = field(default_factory=lambda: int.from_bytes(os.urandom(8), "big") >> 1)
+    rx_granted: int = 0  # the window last granted to it in a credit (0: none yet)
+    rx_job: int | None = None  # the job it last sent us bytes in
 
     def __post_init__(self) -> None:
         n = min(len(self.addresses), len(self.local))
@@ -450,6 +452,9 @@ class Outbox:
             balancer = self._balancer_factory()  # type: ignore[operator]
             p = Peer(addresses, port, self.paths, rate, pacers, balancer)
             p.window = self.window_bytes
+            # until its first credit says what it grants (it may be sent to by
+            # hosts this daemon does not know of): the least window
+            p.granted = WINDOW_MIN if self.window_bytes else 0
             self.peers[key] = p
         return p
 
@@ -1086,13 +1091,13 @@ class Outbox:
         it, and the socket overflowed (300-400 MB buckets lost up to 400,000
         datagrams a round, after a daemon had not read for 50 ms).
 
-        `window` (0: none said) is what the peer grants: from now on at most
-        that much, never below WINDOW_MIN, is in flight to it, however large
-        this daemon's own share for it (`Peer.limit`)."""
+        `window` is what the peer grants: from now on at most that much,
+        never below WINDOW_MIN, is in flight to it, however large this
+        daemon's own share for it (`Peer.limit`); 0 (a peer without flow
+        control, or an older daemon): this daemon's own share alone."""
         self.credits += 1
         peer.probes = 0
-        if window:
-            peer.granted = max(WINDOW_MIN, window)
+        peer.granted = max(WINDOW_MIN, window) if window else 0
         if epoch != peer.credit_epoch or (peer.credit_resync and drained):
             first = peer.credit_epoch is None and not peer.credit_resync
             peer.credit_epoch = epoch

@@ -381,6 +381,7 @@ class Daemon:
         self.counters["rx_packets"] += rx  # all of them, those rejected here too
         self.counters["rx_bytes"] += rx_bytes
         for peer, job in senders.items():  # their bytes left the socket: room for more
+            peer.rx_job = job.spec.job
             if peer.rx_bytes - peer.rx_credited >= CREDIT_STEP:
                 self._credit(peer, job)
         if not dgs:
@@ -450,6 +451,7 @@ class Daemon:
             self.counters["credits_unsent"] += 1
             return
         peer.rx_credited = peer.rx_bytes
+        peer.rx_granted = self.rx_grant
         self.counters["credits_sent"] += 1
 
     def _on_control(
@@ -839,6 +841,18 @@ class Daemon:
         for peer, hosts in senders.items():
             peer.window = max(WINDOW_MIN, total // max(1, len(hosts)))
         self.rx_grant = max(WINDOW_MIN, total // max(1, len(mine)))
+        self._announce_grant()
+
+    def _announce_grant(self) -> None:
+        """Credit at once each host that has sent here and was told another
+        grant (a job joining or leaving changed it), rather than after its
+        next 2 MiB, in the job it last sent in (one its daemon has). A host
+        that has not sent yet starts at WINDOW_MIN (`Outbox.peer`) until its
+        first credit tells it the grant."""
+        for peer in self.outbox.peers.values():
+            job = self.jobs.get(peer.rx_job) if peer.rx_job is not None else None
+            if job is not None and peer.rx_granted != self.rx_grant:
+                self._credit(peer, job)
 
     def _add_static_job(self, jc: Any) -> None:
         hosts = tuple(HostAddr(h.addresses, h.udp_port) for h in jc.hosts)
