@@ -188,7 +188,7 @@ class DaemonCollector(Collector):
                 "dlcp_peer_in_flight_bytes",
                 "Bytes sent to a peer that it has not yet credited (flow control)",
                 {"peer": peer.name},
-                peer.sent_total - peer.credited,
+                peer.in_flight,
             )
             gauge(
                 "dlcp_peer_window_bytes",

@@ -398,6 +398,11 @@ class Peer:
             return self.granted
         return self.window
 
+    @property
+    def in_flight(self) -> int:
+        """Bytes sent to the peer that it has not yet credited."""
+        return self.sent_total - self.credited
+
     def dest(self, path: int) -> tuple[str, int]:
         return self.addresses[path], self.port
 
@@ -1052,7 +1057,7 @@ class Outbox:
         datagram), or 0 (then `stalled_since` says since when). A window full
         for CREDIT_TIMEOUT lets a probe of CREDIT_STEP go."""
         limit = peer.limit
-        room = limit - (peer.sent_total - peer.credited)
+        room = limit - peer.in_flight
         if room >= need:
             peer.stalled_since = None
             return room
@@ -1074,7 +1079,7 @@ class Outbox:
         peer.stalled_since = None
         peer.window_resets += 1
         peer.probes += 1
-        return limit - (peer.sent_total - peer.credited)
+        return limit - peer.in_flight
 
     def on_credit(
         self, peer: Peer, received: int, epoch: int, drained: bool = False, window: int = 0

@@ -1277,7 +1277,7 @@ class Daemon:
                     "window_bytes": peer.window,
                     "granted_bytes": peer.granted,
                     "limit_bytes": peer.limit,
-                    "in_flight_bytes": peer.sent_total - peer.credited,
+                    "in_flight_bytes": peer.in_flight,
                     "window_stalls": peer.window_stalls,
                     "window_resets": peer.window_resets,
                     "paths": [
