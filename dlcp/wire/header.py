@@ -72,7 +72,8 @@ class PacketType(enum.IntEnum):
     # packets offset .. offset+count-1, within the job's payload budget: larger shards in parts)
     ACK = 5  # a result receiver holds the whole shard; the owner may free it
     CONTROL = 6  # daemon to daemon (payload: kind u8, then per kind; kind 1, a flow-control
-    # credit: epoch u64, bytes taken from the sockets u64; docs/operations.md)
+    # credit: epoch u64, bytes taken from the sockets u64, flags u8, window granted u64;
+    # engine.credit_of, docs/operations.md)
 
 
 class Flags(enum.IntFlag):
