@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, Send
 from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import LocalError, Reason
-from dlcp.wire import Codec, Flags, decode
+from dlcp.wire import Codec, Flags, PacketType, decode
 from tests.netsim import Network
 
 KEY = b"k" * 32
@@ -199,7 +201,6 @@ def test_a_shard_whose_results_all_vanish_is_asked_for() -> None:
     node 0's socket buffer overflowed while it was busy): node 0 has heard
     nothing of shard 1 at all, so it must ask for the DONE, not wait for the
     round to time out."""
-    from dlcp.wire import PacketType
 
     result_dones = 0
 
@@ -226,11 +227,55 @@ def test_a_shard_whose_results_all_vanish_is_asked_for() -> None:
         np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
 
 
+@pytest.mark.parametrize("trickle", [True, False])
+def test_an_owner_still_sending_its_data_is_not_asked_for_its_results(trickle: bool) -> None:
+    """Node 1 owns shard 1 and gets node 0's data only at 0.2 s (four graces),
+    so it aggregates shard 1 then. Meanwhile its own datagrams for node
+    0 come one every 4 ms until about 0.18 s (`trickle`), or all within 4 ms.
+    Hearing node 1's data, node 0 knows it is still busy with the round and does
+    not ask it for shard 1's results (node 1 would ignore the question: before,
+    node 0 asked every grace from the round's start). Once node 1 has been
+    quiet for a grace (not `trickle`) it is asked, as when all its results
+    were lost. Either way the round completes with exact sums."""
+    release = 0.2
+    held: list[tuple[int, int, bytes]] = []  # (src, dst, datagram) before `release`
+
+    def drop(src: int, s: Send) -> bool:
+        dg = s.datagram if isinstance(s.datagram, bytes) else bytes(s.datagram)
+        if net.now >= release or dg[3] == PacketType.NACK:  # node 0's questions go at once
+            return False
+        held.append((src, s.node, dg))
+        return True
+
+    xs = [np.arange(30_000, dtype=np.float32) * (h + 1) for h in range(2)]
+    net = Network(cluster(2, timing=Timing(timeout=5.0, grace=0.05)), seed=6, drop=drop)
+    submit_all(net, xs)
+    net.flush_all()
+    to_node0 = [dg for src, _dst, dg in held if src == 1]  # its data, then its manifest
+    assert len(to_node0) > 40
+    step = 0.004 if trickle else 0.004 / len(to_node0)
+    for i, dg in enumerate(to_node0):
+        heapq.heappush(net._queue, (0.001 + step * i, next(net._seq), 1, 0, dg))
+    for src, dst, dg in held:
+        if src == 0:
+            heapq.heappush(net._queue, (release, next(net._seq), src, dst, dg))
+    net.run(until=10.0)
+    done = completions(net)
+    assert sorted(done) == [0, 1]
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 3)
+    asked = net.engines[0].stats["result_nacks_sent"]
+    ignored = net.engines[1].stats["nacks_ignored"]
+    if trickle:
+        assert (asked, ignored) == (0, 0)
+    else:
+        assert asked > 0 and ignored > 0
+
+
 def test_results_are_kept_for_a_receiver_cut_off_longer_than_retain() -> None:
     """Node 0 loses the first results of shard 1 and cannot reach node 1 for
     longer than `retain`: its NACKs get through only after that, and node 1 must
     still hold the results (until node 0 ACKs or its round times out)."""
-    from dlcp.wire import PacketType
 
     def drop(src: int, s: Send) -> bool:
         if src == 1 and s.node == 0:

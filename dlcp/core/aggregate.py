@@ -770,6 +770,8 @@ class ResultCollector:
     # the position, in the last run given (`on_results_many`, `on_result_run`),
     # of its last packet stored; -1: none was
     last_stored: int = -1
+    # per node, when its last data-leg packet of this round came (`heard_from`)
+    heard: dict[int, float] = field(init=False)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -799,6 +801,7 @@ class ResultCollector:
                 indices=np.arange(first, first + n),
                 received=np.zeros(n, dtype=bool),
             )
+        self.heard = {}
         self.created = self.now
 
     @property
@@ -991,6 +994,18 @@ class ResultCollector:
         self.lost_lanes += lost_lanes
         self.total_lanes += self.layout.shard_range(shard)[1] * self.senders
 
+    def heard_from(self, node: int, now: float) -> None:
+        """A data-leg packet of this round came from `node` (data or a manifest
+        for a shard this node owns): it is still busy with the round, so the
+        results of its own shards may still be in the making. Asking it for
+        them while nothing has come (`poll`) waits a grace after its last."""
+        self.heard[node] = now
+
+    def _quiet_since(self, w: _Awaited) -> float:
+        """Since when a shard's owner, from which no result has come, has been
+        neither asked nor heard from in this round."""
+        return max(self.created, w.last_nack, self.heard.get(w.owner, -math.inf))
+
     def poll(self, now: float) -> list[Nack]:
         """NACKs for result packets that are overdue (result leg is reliable)."""
         nacks: list[Nack] = []
@@ -1010,11 +1025,14 @@ class ResultCollector:
                 # is really missing follows once it arrives.
                 nacks.append(Nack(w.owner, shard, (), need_manifest=True))
                 w.last_nack = now
-            elif w.last_arrival is None and now >= max(self.created, w.last_nack) + t.grace:
-                # Nothing at all from this owner yet: either it is still
-                # aggregating (it ignores the question) or every result packet
-                # and both DONE copies were lost (a receive buffer overflowed
-                # while this host was busy). Ask for the DONE, once per grace.
+            elif w.last_arrival is None and now >= self._quiet_since(w) + t.grace:
+                # No result from this owner yet, and it has been quiet for a
+                # grace: either it is still aggregating (it ignores the
+                # question) or every result packet and both DONE copies were
+                # lost (a receive buffer overflowed while this host was busy).
+                # Ask for the DONE, once per grace. While its data for this
+                # node's shards still comes, it is busy with the round: the
+                # question would only be ignored.
                 nacks.append(Nack(w.owner, shard, (), need_manifest=True))
                 w.last_nack = now
         return nacks
@@ -1023,7 +1041,7 @@ class ResultCollector:
         t = _Tick()
         for w in self.waiting.values():
             if w.last_arrival is None and not w.done:
-                t.arm(max(self.created, w.last_nack) + self.timing.grace)
+                t.arm(self._quiet_since(w) + self.timing.grace)
                 continue
             last = w.last_arrival if w.last_arrival is not None else self.created
             wait = self.timing.nack_delay if w.done else self.timing.grace

@@ -970,6 +970,7 @@ class Engine:
         if lay is None:
             self.stats["late_packets"] += len(payloads) - 1
             return None
+        self._heard(op, h.sender, now)
         agg = self._aggregator(op, h.shard, lay, now)
         stored, bad = agg.on_data_run(
             sender=h.sender,
@@ -1151,6 +1152,7 @@ class Engine:
         lay = self._owned_layout(spec, op, h)
         if lay is None:
             return
+        self._heard(op, h.sender, now)
         agg = self._aggregator(op, h.shard, lay, now)
         fresh = agg.on_data(
             sender=h.sender,
@@ -1173,12 +1175,20 @@ class Engine:
         if agg.may_complete():
             self._progress(op, h.shard, now)
 
+    def _heard(self, op: OpKey, sender: int, now: float) -> None:
+        """A data-leg packet of round `op` from `sender`: this node's collector
+        of the round, if any, hears that the sender is still busy with it."""
+        col = self._collectors.get(op)
+        if col is not None:
+            col.heard_from(sender, now)
+
     def _on_manifest(
         self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
     ) -> None:
         lay = self._owned_layout(spec, op, h)
         if lay is None:
             return
+        self._heard(op, h.sender, now)
         agg = self._aggregator(op, h.shard, lay, now)
         per = manifest_capacity(lay.payload)
         first, n = h.offset, h.count

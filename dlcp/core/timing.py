@@ -22,7 +22,9 @@ class Timing:
     # Once every required packet is in and the bound is met, how long to wait
     # for droppable stragglers before completing without them.
     linger: float = 0.002
-    # With data but no DONE from a sender, how long before asking for it.
+    # With data but no DONE from a sender, how long before asking for it; and
+    # with no result yet from a shard's owner, how long it must have been quiet
+    # (none of its data for this host's shards either) before it is asked.
     grace: float = 0.05
     # A round that cannot complete within this time fails with a clear reason.
     timeout: float = 10.0
