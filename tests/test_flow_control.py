@@ -259,7 +259,8 @@ def test_daemons_credit_each_other_and_lose_nothing_past_their_socket_buffers(
 def test_a_credit_is_a_control_packet_its_peer_accepts() -> None:
     """The core makes the credit (sans-IO): a CONTROL packet of the job, MAC'd
     with its key, from this node, whose payload `credit_of` reads back; the
-    peer's engine accepts it. Other payloads are not credits."""
+    peer's engine accepts it. Older daemons' shorter credits and a newer
+    one's longer credit are read too; other payloads are not credits."""
     from dlcp.core.engine import Engine, JobSpec, credit_of
     from dlcp.wire import decode
     from dlcp.wire.header import HEADER_SIZE
@@ -286,6 +287,8 @@ def test_a_credit_is_a_control_packet_its_peer_accepts() -> None:
     # older daemons' credits: without the grant (18 bytes), without the flags too (17)
     assert credit_of(struct.pack("!BQQB", 1, 4, 5, 1)) == (4, 5, True, 0)
     assert credit_of(struct.pack("!BQQ", 1, 4, 5)) == (4, 5, False, 0)
+    # a newer daemon's, with a field after the grant: read as far as this one knows
+    assert credit_of(struct.pack("!BQQBQI", 1, 4, 5, 1, 6, 7)) == (4, 5, True, 6)
     for other in (b"\x02" + bytes(25), b"\x01" + bytes(15), b"\x01" + bytes(24), b""):
         assert credit_of(other) is None
 

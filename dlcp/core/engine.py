@@ -174,7 +174,8 @@ def _int_list(a: np.ndarray) -> list[int]:
 # A CONTROL packet's payload that credits its receiver: kind 1, the count's
 # epoch, the bytes counted, flags, the window granted (`Engine.credit_datagram`,
 # `credit_of`). Credits of older daemons, without the grant (18 bytes) or
-# without flags too (17 bytes), are read as well.
+# without flags too (17 bytes), are read as well, and a newer daemon's longer
+# credit as far as these fields go: a field added later must leave them be.
 _CREDIT = struct.Struct("!BQQBQ")
 _CREDIT_V2 = struct.Struct("!BQQB")
 _CREDIT_V1 = struct.Struct("!BQQ")
@@ -202,8 +203,8 @@ def credit_of(payload: bytes | memoryview) -> Credit | None:
     if len(payload) < 1 or payload[0] != _CREDIT_KIND:
         return None
     n = len(payload)
-    if n == _CREDIT.size:
-        _kind, epoch, received, flags, window = _CREDIT.unpack(payload)
+    if n >= _CREDIT.size:  # a newer daemon's may add fields after these: read what is known
+        _kind, epoch, received, flags, window = _CREDIT.unpack_from(payload)
     elif n == _CREDIT_V2.size:
         _kind, epoch, received, flags = _CREDIT_V2.unpack(payload)
         window = 0
