@@ -47,10 +47,13 @@ class Network:
             # when it is sent (a Gathered one reads its payload in place)
             dg = s.datagram if isinstance(s.datagram, bytes) else bytes(s.datagram)
             for _ in range(copies):
-                at = self.now + self.rng.uniform(*self.delay)
-                heapq.heappush(self._queue, (at, next(self._seq), src, s.node, dg))
+                self.deliver_at(self.now + self.rng.uniform(*self.delay), src, s.node, dg)
         while (ev := self.engines[src].next_event()) is not None:
             self.events[src].append(ev)
+
+    def deliver_at(self, at: float, src: int, dst: int, datagram: bytes) -> None:
+        """Have `datagram` from `src` arrive at `dst` at time `at`."""
+        heapq.heappush(self._queue, (at, next(self._seq), src, dst, datagram))
 
     def flush_all(self) -> None:
         for n in self.engines:

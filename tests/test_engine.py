@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 import pytest
 
@@ -255,10 +253,10 @@ def test_an_owner_still_sending_its_data_is_not_asked_for_its_results(trickle: b
     assert len(to_node0) > 40
     step = 0.004 if trickle else 0.004 / len(to_node0)
     for i, dg in enumerate(to_node0):
-        heapq.heappush(net._queue, (0.001 + step * i, next(net._seq), 1, 0, dg))
+        net.deliver_at(0.001 + step * i, 1, 0, dg)
     for src, dst, dg in held:
         if src == 0:
-            heapq.heappush(net._queue, (release, next(net._seq), src, dst, dg))
+            net.deliver_at(release, src, dst, dg)
     net.run(until=10.0)
     done = completions(net)
     assert sorted(done) == [0, 1]
