@@ -365,7 +365,7 @@ class Daemon:
                             senders[peer] = job
                 if job is None or node is not None:
                     seg = len(segs[0])
-                    dgs += segs[:full]
+                    dgs += segs if full == k else segs[:full]
                     kinds.append(types)
                     groups.append((job, node))
                     runs.append(full)
