@@ -26,6 +26,7 @@ setup(
             depends=[
                 "dlcp/wire/gathered.h",
                 "dlcp/wire/bytes_of.h",
+                "dlcp/wire/datagrams.h",
                 "dlcp/wire/segment.h",
                 "dlcp/wire/imported_type.h",
             ],
@@ -43,16 +44,27 @@ setup(
         Extension(
             "dlcp.daemon._udp",
             sources=["dlcp/daemon/_udp.c"],
-            # the Gathered datagram's layout, and the Segment's it makes of receives
-            depends=["dlcp/wire/gathered.h", "dlcp/wire/segment.h", "dlcp/wire/imported_type.h"],
+            # the Gathered datagram's layout, and the Datagrams it makes of receives
+            depends=[
+                "dlcp/wire/gathered.h",
+                "dlcp/wire/datagrams.h",
+                "dlcp/wire/bytes_of.h",
+                "dlcp/wire/segment.h",
+                "dlcp/wire/imported_type.h",
+            ],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),
         Extension(
             "dlcp.wire._bulk",
             sources=["dlcp/wire/_bulk.c"],
-            # datagrams' bytes read in place; the Segment type
-            depends=["dlcp/wire/bytes_of.h", "dlcp/wire/segment.h", "dlcp/wire/imported_type.h"],
+            # datagrams' bytes read in place; the Segment and Datagrams types
+            depends=[
+                "dlcp/wire/bytes_of.h",
+                "dlcp/wire/datagrams.h",
+                "dlcp/wire/segment.h",
+                "dlcp/wire/imported_type.h",
+            ],
             extra_compile_args=_CFLAGS,
             optional=True,
         ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -485,15 +486,109 @@ def test_datagrams_read_in_place_are_read_as_their_bytes() -> None:
             c_.copy_runs(np.zeros(4096, np.uint8), 1, one, one, [bad], HEADER_SIZE)
 
 
-def _segments(data: bytes, seg: int) -> list:
-    """What dlcp.daemon._udp makes of a GRO buffer: its datagrams as Segments."""
+def _split(data: bytes, seg: int) -> Any:
+    """What dlcp.daemon._udp makes of a GRO buffer: a Datagrams (dlcp/wire/datagrams.h)."""
     from dlcp.daemon import transport
 
     if transport._udp is None:
         pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
-    segs = transport._udp.split_gro(data, seg)[0]
+    dgs = transport._udp.split_gro(data, seg)[0]
+    assert type(dgs) is lanes._bulk.Datagrams
+    return dgs
+
+
+def _segments(data: bytes, seg: int) -> list:
+    """A GRO buffer's datagrams as Segments (each one a Datagrams makes when asked)."""
+    segs = list(_split(data, seg))
     assert all(isinstance(s, lanes._bulk.Segment) and s.obj is data for s in segs)
     return segs
+
+
+def test_datagrams_are_a_sequence_the_c_loops_read_in_place() -> None:
+    """A drain's datagrams as one Datagrams (dlcp/wire/datagrams.h): per GRO
+    buffer from the C split, joined per drain. In Python a sequence of the
+    same bytes (an item a Segment of its buffer, a slice another Datagrams,
+    a slice with a step a list); it keeps its buffers alive; and the C loops
+    (headers, lane copies and sums, the MAC) read it as they read the list
+    of its Segments."""
+    if not _native_lanes():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    import gc
+
+    from dlcp.wire.mac import GhashAesKey
+
+    c_ = lanes._bulk
+    key = GhashAesKey(bytes(range(32)))
+    rng = np.random.default_rng(5)
+
+    def buffer(k: int, plen: int) -> bytes:  # k datagrams of a 4-byte lane each
+        recs = rng.integers(0, 256, (k, 64), dtype=np.uint8)
+        return b"".join(key.encode(recs.tobytes(), [rng.bytes(plen) for _ in range(k)]))
+
+    sizes = [(5, 400), (3, 400), (1, 36), (4, 80)]
+    bufs = [buffer(k, plen) for k, plen in sizes]
+    parts = [_split(b, HEADER_SIZE + plen) for b, (_, plen) in zip(bufs, sizes, strict=True)]
+    want = [
+        b[i * (HEADER_SIZE + plen) : (i + 1) * (HEADER_SIZE + plen)]
+        for b, (k, plen) in zip(bufs, sizes, strict=True)
+        for i in range(k)
+    ]
+    d0 = parts[0]
+    assert len(d0) == 5 and [bytes(x) for x in d0] == want[:5]
+    assert bytes(d0[-1]) == want[4] and d0[2].obj is bufs[0]
+    with pytest.raises(IndexError):
+        d0[5]
+    with pytest.raises(TypeError):
+        d0["1"]
+    with pytest.raises(TypeError):
+        hash(d0)
+    with pytest.raises(TypeError):
+        type(d0)()
+    sub = d0[1:4]
+    assert type(sub) is type(d0) and [bytes(x) for x in sub] == want[1:4]
+    assert [bytes(x) for x in sub[1:]] == want[2:4] and len(d0[4:9]) == 1 and len(d0[3:1]) == 0
+    stepped = d0[::2]
+    assert isinstance(stepped, list) and [bytes(x) for x in stepped] == want[0:5:2]
+    # a drain: the parts joined in order, some of them slices or empty
+    joined = c_.join([parts[0][1:], parts[1], parts[2][:0], parts[3], parts[2]])
+    order = want[1:5] + want[5:8] + want[9:13] + want[8:9]
+    assert [bytes(x) for x in joined] == order
+    assert joined[4].obj is bufs[1] and joined[-1].obj is bufs[2]
+    with pytest.raises(TypeError):
+        c_.join([parts[0], want[0]])
+    with pytest.raises(TypeError):
+        c_.join(tuple(parts))
+    # it holds its buffers: nothing else refers to these bytes
+    held = c_.join(
+        [_split(buffer(3, 400), HEADER_SIZE + 400)[1:], _split(buffer(2, 80), HEADER_SIZE + 80)]
+    )
+    copies = [bytes(x) for x in held]
+    gc.collect()
+    assert [bytes(x) for x in held] == copies and len(held) == 4
+    # the C loops read it as the list of its Segments
+    segs = list(joined)
+    for a, b in ((joined, segs), (joined[2:9], segs[2:9])):
+        assert [bytes(x) for x in c_.heads(a, HEADER_SIZE)] == [
+            bytes(x) for x in c_.heads(b, HEADER_SIZE)
+        ]
+        assert key.verify(a).tolist() == key.verify(b).tolist() == [True] * len(b)
+        plens = np.array([len(x) - HEADER_SIZE for x in b])
+        starts = np.concatenate([[0], np.cumsum(plens)[:-1]])
+        for own in (None, rng.standard_normal(int(plens.sum()) // 4).astype(np.float32)):
+            got, ref = (np.zeros(int(plens.sum()), np.uint8) for _ in range(2))
+            if own is None:
+                c_.copy_runs(got, 1, starts, plens, a, HEADER_SIZE)
+                c_.copy_runs(ref, 1, starts, plens, b, HEADER_SIZE)
+            else:
+                got, ref = (np.zeros(own.size, np.float32) for _ in range(2))
+                c_.add_runs(got, own, starts // 4, plens // 4, a, HEADER_SIZE)
+                c_.add_runs(ref, own, starts // 4, plens // 4, b, HEADER_SIZE)
+            assert got.tobytes() == ref.tobytes()
+        assert got.any()
+    forged = bytearray(bufs[3])
+    forged[-1] ^= 1
+    bad = c_.join([parts[0], _split(bytes(forged), HEADER_SIZE + 80)])
+    assert key.verify(bad).tolist() == [True] * 8 + [False]
 
 
 def test_segments_are_read_as_the_bytes_they_hold() -> None:

@@ -9,7 +9,7 @@
  * reference and the fallback (and handles every error but a full socket).
  *
  * recv_gro(fd, budget) makes a readable event's recvmsg calls and splits each
- * GRO buffer (split_gro: datagram views, job ids, type bytes) for
+ * GRO buffer (split_gro: its datagrams, job ids, type bytes) for
  * `Daemon._receive`; transport.split_gro is its Python definition.
  *
  * send_gso(fd, datagrams, start, addr4, port, tos, gso, gso_max_size)
@@ -33,7 +33,7 @@
 #include <sys/socket.h>
 
 #include "../wire/gathered.h"
-#include "../wire/segment.h"
+#include "../wire/datagrams.h"
 
 #ifndef SOL_UDP
 #define SOL_UDP 17
@@ -252,7 +252,8 @@ send_gso(PyObject *self, PyObject *args)
 #define RECV_ALIGN 64
 
 /* What `_receive` needs of one GRO buffer (see transport.split_gro, the
- * Python definition): (segments as memoryviews, bytes, datagrams with a whole
+ * Python definition): (the datagrams: a Datagrams of the buffer (datagrams.h)
+ * where dlcp.wire._bulk is built, else memoryviews; bytes, datagrams with a whole
  * header, their job: one int when they all name the same one (-1 when there
  * are none), else the list of each one's, their type bytes). */
 /* The job field (header bytes 8..11, big endian) of the datagram at h. */
@@ -272,29 +273,45 @@ split_buffer(PyObject *data, Py_ssize_t skip, Py_ssize_t seg)
     if (seg <= 0 || seg >= size)
         seg = size;
     Py_ssize_t k = size == 0 ? 1 : (size + seg - 1) / seg;
-    PyObject *segs = PyList_New(k);
-    if (segs == NULL)
-        return NULL;
-    /* Segments (dlcp/wire/segment.h) where dlcp.wire._bulk is built, else
-     * memoryview slices: the same bytes either way */
-    PyTypeObject *st = segment_type();
-    PyObject *mv = NULL;
-    if (st == NULL && (mv = PyMemoryView_FromObject(data)) == NULL) {
-        Py_DECREF(segs);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
-        PyObject *v = st != NULL ? segment_new(st, data, (const char *)p + a, b - a)
-                                 : PySequence_GetSlice(mv, skip + a, skip + b);
-        if (v == NULL) {
-            Py_DECREF(segs);
+    /* a Datagrams (dlcp/wire/datagrams.h) where dlcp.wire._bulk is built,
+     * else a list of memoryview slices: the same bytes either way */
+    PyObject *segs;
+    PyTypeObject *dt = datagrams_type();
+    if (dt != NULL) {
+        PyObject *owners = PyList_New(1);
+        if (owners == NULL)
+            return NULL;
+        Py_INCREF(data);
+        PyList_SET_ITEM(owners, 0, data);
+        DatagramsObject *d = datagrams_new(dt, k, owners);
+        Py_DECREF(owners);
+        if (d == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
+            d->buf[i] = (const char *)p + a;
+            d->len[i] = b - a;
+            d->owner[i] = 0;
+        }
+        segs = (PyObject *)d;
+    } else {
+        PyObject *mv = PyMemoryView_FromObject(data);
+        if (mv == NULL || (segs = PyList_New(k)) == NULL) {
             Py_XDECREF(mv);
             return NULL;
         }
-        PyList_SET_ITEM(segs, i, v);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
+            PyObject *v = PySequence_GetSlice(mv, skip + a, skip + b);
+            if (v == NULL) {
+                Py_DECREF(segs);
+                Py_DECREF(mv);
+                return NULL;
+            }
+            PyList_SET_ITEM(segs, i, v);
+        }
+        Py_DECREF(mv);
     }
-    Py_XDECREF(mv);
     Py_ssize_t last = size - (k - 1) * seg;
     Py_ssize_t full = seg < HEADER_SIZE ? 0 : (last >= HEADER_SIZE ? k : k - 1);
     PyObject *ids = NULL, *kinds = NULL;

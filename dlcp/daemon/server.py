@@ -18,7 +18,7 @@ import socket
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from dlcp.daemon.transport import NATIVE_SEND, UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
 from dlcp.policies import apply_droppable, from_config
 from dlcp.wire import mac
+from dlcp.wire.batch import _bulk
 from dlcp.wire.header import (
     HEADER_SIZE,
     Codec,
@@ -71,6 +72,14 @@ _RX_BUDGET = 64
 # peer sat idle at the end of the data leg, waiting for the rest of its shard.
 _RX_SENDING = 16
 OpKey = tuple[int, int, int]
+
+
+def _join(parts: list[Sequence[memoryview]]) -> Sequence[memoryview]:
+    """A drain's datagrams, in order: one `Datagrams` (no object per datagram)
+    when the C split made every part, else a list."""
+    if _bulk is not None and all(type(p) is _bulk.Datagrams for p in parts):
+        return _bulk.join(parts)
+    return [dg for p in parts for dg in p]
 
 
 class RequestError(DlcpError):
@@ -331,7 +340,7 @@ class Daemon:
         jobs = self.jobs
         rx = 0
         rx_bytes = 0
-        dgs: list[memoryview] = []
+        parts: list[Sequence[memoryview]] = []  # runs of the drain's datagrams, in order
         kinds: list[bytes] = []  # the type byte of each of `dgs` (b"\0" for a truncated one)
         groups: list[tuple[JobState | None, int | None]] = []  # (job, node) of a run of `dgs`
         runs: list[int] = []  # datagrams of each group
@@ -349,7 +358,7 @@ class Daemon:
             if full:
                 if isinstance(ids, list):  # more than one job: datagram by datagram
                     self._receive_mixed(
-                        segs, ids, src, dgs, kinds, groups, runs, sizes, lasts, senders
+                        segs, ids, src, parts, kinds, groups, runs, sizes, lasts, senders
                     )
                     continue
                 job = jobs.get(ids)
@@ -365,14 +374,15 @@ class Daemon:
                             senders[peer] = job
                 if job is None or node is not None:
                     seg = len(segs[0])
-                    dgs += segs if full == k else segs[:full]
+                    parts.append(segs if full == k else segs[:full])
                     kinds.append(types)
                     groups.append((job, node))
                     runs.append(full)
                     sizes.append(seg)
                     lasts.append(len(segs[-1]) if full == k else seg)
-            for dg in segs[full:]:  # truncated datagrams: the engine counts them
-                dgs.append(dg)
+            if full < k:  # truncated datagrams: the engine counts them
+                parts.append(segs[full:])
+            for dg in segs[full:]:
                 kinds.append(b"\0")
                 groups.append((None, None))
                 runs.append(1)
@@ -384,8 +394,9 @@ class Daemon:
             peer.rx_job = job.spec.job
             if peer.rx_bytes - peer.rx_credited >= CREDIT_STEP:
                 self._credit(peer, job)
-        if not dgs:
+        if not parts:
             return
+        dgs = _join(parts)
         # each datagram's source node (-1: none), made per group, not per datagram
         nodes = np.repeat(np.array([-1 if g[1] is None else g[1] for g in groups], np.int64), runs)
         accepted = self.engine.receive_many(dgs, now, nodes)
@@ -399,10 +410,10 @@ class Daemon:
 
     def _receive_mixed(
         self,
-        segs: list[memoryview],
+        segs: Sequence[memoryview],
         ids: list[int],
         src: str,
-        dgs: list[memoryview],
+        parts: list[Sequence[memoryview]],
         kinds: list[bytes],
         groups: list[tuple[JobState | None, int | None]],
         runs: list[int],
@@ -412,7 +423,8 @@ class Daemon:
     ) -> None:
         """`_receive` for a buffer whose datagrams name more than one job."""
         jobs = self.jobs
-        for i, dg in enumerate(segs):
+        for i in range(len(segs)):
+            dg = segs[i]
             job = node = None
             if i < len(ids):
                 job = jobs.get(ids[i])
@@ -425,7 +437,7 @@ class Daemon:
                     if peer is not None:
                         peer.rx_bytes += len(dg)
                         senders[peer] = job
-            dgs.append(dg)
+            parts.append(segs[i : i + 1])
             kinds.append(bytes(dg[3:4]) if i < len(ids) else b"\0")
             groups.append((job, node))
             runs.append(1)
@@ -458,7 +470,7 @@ class Daemon:
         self,
         positions: np.ndarray,
         kind: np.ndarray,
-        dgs: list[memoryview],
+        dgs: Sequence[memoryview],
         groups: list[tuple[JobState | None, int | None]],
         runs: list[int],
         sizes: list[int],

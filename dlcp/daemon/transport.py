@@ -54,12 +54,13 @@ _FULL = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS))
 NATIVE_RECV = _udp is not None and os.environ.get("DLCP_NATIVE_RECV", "1") != "0"
 _JOB_IDS = np.dtype(">u4")  # the header's job field (bytes 8-11)
 
-# One GRO buffer as the daemon takes it: its datagrams (memoryviews), its
-# bytes, how many of the datagrams hold a whole header (all but a shorter
-# last one, or none), the job those name (one int when they all name the same
-# one, -1 when there are none, else the list of each one's), their type
-# bytes, and the source IP.
-Split = tuple[list[memoryview], int, int, "int | list[int]", bytes, str]
+# One GRO buffer as the daemon takes it: its datagrams (a list of memoryviews,
+# or from the C split a `dlcp.wire._bulk.Datagrams`: the same bytes as a
+# sequence, with no object per datagram), its bytes, how many of the
+# datagrams hold a whole header (all but a shorter last one, or none), the
+# job those name (one int when they all name the same one, -1 when there are
+# none, else the list of each one's), their type bytes, and the source IP.
+Split = tuple[Sequence[memoryview], int, int, "int | list[int]", bytes, str]
 
 
 def split_gro(data: bytes, seg: int) -> tuple[list[memoryview], int, int, int | list[int], bytes]:

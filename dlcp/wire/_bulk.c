@@ -93,6 +93,7 @@
 #include <emmintrin.h>
 
 #include "bytes_of.h"
+#include "datagrams.h"
 
 static PyObject *LengthError;
 
@@ -124,20 +125,19 @@ heads(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "size must be 0 to 65536");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(datagrams, "datagrams must be a list or tuple");
-    if (seq == NULL)
+    Items it;
+    if (items_open(&it, datagrams, "datagrams must be a list, tuple or Datagrams") < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = it.n;
     PyObject *out = PyByteArray_FromStringAndSize(NULL, n * size);
     PyObject *lens = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     if (out == NULL || lens == NULL)
         goto fail;
     char *o = PyByteArray_AS_STRING(out);
     int64_t *len = (int64_t *)PyBytes_AS_STRING(lens);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         Bytes b;
-        if (bytes_get(items[i], &b) < 0)
+        if (items_get(&it, i, &b) < 0)
             goto fail;
         len[i] = b.len;
         if (b.len >= size) {
@@ -147,12 +147,12 @@ heads(PyObject *self, PyObject *args)
         }
         bytes_release(&b);
     }
-    Py_DECREF(seq);
+    items_close(&it);
     return Py_BuildValue("(NN)", out, lens);
 fail:
     Py_XDECREF(out);
     Py_XDECREF(lens);
-    Py_DECREF(seq);
+    items_close(&it);
     return NULL;
 }
 
@@ -306,24 +306,24 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
         PyErr_SetString(PyExc_ValueError, "skip must not be negative");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(payloads, "payloads must be a list or tuple");
-    if (seq == NULL)
+    Items it;
+    if (items_open(&it, payloads, "payloads must be a list, tuple or Datagrams") < 0)
         return NULL;
     Py_buffer dest, own = {0}, starts, counts;
     if (PyObject_GetBuffer(dest_obj, &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        Py_DECREF(seq);
+        items_close(&it);
         return NULL;
     }
     if (own_obj != NULL && PyObject_GetBuffer(own_obj, &own, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&dest);
-        Py_DECREF(seq);
+        items_close(&it);
         return NULL;
     }
     if (int64_buffer(starts_obj, &starts, "starts") < 0) {
         if (own_obj != NULL)
             PyBuffer_Release(&own);
         PyBuffer_Release(&dest);
-        Py_DECREF(seq);
+        items_close(&it);
         return NULL;
     }
     if (int64_buffer(counts_obj, &counts, "counts") < 0) {
@@ -331,10 +331,10 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
         if (own_obj != NULL)
             PyBuffer_Release(&own);
         PyBuffer_Release(&dest);
-        Py_DECREF(seq);
+        items_close(&it);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = it.n;
     PyObject *ret = NULL;
     Lines lines = {.line = NULL, .end = NULL, .streamed = 0};
     if (starts.len / 8 != n || counts.len / 8 != n) {
@@ -352,10 +352,9 @@ move_runs(PyObject *dest_obj, PyObject *own_obj, Py_ssize_t itemsize, PyObject *
     /* adds go through the lines only where a line holds whole lanes (dest on
      * the 4-byte grid, as numpy's arrays are); copies always may */
     const int on_grid = own_obj == NULL || ((uintptr_t)out & 3) == 0;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         Bytes p;
-        if (bytes_get(items[i], &p) < 0)
+        if (items_get(&it, i, &p) < 0)
             goto done;
         int64_t s = start[i], c = count[i];
         Py_ssize_t plen = p.len - skip;
@@ -395,7 +394,7 @@ done:
     if (own_obj != NULL)
         PyBuffer_Release(&own);
     PyBuffer_Release(&dest);
-    Py_DECREF(seq);
+    items_close(&it);
     return ret;
 }
 
@@ -951,7 +950,188 @@ static PyTypeObject SegmentType = {
     .tp_members = Segment_members,
 };
 
+/* ---- Datagrams (datagrams.h) ---------------------------------------------- */
+
+static PyTypeObject DatagramsType;
+
+static void
+Datagrams_dealloc(DatagramsObject *self)
+{
+    if (self->base != NULL)
+        Py_DECREF(self->base);
+    else
+        PyMem_Free((void *)self->buf); /* the block of the three arrays */
+    Py_XDECREF(self->owners);
+    PyObject_Free(self);
+}
+
+static Py_ssize_t
+Datagrams_length(DatagramsObject *self)
+{
+    return self->n;
+}
+
+/* Datagram i as a Segment (i in range). */
+static PyObject *
+Datagrams_segment(DatagramsObject *self, Py_ssize_t i)
+{
+    PyObject *owner = PyList_GET_ITEM(self->owners, self->owner[i]);
+    return segment_new(&SegmentType, owner, self->buf[i], self->len[i]);
+}
+
+static PyObject *
+Datagrams_item(DatagramsObject *self, Py_ssize_t i)
+{
+    if (i < 0 || i >= self->n) {
+        PyErr_SetString(PyExc_IndexError, "Datagrams index out of range");
+        return NULL;
+    }
+    return Datagrams_segment(self, i);
+}
+
+/* datagrams[a:b]: another Datagrams over the same arrays (no copy). */
+static PyObject *
+Datagrams_slice(DatagramsObject *self, Py_ssize_t a, Py_ssize_t b)
+{
+    DatagramsObject *d = PyObject_New(DatagramsObject, &DatagramsType);
+    if (d == NULL)
+        return NULL;
+    DatagramsObject *root = self->base != NULL ? (DatagramsObject *)self->base : self;
+    Py_INCREF(root);
+    d->base = (PyObject *)root;
+    Py_INCREF(self->owners);
+    d->owners = self->owners;
+    d->buf = self->buf + a;
+    d->len = self->len + a;
+    d->owner = self->owner + a;
+    d->n = b - a;
+    return (PyObject *)d;
+}
+
+static PyObject *
+Datagrams_subscript(DatagramsObject *self, PyObject *key)
+{
+    if (PyIndex_Check(key)) {
+        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+        if (i == -1 && PyErr_Occurred())
+            return NULL;
+        if (i < 0)
+            i += self->n;
+        return Datagrams_item(self, i);
+    }
+    if (!PySlice_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "Datagrams indices must be integers or slices, not %.200s",
+                     Py_TYPE(key)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t start, stop, step;
+    if (PySlice_Unpack(key, &start, &stop, &step) < 0)
+        return NULL;
+    Py_ssize_t k = PySlice_AdjustIndices(self->n, &start, &stop, step);
+    if (step == 1)
+        return Datagrams_slice(self, start, start + k);
+    PyObject *out = PyList_New(k); /* another step: a list of Segments */
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0, i = start; j < k; j++, i += step) {
+        PyObject *v = Datagrams_segment(self, i);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, v);
+    }
+    return out;
+}
+
+static PyObject *
+Datagrams_repr(DatagramsObject *self)
+{
+    return PyUnicode_FromFormat("<dlcp Datagrams: %zd>", self->n);
+}
+
+static PyObject *
+Datagrams_new_py(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    (void)type;
+    (void)args;
+    (void)kwds;
+    PyErr_SetString(PyExc_TypeError,
+                    "Datagrams are made by dlcp.daemon._udp and dlcp.wire._bulk.join");
+    return NULL;
+}
+
+static PySequenceMethods Datagrams_sequence = {
+    .sq_length = (lenfunc)Datagrams_length,
+    .sq_item = (ssizeargfunc)Datagrams_item,
+};
+static PyMappingMethods Datagrams_mapping = {(lenfunc)Datagrams_length,
+                                             (binaryfunc)Datagrams_subscript, NULL};
+
+static PyTypeObject DatagramsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dlcp.wire._bulk.Datagrams",
+    .tp_basicsize = sizeof(DatagramsObject),
+    .tp_dealloc = (destructor)Datagrams_dealloc,
+    .tp_repr = (reprfunc)Datagrams_repr,
+    .tp_as_sequence = &Datagrams_sequence,
+    .tp_as_mapping = &Datagrams_mapping,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Datagrams inside receive buffers: a sequence of Segments made when asked "
+              "for, read in place by dlcp's C loops.",
+    .tp_new = Datagrams_new_py,
+};
+
+/* join(parts): one Datagrams of the parts' datagrams, in order. */
+static PyObject *
+join(PyObject *self, PyObject *parts)
+{
+    (void)self;
+    if (!PyList_Check(parts)) {
+        PyErr_SetString(PyExc_TypeError, "parts must be a list of Datagrams");
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(parts), n = 0, n_owners = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *p = PyList_GET_ITEM(parts, j);
+        if (Py_TYPE(p) != &DatagramsType) {
+            PyErr_Format(PyExc_TypeError, "part %zd is a %.200s, not Datagrams", j,
+                         Py_TYPE(p)->tp_name);
+            return NULL;
+        }
+        n += ((DatagramsObject *)p)->n;
+        n_owners += PyList_GET_SIZE(((DatagramsObject *)p)->owners);
+    }
+    PyObject *owners = PyList_New(n_owners);
+    if (owners == NULL)
+        return NULL;
+    DatagramsObject *d = datagrams_new(&DatagramsType, n, owners);
+    Py_DECREF(owners);
+    if (d == NULL)
+        return NULL;
+    Py_ssize_t at = 0, base = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const DatagramsObject *p = (const DatagramsObject *)PyList_GET_ITEM(parts, j);
+        Py_ssize_t m = PyList_GET_SIZE(p->owners);
+        for (Py_ssize_t o = 0; o < m; o++) {
+            PyObject *v = PyList_GET_ITEM(p->owners, o);
+            Py_INCREF(v);
+            PyList_SET_ITEM(owners, base + o, v);
+        }
+        memcpy(d->buf + at, p->buf, (size_t)p->n * sizeof *d->buf);
+        memcpy(d->len + at, p->len, (size_t)p->n * sizeof *d->len);
+        for (Py_ssize_t i = 0; i < p->n; i++)
+            d->owner[at + i] = p->owner[i] + base;
+        at += p->n;
+        base += m;
+    }
+    return (PyObject *)d;
+}
+
 static PyMethodDef methods[] = {
+    {"join", join, METH_O,
+     "join(parts) -> Datagrams: the datagrams of a list of Datagrams, in order"},
     {"heads", heads, METH_VARARGS,
      "heads(datagrams, size) -> (bytearray, bytes): the first size bytes of each "
      "datagram back to back (zeros for a shorter one) and their lengths as int64s"},
@@ -1008,6 +1188,16 @@ PyInit__bulk(void)
     Py_INCREF(&SegmentType);
     if (PyModule_AddObject(m, "Segment", (PyObject *)&SegmentType) < 0) {
         Py_DECREF(&SegmentType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyType_Ready(&DatagramsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&DatagramsType);
+    if (PyModule_AddObject(m, "Datagrams", (PyObject *)&DatagramsType) < 0) {
+        Py_DECREF(&DatagramsType);
         Py_DECREF(m);
         return NULL;
     }

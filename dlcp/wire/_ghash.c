@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include "bytes_of.h"
+#include "datagrams.h"
 #include "gathered.h"
 
 #define HEAD 48   /* header bytes a tag covers */
@@ -1103,10 +1104,10 @@ Mac_verify(MacObject *self, PyObject *args)
     PyObject *datagrams;
     if (!PyArg_ParseTuple(args, "O", &datagrams))
         return NULL;
-    PyObject *ds = PySequence_Fast(datagrams, "datagrams must be a sequence");
-    if (ds == NULL)
+    Items ds;
+    if (items_open(&ds, datagrams, "datagrams must be a sequence") < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(ds);
+    Py_ssize_t n = ds.n;
     PyObject *result = PyBytes_FromStringAndSize(NULL, n);
     if (result == NULL)
         goto done;
@@ -1120,7 +1121,7 @@ Mac_verify(MacObject *self, PyObject *args)
         unsigned char tag[TAG * PRP_BATCH];
         for (; got < k; got++) {
             Py_ssize_t i = i0 + got;
-            if (bytes_get(PySequence_Fast_GET_ITEM(ds, i), &d[got]) < 0) {
+            if (items_get(&ds, i, &d[got]) < 0) {
                 bad = 1;
                 break;
             }
@@ -1151,7 +1152,7 @@ Mac_verify(MacObject *self, PyObject *args)
 fail:
     Py_CLEAR(result);
 done:
-    Py_DECREF(ds);
+    items_close(&ds);
     return result;
 }
 

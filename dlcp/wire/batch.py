@@ -284,7 +284,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
     """
     n = len(datagrams)
     items: Sequence[bytes | memoryview]
-    if _bulk is not None and isinstance(datagrams, list):
+    if _bulk is not None and isinstance(datagrams, list | _bulk.Datagrams):
         raw_heads, raw_lengths = _bulk.heads(datagrams, HEADER_SIZE)
         heads = np.frombuffer(raw_heads, dtype=HEADER_DTYPE)  # writable, zeros if short
         lengths = np.frombuffer(raw_lengths, dtype=np.int64)
