@@ -17,8 +17,9 @@ it the recvmsg calls and their splitting (`recv_gro`) and the engine's
 `receive_many`; within that `decode_batch` (which holds the MAC check,
 `verify`) and the runs (`_receive_run`: `on_data_run`, which holds
 `_run_slots` and the lane sums, `add_runs`; and `shard_done`, the results
-made when the last packet closes the shard); then the rest ("glue": all but
-recvmsg, MAC and sums) a datagram. `--budget N`: recvmsg calls a `_receive`
+made when the last packet closes the shard), and the credits sent to the
+sender (`credit`: one each 2 MiB taken, a sendmsg apiece); then the rest
+("glue": all but recvmsg, MAC and sums) a datagram. `--budget N`: recvmsg calls a `_receive`
 call (dlcpd's `_RX_BUDGET`). `--chunk N`: send N datagrams, take them, send
 the next N, and so on; the receive then finds them in cache, not in memory
 as when all are sent first. Each function timed adds about a microsecond a
@@ -124,6 +125,7 @@ def main() -> None:
     clock.wrap(agg_mod.ShardAggregator, "on_data_run", "on_data_run")
     clock.wrap(agg_mod, "_run_slots", "_run_slots")
     clock.wrap(Engine, "_receive_run", "_receive_run")
+    clock.wrap(Daemon, "_credit", "credit")
     rows = []
     for rnd in range(a.rounds + 2):
         d.engine.submit(
