@@ -1,8 +1,9 @@
 /* The bytes of a datagram without a buffer export where that is safe.
  *
- * The receive path hands the C loops lists of datagrams (a GRO buffer's
- * segments, dlcp/daemon/_udp.c; memoryviews where that is not built) and
- * reads each three times: headers, MAC, lanes. A PyObject_GetBuffer and
+ * The receive path hands the C loops its datagrams (a Datagrams, read from
+ * its arrays: datagrams.h; a list of memoryviews where that is not built,
+ * of Segments or bytes in tests and the engine's other callers) and reads
+ * each three times: headers, MAC, lanes. A PyObject_GetBuffer and
  * PyBuffer_Release pair per datagram and pass was a few percent of a daemon
  * at 1500 bytes a packet. Within one C
  * call that runs no Python code, a bytes object's bytes, and those of a

@@ -2,13 +2,14 @@
  * at `buf`, within `owner`, the bytes object that one recvmsg filled (a GRO
  * super-datagram), which it holds.
  *
- * dlcp/daemon/_udp.c makes one per datagram it splits off a buffer; the C
- * loops of the receive path (dlcp/wire/bytes_of.h) read its bytes in place.
- * In Python it is a read-only bytes-like object (the buffer protocol, `len`,
+ * A Datagrams (datagrams.h) makes one when Python code asks for one of its
+ * datagrams (the first of a run, a control packet); the C loops of the
+ * receive path read a Datagrams' arrays and never need one, and read a
+ * Segment's bytes in place (dlcp/wire/bytes_of.h) where they meet one. In
+ * Python it is a read-only bytes-like object (the buffer protocol, `len`,
  * indexing and slicing as a memoryview's, == by content, `obj` the owner).
- * A memoryview slice per datagram cost a slice object, a view and their
- * deallocation: about 110 ns, a tenth of a daemon's time at 1500 bytes a
- * packet; this is one small object.
+ * A memoryview slice cost a slice object, a view and their deallocation:
+ * about 110 ns; this is one small object.
  *
  * dlcp/wire/_bulk.c defines the type; the others find it by importing
  * dlcp.wire._bulk and share this layout.
