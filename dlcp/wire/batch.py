@@ -277,8 +277,9 @@ def _py_field_reasons(
 def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, MacKey]) -> Batch:
     """Validate and authenticate a batch of datagrams; never raises for bad input.
 
-    With the C gather (`_bulk.heads`) of a list of datagrams, no Python object
-    is made per datagram: the header records and lengths come from one call
+    With the C gather (`_bulk.heads`) of a list of datagrams or a `Datagrams`
+    (a receive drain's, dlcp/wire/datagrams.h), no Python object is made per
+    datagram: the header records and lengths come from one call
     and the MAC check takes the datagrams as they are. Either way the payloads
     are a `Payloads` of the accepted ones.
     """
