@@ -978,3 +978,67 @@ def test_an_error_in_one_rounds_timer_fails_that_round_only(
     assert sorted(done) == [(0, 1), (1, 0), (1, 1)]
     for ev in done.values():
         np.testing.assert_array_equal(ev.sums, xs[0] + xs[1])
+
+
+def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
+    """`ShardAggregator.next_timer` as it was first written: the whole
+    required-missing mask and every row's checks on each call."""
+    if agg.result is not None:
+        return None
+    times = [agg.created + agg.timing.timeout]
+    if agg.done_at is not None:
+        return min(times[0], agg.done_at + agg.timing.linger)
+    required = ~agg.received & ~agg.droppable
+    short = agg.manifest.all() and not required.any()
+    for row in range(len(agg.senders)):
+        again = agg.last_nack[row] + agg.timing.nack_interval
+        if agg.manifest[row]:
+            if required[row].any() or (short and not agg.received[row].all()):
+                times.append(max(again, agg.last_arrival + agg.timing.nack_delay))
+        else:
+            times.append(
+                max(again, agg.created + agg.timing.grace, agg.last_arrival + agg.timing.grace)
+            )
+    return min(times)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_shards_next_timer_is_the_whole_masks_answer(seed: int) -> None:
+    """`next_timer`, which looks at a sender's row only where its answer can
+    arm a time, gives the time the whole required-missing mask gives, through
+    rounds of arrivals, manifests (some packets droppable, a bound) and polls."""
+    from dlcp.core.aggregate import ShardAggregator
+
+    rng = np.random.default_rng(seed)
+    lay = Layout(total=3000, codec=Codec.FP32, shards=2, payload=128)
+    pk = lay.shard_packets(0)
+    n = len(pk)
+    starts = np.array([lay.packet_range(i)[0] for i in pk], dtype=np.int64)
+    counts = np.array([lay.packet_range(i)[1] for i in pk], dtype=np.int64)
+    agg = ShardAggregator(layout=lay, shard=0, senders=[0, 1, 2], now=0.0, timing=Timing())
+    droppable = rng.random((3, n)) < rng.choice([0.0, 0.3, 1.0])
+    arrived = np.zeros((3, n), dtype=bool)
+    now = 0.0
+    seen = set()
+    for _step in range(30):
+        now += float(rng.choice([0.001, 0.02, 0.2]))
+        node = int(rng.integers(3))
+        action = rng.random()
+        if action < 0.6:  # some of its packets, in order
+            pick = np.flatnonzero(rng.random(n) < rng.choice([0.1, 0.5, 1.0]))
+            arrived[node, pick] = True
+            agg.on_data_many(sender=node, offsets=starts[pick], counts=counts[pick],
+                             payloads=[bytes(4 * int(c)) for c in counts[pick]], summed=False,
+                             weight=1, droppable=droppable[node, pick], scale=0.0,
+                             block_max=np.zeros(pick.size, np.float32), now=now)  # fmt: skip
+        elif action < 0.8:
+            agg.on_manifest(sender=node, droppable=droppable[node],
+                            bound=float(rng.choice([0.0, 0.5])), now=now)  # fmt: skip
+        else:
+            agg.poll(now)
+        if agg.result is not None:
+            break
+        got, want = agg.next_timer(), _next_timer_reference(agg)
+        assert got == want, (seed, _step)
+        seen.add((bool(agg.manifest.all()), bool(arrived.all()), agg.done_at is not None))
+    assert seen

@@ -169,6 +169,8 @@ class ShardAggregator:
         # rows held by reference instead of in `slots` (this node's own lanes)
         self._held: dict[int, np.ndarray] = {}
         self.received = np.zeros((s, self.n_packets), dtype=bool)
+        # the rows found to hold every packet (`received` only ever gains them)
+        self._complete_rows: set[int] = set()
         self.droppable = np.zeros((s, self.n_packets), dtype=bool)
         # per packet, the highest priority (lowest class) and the layer it came
         # with from any sender: what its result packet is sent with
@@ -629,13 +631,22 @@ class ShardAggregator:
         if self.done_at is not None:
             t.arm(self.done_at + self.timing.linger)
             return t.at
-        required = self._required_missing()
-        short = self.manifest.all() and not required.any()  # only the bound is unmet
+        # Called after every drain: a row is looked at only where its answer
+        # may arm a time (its manifest in and some packet missing), and the
+        # whole shard only where that row lacks just droppable packets. Most
+        # calls of a round find no manifest in yet but the node's own.
+        short: bool | None = None  # whether only the bound is unmet
         for row in range(len(self.senders)):
             again = self.last_nack[row] + self.timing.nack_interval
             if self.manifest[row]:
-                if required[row].any() or (short and not self.received[row].all()):
-                    t.arm(max(again, self.last_arrival + self.timing.nack_delay))
+                if self._row_complete(row):
+                    continue
+                if not (~self.received[row] & ~self.droppable[row]).any():
+                    if short is None:
+                        short = bool(self.manifest.all()) and not self._required_missing().any()
+                    if not short:
+                        continue
+                t.arm(max(again, self.last_arrival + self.timing.nack_delay))
             else:
                 t.arm(
                     max(
@@ -645,6 +656,15 @@ class ShardAggregator:
                     )
                 )
         return t.at
+
+    def _row_complete(self, row: int) -> bool:
+        """Whether sender row `row` holds every packet (kept once true)."""
+        if row in self._complete_rows:
+            return True
+        if self.received[row].all():
+            self._complete_rows.add(row)
+            return True
+        return False
 
     def timed_out(self, now: float) -> bool:
         return self.result is None and now >= self.created + self.timing.timeout
