@@ -570,8 +570,11 @@ class ShardAggregator:
     def complete(self) -> bool:
         return self.result is not None
 
-    def _required_missing(self) -> np.ndarray:
-        """Per sender and packet: missing and not known to be droppable."""
+    def _required_missing(self, row: int | None = None) -> np.ndarray:
+        """Per sender and packet (of sender row `row` only, if given): missing
+        and not known to be droppable."""
+        if row is not None:
+            return ~self.received[row] & ~self.droppable[row]
         return ~self.received & ~self.droppable
 
     def poll(self, now: float) -> tuple[list[Nack], bool]:
@@ -641,7 +644,7 @@ class ShardAggregator:
             if self.manifest[row]:
                 if self._row_complete(row):
                     continue
-                if not (~self.received[row] & ~self.droppable[row]).any():
+                if not self._required_missing(row).any():
                     if short is None:
                         short = bool(self.manifest.all()) and not self._required_missing().any()
                     if not short:

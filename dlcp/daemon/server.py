@@ -381,13 +381,14 @@ class Daemon:
                     sizes.append(seg)
                     lasts.append(len(segs[-1]) if full == k else seg)
             if full < k:  # truncated datagrams: the engine counts them
-                parts.append(segs[full:])
-            for dg in segs[full:]:
-                kinds.append(b"\0")
-                groups.append((None, None))
-                runs.append(1)
-                sizes.append(len(dg))
-                lasts.append(len(dg))
+                tail = segs[full:]
+                parts.append(tail)
+                for dg in tail:
+                    kinds.append(b"\0")
+                    groups.append((None, None))
+                    runs.append(1)
+                    sizes.append(len(dg))
+                    lasts.append(len(dg))
         self.counters["rx_packets"] += rx  # all of them, those rejected here too
         self.counters["rx_bytes"] += rx_bytes
         for peer, job in senders.items():  # their bytes left the socket: room for more
@@ -423,8 +424,7 @@ class Daemon:
     ) -> None:
         """`_receive` for a buffer whose datagrams name more than one job."""
         jobs = self.jobs
-        for i in range(len(segs)):
-            dg = segs[i]
+        for i, dg in enumerate(segs):
             job = node = None
             if i < len(ids):
                 job = jobs.get(ids[i])

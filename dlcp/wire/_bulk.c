@@ -1050,17 +1050,6 @@ Datagrams_repr(DatagramsObject *self)
     return PyUnicode_FromFormat("<dlcp Datagrams: %zd>", self->n);
 }
 
-static PyObject *
-Datagrams_new_py(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    (void)type;
-    (void)args;
-    (void)kwds;
-    PyErr_SetString(PyExc_TypeError,
-                    "Datagrams are made by dlcp.daemon._udp and dlcp.wire._bulk.join");
-    return NULL;
-}
-
 static PySequenceMethods Datagrams_sequence = {
     .sq_length = (lenfunc)Datagrams_length,
     .sq_item = (ssizeargfunc)Datagrams_item,
@@ -1079,8 +1068,7 @@ static PyTypeObject DatagramsType = {
     .tp_hash = PyObject_HashNotImplemented,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Datagrams inside receive buffers: a sequence of Segments made when asked "
-              "for, read in place by dlcp's C loops.",
-    .tp_new = Datagrams_new_py,
+              "for, read in place by dlcp's C loops (made by dlcp.daemon._udp and join).",
 };
 
 /* join(parts): one Datagrams of the parts' datagrams, in order. */
