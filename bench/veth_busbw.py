@@ -152,16 +152,27 @@ def run_delay(pid: int) -> float:
         return int(f.read().split()[1]) / 1e9
 
 
+def run_time(pid: int) -> float:
+    """Seconds a process's main thread has run so far (schedstat, in
+    nanoseconds: finer than the clock ticks of `proc_cpu`)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
 def round_split(
-    mark: tuple[list[float], dict[str, float], list[float]], pids: list[int], wall: float
+    mark: tuple[list[float], dict[str, float], list[float], list[float]],
+    pids: list[int],
+    wall: float,
 ) -> dict:
-    """One round's wall time beside each daemon's CPU and the machine's idle
-    and softirq seconds in it (diagnostics: where a slow round's time went)."""
-    cpu0, sys0, wait0 = mark
+    """One round's wall time beside each daemon's CPU (in clock ticks, and as
+    run time to the nanosecond) and the machine's idle and softirq seconds in
+    it (diagnostics: where a slow round's time went)."""
+    cpu0, sys0, wait0, run0 = mark
     sys1 = system_cpu()
     return {
         "wall_s": wall,
         "daemon_cpu_s": [proc_cpu(p) - c for p, c in zip(pids, cpu0, strict=True)],
+        "daemon_run_s": [run_time(p) - r for p, r in zip(pids, run0, strict=True)],
         "runqueue_s": [run_delay(p) - w for p, w in zip(pids, wait0, strict=True)],
         "idle_s": sys1["idle"] - sys0["idle"],
         "softirq_s": sys1["softirq"] - sys0["softirq"],
@@ -386,7 +397,12 @@ def run_dlcp(
         cpu0 = sum(proc_cpu(p) for p in pids) + time.process_time()
         per_round = []
         for it in range(iters + 1):
-            mark = ([proc_cpu(p) for p in pids], system_cpu(), [run_delay(p) for p in pids])
+            mark = (
+                [proc_cpu(p) for p in pids],
+                system_cpu(),
+                [run_delay(p) for p in pids],
+                [run_time(p) for p in pids],
+            )
             t = time.perf_counter()
             futs = [
                 c.submit(
