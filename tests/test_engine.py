@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -866,6 +868,43 @@ def test_results_sent_from_out_are_copied_before_out_is_handed_back(ack_wait: fl
     shard0 = Layout(total=xs[0].size, codec=Codec.FP32, shards=2).shard_range(0)[1]
     assert e0.stats["gathered_bytes_copied"] == 4 * shard0
     assert e0.stats["completions_held"] == (1 if ack_wait else 0)
+
+
+@gathered
+def test_a_settled_rounds_datagrams_are_freed_by_drop_settled() -> None:
+    """A round's end hands the caller its buffers back at once but leaves
+    freeing its datagrams to `drop_settled` (the daemon calls it once its
+    ranks are told): each round's list keeps its datagrams until then, and
+    no more than the last _SETTLED_MAX rounds' wait."""
+    from dlcp.core import engine as engine_mod
+    from dlcp.wire import _ghash  # type: ignore[attr-defined]
+
+    rng = np.random.default_rng(35)
+    rounds = engine_mod._SETTLED_MAX + 2
+    firsts: dict[int, bytes] = {}  # round -> node 0's first data datagram of it
+
+    def watch(src: int, s: Send) -> bool:
+        dg = s.datagram
+        if src == 0 and s.kind == "data" and isinstance(dg, _ghash.Gathered):
+            firsts.setdefault(int.from_bytes(bytes(dg)[12:16], "big"), dg)
+        return False
+
+    net = Network(gather_cluster(2), seed=35, drop=watch)
+    for r in range(rounds):
+        xs = [rng.standard_normal(20_000).astype(np.float32) for _ in range(2)]
+        submit_all(net, xs, round=r)
+        net.run()
+        assert sorted(completions(net)) == [0, 1]
+    assert sorted(firsts) == list(range(rounds))
+    before = {r: sys.getrefcount(dg) for r, dg in firsts.items()}
+    net.engines[0].drop_settled()
+    after = {r: sys.getrefcount(dg) for r, dg in firsts.items()}
+    # the oldest rounds' lists went when later rounds settled; each of the
+    # last _SETTLED_MAX held its datagrams until now
+    kept = rounds - engine_mod._SETTLED_MAX
+    assert [before[r] - after[r] for r in range(rounds)] == [0] * kept + [1] * (rounds - kept)
+    net.engines[0].drop_settled()  # nothing left: a second call changes nothing
+    assert {r: sys.getrefcount(dg) for r, dg in firsts.items()} == after
 
 
 @gathered

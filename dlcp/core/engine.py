@@ -60,6 +60,9 @@ __all__ = [
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
+# rounds whose settled datagrams wait for `Engine.drop_settled` at most (the
+# oldest are freed first when more end without a call)
+_SETTLED_MAX = 4
 # header fields that packets of one run (`Engine.receive_many`) share
 _RUN_FIELDS = ("type", "job", "round", "bucket", "shard", "sender", "codec", "total")
 _RUN_FLAGS = int(Flags.SUMMED | Flags.RESULT_LEG)
@@ -416,6 +419,12 @@ class Engine:
         # per round this node contributes to: its lists of Gathered datagrams
         # (`gather`), whose payloads lie in the caller's buffers (`lanes`, `out`)
         self._gathered: dict[OpKey, list[list[bytes]]] = {}
+        # ... and those of rounds settled since `drop_settled` (at most
+        # _SETTLED_MAX rounds'): freeing a leg's tens of thousands of
+        # datagrams, long out of cache, took about a millisecond, which a
+        # round's end, its caller and the peers waiting on its ACKs need not
+        # wait for
+        self._settled: deque[list[list[bytes]]] = deque(maxlen=_SETTLED_MAX)
         # rounds complete here whose completion waits (until the deadline) for
         # receivers' ACKs of this node's gathered result shards
         self._held: dict[OpKey, tuple[float, RoundComplete]] = {}
@@ -1484,6 +1493,14 @@ class Engine:
         kept = {id(dgs) for dgs in keep}
         copied += sum(detach_gathered(dgs, True) for dgs in lists if id(dgs) not in kept)
         self.stats["gathered_bytes_copied"] += copied
+        self._settled.append(lists)  # read nothing of the caller's any more
+
+    def drop_settled(self) -> None:
+        """Free the datagrams of the rounds settled so far (their payloads are
+        their own or no longer read): for a caller to call once it has told
+        the ranks and sent what a round's end made, rather than have them freed
+        while those wait."""
+        self._settled.clear()
 
     def _fail(self, op: OpKey, reason: str, now: float) -> None:
         self._collectors.pop(op, None)

@@ -547,6 +547,7 @@ class Daemon:
             if self.outbox.blocked:
                 self._wait_writable()
         self._arm(now)
+        engine.drop_settled()  # the ranks are told and the peers sent to: now free
 
     def _enqueue(self, batches: list[SendBatch], now: float) -> None:
         """Queue the engine's datagrams: each run of consecutive batches for the
