@@ -61,8 +61,8 @@ _F_RETRANSMIT = int(Flags.RETRANSMIT)
 TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
-FLUSH_BYTES = 1 << 20  # changed: the most a one-path peer is sent per call
-FLUSH_COUNT = 1024
+FLUSH_BYTES = 4 << 20  # changed: the most a one-path peer is sent per call
+FLUSH_COUNT = 4096
 BURST_BYTES = 256 * 1024  # pacer burst: several batches
 # ... or this long at the path's rate, if more: the daemon's loop comes back to
 # send only every millisecond or few when busy receiving; a fixed burst lost
