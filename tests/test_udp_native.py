@@ -23,6 +23,7 @@ import os
 import random
 import select
 import socket
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -172,6 +173,32 @@ def test_gathered_datagrams_go_as_their_bytes_joined(
         assert _split(bufs) == joined
         assert [len(b) for b, _ in bufs] == _groups(joined)
         assert tx.sendmsg_calls - calls == len(_groups(joined))
+
+
+@pytest.mark.skipif(
+    transport._udp is None or not _ghash_built(), reason="dlcp.wire._ghash is not built"
+)
+def test_a_send_keeps_no_reference_to_its_datagrams(pair: tuple[UdpPath, UdpPath]) -> None:
+    """send_gso holds each Gathered datagram (a reference) and views each
+    other one only while it sends: afterwards, and after an item it cannot
+    send stops it half-way (those before it taken, one of them put back
+    when the next did not fit its super-datagram), every count is as
+    before."""
+    udp = transport._udp
+    assert udp is not None
+    tx, rx = pair
+    port = rx.sock.getsockname()[1]
+    dgs, joined = _gathered_mix(5)
+    before = [sys.getrefcount(dg) for dg in dgs]
+    sent, _calls, err = udp.send_gso(
+        tx.sock.fileno(), dgs, 0, b"\x7f\0\0\1", port, 0, True, 65507
+    )
+    assert (sent, err) == (len(dgs), 0)
+    assert [sys.getrefcount(dg) for dg in dgs] == before
+    assert _split(_drain(rx, sum(map(len, joined)))) == joined
+    with pytest.raises(TypeError):
+        udp.send_gso(tx.sock.fileno(), [*dgs, 3], 0, b"\x7f\0\0\1", port, 0, True, 65507)
+    assert [sys.getrefcount(dg) for dg in dgs] == before
 
 
 @pytest.mark.skipif(

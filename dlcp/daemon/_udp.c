@@ -54,6 +54,9 @@
 typedef struct {
     struct mmsghdr msgs[MSGS];
     struct iovec iov[IOVS];
+    /* what keeps the iovecs' memory: a reference to each Gathered datagram
+     * (its header and its payload's owner), a buffer view of each other one */
+    PyObject *held[IOVS / 2];
     Py_buffer views[IOVS];
     union {
         char buf[CTRL];
@@ -62,33 +65,31 @@ typedef struct {
     int segs[MSGS];
 } batch_t;
 
+/* How far a batch has got: iovecs, held datagrams and views. */
+typedef struct {
+    int iov, held, views;
+} mark_t;
+
+/* Let go of what was taken from `from` on. */
 static void
-release(batch_t *b, int nviews)
+release(batch_t *b, mark_t from, mark_t to)
 {
-    for (int i = 0; i < nviews; i++)
+    for (int i = from.held; i < to.held; i++)
+        Py_DECREF(b->held[i]);
+    for (int i = from.views; i < to.views; i++)
         PyBuffer_Release(&b->views[i]);
 }
 
-/* A view of the `len` bytes at `buf` inside `obj`, holding a reference to
- * it (which PyBuffer_Release drops). */
-static void
-held_view(Py_buffer *v, const void *buf, Py_ssize_t len, PyObject *obj)
-{
-    memset(v, 0, sizeof *v);
-    v->buf = (void *)buf;
-    v->len = len;
-    v->obj = obj;
-    Py_INCREF(obj);
-}
-
-/* Datagram list[j]'s iovecs from b->views[*nv] on: one for a bytes-like
- * object, two (header, payload in place) for a Gathered one, whose views hold
- * a reference to it. Returns its size, or -1 with an exception set. */
+/* Datagram list[j]'s iovecs from b->iov[m->iov] on: one for a bytes-like
+ * object (a view of it kept), two (header, payload in place) for a Gathered
+ * one (a reference to it kept: no view apiece, whose making and releasing
+ * cost more than a reference). Returns its size, or -1 with an exception
+ * set. */
 static Py_ssize_t
-take(batch_t *b, PyObject *list, Py_ssize_t j, int *nv)
+take(batch_t *b, PyObject *list, Py_ssize_t j, mark_t *m)
 {
     PyObject *obj = PyList_GET_ITEM(list, j);
-    Py_buffer *v = &b->views[*nv];
+    struct iovec *v = &b->iov[m->iov];
     if (is_gathered(obj)) {
         GatheredObject *g = (GatheredObject *)obj;
         /* its tag now, if not yet, with those of the few Gathered datagrams
@@ -96,17 +97,23 @@ take(batch_t *b, PyObject *list, Py_ssize_t j, int *nv)
          * them, which then finds them in cache */
         if (gathered_seal_ahead(list, j) < 0)
             return -1;
-        /* released by PyBuffer_Release: a reference to the datagram each,
-         * which holds its header and the payload's buffer */
-        held_view(&v[0], g->head, GATHERED_HEADER, obj);
-        held_view(&v[1], gathered_payload(g), g->len, obj);
-        *nv += 2;
-        return v[0].len + v[1].len;
+        Py_INCREF(obj); /* holds its header and the payload's owner */
+        b->held[m->held++] = obj;
+        v[0].iov_base = g->head;
+        v[0].iov_len = GATHERED_HEADER;
+        v[1].iov_base = (void *)gathered_payload(g);
+        v[1].iov_len = (size_t)g->len;
+        m->iov += 2;
+        return GATHERED_HEADER + g->len;
     }
-    if (PyObject_GetBuffer(obj, v, PyBUF_SIMPLE) < 0)
+    Py_buffer *view = &b->views[m->views];
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
         return -1;
-    *nv += 1;
-    return v->len;
+    m->views++;
+    v[0].iov_base = view->buf;
+    v[0].iov_len = (size_t)view->len;
+    m->iov += 1;
+    return view->len;
 }
 
 static PyObject *
@@ -144,13 +151,14 @@ send_gso(PyObject *self, PyObject *args)
     int err = 0;
     while (i < n && !err) {
         /* group what follows into up to MSGS super-datagrams */
-        int m = 0, nv = 0;
+        int m = 0;
+        mark_t zero = {0, 0, 0}, at = zero;
         Py_ssize_t j = i;
         while (j < n && m < MSGS) {
-            int first = nv;
-            Py_ssize_t size = take(b, list, j, &nv);
+            int first = at.iov;
+            Py_ssize_t size = take(b, list, j, &at);
             if (size < 0) {
-                release(b, nv);
+                release(b, zero, at);
                 PyMem_Free(b);
                 return NULL;
             }
@@ -162,18 +170,17 @@ send_gso(PyObject *self, PyObject *args)
                     lim = MAX_SEGMENTS;
                 if (lim < 1)
                     lim = 1;
-                while (k < lim && j < n && nv < IOVS - 1) {
-                    int at = nv;
-                    Py_ssize_t len = take(b, list, j, &nv);
+                while (k < lim && j < n && at.iov < IOVS - 1) {
+                    mark_t before = at;
+                    Py_ssize_t len = take(b, list, j, &at);
                     if (len < 0) {
-                        release(b, nv);
+                        release(b, zero, at);
                         PyMem_Free(b);
                         return NULL;
                     }
                     if (len > size) { /* does not fit this super-datagram */
-                        for (int v = at; v < nv; v++)
-                            PyBuffer_Release(&b->views[v]);
-                        nv = at;
+                        release(b, before, at);
+                        at = before;
                         break;
                     }
                     j++;
@@ -182,16 +189,12 @@ send_gso(PyObject *self, PyObject *args)
                         break;
                 }
             }
-            for (int v = first; v < nv; v++) {
-                b->iov[v].iov_base = b->views[v].buf;
-                b->iov[v].iov_len = (size_t)b->views[v].len;
-            }
             struct msghdr *h = &b->msgs[m].msg_hdr;
             memset(h, 0, sizeof *h);
             h->msg_name = &sa;
             h->msg_namelen = sizeof sa;
             h->msg_iov = &b->iov[first];
-            h->msg_iovlen = (size_t)(nv - first);
+            h->msg_iovlen = (size_t)(at.iov - first);
             memset(b->ctrl[m].buf, 0, CTRL);
             h->msg_control = b->ctrl[m].buf;
             h->msg_controllen = k > 1 ? CTRL : CMSG_SPACE(sizeof(int));
@@ -210,7 +213,7 @@ send_gso(PyObject *self, PyObject *args)
             }
             b->segs[m] = k;
             m++;
-            if (nv > IOVS - 2) /* no room for a datagram of two iovecs */
+            if (at.iov > IOVS - 2) /* no room for a datagram of two iovecs */
                 break;
         }
         /* send them; a short count means the next message failed: try it again */
@@ -231,7 +234,7 @@ send_gso(PyObject *self, PyObject *args)
             messages += r;
             done += r;
         }
-        release(b, nv);
+        release(b, zero, at);
         i = start + sent;
     }
     PyMem_Free(b);
