@@ -190,9 +190,7 @@ def test_a_send_keeps_no_reference_to_its_datagrams(pair: tuple[UdpPath, UdpPath
     port = rx.sock.getsockname()[1]
     dgs, joined = _gathered_mix(5)
     before = [sys.getrefcount(dg) for dg in dgs]
-    sent, _calls, err = udp.send_gso(
-        tx.sock.fileno(), dgs, 0, b"\x7f\0\0\1", port, 0, True, 65507
-    )
+    sent, _calls, err = udp.send_gso(tx.sock.fileno(), dgs, 0, b"\x7f\0\0\1", port, 0, True, 65507)
     assert (sent, err) == (len(dgs), 0)
     assert [sys.getrefcount(dg) for dg in dgs] == before
     assert _split(_drain(rx, sum(map(len, joined)))) == joined
