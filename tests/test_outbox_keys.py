@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections import deque
 from collections.abc import Callable
 from types import ModuleType
@@ -207,6 +208,9 @@ def _unqueue_both(
     assert shards == outbox._py_unqueue(py_set, dgs, n, py_q.popleft)
     assert c_set == py_set
     assert list(c_q) == list(py_q) == dgs[n:] + tail
+    fifo, f_set = keys.Fifo(dgs + tail), set(pending)  # popped at once
+    assert keys.unqueue(f_set, dgs, n, fifo) == shards
+    assert f_set == c_set and list(fifo) == dgs[n:] + tail
     assert keys.unqueue(set(pending), dgs, n) == shards  # no queue: the same
     return shards, c_set
 
@@ -340,6 +344,13 @@ def test_unqueue_rejects_bad_input_and_leaves_the_set(keys: ModuleType) -> None:
         with pytest.raises(RuntimeError, match="datagram 0 popped off the queue"):
             f(pending, dgs, 2, q.popleft)
         pending |= before
+    fifo = keys.Fifo(dgs[1:])  # a queue the batch does not head: left as it was
+    with pytest.raises(RuntimeError, match="datagram 0 popped off the queue"):
+        keys.unqueue(pending, dgs, 2, fifo)
+    assert list(fifo) == dgs[1:]
+    with pytest.raises(RuntimeError, match="3 datagrams left a queue of 2"):
+        keys.unqueue(pending, dgs, 3, keys.Fifo(dgs[:2]))
+    pending |= before
     with pytest.raises(ValueError, match="datagram 3 is 35 bytes"):
         keys.unqueue(pending, short, 11)
     assert pending == before  # checked before any was discarded
@@ -387,22 +398,108 @@ def test_take_equals_the_python_definition(keys: ModuleType, seed: int) -> None:
     if seed % 2:
         dgs = _gathered(_batch(80, 2, seed) + dgs)
     q = deque(dgs)
+    fifo = keys.Fifo([b"popped"] * 5 + dgs)  # its array starts past the head
+    for _ in range(5):
+        fifo.popleft()
     total = sum(map(len, dgs))
     for nbytes in (0, 1, 35, 36, 64, 9000, 9001, 65_536, 1 << 20, total, total + 1):
         for count in (1, 2, 7, 64, len(q), len(q) + 5, 1024):
-            head, sizes = keys.take(q, nbytes, count)
             want_head, want_sizes = outbox._py_take(q, nbytes, count)
-            assert len(head) == len(want_head) and all(
-                a is b for a, b in zip(head, want_head, strict=True)
-            )
-            assert list(sizes) == list(want_sizes)
-            assert sizes[len(head) - 1] == want_sizes[-1]
-    assert list(q) == dgs
+            for queue in (q, fifo):
+                head, sizes = keys.take(queue, nbytes, count)
+                assert len(head) == len(want_head) and all(
+                    a is b for a, b in zip(head, want_head, strict=True)
+                )
+                assert list(sizes) == list(want_sizes)
+                assert sizes[len(head) - 1] == want_sizes[-1]
+    assert list(q) == list(fifo) == dgs
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_fifo_is_the_deque_the_outbox_uses(keys: ModuleType, seed: int) -> None:
+    """The operations the outbox makes on a send queue (append, extend,
+    popleft, len, q[i], del q[i], iteration, clear) leave a Fifo and a
+    deque the same, whatever the order; each holds a reference to what it
+    holds and drops it when the item leaves; the errors are the same kinds."""
+    rng = random.Random(seed)
+    fifo, dq = keys.Fifo(), deque()
+    made = 0
+    pops = 0.75 if seed % 2 else 0.45  # some seeds keep it short: its array is reused
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.3:
+            x = made.to_bytes(8, "big")
+            made += 1
+            fifo.append(x)
+            dq.append(x)
+        elif op < 0.45:
+            xs = [(made + i).to_bytes(8, "big") for i in range(rng.choice((0, 1, 5, 40, 300)))]
+            made += len(xs)
+            fifo.extend(xs if rng.random() < 0.5 else iter(xs))
+            dq.extend(xs)
+        elif op < pops and dq:
+            assert fifo.popleft() is dq.popleft()
+        elif op < pops + 0.1 and dq:
+            i = rng.randrange(-len(dq), len(dq))
+            assert fifo[i] is dq[i]
+            if rng.random() < 0.5:
+                del fifo[i]
+                del dq[i]
+        elif op < pops + 0.11:
+            fifo.clear()
+            dq.clear()
+        assert len(fifo) == len(dq) and bool(fifo) == bool(dq)
+        if rng.random() < 0.05:
+            assert list(fifo) == list(dq)
+    assert list(fifo) == list(dq)
+    # most of a long queue sent, then more queued: the rest moves to the front
+    xs = [i.to_bytes(8, "big") for i in range(1000)]
+    fifo, dq = keys.Fifo(xs[:100]), deque(xs[:100])
+    for _ in range(90):
+        assert fifo.popleft() is dq.popleft()
+    fifo.extend(xs[100:130])
+    dq.extend(xs[100:130])
+    for x in xs[130:]:
+        fifo.append(x)
+        dq.append(x)
+    assert list(fifo) == list(dq) and fifo[0] is xs[90]
+    one = b"held by the queue" + bytes(rng.randrange(9))
+    held = sys.getrefcount(one)
+    q = keys.Fifo([one, one])
+    assert sys.getrefcount(one) == held + 2
+    del q[0]
+    assert sys.getrefcount(one) == held + 1
+    q.extend([one])
+    got = q.popleft()
+    assert got is one and sys.getrefcount(one) == held + 2  # q's one and got
+    del got, q
+    assert sys.getrefcount(one) == held
+    with pytest.raises(IndexError):
+        keys.Fifo().popleft()
+    with pytest.raises(IndexError):
+        keys.Fifo([1])[1]
+    with pytest.raises(IndexError):
+        del keys.Fifo([1])[-2]
+    with pytest.raises(TypeError):
+        keys.Fifo([1])[0] = 2
+    with pytest.raises(TypeError):
+        keys.Fifo(5)
+    q = keys.Fifo([1])
+    with pytest.raises(ValueError):
+        q.extend(q)
+
+
+def test_the_outbox_queues_are_fifos_where_built(keys: ModuleType) -> None:
+    if os.environ.get("DLCP_NATIVE_KEYS") == "0":
+        pytest.skip("DLCP_NATIVE_KEYS=0 turns the extension off")
+    assert type(outbox._new_queue()) is keys.Fifo
 
 
 def test_take_rejects_bad_input(keys: ModuleType) -> None:
     with pytest.raises(IndexError):
         keys.take(deque(), 100, 10)
+    with pytest.raises(IndexError):
+        keys.take(keys.Fifo(), 100, 10)
     with pytest.raises(ValueError):
         keys.take(deque([b"x" * 40]), 100, 0)
     with pytest.raises(TypeError):

@@ -389,6 +389,274 @@ discard(PyObject *pending, const char *p)
     return r < 0 ? -1 : 0;
 }
 
+/* -- Fifo: a send queue (outbox.Peer.queues) ------------------------------
+ *
+ * The part of collections.deque the outbox uses (append, extend, popleft,
+ * len, q[i], del q[i], iteration, clear), over one array with a head index.
+ * What it adds is for the C calls here: `take` reads a batch off its array,
+ * and `unqueue` pops a sent batch by moving the head, where a deque's batch
+ * cost an iterator step and a popleft call per datagram. */
+typedef struct {
+    PyObject_HEAD
+    PyObject **items; /* items[head .. tail) are queued */
+    Py_ssize_t head, tail, cap;
+} FifoObject;
+
+static PyTypeObject FifoType;
+
+#define Fifo_Check(o) (Py_TYPE(o) == &FifoType)
+#define FIFO_LEN(f) ((f)->tail - (f)->head)
+
+/* Room for `more` items after tail: the queued ones moved to the front, or
+ * the array grown. 0, or -1 with an exception set. */
+static int
+fifo_reserve(FifoObject *f, Py_ssize_t more)
+{
+    Py_ssize_t n = FIFO_LEN(f);
+    if (f->tail + more <= f->cap)
+        return 0;
+    if (n + more <= f->cap / 2) { /* half empty or more: the queued ones to the front */
+        memmove(f->items, f->items + f->head, (size_t)n * sizeof(PyObject *));
+        f->head = 0;
+        f->tail = n;
+        if (f->tail + more <= f->cap)
+            return 0;
+    }
+    Py_ssize_t cap = f->cap ? f->cap : 16;
+    while (cap < n + more)
+        cap *= 2;
+    PyObject **items = PyMem_Malloc((size_t)cap * sizeof(PyObject *));
+    if (items == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (n)
+        memcpy(items, f->items + f->head, (size_t)n * sizeof(PyObject *));
+    PyMem_Free(f->items);
+    f->items = items;
+    f->cap = cap;
+    f->head = 0;
+    f->tail = n;
+    return 0;
+}
+
+/* Drop the first `n` items (n <= len). */
+static void
+fifo_drop(FifoObject *f, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = f->items[f->head];
+        f->head++; /* moved first: a destructor that looks at the queue sees it gone */
+        Py_DECREF(o);
+    }
+    if (f->head == f->tail)
+        f->head = f->tail = 0;
+}
+
+static PyObject *
+Fifo_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *iterable = NULL;
+    static char *kwlist[] = {"iterable", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Fifo", kwlist, &iterable))
+        return NULL;
+    FifoObject *f = (FifoObject *)type->tp_alloc(type, 0);
+    if (f == NULL)
+        return NULL;
+    if (iterable != NULL) {
+        PyObject *r = PyObject_CallMethod((PyObject *)f, "extend", "O", iterable);
+        if (r == NULL) {
+            Py_DECREF(f);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    return (PyObject *)f;
+}
+
+static int
+Fifo_traverse(FifoObject *f, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = f->head; i < f->tail; i++)
+        Py_VISIT(f->items[i]);
+    return 0;
+}
+
+static int
+Fifo_clear(FifoObject *f)
+{
+    while (f->head < f->tail) {
+        PyObject *o = f->items[--f->tail];
+        Py_DECREF(o);
+    }
+    f->head = f->tail = 0;
+    return 0;
+}
+
+static void
+Fifo_dealloc(FifoObject *f)
+{
+    PyObject_GC_UnTrack(f);
+    Fifo_clear(f);
+    PyMem_Free(f->items);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyObject *
+Fifo_append(FifoObject *f, PyObject *x)
+{
+    if (fifo_reserve(f, 1) < 0)
+        return NULL;
+    Py_INCREF(x);
+    f->items[f->tail++] = x;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Fifo_extend(FifoObject *f, PyObject *iterable)
+{
+    if ((PyObject *)f == iterable) {
+        PyErr_SetString(PyExc_ValueError, "a Fifo cannot extend itself");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(iterable, "extend() takes an iterable");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (fifo_reserve(f, n) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject **src = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(src[i]);
+        f->items[f->tail++] = src[i];
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Fifo_popleft(FifoObject *f, PyObject *Py_UNUSED(ignored))
+{
+    if (f->head == f->tail) {
+        PyErr_SetString(PyExc_IndexError, "pop from an empty Fifo");
+        return NULL;
+    }
+    PyObject *o = f->items[f->head++]; /* the queue's reference, now the caller's */
+    if (f->head == f->tail)
+        f->head = f->tail = 0;
+    return o;
+}
+
+static PyObject *
+Fifo_clear_method(FifoObject *f, PyObject *Py_UNUSED(ignored))
+{
+    Fifo_clear(f);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t
+Fifo_length(FifoObject *f)
+{
+    return FIFO_LEN(f);
+}
+
+static PyObject *
+Fifo_item(FifoObject *f, Py_ssize_t i)
+{
+    if (i < 0 || i >= FIFO_LEN(f)) {
+        PyErr_SetString(PyExc_IndexError, "Fifo index out of range");
+        return NULL;
+    }
+    PyObject *o = f->items[f->head + i];
+    Py_INCREF(o);
+    return o;
+}
+
+/* del q[i] (the only assignment: q[i] = x is refused) */
+static int
+Fifo_ass_item(FifoObject *f, Py_ssize_t i, PyObject *v)
+{
+    if (v != NULL) {
+        PyErr_SetString(PyExc_TypeError, "a Fifo's items cannot be replaced");
+        return -1;
+    }
+    if (i < 0 || i >= FIFO_LEN(f)) {
+        PyErr_SetString(PyExc_IndexError, "Fifo index out of range");
+        return -1;
+    }
+    PyObject *o = f->items[f->head + i];
+    memmove(f->items + f->head + i, f->items + f->head + i + 1,
+            (size_t)(FIFO_LEN(f) - i - 1) * sizeof(PyObject *));
+    f->tail--;
+    if (f->head == f->tail)
+        f->head = f->tail = 0;
+    Py_DECREF(o);
+    return 0;
+}
+
+/* An iterator over a snapshot (a list of the items now): the outbox iterates
+ * a queue only to read it, never while it changes it. */
+static PyObject *
+Fifo_iter(FifoObject *f)
+{
+    Py_ssize_t n = FIFO_LEN(f);
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = f->items[f->head + i];
+        Py_INCREF(o);
+        PyList_SET_ITEM(list, i, o);
+    }
+    PyObject *it = PyObject_GetIter(list);
+    Py_DECREF(list);
+    return it;
+}
+
+static PyObject *
+Fifo_repr(FifoObject *f)
+{
+    return PyUnicode_FromFormat("Fifo(<%zd items>)", FIFO_LEN(f));
+}
+
+static PySequenceMethods Fifo_as_sequence = {
+    .sq_length = (lenfunc)Fifo_length,
+    .sq_item = (ssizeargfunc)Fifo_item,
+    .sq_ass_item = (ssizeobjargproc)Fifo_ass_item,
+};
+
+static PyMethodDef Fifo_methods[] = {
+    {"append", (PyCFunction)Fifo_append, METH_O, "Queue x at the tail."},
+    {"extend", (PyCFunction)Fifo_extend, METH_O, "Queue each item of an iterable at the tail."},
+    {"popleft", (PyCFunction)Fifo_popleft, METH_NOARGS, "Take the item at the head."},
+    {"clear", (PyCFunction)Fifo_clear_method, METH_NOARGS, "Drop every item."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Fifo_doc,
+"Fifo(iterable=()) -> a send queue\n\n"
+"collections.deque's append, extend, popleft, clear, len, q[i], del q[i] and\n"
+"iteration (over the items as they were when it began), over one array: take\n"
+"and unqueue read and pop a batch of it without a step per item in Python.");
+
+static PyTypeObject FifoType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dlcp.daemon._keys.Fifo",
+    .tp_basicsize = sizeof(FifoObject),
+    .tp_dealloc = (destructor)Fifo_dealloc,
+    .tp_repr = (reprfunc)Fifo_repr,
+    .tp_as_sequence = &Fifo_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = Fifo_doc,
+    .tp_traverse = (traverseproc)Fifo_traverse,
+    .tp_clear = (inquiry)Fifo_clear,
+    .tp_iter = (getiterfunc)Fifo_iter,
+    .tp_methods = Fifo_methods,
+    .tp_new = Fifo_new,
+};
+
 static PyObject *
 unqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -467,8 +735,27 @@ unqueue(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto done;
     }
     /* A Python loop of popleft calls cost about as much again as all the rest:
-     * the interpreter's loop, not the deque. */
-    if (popleft != NULL) {
+     * the interpreter's loop, not the deque. A Fifo is popped at once. */
+    if (popleft != NULL && Fifo_Check(popleft)) {
+        FifoObject *f = (FifoObject *)popleft;
+        if (FIFO_LEN(f) < n) {
+            PyErr_Format(PyExc_RuntimeError, "%zd datagrams left a queue of %zd", n,
+                         FIFO_LEN(f));
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *mine = item_at(seq, i);
+            if (mine == NULL)
+                goto done;
+            if (f->items[f->head + i] != mine) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "datagram %zd popped off the queue is not the batch's", i);
+                goto done;
+            }
+        }
+        fifo_drop(f, n);
+    }
+    else if (popleft != NULL) {
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *dg = PyObject_CallNoArgs(popleft);
             if (dg == NULL)
@@ -563,14 +850,23 @@ take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (head == NULL)
         return NULL;
     raw = PyBytes_FromStringAndSize(NULL, cap * (Py_ssize_t)sizeof(int64_t));
-    it = PyObject_GetIter(args[0]);
-    if (raw == NULL || it == NULL)
+    /* a Fifo's array is read as it is; any other queue through an iterator */
+    FifoObject *fifo = Fifo_Check(args[0]) ? (FifoObject *)args[0] : NULL;
+    if (fifo == NULL)
+        it = PyObject_GetIter(args[0]);
+    if (raw == NULL || (fifo == NULL && it == NULL))
         goto fail;
     int64_t *sum = (int64_t *)PyBytes_AS_STRING(raw), total = 0;
     Py_ssize_t k = 0;
     while (k < cap) {
-        PyObject *dg = PyIter_Next(it);
-        if (dg == NULL) {
+        PyObject *dg;
+        if (fifo != NULL) {
+            if (k >= FIFO_LEN(fifo))
+                break;
+            dg = fifo->items[fifo->head + k];
+            Py_INCREF(dg);
+        }
+        else if ((dg = PyIter_Next(it)) == NULL) {
             if (PyErr_Occurred())
                 goto fail;
             break; /* shorter than its length said */
@@ -777,5 +1073,16 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__keys(void)
 {
-    return PyModule_Create(&module);
+    if (PyType_Ready(&FifoType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&FifoType);
+    if (PyModule_AddObject(m, "Fifo", (PyObject *)&FifoType) < 0) {
+        Py_DECREF(&FifoType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

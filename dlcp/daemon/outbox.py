@@ -306,6 +306,12 @@ def _py_take(q: deque[bytes], nbytes: int, count: int) -> tuple[list[bytes], Seq
 _take = _keys.take if NATIVE_KEYS else _py_take
 
 
+def _new_queue() -> deque[bytes]:
+    """A class's send queue: a `_keys.Fifo` (what `_take` and `_unqueue` read
+    and pop without a step per datagram) where built, else a deque."""
+    return _keys.Fifo() if NATIVE_KEYS else deque()
+
+
 def _batch(
     q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
 ) -> tuple[list[bytes], Sequence[int]]:
@@ -334,7 +340,9 @@ class Peer:
     pacers: list[Pacer] | None
     balancer: LoadBalancer
     paths: list[PathState] = field(default_factory=list)
-    queues: list[deque[bytes]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
+    queues: list[deque[bytes]] = field(
+        default_factory=lambda: [_new_queue() for _ in range(N_CLASSES)]
+    )
     queued: int = 0
     # identities of queued packets, so that a push does not queue one twice: all
     # but DONEs (never repeats) and the DATA/RESULT packets of shards and legs
@@ -911,7 +919,9 @@ class Outbox:
         for cls, q in enumerate(peer.queues):
             if not q:
                 continue
-            popleft = q.popleft
+            # what `_unqueue` pops the sent with: a Fifo itself (at once), a
+            # deque's popleft (once a datagram)
+            popleft = q if NATIVE_KEYS else q.popleft
             while q:
                 window = FLUSH_BYTES
                 if peer.window:
