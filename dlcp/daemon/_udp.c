@@ -2,7 +2,7 @@
  *
  * `UdpPath.send` hands the kernel one GSO super-datagram per sendmsg: up to
  * 64 KB, so 7 datagrams at MTU 9000 and 45 at 1500. The outbox now hands it
- * a whole flush at once (up to a megabyte), and a Python loop of one sendmsg
+ * a flush's batch at once (up to 4 MB), and a Python loop of one sendmsg
  * per super-datagram cost as much per call as the kernel's own work. Here the
  * same grouping is done in C and the super-datagrams go out in batches of
  * sendmmsg(2), the GIL released; the Python loop in transport.py stays the
