@@ -67,8 +67,9 @@ INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
 # round 25).
 _RX_BUDGET = 64
 # ... while the outbox has datagrams to send: 16 GRO buffers of 64 KB, one
-# send call's worth when a call sent up to 1 MB (it now sends up to 4 MB; 16
-# was not measured again). Draining 16 MB of arrivals per 1 MB sent let the
+# send call's worth when a call sent up to 1 MB. Calls now send up to 4 MB,
+# but 64 buffers did no better (ratio 0.89 against 0.93, 8 alternated pairs;
+# BENCHMARKS.md, round 32). Draining 16 MB of arrivals per 1 MB sent let the
 # daemon that received more fall behind in sending, so that its peer sat idle
 # at the end of the data leg, waiting for the rest of its shard.
 _RX_SENDING = 16
