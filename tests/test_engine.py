@@ -901,8 +901,10 @@ def test_a_settled_rounds_datagrams_are_freed_by_drop_settled() -> None:
     after = {r: sys.getrefcount(dg) for r, dg in firsts.items()}
     # the oldest rounds' lists went when later rounds settled; each of the
     # last _SETTLED_MAX held its datagrams until now
-    kept = rounds - engine_mod._SETTLED_MAX
-    assert [before[r] - after[r] for r in range(rounds)] == [0] * kept + [1] * (rounds - kept)
+    freed_early = rounds - engine_mod._SETTLED_MAX
+    assert [before[r] - after[r] for r in range(rounds)] == [0] * freed_early + [1] * (
+        rounds - freed_early
+    )
     net.engines[0].drop_settled()  # nothing left: a second call changes nothing
     assert {r: sys.getrefcount(dg) for r, dg in firsts.items()} == after
 

@@ -801,10 +801,11 @@ PyDoc_STRVAR(unqueue_doc,
              "unqueue(pending, datagrams, n, popleft=None, watched=None) -> list[tuple[bytes, int]]\n\n"
              "The first n datagrams left the queue: discard their identities from the\n"
              "set pending (of DATA/RESULT packets, only those of the shards and legs\n"
-             "whose barrier keys are in the set watched, when given), call popleft\n"
-             "(the queue's, which the batch heads) n times, and return (barrier key,\n"
-             "packets) for each shard and leg of the DATA/RESULT packets among them,\n"
-             "in the order of its last packet.");
+             "whose barrier keys are in the set watched, when given), take them off\n"
+             "the queue the batch heads (popleft: its popleft, called n times, or a\n"
+             "Fifo, popped at once), and return (barrier key, packets) for each shard\n"
+             "and leg of the DATA/RESULT packets among them, in the order of its last\n"
+             "packet.");
 PyDoc_STRVAR(shard_keys_doc,
              "shard_keys(datagrams) -> (bytes, list[bytes | None], list[bytes] | None)\n\n"
              "Each datagram's type and flags bytes (two a datagram); its barrier key\n"
@@ -816,9 +817,10 @@ PyDoc_STRVAR(shard_keys_doc,
 
 PyDoc_STRVAR(take_doc,
 "take(queue, nbytes, count) -> (list, sizes)\n\n"
-"The batch at the head of `queue` (an iterable of datagrams, a deque): as many\n"
-"as fit in `nbytes` bytes, at least one and at most `count`, and their running\n"
-"byte sums (an int64 memoryview). outbox._py_take is the definition.");
+"The batch at the head of `queue` (an iterable of datagrams: a deque, or a\n"
+"Fifo, read in place): as many as fit in `nbytes` bytes, at least one and at\n"
+"most `count`, and their running byte sums (an int64 memoryview).\n"
+"outbox._py_take is the definition.");
 
 static PyObject *
 take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
