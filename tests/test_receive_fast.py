@@ -309,11 +309,16 @@ class _Loop:
 
 class _Path:
     """Buffers as recvmsg returned them; `receive_split` splits them in Python
-    (`transport.split_gro`) or, with `native`, in C (`_udp.split_gro`)."""
+    (`transport.split_gro`) or, with `native`, in C (`_udp.split_gro`), and
+    with `runs` joins each drain's runs as `_udp.recv_runs` does
+    (`transport.merge_splits`)."""
 
-    def __init__(self, buffers: list[tuple[bytes, int, str]], native: bool = False) -> None:
+    def __init__(
+        self, buffers: list[tuple[bytes, int, str]], native: bool = False, runs: bool = False
+    ) -> None:
         self.buffers = buffers
         self.native = native
+        self.runs = runs
 
     def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
         out, self.buffers = self.buffers[:budget], self.buffers[budget:]
@@ -321,7 +326,8 @@ class _Path:
 
     def receive_split(self, budget: int = 64) -> list[Split]:
         split = transport._udp.split_gro if self.native else split_gro
-        return [(*split(data, seg), src) for data, seg, src in self.receive_buffers(budget)]
+        out = [(*split(data, seg), src) for data, seg, src in self.receive_buffers(budget)]
+        return transport.merge_splits(out) if self.runs else out
 
     def receive(self, budget: int = 64) -> Any:
         return UdpPath.receive(self, budget)  # type: ignore[arg-type]
@@ -367,15 +373,18 @@ def _packet(rng: np.random.Generator, job: int, size: int) -> bytes:
     return (bytes(head) + body)[:size]
 
 
-def _buffers(rng: np.random.Generator, n: int) -> list[tuple[bytes, int, str]]:
+def _buffers(rng: np.random.Generator, n: int, repeat: float = 0.0) -> list[tuple[bytes, int, str]]:
+    """`n` buffers of random shapes; each takes the source, segment size and
+    job of the one before with probability `repeat` (runs to join)."""
     srcs = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.9.9.9"]
     out = []
-    for _ in range(n):
-        src = srcs[int(rng.integers(0, len(srcs)))]
-        seg = int(rng.choice([5, 20, HEADER_SIZE, 100, 300, 1500, 1500]))
+    for i in range(n):
+        if i == 0 or rng.random() >= repeat:
+            src = srcs[int(rng.integers(0, len(srcs)))]
+            seg = int(rng.choice([5, 20, HEADER_SIZE, 100, 300, 1500, 1500]))
+            mixed = rng.random() < 0.2
+            job0 = int(rng.choice([JOB_A, JOB_B, JOB_UNKNOWN]))
         k = int(rng.integers(1, 9))
-        mixed = rng.random() < 0.2
-        job0 = int(rng.choice([JOB_A, JOB_B, JOB_UNKNOWN]))
         dgs = []
         for i in range(k):
             job = int(rng.choice([JOB_A, JOB_B, JOB_UNKNOWN])) if mixed else job0
@@ -452,24 +461,31 @@ def test_run_starts_in_c_and_numpy_are_the_fields_compared(seed: int) -> None:
         engine_mod._bulk.run_starts(bytes(64), src[:1], bytes(63), bytes(64), bytes(256), 3, 1)
 
 
+@pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("seed", range(8))
 def test_daemon_receive_matches_the_reference(
-    seed: int, native: bool, monkeypatch: pytest.MonkeyPatch
+    seed: int, native: bool, runs: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With runs of buffers joined (as dlcpd takes them from `_udp.recv_runs`)
+    or not, the same as the per-datagram reference."""
     if native and transport._udp is None:
         assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.daemon._udp was not built"
         pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
     for module in (server, receive_reference):  # credits within this little traffic
         monkeypatch.setattr(module, "CREDIT_STEP", 4096)
     rng = np.random.default_rng(seed)
-    buffers = _buffers(rng, 300)
+    buffers = _buffers(rng, 300, 0.7 if runs else 0.0)
     logs: list[list[Any]] = [[], []]
     daemons = [_daemon(logs[0]), _daemon(logs[1])]
+    joined = 0
     for cut in range(0, len(buffers), 40):
         part = buffers[cut : cut + 40]
         reference_receive(daemons[0], _Path(part))
-        Daemon._receive(daemons[1], _Path(part, native))  # type: ignore[arg-type]
+        path = _Path(part, native, runs)
+        joined += len(part) - len(path.receive_split(len(part)))
+        Daemon._receive(daemons[1], _Path(part, native, runs))  # type: ignore[arg-type]
+    assert (joined > 0) == runs
     assert logs[1] == logs[0]
     assert daemons[1].daemon_rejects == daemons[0].daemon_rejects
     assert daemons[1].counters == daemons[0].counters

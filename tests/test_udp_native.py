@@ -9,9 +9,11 @@ definitions in dlcp.daemon.transport:
   destination given by name) are dealt with the same way;
 - `_udp.split_gro` against `transport.split_gro` on GRO buffers of every
   shape (segment sizes around the header's, shorter last datagrams, single
-  datagrams, several jobs in one buffer), and `UdpPath.receive_split` in C
-  (recvmsg and the split in one call) against recvmsg and the Python split
-  over loopback.
+  datagrams, several jobs in one buffer), and over loopback `_udp.recv_gro`
+  (recvmmsg and the split in one call) against recvmsg and the Python split,
+  and `UdpPath.receive_split` in C (`_udp.recv_runs`: runs of buffers of one
+  source, job and datagram size joined) against `transport.merge_splits` of
+  those.
 
 The project's install builds the extension (setup.py), so its absence fails
 here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
@@ -19,19 +21,27 @@ here; set DLCP_ALLOW_NO_NATIVE=1 to run the suite where it cannot be built.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import select
 import socket
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from dlcp.codecs import lanes
 from dlcp.daemon import transport
-from dlcp.daemon.transport import MAX_GSO_BYTES, MAX_GSO_SEGMENTS, UdpPath, split_gro
+from dlcp.daemon.transport import (
+    MAX_GSO_BYTES,
+    MAX_GSO_SEGMENTS,
+    UdpPath,
+    merge_splits,
+    split_gro,
+)
 from dlcp.wire.header import HEADER_SIZE
 
 SEGMENT = memoryview if lanes._bulk is None else lanes._bulk.Segment
@@ -349,33 +359,112 @@ def test_native_split_is_the_python_split(seed: int) -> None:
     assert any(several for _, several, _ in kinds)
 
 
+def _plain(split: tuple[object, ...]) -> tuple[object, ...]:
+    segs, *rest = split
+    return ([bytes(v) for v in segs], *rest)  # type: ignore[attr-defined]
+
+
 def test_native_receive_is_recvmsg_and_the_python_split(pair: tuple[UdpPath, UdpPath]) -> None:
+    """The same buffers sent three times over loopback and taken in drains of
+    7: by recvmsg and the Python split, by `_udp.recv_gro` (recvmmsg and the
+    split in C) and by `receive_split` in C (`_udp.recv_runs`, which also
+    joins runs of buffers). recv_gro gives what Python does, buffer for
+    buffer; each drain of recv_runs is `merge_splits` of those same buffers."""
     tx, rx = pair
     port = rx.sock.getsockname()[1]
-    assert transport._udp is not None, "dlcp.daemon._udp was not built: pip install -e . builds it"
-    got: dict[bool, list[object]] = {}
-    for native in (True, False):
-        rx.native_recv = native
-        sent = 0
-        for data, seg in _gro_buffers(9)[4:60]:
-            if not data:
-                continue
-            dgs = [data[i : i + seg] for i in range(0, len(data), seg)] if seg else [data]
-            assert tx.send(dgs, ("127.0.0.1", port), 0) == len(dgs)
-            sent += len(data)
-        out: list[object] = []
-        total = 0
-        calls = rx.recvmsg_calls
-        while total < sent:
-            ready, _, _ = select.select([rx.sock], [], [], 5.0)
-            assert ready, f"only {total} of {sent} bytes arrived"
-            for segs, size, full, ids, kinds, src in rx.receive_split(7):
-                out.append(([bytes(v) for v in segs], size, full, ids, kinds, src))
-                total += size
-        assert rx.recvmsg_calls - calls == len(out)
-        got[native] = out
-    assert got[True] == got[False]
-    assert {src for *_, src in got[True]} == {"127.0.0.1"}  # type: ignore[misc]
+    udp = transport._udp
+    assert udp is not None, "dlcp.daemon._udp was not built: pip install -e . builds it"
+    drains: dict[str, list[tuple[list[tuple[object, ...]], int]]] = {}
+    other = UdpPath("127.0.0.2", 0)  # a second source: a run is one source's
+    try:
+        for mode in ("python", "gro", "runs"):
+            rx.native_recv = mode == "runs"
+            sent = 0
+            for i, (data, seg) in enumerate(_gro_buffers(9)[4:80]):
+                if not data:
+                    continue
+                dgs = [data[i : i + seg] for i in range(0, len(data), seg)] if seg else [data]
+                by = other if i % 5 == 4 else tx
+                assert by.send(dgs, ("127.0.0.1", port), 0) == len(dgs)
+                sent += len(data)
+                # twice more from the usual one: runs of one shape, among them
+                # buffers with a shorter last datagram (i = 18, 58), which end a run
+                for _ in range(2 if i % 5 == 4 or i % 4 == 2 else 0):
+                    assert tx.send(dgs, ("127.0.0.1", port), 0) == len(dgs)
+                    sent += len(data)
+            total = 0
+            drains[mode] = []
+            while total < sent:
+                ready, _, _ = select.select([rx.sock], [], [], 5.0)
+                assert ready, f"only {total} of {sent} bytes arrived"
+                calls = rx.recvmsg_calls
+                if mode == "gro":
+                    out = udp.recv_gro(rx.sock.fileno(), 7)
+                    buffers = len(out)
+                else:
+                    out = rx.receive_split(7)
+                    buffers = rx.recvmsg_calls - calls
+                assert 0 < buffers <= 7
+                drains[mode].append(([_plain(x) for x in out], buffers))
+                total += sum(x[1] for x in out)
+    finally:
+        other.close()
+    each = [x for out, n in drains["python"] for x in out]
+    assert all(len(out) == n for out, n in drains["python"])  # one split a buffer
+    assert [x for out, _ in drains["gro"] for x in out] == each
+    assert {src for *_, src in each} == {"127.0.0.1", "127.0.0.2"}  # type: ignore[misc]
+    at = 0
+    for out, n in drains["runs"]:
+        assert out == merge_splits(each[at : at + n])
+        at += n
+    assert at == len(each)
+    assert sum(len(out) for out, _ in drains["runs"]) < len(each)  # some runs were joined
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merge_splits_joins_what_one_engine_run_can_take(seed: int) -> None:
+    """`merge_splits` keeps every datagram, byte and type byte in order, and
+    each split it makes is one source's, one job's (or what it was given), of
+    datagrams all of one size but the last; it joins every pair of
+    consecutive splits that could be one so."""
+    rng = random.Random(seed)
+    shapes = [(d, g) for d, g in _gro_buffers(seed) if d]
+    # shapes a run can go on after (one job, all of one size): often repeated
+    common = [(d, g) for d, g in shapes if _open(split_gro(d, g))][:3]
+    assert common
+    splits = []
+    for _ in range(400):
+        data, seg = rng.choice(shapes) if rng.random() < 0.3 else rng.choice(common)
+        splits.append((*split_gro(data, seg), rng.choice(("10.0.0.1", "10.0.0.1", "10.0.0.2"))))
+    got = merge_splits(splits)
+    flat = [bytes(v) for s in splits for v in s[0]]
+    assert [bytes(v) for s in got for v in s[0]] == flat
+    assert b"".join(s[4] for s in got) == b"".join(s[4] for s in splits)
+    assert sum(s[1] for s in got) == sum(s[1] for s in splits)
+    assert sum(s[2] for s in got) == sum(s[2] for s in splits)
+    assert len(got) < len(splits)
+    for segs, size, full, job, kinds, _src in got:
+        sizes = [len(v) for v in segs]
+        assert size == sum(sizes) and len(kinds) == full
+        assert set(sizes[:-1]) <= {sizes[0]} and sizes[-1] <= sizes[0]
+        assert kinds == bytes(bytes(v)[3] for v in segs[:full])
+        if isinstance(job, int) and job >= 0:
+            assert {int.from_bytes(bytes(v)[8:12], "big") for v in segs[:full]} == {job}
+    for a, b in itertools.pairwise(got):  # nothing left that could be joined
+        joinable = (
+            _open(a)
+            and b[2] == len(b[0]) > 0
+            and isinstance(b[3], int)
+            and (a[3], a[5], len(a[0][0])) == (b[3], b[5], len(b[0][0]))
+        )
+        assert not joinable
+
+
+def _open(s: tuple[Any, ...]) -> bool:
+    """Whether a run may go on after split `s`: all its datagrams name one
+    job and have a whole header and one size."""
+    segs, _size, full, job = s[:4]
+    return isinstance(job, int) and full == len(segs) > 0 and len(segs[-1]) == len(segs[0])
 
 
 def test_native_receive_starts_each_buffer_on_a_cache_line(pair: tuple[UdpPath, UdpPath]) -> None:
@@ -399,7 +488,7 @@ def test_native_receive_starts_each_buffer_on_a_cache_line(pair: tuple[UdpPath, 
         for segs, size, *_ in rx.receive_split(64):
             addrs = [np.frombuffer(v, np.uint8).ctypes.data % 64 for v in segs]
             got.append((size, [bytes(v) for v in segs], addrs))
-    assert len(got) >= len(sizes)
+    assert rx.recvmsg_calls >= len(sizes)
     assert all(addrs[0] == 0 for _, _, addrs in got)
     assert all(addrs == [0] * len(addrs) for size, segs, addrs in got if len(segs[0]) == 1472)
     assert sorted({len(s) for _, segs, _ in got for s in segs}) == [1000, 1472]

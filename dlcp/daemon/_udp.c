@@ -8,9 +8,14 @@
  * sendmmsg(2), the GIL released; the Python loop in transport.py stays the
  * reference and the fallback (and handles every error but a full socket).
  *
- * recv_gro(fd, budget) makes a readable event's recvmsg calls and splits each
- * GRO buffer (split_gro: its datagrams, job ids, type bytes) for
- * `Daemon._receive`; transport.split_gro is its Python definition.
+ * recv_gro(fd, budget) takes a readable event's GRO buffers (recvmmsg, up to
+ * RECV_BATCH a call) and splits each (split_gro: its datagrams, job ids, type
+ * bytes); transport.split_gro is its Python definition. recv_runs(fd,
+ * budget), what `Daemon._receive` calls, also joins each run of consecutive
+ * buffers from one source whose datagrams are all one job's and one size
+ * into one split (transport.merge_splits, its Python definition): a drain of
+ * a peer's bulk is then a few splits, not one per buffer, for the Python
+ * loop that looks up each split's job, node and peer.
  *
  * send_gso(fd, datagrams, start, addr4, port, tos, gso, gso_max_size)
  *   datagrams: a list of bytes-like objects or Gathered datagrams
@@ -368,86 +373,238 @@ split_gro(PyObject *self, PyObject *args)
     return split_buffer(data, 0, seg);
 }
 
-/* recv_gro(fd, budget): up to `budget` recvmsg calls, what `split_gro` makes
- * of each buffer, with the source IP appended: a list of (segments, bytes,
- * full, ids, kinds, source). */
-static PyObject *
-recv_gro(PyObject *self, PyObject *args)
+/* -- receive: recvmmsg, and runs of buffers taken as one ----------------- */
+
+#define RECV_BATCH 16 /* buffers a recvmmsg call asks for */
+
+/* One received buffer: `data` (a bytes object; the datagrams start `skip`
+ * bytes in, `size` bytes of them), its GRO segment size as the kernel gave it
+ * (0: none) and its source. */
+typedef struct {
+    PyObject *data;
+    Py_ssize_t skip, size, seg;
+    struct in_addr src;
+} rxbuf_t;
+
+/* Up to `budget` buffers from fd into bufs (recvmmsg calls of up to
+ * RECV_BATCH, the GIL released; stops at an empty socket or when a call
+ * returns fewer than it asked for: the next readable event goes on).
+ * Returns how many, or -1 with an exception set (those taken released). */
+static int
+receive_buffers(int fd, int budget, rxbuf_t *bufs)
 {
-    (void)self;
-    int fd, budget;
-    if (!PyArg_ParseTuple(args, "ii", &fd, &budget))
-        return NULL;
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    PyObject *src = NULL; /* the last source's string, reused while it repeats */
-    struct in_addr src_addr;
-    memset(&src_addr, 0, sizeof src_addr);
-    for (int call = 0; call < budget; call++) {
-        PyObject *data = PyBytes_FromStringAndSize(NULL, RECV_SIZE + RECV_ALIGN - 1);
-        if (data == NULL)
-            goto fail;
-        Py_ssize_t skip =
-            (Py_ssize_t)((RECV_ALIGN - (uintptr_t)PyBytes_AS_STRING(data) % RECV_ALIGN) % RECV_ALIGN);
-        struct sockaddr_in sa;
-        struct iovec iov = {PyBytes_AS_STRING(data) + skip, RECV_SIZE};
+    int nb = 0, refused = 0;
+    while (nb + refused < budget) {
+        int want = budget - nb - refused < RECV_BATCH ? budget - nb - refused : RECV_BATCH;
+        struct mmsghdr msgs[RECV_BATCH];
+        struct iovec iov[RECV_BATCH];
+        struct sockaddr_in sa[RECV_BATCH];
         union {
             char buf[CMSG_SPACE(sizeof(int))];
             struct cmsghdr align;
-        } ctrl;
-        struct msghdr h;
-        memset(&h, 0, sizeof h);
-        h.msg_name = &sa;
-        h.msg_namelen = sizeof sa;
-        h.msg_iov = &iov;
-        h.msg_iovlen = 1;
-        h.msg_control = ctrl.buf;
-        h.msg_controllen = sizeof ctrl.buf;
-        ssize_t n;
+        } ctrl[RECV_BATCH];
+        PyObject *data[RECV_BATCH];
+        Py_ssize_t skip[RECV_BATCH];
+        for (int i = 0; i < want; i++) {
+            data[i] = PyBytes_FromStringAndSize(NULL, RECV_SIZE + RECV_ALIGN - 1);
+            if (data[i] == NULL) {
+                for (int j = 0; j < i; j++)
+                    Py_DECREF(data[j]);
+                goto fail;
+            }
+            char *at = PyBytes_AS_STRING(data[i]);
+            skip[i] = (Py_ssize_t)((RECV_ALIGN - (uintptr_t)at % RECV_ALIGN) % RECV_ALIGN);
+            iov[i].iov_base = at + skip[i];
+            iov[i].iov_len = RECV_SIZE;
+            struct msghdr *h = &msgs[i].msg_hdr;
+            memset(h, 0, sizeof *h);
+            h->msg_name = &sa[i];
+            h->msg_namelen = sizeof sa[i];
+            h->msg_iov = &iov[i];
+            h->msg_iovlen = 1;
+            h->msg_control = ctrl[i].buf;
+            h->msg_controllen = sizeof ctrl[i].buf;
+            msgs[i].msg_len = 0;
+        }
+        int r;
         Py_BEGIN_ALLOW_THREADS
-        n = recvmsg(fd, &h, 0);
+        r = recvmmsg(fd, msgs, (unsigned int)want, MSG_DONTWAIT, NULL);
         Py_END_ALLOW_THREADS
-        if (n < 0) {
-            int e = errno;
-            Py_DECREF(data);
+        int e = errno;
+        for (int i = r < 0 ? 0 : r; i < want; i++)
+            Py_DECREF(data[i]);
+        if (r < 0) {
             if (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)
                 break;
-            if (e == ECONNREFUSED) /* ICMP from an earlier send */
+            if (e == ECONNREFUSED) { /* ICMP from an earlier send */
+                refused++;
                 continue;
+            }
+            for (int i = 0; i < nb; i++)
+                Py_DECREF(bufs[i].data);
             errno = e;
             PyErr_SetFromErrno(PyExc_OSError);
-            goto fail;
+            return -1;
         }
-        if (_PyBytes_Resize(&data, skip + n) < 0) /* skip stays the datagrams' offset */
-            goto fail;
-        Py_ssize_t seg = 0;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&h); c != NULL; c = CMSG_NXTHDR(&h, c)) {
-            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
-                int v = 0;
-                memcpy(&v, CMSG_DATA(c), c->cmsg_len - CMSG_LEN(0) < sizeof v
-                                             ? c->cmsg_len - CMSG_LEN(0)
-                                             : sizeof v);
-                seg = v;
+        for (int i = 0; i < r; i++) {
+            if (_PyBytes_Resize(&data[i], skip[i] + (Py_ssize_t)msgs[i].msg_len) < 0) {
+                for (int j = i + 1; j < r; j++)
+                    Py_DECREF(data[j]);
+                goto fail;
             }
+            Py_ssize_t seg = 0;
+            struct msghdr *h = &msgs[i].msg_hdr;
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c != NULL; c = CMSG_NXTHDR(h, c)) {
+                if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                    int v = 0;
+                    memcpy(&v, CMSG_DATA(c), c->cmsg_len - CMSG_LEN(0) < sizeof v
+                                                 ? c->cmsg_len - CMSG_LEN(0)
+                                                 : sizeof v);
+                    seg = v;
+                }
+            }
+            bufs[nb].data = data[i];
+            bufs[nb].skip = skip[i];
+            bufs[nb].size = (Py_ssize_t)msgs[i].msg_len;
+            bufs[nb].seg = seg;
+            bufs[nb].src = sa[i].sin_addr;
+            nb++;
         }
-        if (src == NULL || sa.sin_addr.s_addr != src_addr.s_addr) {
+        if (r < want) /* the socket is empty (or nearly): the loop comes back */
+            break;
+    }
+    return nb;
+fail:
+    for (int i = 0; i < nb; i++)
+        Py_DECREF(bufs[i].data);
+    return -1;
+}
+
+/* What a buffer is as part of a run (recv_runs): the size `d` of its
+ * datagrams (all but a shorter last one), how many there are, whether it may
+ * join a run (all its datagrams have a whole header and name one job, `job`)
+ * and whether a run may go on after it (that, and its last datagram has d
+ * bytes too). */
+typedef struct {
+    Py_ssize_t d, k;
+    uint32_t job;
+    int joins, open;
+} shape_t;
+
+static shape_t
+shape_of(const rxbuf_t *b)
+{
+    shape_t s = {0, 0, 0, 0, 0};
+    Py_ssize_t size = b->size, seg = b->seg;
+    if (seg <= 0 || seg >= size)
+        seg = size;
+    s.d = seg;
+    s.k = size == 0 ? 1 : (size + seg - 1) / seg;
+    Py_ssize_t last = size - (s.k - 1) * seg;
+    if (seg < HEADER_SIZE || last < HEADER_SIZE)
+        return s;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(b->data) + b->skip;
+    s.job = job_at(p);
+    for (Py_ssize_t i = 1; i < s.k; i++)
+        if (job_at(p + i * seg) != s.job)
+            return s;
+    s.joins = 1;
+    s.open = last == seg;
+    return s;
+}
+
+/* The Split of the run of buffers bufs[0:n] (n >= 2, each of shape sh[i]:
+ * all join, all but the last open, one job and size): a Datagrams over the
+ * n buffers, with the source left for the caller. */
+static PyObject *
+split_run(const rxbuf_t *bufs, const shape_t *sh, int n, PyTypeObject *dt)
+{
+    Py_ssize_t total = 0, size = 0;
+    for (int i = 0; i < n; i++) {
+        total += sh[i].k;
+        size += bufs[i].size;
+    }
+    PyObject *owners = PyList_New(n);
+    if (owners == NULL)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        Py_INCREF(bufs[i].data);
+        PyList_SET_ITEM(owners, i, bufs[i].data);
+    }
+    DatagramsObject *d = datagrams_new(dt, total, owners);
+    Py_DECREF(owners);
+    if (d == NULL)
+        return NULL;
+    PyObject *kinds = PyBytes_FromStringAndSize(NULL, total);
+    if (kinds == NULL) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    char *kind = PyBytes_AS_STRING(kinds);
+    Py_ssize_t at = 0;
+    for (int i = 0; i < n; i++) {
+        const char *p = PyBytes_AS_STRING(bufs[i].data) + bufs[i].skip;
+        Py_ssize_t seg = sh[i].d, sz = bufs[i].size;
+        for (Py_ssize_t j = 0; j < sh[i].k; j++, at++) {
+            Py_ssize_t a = j * seg, b = a + seg < sz ? a + seg : sz;
+            d->buf[at] = p + a;
+            d->len[at] = b - a;
+            d->owner[at] = i;
+            kind[at] = p[a + 3];
+        }
+    }
+    return Py_BuildValue("(NnnNN)", (PyObject *)d, size, total,
+                         PyLong_FromUnsignedLong(sh[0].job), kinds);
+}
+
+/* receive(fd, budget, runs): the buffers as recv_gro or recv_runs returns
+ * them (a list of Splits, and with `runs` the number of buffers before it). */
+static PyObject *
+receive(int fd, int budget, int runs)
+{
+    if (budget < 0)
+        budget = 0;
+    rxbuf_t *bufs = PyMem_Malloc(((size_t)budget + 1) * sizeof(rxbuf_t));
+    shape_t *sh = PyMem_Malloc(((size_t)budget + 1) * sizeof(shape_t));
+    PyObject *out = NULL, *src = NULL; /* the last source's string, reused while it repeats */
+    int nb = 0;
+    if (bufs == NULL || sh == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    nb = receive_buffers(fd, budget, bufs);
+    if (nb < 0) {
+        nb = 0;
+        goto done;
+    }
+    if ((out = PyList_New(0)) == NULL)
+        goto done;
+    PyTypeObject *dt = runs ? datagrams_type() : NULL;
+    struct in_addr src_addr;
+    memset(&src_addr, 0, sizeof src_addr);
+    for (int i = 0; i < nb; i++)
+        sh[i] = shape_of(&bufs[i]);
+    for (int i = 0, j; i < nb; i = j) {
+        /* the run from buffer i: the buffers after it from the same source,
+         * of the same job and datagram size, while the one before is open */
+        j = i + 1;
+        if (dt != NULL && sh[i].joins)
+            while (j < nb && sh[j - 1].open && sh[j].joins && sh[j].job == sh[i].job &&
+                   sh[j].d == sh[i].d && bufs[j].src.s_addr == bufs[i].src.s_addr)
+                j++;
+        if (src == NULL || bufs[i].src.s_addr != src_addr.s_addr) {
             char text[INET_ADDRSTRLEN];
-            if (inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text) == NULL) {
-                Py_DECREF(data);
+            if (inet_ntop(AF_INET, &bufs[i].src, text, sizeof text) == NULL) {
                 PyErr_SetFromErrno(PyExc_OSError);
                 goto fail;
             }
             Py_XDECREF(src);
-            src = PyUnicode_FromString(text);
-            if (src == NULL) {
-                Py_DECREF(data);
+            if ((src = PyUnicode_FromString(text)) == NULL)
                 goto fail;
-            }
-            src_addr = sa.sin_addr;
+            src_addr = bufs[i].src;
         }
-        PyObject *parts = split_buffer(data, skip, seg);
-        Py_DECREF(data);
+        PyObject *parts = j - i > 1 ? split_run(&bufs[i], &sh[i], j - i, dt)
+                                    : split_buffer(bufs[i].data, bufs[i].skip, bufs[i].seg);
         if (parts == NULL)
             goto fail;
         PyObject *item = Py_BuildValue("(OOOOOO)", PyTuple_GET_ITEM(parts, 0),
@@ -461,12 +618,45 @@ recv_gro(PyObject *self, PyObject *args)
         if (r < 0)
             goto fail;
     }
-    Py_XDECREF(src);
-    return out;
+    if (runs) {
+        PyObject *pair = Py_BuildValue("(iN)", nb, out);
+        out = pair;
+    }
+    goto done;
 fail:
+    Py_CLEAR(out);
+done:
+    for (int i = 0; i < nb; i++)
+        Py_DECREF(bufs[i].data);
     Py_XDECREF(src);
-    Py_DECREF(out);
-    return NULL;
+    PyMem_Free(bufs);
+    PyMem_Free(sh);
+    return out;
+}
+
+/* recv_gro(fd, budget): up to `budget` buffers (recvmmsg calls), what
+ * `split_gro` makes of each, with the source IP appended: a list of
+ * (segments, bytes, full, ids, kinds, source). */
+static PyObject *
+recv_gro(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd, budget;
+    if (!PyArg_ParseTuple(args, "ii", &fd, &budget))
+        return NULL;
+    return receive(fd, budget, 0);
+}
+
+/* recv_runs(fd, budget): recv_gro with runs of buffers taken as one
+ * (transport.merge_splits, the Python definition): (buffers received, list). */
+static PyObject *
+recv_runs(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd, budget;
+    if (!PyArg_ParseTuple(args, "ii", &fd, &budget))
+        return NULL;
+    return receive(fd, budget, 1);
 }
 
 static PyMethodDef methods[] = {
@@ -477,6 +667,9 @@ static PyMethodDef methods[] = {
      "split_gro(data: bytes, seg) -> (segments, bytes, full, ids, kinds)"},
     {"recv_gro", recv_gro, METH_VARARGS,
      "recv_gro(fd, budget) -> [(segments, bytes, full, ids, kinds, source)]"},
+    {"recv_runs", recv_runs, METH_VARARGS,
+     "recv_runs(fd, budget) -> (buffers, [(segments, bytes, full, ids, kinds, source)]): "
+     "recv_gro, consecutive buffers of one source, job and datagram size taken as one"},
     {NULL, NULL, 0, NULL},
 };
 

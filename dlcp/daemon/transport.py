@@ -31,7 +31,15 @@ try:
 except ImportError:  # not built: one sendmsg per super-datagram, from Python
     _udp = None
 
-__all__ = ["MAX_GSO_SEGMENTS", "NATIVE_RECV", "NATIVE_SEND", "Split", "UdpPath", "split_gro"]
+__all__ = [
+    "MAX_GSO_SEGMENTS",
+    "NATIVE_RECV",
+    "NATIVE_SEND",
+    "Split",
+    "UdpPath",
+    "merge_splits",
+    "split_gro",
+]
 
 SOL_UDP = 17
 UDP_SEGMENT = 103
@@ -78,6 +86,30 @@ def split_gro(data: bytes, seg: int) -> tuple[list[memoryview], int, int, int | 
     ids: list[int] = np.ndarray((full,), _JOB_IDS, data, 8, (seg,)).tolist()
     job: int | list[int] = ids[0] if ids.count(ids[0]) == full else ids
     return segs, size, full, job, data[3 : (full - 1) * seg + 4 : seg]
+
+
+def merge_splits(splits: Sequence[Split]) -> list[Split]:
+    """`splits` with each run of consecutive ones that `Daemon._receive` can
+    take as one joined: from one source, all their datagrams of one size but a
+    shorter last one, each with a whole header naming one job. A split joins the
+    one before it when that one's datagrams (a run's, its last buffer's) all
+    have that size, and its own are of it. The definition `_udp.recv_runs` is
+    held to (it joins them into one `Datagrams` over the buffers)."""
+    out: list[Split] = []
+    open_ = False  # whether the last split of `out` may be continued
+    for segs, size, full, job, kinds, src in splits:
+        k = len(segs)
+        d = len(segs[0])
+        joins = isinstance(job, int) and full == k and k > 0
+        if open_ and joins:
+            psegs, psize, pfull, pjob, pkinds, psrc = out[-1]
+            if pjob == job and psrc == src and len(psegs[0]) == d:
+                out[-1] = ([*psegs, *segs], psize + size, pfull + full, job, pkinds + kinds, src)
+                open_ = len(segs[-1]) == d
+                continue
+        out.append((segs, size, full, job, kinds, src))
+        open_ = joins and len(segs[-1]) == d
+    return out
 
 
 def _buffers(datagrams: Sequence[Any]) -> list[Any]:
@@ -140,7 +172,7 @@ class UdpPath:
         self._dests: dict[tuple[str, int], tuple[bytes, int] | None] = {}
         self.oversize_drops = 0
         self.sendmsg_calls = 0
-        self.recvmsg_calls = 0
+        self.recvmsg_calls = 0  # buffers received (in C several come per recvmmsg call)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -268,10 +300,12 @@ class UdpPath:
         return out
 
     def receive_split(self, budget: int = 64) -> list[Split]:
-        """`receive_buffers`, each buffer as `split_gro` makes it, with its source."""
+        """`receive_buffers`, each buffer as `split_gro` makes it, with its
+        source; in C (recvmmsg) each run of buffers `merge_splits` joins is one
+        split."""
         if self.native_recv:
-            out: list[Split] = _udp.recv_gro(self.sock.fileno(), budget)
-            self.recvmsg_calls += len(out)
+            buffers, out = _udp.recv_runs(self.sock.fileno(), budget)
+            self.recvmsg_calls += buffers
             return out
         return [(*split_gro(data, seg), src) for data, seg, src in self.receive_buffers(budget)]
 
