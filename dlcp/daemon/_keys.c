@@ -453,6 +453,8 @@ fifo_drop(FifoObject *f, Py_ssize_t n)
         f->head = f->tail = 0;
 }
 
+static PyObject *Fifo_extend(FifoObject *f, PyObject *iterable);
+
 static PyObject *
 Fifo_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -464,7 +466,7 @@ Fifo_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (f == NULL)
         return NULL;
     if (iterable != NULL) {
-        PyObject *r = PyObject_CallMethod((PyObject *)f, "extend", "O", iterable);
+        PyObject *r = Fifo_extend(f, iterable);
         if (r == NULL) {
             Py_DECREF(f);
             return NULL;

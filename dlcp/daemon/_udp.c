@@ -272,15 +272,38 @@ job_at(const unsigned char *h)
            (uint32_t)h[11];
 }
 
+/* How many datagrams `size` bytes with GRO segment size *seg hold (all of
+ * *seg bytes but a shorter last one); *seg becomes `size` where the buffer
+ * is one datagram (no segment size, or one at least as large). */
+static Py_ssize_t
+segments_of(Py_ssize_t size, Py_ssize_t *seg)
+{
+    if (*seg <= 0 || *seg >= size)
+        *seg = size;
+    return size == 0 ? 1 : (size + *seg - 1) / *seg;
+}
+
+/* The k datagrams of `size` bytes at p (segment size seg) into d's arrays
+ * from index `at` on, as owner `owner` of d's owners. */
+static void
+fill_segments(DatagramsObject *d, Py_ssize_t at, Py_ssize_t owner, const unsigned char *p,
+              Py_ssize_t size, Py_ssize_t seg, Py_ssize_t k)
+{
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
+        d->buf[at + i] = (const char *)p + a;
+        d->len[at + i] = b - a;
+        d->owner[at + i] = owner;
+    }
+}
+
 static PyObject *
 split_buffer(PyObject *data, Py_ssize_t skip, Py_ssize_t seg)
 {
     /* the datagrams: data's bytes past the first `skip` */
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(data) + skip;
     Py_ssize_t size = PyBytes_GET_SIZE(data) - skip;
-    if (seg <= 0 || seg >= size)
-        seg = size;
-    Py_ssize_t k = size == 0 ? 1 : (size + seg - 1) / seg;
+    Py_ssize_t k = segments_of(size, &seg);
     /* a Datagrams (dlcp/wire/datagrams.h) where dlcp.wire._bulk is built,
      * else a list of memoryview slices: the same bytes either way */
     PyObject *segs;
@@ -295,12 +318,7 @@ split_buffer(PyObject *data, Py_ssize_t skip, Py_ssize_t seg)
         Py_DECREF(owners);
         if (d == NULL)
             return NULL;
-        for (Py_ssize_t i = 0; i < k; i++) {
-            Py_ssize_t a = i * seg, b = a + seg < size ? a + seg : size;
-            d->buf[i] = (const char *)p + a;
-            d->len[i] = b - a;
-            d->owner[i] = 0;
-        }
+        fill_segments(d, 0, 0, p, size, seg, k);
         segs = (PyObject *)d;
     } else {
         PyObject *mv = PyMemoryView_FromObject(data);
@@ -496,10 +514,8 @@ shape_of(const rxbuf_t *b)
 {
     shape_t s = {0, 0, 0, 0, 0};
     Py_ssize_t size = b->size, seg = b->seg;
-    if (seg <= 0 || seg >= size)
-        seg = size;
+    s.k = segments_of(size, &seg);
     s.d = seg;
-    s.k = size == 0 ? 1 : (size + seg - 1) / seg;
     Py_ssize_t last = size - (s.k - 1) * seg;
     if (seg < HEADER_SIZE || last < HEADER_SIZE)
         return s;
@@ -543,15 +559,12 @@ split_run(const rxbuf_t *bufs, const shape_t *sh, int n, PyTypeObject *dt)
     char *kind = PyBytes_AS_STRING(kinds);
     Py_ssize_t at = 0;
     for (int i = 0; i < n; i++) {
-        const char *p = PyBytes_AS_STRING(bufs[i].data) + bufs[i].skip;
-        Py_ssize_t seg = sh[i].d, sz = bufs[i].size;
-        for (Py_ssize_t j = 0; j < sh[i].k; j++, at++) {
-            Py_ssize_t a = j * seg, b = a + seg < sz ? a + seg : sz;
-            d->buf[at] = p + a;
-            d->len[at] = b - a;
-            d->owner[at] = i;
-            kind[at] = p[a + 3];
-        }
+        const unsigned char *p =
+            (const unsigned char *)PyBytes_AS_STRING(bufs[i].data) + bufs[i].skip;
+        fill_segments(d, at, i, p, bufs[i].size, sh[i].d, sh[i].k);
+        for (Py_ssize_t j = 0; j < sh[i].k; j++)
+            kind[at + j] = (char)p[j * sh[i].d + 3];
+        at += sh[i].k;
     }
     return Py_BuildValue("(NnnNN)", (PyObject *)d, size, total,
                          PyLong_FromUnsignedLong(sh[0].job), kinds);
@@ -582,8 +595,9 @@ receive(int fd, int budget, int runs)
     PyTypeObject *dt = runs ? datagrams_type() : NULL;
     struct in_addr src_addr;
     memset(&src_addr, 0, sizeof src_addr);
-    for (int i = 0; i < nb; i++)
-        sh[i] = shape_of(&bufs[i]);
+    if (dt != NULL) /* only recv_runs joins runs: what each buffer is as part of one */
+        for (int i = 0; i < nb; i++)
+            sh[i] = shape_of(&bufs[i]);
     for (int i = 0, j; i < nb; i = j) {
         /* the run from buffer i: the buffers after it from the same source,
          * of the same job and datagram size, while the one before is open */

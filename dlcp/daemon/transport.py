@@ -62,7 +62,8 @@ _FULL = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS))
 NATIVE_RECV = _udp is not None and os.environ.get("DLCP_NATIVE_RECV", "1") != "0"
 _JOB_IDS = np.dtype(">u4")  # the header's job field (bytes 8-11)
 
-# One GRO buffer as the daemon takes it: its datagrams (a list of memoryviews,
+# One GRO buffer (or, from `_udp.recv_runs`, a run of them: `merge_splits`)
+# as the daemon takes it: its datagrams (a list of memoryviews,
 # or from the C split a `dlcp.wire._bulk.Datagrams`: the same bytes as a
 # sequence, with no object per datagram), its bytes, how many of the
 # datagrams hold a whole header (all but a shorter last one, or none), the
