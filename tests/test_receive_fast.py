@@ -183,6 +183,60 @@ def test_decode_batch_matches_on_every_header_byte() -> None:
         _assert_same(batch[i : i + 7], keys)
 
 
+@pytest.mark.parametrize("mac", ["ghash-aes", "blake2b"])
+def test_decode_batch_of_one_job_with_forged_payloads(mac: str) -> None:
+    """Batches of one job whose every header passes its checks but some
+    payloads were changed (only the MAC fails them): the C pass's batch-wide
+    MAC check is reused for the rejects, as the reference finds them."""
+    rng = np.random.default_rng(15)
+    a = _traffic(JOB_A, mac, 3)
+    keys = {JOB_A: mac_state(SECRET, mac)}
+    for trial in range(30):
+        batch: list[bytes | memoryview] = [a[int(i)] for i in rng.integers(0, len(a), 40)]
+        for i in rng.integers(0, len(batch), 1 + trial % 4):
+            b = bytearray(batch[i])
+            b[int(rng.integers(HEADER_SIZE - 16, len(b)))] ^= 0x20  # the tag or the payload
+            batch[i] = bytes(b)
+        assert _assert_same(batch, keys) < len(batch)
+
+
+def test_checked_heads_is_heads_and_field_checks() -> None:
+    """`_bulk.checked_heads` (the drain's header gather and checks in one pass)
+    gives `heads` and `field_checks` of the same datagrams, and the job only
+    when every record passes and all name it."""
+    if batch_mod._bulk is None:
+        assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.wire._bulk was not built"
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    c = batch_mod._bulk
+    rng = np.random.default_rng(19)
+    a = _traffic(JOB_A, "ghash-aes", 4)
+    b = _traffic(JOB_B, "ghash-aes", 5, payload=700)
+    tables, args = batch_mod._CHECK_TABLES, batch_mod._CHECK_ARGS
+    jobs_seen = set()
+    for trial in range(300):
+        r = trial % 4
+        pool = a if r < 2 else [*a, *b]
+        batch = [pool[int(i)] for i in rng.integers(0, len(pool), int(rng.integers(0, 60)))]
+        if r in (1, 3) and batch:  # some changed, truncated or extended
+            for i in rng.integers(0, len(batch), 1 + trial % 3):
+                vs = _variants(batch[i], rng, "ghash-aes")
+                batch[i] = vs[int(rng.integers(0, len(vs)))]
+        heads, lengths = c.heads(batch, HEADER_SIZE)
+        first = c.field_checks(heads, np.frombuffer(lengths, np.int64), tables, *args)
+        got = c.checked_heads(batch, tables, *args)
+        assert got[:3] == (heads, lengths, first)
+        ids = {struct.unpack_from("!I", d, 8)[0] if len(d) >= 12 else -1 for d in batch}
+        want = ids.pop() if first is None and len(ids) == 1 else -1
+        assert got[3] == want
+        jobs_seen.add(want)
+    assert {-1, JOB_A} <= jobs_seen
+    with pytest.raises(ValueError, match="tables"):
+        c.checked_heads([bytes(64)], bytes(10), *args)
+    with pytest.raises(TypeError, match="list, tuple or Datagrams"):
+        c.checked_heads(5, tables, *args)
+    assert c.checked_heads([], tables, *args) == (bytearray(), b"", None, -1)
+
+
 def test_field_checks_in_c_are_the_numpy_ones() -> None:
     """The C pass over the header records (`_bulk.field_checks`) gives the
     reasons of the numpy masks (`_py_field_reasons`) on every header: random
@@ -461,14 +515,17 @@ def test_run_starts_in_c_and_numpy_are_the_fields_compared(seed: int) -> None:
         engine_mod._bulk.run_starts(bytes(64), src[:1], bytes(63), bytes(64), bytes(256), 3, 1)
 
 
+@pytest.mark.parametrize("drain", [40, 1])
 @pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("seed", range(8))
 def test_daemon_receive_matches_the_reference(
-    seed: int, native: bool, runs: bool, monkeypatch: pytest.MonkeyPatch
+    seed: int, native: bool, runs: bool, drain: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With runs of buffers joined (as dlcpd takes them from `_udp.recv_runs`)
-    or not, the same as the per-datagram reference."""
+    or not, the same as the per-datagram reference; in drains of 40 buffers
+    (groups of several peers and jobs) or of one (mostly one group: the
+    usual drain's shortcuts)."""
     if native and transport._udp is None:
         assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.daemon._udp was not built"
         pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
@@ -479,13 +536,13 @@ def test_daemon_receive_matches_the_reference(
     logs: list[list[Any]] = [[], []]
     daemons = [_daemon(logs[0]), _daemon(logs[1])]
     joined = 0
-    for cut in range(0, len(buffers), 40):
-        part = buffers[cut : cut + 40]
+    for cut in range(0, len(buffers), drain):
+        part = buffers[cut : cut + drain]
         reference_receive(daemons[0], _Path(part))
         path = _Path(part, native, runs)
         joined += len(part) - len(path.receive_split(len(part)))
         Daemon._receive(daemons[1], _Path(part, native, runs))  # type: ignore[arg-type]
-    assert (joined > 0) == runs
+    assert (joined > 0) == (runs and drain > 1)
     assert logs[1] == logs[0]
     assert daemons[1].daemon_rejects == daemons[0].daemon_rejects
     assert daemons[1].counters == daemons[0].counters

@@ -53,6 +53,7 @@ log = logging.getLogger("dlcpd")
 _JOB = struct.Struct("!I")
 _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
+_DATA_BYTE = bytes([_DATA])
 _NACK = int(PacketType.NACK)
 _CONTROL = int(PacketType.CONTROL)
 _ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
@@ -401,10 +402,17 @@ class Daemon:
             return
         dgs = _join(parts)
         # each datagram's source node (-1: none), made per group, not per datagram
-        nodes = np.repeat(np.array([-1 if g[1] is None else g[1] for g in groups], np.int64), runs)
+        if len(groups) == 1:  # the usual drain: one run of one peer
+            node = groups[0][1]
+            nodes = np.full(runs[0], -1 if node is None else node, np.int64)
+        else:
+            nodes = np.repeat(
+                np.array([-1 if g[1] is None else g[1] for g in groups], np.int64), runs
+            )
         accepted = self.engine.receive_many(dgs, now, nodes)
-        if accepted.size:
-            kind = np.frombuffer(b"".join(kinds), np.uint8)[accepted]
+        types = b"".join(kinds)
+        if accepted.size and types.strip(_DATA_BYTE):  # not all data: control packets too
+            kind = np.frombuffer(types, np.uint8)[accepted]
             control = kind != _DATA
             if control.any():
                 self._on_control(
@@ -483,7 +491,11 @@ class Daemon:
         of `runs` datagrams, each of `sizes` bytes but the group's last, of
         `lasts`): each NACK in order, then per peer the bytes of its results,
         ACKs and DONEs."""
-        group = np.repeat(np.arange(len(groups)), runs)[positions]
+        one = len(groups) == 1  # the usual drain: one run of one peer
+        if one:
+            group = np.zeros(positions.size, np.intp)
+        else:
+            group = np.repeat(np.arange(len(groups)), runs)[positions]
         nack = kind == _NACK
         for i, g in zip(positions[nack].tolist(), group[nack].tolist(), strict=True):
             job, node = groups[g]
@@ -510,6 +522,13 @@ class Daemon:
         if not acking.any():
             return
         at = positions[acking]
+        if one:  # its datagrams of sizes[0] bytes, but its last one of lasts[0]
+            job, node = groups[0]
+            peer = None if job is None or node is None else job.peers.get(node)
+            nbytes0 = at.size * sizes[0] + (lasts[0] - sizes[0] if at[-1] == runs[0] - 1 else 0)
+            if peer is not None and nbytes0:
+                peer.rate.on_ack(nbytes0, None, now)
+            return
         g = group[acking]
         weights = np.array(sizes, np.int64)[g]  # by group: no Python step a datagram
         last = at == np.cumsum(runs)[g] - 1

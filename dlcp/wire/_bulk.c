@@ -38,6 +38,13 @@
  *   64-byte header record the index of the first check it fails (255: none),
  *   or None when every record passes. The tables and constants are Python's.
  *
+ * checked_heads(datagrams, tables, magic, version, bad_flags, summed_flag,
+ *               max_priority, max_payload) -> (bytearray, bytes, bytes | None, int)
+ *
+ *   heads(datagrams, 64) and field_checks of its records in one pass (a
+ *   receive drain's decode), and the job (a header's bytes 8-11) that every
+ *   record names when all pass every check and name one job; else -1.
+ *
  * run_starts(heads, src, mask, data_mask, lanes, type_at, data_type) -> bytes
  *
  *   Where the runs of `dlcp.core.engine.Engine.receive_many` start: record i
@@ -438,6 +445,7 @@ enum {
 #define AT_PRIORITY 5
 #define AT_CODEC 6
 #define AT_RESERVED 7
+#define AT_JOB 8
 #define AT_LAYER 22
 #define AT_CONTRIBUTORS 26
 #define AT_OFFSET 28
@@ -565,6 +573,84 @@ done:
     PyBuffer_Release(&lengths);
     PyBuffer_Release(&tables);
     return result;
+}
+
+/* heads() and field_checks() of a drain in one pass, and the job all its
+ * records name when each passes every check (-1: not so). */
+static PyObject *
+checked_heads(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *datagrams, *tables_obj;
+    long magic, version, bad_flags, summed_flag, max_priority;
+    long long max_payload;
+    if (!PyArg_ParseTuple(args, "OOlllllL", &datagrams, &tables_obj, &magic, &version,
+                          &bad_flags, &summed_flag, &max_priority, &max_payload))
+        return NULL;
+    Py_buffer tables;
+    if (PyObject_GetBuffer(tables_obj, &tables, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (tables.len != N_TABLES * 256) {
+        PyErr_Format(PyExc_ValueError, "tables must be %d bytes, not %zd", N_TABLES * 256,
+                     tables.len);
+        PyBuffer_Release(&tables);
+        return NULL;
+    }
+    Items it;
+    if (items_open(&it, datagrams, "datagrams must be a list, tuple or Datagrams") < 0) {
+        PyBuffer_Release(&tables);
+        return NULL;
+    }
+    const unsigned char *t = tables.buf;
+    Py_ssize_t n = it.n;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * HEAD_SIZE);
+    PyObject *lens = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    PyObject *first = NULL;
+    unsigned char *fail = NULL; /* per record: the first check failed (once one has) */
+    if (out == NULL || lens == NULL)
+        goto error;
+    unsigned char *o = (unsigned char *)PyByteArray_AS_STRING(out);
+    int64_t *len = (int64_t *)PyBytes_AS_STRING(lens);
+    long long job = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Bytes b;
+        if (items_get(&it, i, &b) < 0)
+            goto error;
+        unsigned char *h = o + i * HEAD_SIZE;
+        len[i] = b.len;
+        if (b.len >= HEAD_SIZE)
+            memcpy(h, b.buf, HEAD_SIZE);
+        else
+            memset(h, 0, HEAD_SIZE);
+        bytes_release(&b);
+        unsigned char f = first_failed(h, len[i], t, magic, version, bad_flags, summed_flag,
+                                       max_priority, max_payload);
+        if (f != NO_CHECK && first == NULL) {
+            first = PyBytes_FromStringAndSize(NULL, n);
+            if (first == NULL)
+                goto error;
+            fail = (unsigned char *)PyBytes_AS_STRING(first);
+            memset(fail, NO_CHECK, (size_t)i);
+        }
+        if (fail != NULL)
+            fail[i] = f;
+        else if (i == 0)
+            job = be32(h + AT_JOB);
+        else if (job >= 0 && be32(h + AT_JOB) != (uint32_t)job)
+            job = -2; /* more than one job: -1 below */
+    }
+    items_close(&it);
+    PyBuffer_Release(&tables);
+    if (first != NULL || job < 0)
+        job = -1;
+    return Py_BuildValue("(NNNL)", out, lens, first != NULL ? first : Py_NewRef(Py_None), job);
+error:
+    Py_XDECREF(out);
+    Py_XDECREF(lens);
+    Py_XDECREF(first);
+    items_close(&it);
+    PyBuffer_Release(&tables);
+    return NULL;
 }
 
 static PyObject *
@@ -1134,6 +1220,11 @@ static PyMethodDef methods[] = {
      "max_priority, max_payload) -> bytes | None: per header record the index of the "
      "first check of dlcp.wire.batch._field_reasons it fails (255: none); None when "
      "all pass"},
+    {"checked_heads", checked_heads, METH_VARARGS,
+     "checked_heads(datagrams, tables, magic, version, bad_flags, summed_flag, "
+     "max_priority, max_payload) -> (bytearray, bytes, bytes | None, int): heads(datagrams, "
+     "64) and field_checks of its records in one pass, and the job every record names "
+     "when all pass and name one (-1: not so)"},
     {"run_starts", run_starts, METH_VARARGS,
      "run_starts(heads, src, mask, data_mask, lanes, type_at, data_type) -> bytes: the "
      "int64 indices of the header records that start a run of Engine.receive_many"},

@@ -131,6 +131,15 @@ _CHECK_TABLES = np.stack(
     ]
 ).astype(np.uint8)
 _NO_CHECK = 255
+# the constants the C checks take after the tables
+_CHECK_ARGS = (
+    MAGIC,
+    VERSION,
+    int(_BAD_FLAG_BITS),
+    int(Flags.SUMMED),
+    MAX_PRIORITY,
+    MAX_PAYLOAD,
+)
 
 
 class Payloads(Sequence[memoryview]):
@@ -214,17 +223,12 @@ def _field_reasons(heads: np.ndarray, lengths: np.ndarray, full: np.ndarray) -> 
     """
     if _bulk is None:
         return _py_field_reasons(heads, lengths, full)
-    first = _bulk.field_checks(
-        heads,
-        lengths,
-        _CHECK_TABLES,
-        MAGIC,
-        VERSION,
-        int(_BAD_FLAG_BITS),
-        int(Flags.SUMMED),
-        MAX_PRIORITY,
-        MAX_PAYLOAD,
-    )
+    return _reasons_of(_bulk.field_checks(heads, lengths, _CHECK_TABLES, *_CHECK_ARGS))
+
+
+def _reasons_of(first: bytes | None) -> np.ndarray | None:
+    """`_field_reasons` of the C pass's result (a byte a record: the index of
+    the first check it fails, _NO_CHECK: none; None: every record passed)."""
     if first is None:
         return None
     idx = np.frombuffer(first, dtype=np.uint8)
@@ -285,12 +289,23 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
     """
     n = len(datagrams)
     items: Sequence[bytes | memoryview]
+    checked: np.ndarray | None = None  # the MAC check of all of them, made already
     if _bulk is not None and isinstance(datagrams, list | _bulk.Datagrams):
-        raw_heads, raw_lengths = _bulk.heads(datagrams, HEADER_SIZE)
+        # the header records and checks in one pass, and the one job they name
+        raw_heads, _, first_failed, one_job = _bulk.checked_heads(
+            datagrams, _CHECK_TABLES, *_CHECK_ARGS
+        )
         heads = np.frombuffer(raw_heads, dtype=HEADER_DTYPE)  # writable, zeros if short
-        lengths = np.frombuffer(raw_lengths, dtype=np.int64)
-        full = lengths >= HEADER_SIZE
         items = datagrams
+        if one_job >= 0 and (key := keys.get(one_job)) is not None:
+            # every record passed its checks and names one job with a key: the
+            # usual drain, whose only remaining check is the MAC
+            checked = verify_blake2b(key, items) if isinstance(key, bytes) else key.verify(items)
+            if checked.all():
+                return Batch(
+                    fields=heads, payloads=Payloads(items), index=np.arange(n), rejects=Counter()
+                )
+        found = _reasons_of(first_failed)
     else:
         views = [memoryview(d).cast("B") for d in datagrams]
         items = views
@@ -305,7 +320,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
             if full.any():
                 raw = b"".join([views[i][:HEADER_SIZE] for i in np.flatnonzero(full).tolist()])
                 heads[full] = np.frombuffer(raw, dtype=HEADER_DTYPE)
-    found = _field_reasons(heads, lengths, full)
+        found = _field_reasons(heads, lengths, full)
     reasons = np.zeros(n, dtype=np.int64) if found is None else found
 
     # MAC of the candidates (those that passed every check), per job
@@ -330,8 +345,11 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
             if key is None:
                 reasons[candidates if sel is None else candidates[sel]] = Reason.UNKNOWN_JOB
                 continue
-            mine = cand if sel is None else [cand[j] for j in sel.tolist()]
-            ok = verify_blake2b(key, mine) if isinstance(key, bytes) else key.verify(mine)
+            if checked is not None:  # the fast path's check (all of them: one group)
+                ok = checked
+            else:
+                mine = cand if sel is None else [cand[j] for j in sel.tolist()]
+                ok = verify_blake2b(key, mine) if isinstance(key, bytes) else key.verify(mine)
             if sel is None:
                 verified = ok
             else:
