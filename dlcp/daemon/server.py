@@ -54,10 +54,14 @@ _JOB = struct.Struct("!I")
 _NACK_COUNT = struct.Struct("!I")
 _DATA = int(PacketType.DATA)  # the type byte (3) of a datagram
 _DATA_BYTE = bytes([_DATA])
+_RESULT_BYTE = bytes([PacketType.RESULT])
+_NACK_BYTE = bytes([PacketType.NACK])
+_CONTROL_BYTE = bytes([PacketType.CONTROL])
 _NACK = int(PacketType.NACK)
 _CONTROL = int(PacketType.CONTROL)
 _ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
 _ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
+_NONE = slice(0, 0)  # selects nothing (of a kind not present)
 FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
 _INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
@@ -412,7 +416,11 @@ class Daemon:
         accepted = self.engine.receive_many(dgs, now, nodes)
         types = b"".join(kinds)
         if accepted.size and types.strip(_DATA_BYTE):  # not all data: control packets too
-            kind = np.frombuffer(types, np.uint8)[accepted]
+            kind = np.frombuffer(types, np.uint8)
+            if not types.strip(_RESULT_BYTE):  # all results (a usual drain): all of them
+                self._on_control(accepted, kind[accepted], dgs, groups, runs, sizes, lasts, now)
+                return
+            kind = kind[accepted]
             control = kind != _DATA
             if control.any():
                 self._on_control(
@@ -496,7 +504,8 @@ class Daemon:
             group = np.zeros(positions.size, np.intp)
         else:
             group = np.repeat(np.arange(len(groups)), runs)[positions]
-        nack = kind == _NACK
+        types = kind.tobytes()  # the kinds present, found without an array per kind
+        nack = kind == _NACK if _NACK_BYTE in types else _NONE
         for i, g in zip(positions[nack].tolist(), group[nack].tolist(), strict=True):
             job, node = groups[g]
             if job is None or node is None:
@@ -510,7 +519,7 @@ class Daemon:
                 self.outbox.on_loss(peer, h.count, now)
             spec = job.spec
             self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
-        credit = kind == _CONTROL
+        credit = kind == _CONTROL if _CONTROL_BYTE in types else _NONE
         for i, g in zip(positions[credit].tolist(), group[credit].tolist(), strict=True):
             job, node = groups[g]
             peer = None if job is None or node is None else job.peers.get(node)
@@ -518,10 +527,13 @@ class Daemon:
             if peer is None or got is None:
                 continue  # another kind of control packet
             self.outbox.on_credit(peer, got.received, got.epoch, got.drained, got.window)
-        acking = _ACKING[kind]
-        if not acking.any():
-            return
-        at = positions[acking]
+        if one and not types.strip(_RESULT_BYTE):  # all results: all acknowledge
+            at = positions
+        else:
+            acking = _ACKING[kind]
+            if not acking.any():
+                return
+            at = positions[acking]
         if one:  # its datagrams of sizes[0] bytes, but its last one of lasts[0]
             job, node = groups[0]
             peer = None if job is None or node is None else job.peers.get(node)
@@ -529,7 +541,7 @@ class Daemon:
             if peer is not None and nbytes0:
                 peer.rate.on_ack(nbytes0, None, now)
             return
-        g = group[acking]
+        g = group[acking]  # (several groups: `acking` was made above)
         weights = np.array(sizes, np.int64)[g]  # by group: no Python step a datagram
         last = at == np.cumsum(runs)[g] - 1
         weights[last] = np.array(lasts, np.int64)[g[last]]
