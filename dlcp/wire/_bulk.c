@@ -39,9 +39,9 @@
  *   or None when every record passes. The tables and constants are Python's.
  *
  * checked_heads(datagrams, tables, magic, version, bad_flags, summed_flag,
- *               max_priority, max_payload) -> (bytearray, bytes, bytes | None, int)
+ *               max_priority, max_payload) -> (bytearray, bytes | None, int)
  *
- *   heads(datagrams, 64) and field_checks of its records in one pass (a
+ *   heads(datagrams, 64)[0] and field_checks of its records in one pass (a
  *   receive drain's decode), and the job (a header's bytes 8-11) that every
  *   record names when all pass every check and name one job; else -1.
  *
@@ -604,26 +604,24 @@ checked_heads(PyObject *self, PyObject *args)
     const unsigned char *t = tables.buf;
     Py_ssize_t n = it.n;
     PyObject *out = PyByteArray_FromStringAndSize(NULL, n * HEAD_SIZE);
-    PyObject *lens = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     PyObject *first = NULL;
     unsigned char *fail = NULL; /* per record: the first check failed (once one has) */
-    if (out == NULL || lens == NULL)
+    if (out == NULL)
         goto error;
     unsigned char *o = (unsigned char *)PyByteArray_AS_STRING(out);
-    int64_t *len = (int64_t *)PyBytes_AS_STRING(lens);
     long long job = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         Bytes b;
         if (items_get(&it, i, &b) < 0)
             goto error;
         unsigned char *h = o + i * HEAD_SIZE;
-        len[i] = b.len;
-        if (b.len >= HEAD_SIZE)
+        int64_t length = b.len;
+        if (length >= HEAD_SIZE)
             memcpy(h, b.buf, HEAD_SIZE);
         else
             memset(h, 0, HEAD_SIZE);
         bytes_release(&b);
-        unsigned char f = first_failed(h, len[i], t, magic, version, bad_flags, summed_flag,
+        unsigned char f = first_failed(h, length, t, magic, version, bad_flags, summed_flag,
                                        max_priority, max_payload);
         if (f != NO_CHECK && first == NULL) {
             first = PyBytes_FromStringAndSize(NULL, n);
@@ -643,10 +641,9 @@ checked_heads(PyObject *self, PyObject *args)
     PyBuffer_Release(&tables);
     if (first != NULL || job < 0)
         job = -1;
-    return Py_BuildValue("(NNNL)", out, lens, first != NULL ? first : Py_NewRef(Py_None), job);
+    return Py_BuildValue("(NNL)", out, first != NULL ? first : Py_NewRef(Py_None), job);
 error:
     Py_XDECREF(out);
-    Py_XDECREF(lens);
     Py_XDECREF(first);
     items_close(&it);
     PyBuffer_Release(&tables);
@@ -1222,8 +1219,8 @@ static PyMethodDef methods[] = {
      "all pass"},
     {"checked_heads", checked_heads, METH_VARARGS,
      "checked_heads(datagrams, tables, magic, version, bad_flags, summed_flag, "
-     "max_priority, max_payload) -> (bytearray, bytes, bytes | None, int): heads(datagrams, "
-     "64) and field_checks of its records in one pass, and the job every record names "
+     "max_priority, max_payload) -> (bytearray, bytes | None, int): heads(datagrams, "
+     "64)[0] and field_checks of its records in one pass, and the job every record names "
      "when all pass and name one (-1: not so)"},
     {"run_starts", run_starts, METH_VARARGS,
      "run_starts(heads, src, mask, data_mask, lanes, type_at, data_type) -> bytes: the "

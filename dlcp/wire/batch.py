@@ -281,18 +281,20 @@ def _py_field_reasons(
 def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, MacKey]) -> Batch:
     """Validate and authenticate a batch of datagrams; never raises for bad input.
 
-    With the C gather (`_bulk.heads`) of a list of datagrams or a `Datagrams`
-    (a receive drain's, dlcp/wire/datagrams.h), no Python object is made per
-    datagram: the header records and lengths come from one call
-    and the MAC check takes the datagrams as they are. Either way the payloads
-    are a `Payloads` of the accepted ones.
+    With the C pass (`_bulk.checked_heads`) over a list of datagrams or a
+    `Datagrams` (a receive drain's, dlcp/wire/datagrams.h), no Python object
+    is made per datagram: the header records, their field checks and the one
+    job they name come from one call, and when all pass and name a job with a
+    key, the MAC check of all of them is the only step left (its result is
+    reused if some fail it). Either way the payloads are a `Payloads` of the
+    accepted ones.
     """
     n = len(datagrams)
     items: Sequence[bytes | memoryview]
     checked: np.ndarray | None = None  # the MAC check of all of them, made already
     if _bulk is not None and isinstance(datagrams, list | _bulk.Datagrams):
         # the header records and checks in one pass, and the one job they name
-        raw_heads, _, first_failed, one_job = _bulk.checked_heads(
+        raw_heads, first_failed, one_job = _bulk.checked_heads(
             datagrams, _CHECK_TABLES, *_CHECK_ARGS
         )
         heads = np.frombuffer(raw_heads, dtype=HEADER_DTYPE)  # writable, zeros if short
