@@ -415,17 +415,15 @@ class Daemon:
             )
         accepted = self.engine.receive_many(dgs, now, nodes)
         types = b"".join(kinds)
-        if accepted.size and types.strip(_DATA_BYTE):  # not all data: control packets too
-            kind = np.frombuffer(types, np.uint8)
-            if not types.strip(_RESULT_BYTE):  # all results (a usual drain): all of them
-                self._on_control(accepted, kind[accepted], dgs, groups, runs, sizes, lasts, now)
-                return
-            kind = kind[accepted]
-            control = kind != _DATA
-            if control.any():
-                self._on_control(
-                    accepted[control], kind[control], dgs, groups, runs, sizes, lasts, now
-                )
+        if not accepted.size or not types.strip(_DATA_BYTE):  # none, or all data
+            return
+        kind = np.frombuffer(types, np.uint8)[accepted]
+        if _DATA_BYTE not in types:  # no data (a drain of results): all go on
+            self._on_control(accepted, kind, dgs, groups, runs, sizes, lasts, now)
+            return
+        control = kind != _DATA
+        if control.any():
+            self._on_control(accepted[control], kind[control], dgs, groups, runs, sizes, lasts, now)
 
     def _receive_mixed(
         self,

@@ -120,6 +120,23 @@ int64_buffer(PyObject *obj, Py_buffer *view, const char *what)
     return 0;
 }
 
+/* The first `size` bytes of item i of `it` into `to` (zeros if it is shorter)
+ * and its length into *length; -1 with an exception set. */
+static int
+copy_head(Items *it, Py_ssize_t i, char *to, Py_ssize_t size, int64_t *length)
+{
+    Bytes b;
+    if (items_get(it, i, &b) < 0)
+        return -1;
+    *length = b.len;
+    if (b.len >= size)
+        memcpy(to, b.buf, (size_t)size);
+    else
+        memset(to, 0, (size_t)size);
+    bytes_release(&b);
+    return 0;
+}
+
 static PyObject *
 heads(PyObject *self, PyObject *args)
 {
@@ -142,18 +159,9 @@ heads(PyObject *self, PyObject *args)
         goto fail;
     char *o = PyByteArray_AS_STRING(out);
     int64_t *len = (int64_t *)PyBytes_AS_STRING(lens);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Bytes b;
-        if (items_get(&it, i, &b) < 0)
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (copy_head(&it, i, o + i * size, size, &len[i]) < 0)
             goto fail;
-        len[i] = b.len;
-        if (b.len >= size) {
-            memcpy(o + i * size, b.buf, (size_t)size);
-        } else {
-            memset(o + i * size, 0, (size_t)size);
-        }
-        bytes_release(&b);
-    }
     items_close(&it);
     return Py_BuildValue("(NN)", out, lens);
 fail:
@@ -611,16 +619,10 @@ checked_heads(PyObject *self, PyObject *args)
     unsigned char *o = (unsigned char *)PyByteArray_AS_STRING(out);
     long long job = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Bytes b;
-        if (items_get(&it, i, &b) < 0)
-            goto error;
         unsigned char *h = o + i * HEAD_SIZE;
-        int64_t length = b.len;
-        if (length >= HEAD_SIZE)
-            memcpy(h, b.buf, HEAD_SIZE);
-        else
-            memset(h, 0, HEAD_SIZE);
-        bytes_release(&b);
+        int64_t length;
+        if (copy_head(&it, i, (char *)h, HEAD_SIZE, &length) < 0)
+            goto error;
         unsigned char f = first_failed(h, length, t, magic, version, bad_flags, summed_flag,
                                        max_priority, max_payload);
         if (f != NO_CHECK && first == NULL) {

@@ -278,6 +278,12 @@ def _py_field_reasons(
     return np.where(failed, _CHECK_REASONS[masks.argmax(axis=0)], 0)
 
 
+def _verify(key: MacKey, datagrams: Sequence[bytes | memoryview]) -> np.ndarray:
+    """Per datagram whether its MAC under `key` (a BLAKE2b secret, or a MAC
+    state with `verify`) is right: a bool array."""
+    return verify_blake2b(key, datagrams) if isinstance(key, bytes) else key.verify(datagrams)
+
+
 def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, MacKey]) -> Batch:
     """Validate and authenticate a batch of datagrams; never raises for bad input.
 
@@ -302,7 +308,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
         if one_job >= 0 and (key := keys.get(one_job)) is not None:
             # every record passed its checks and names one job with a key: the
             # usual drain, whose only remaining check is the MAC
-            checked = verify_blake2b(key, items) if isinstance(key, bytes) else key.verify(items)
+            checked = _verify(key, items)
             if checked.all():
                 return Batch(
                     fields=heads, payloads=Payloads(items), index=np.arange(n), rejects=Counter()
@@ -351,7 +357,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
                 ok = checked
             else:
                 mine = cand if sel is None else [cand[j] for j in sel.tolist()]
-                ok = verify_blake2b(key, mine) if isinstance(key, bytes) else key.verify(mine)
+                ok = _verify(key, mine)
             if sel is None:
                 verified = ok
             else:
