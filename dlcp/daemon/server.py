@@ -67,9 +67,9 @@ _INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
 # GRO buffers taken per readable event (by recvmmsg) before yielding to the
 # loop: a drain of up to 4 MB (64 GRO buffers of 64 KB), whose buffers are
-# still in cache when the MAC and the sums read them after the last is taken. With 256 (16 MB) they
-# were not: each daemon spent about 10 % more CPU a round (BENCHMARKS.md,
-# round 25).
+# still in cache when the MAC and the sums read them after the last is taken.
+# With 256 (16 MB) they were not: each daemon spent about 10 % more CPU a
+# round (BENCHMARKS.md, round 25).
 _RX_BUDGET = 64
 # ... while the outbox has datagrams to send: 16 GRO buffers of 64 KB, one
 # send call's worth when a call sent up to 1 MB. Calls now send up to 4 MB,

@@ -101,7 +101,7 @@ def merge_splits(splits: Sequence[Split]) -> list[Split]:
     for segs, size, full, job, kinds, src in splits:
         k = len(segs)
         d = len(segs[0])
-        joins = isinstance(job, int) and full == k and k > 0
+        joins = isinstance(job, int) and full == k
         if open_ and joins:
             psegs, psize, pfull, pjob, pkinds, psrc = out[-1]
             if pjob == job and psrc == src and len(psegs[0]) == d:

@@ -523,6 +523,22 @@ first_failed(const unsigned char *h, int64_t length, const unsigned char *t, lon
     return NO_CHECK;
 }
 
+/* The check tables (N_TABLES rows of 256 bytes, batch._CHECK_TABLES) as a
+ * buffer in *view; -1 with an exception set. */
+static int
+tables_buffer(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len != N_TABLES * 256) {
+        PyErr_Format(PyExc_ValueError, "tables must be %d bytes, not %zd", N_TABLES * 256,
+                     view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 field_checks(PyObject *self, PyObject *args)
 {
@@ -540,7 +556,7 @@ field_checks(PyObject *self, PyObject *args)
         PyBuffer_Release(&heads);
         return NULL;
     }
-    if (PyObject_GetBuffer(tables_obj, &tables, PyBUF_C_CONTIGUOUS) < 0) {
+    if (tables_buffer(tables_obj, &tables) < 0) {
         PyBuffer_Release(&heads);
         PyBuffer_Release(&lengths);
         return NULL;
@@ -550,11 +566,6 @@ field_checks(PyObject *self, PyObject *args)
     if (heads.len != n * HEAD_SIZE) {
         PyErr_Format(PyExc_ValueError, "%zd header bytes for %zd lengths of %d-byte headers",
                      heads.len, n, HEAD_SIZE);
-        goto done;
-    }
-    if (tables.len != N_TABLES * 256) {
-        PyErr_Format(PyExc_ValueError, "tables must be %d bytes, not %zd", N_TABLES * 256,
-                     tables.len);
         goto done;
     }
     const unsigned char *h = heads.buf, *t = tables.buf;
@@ -596,14 +607,8 @@ checked_heads(PyObject *self, PyObject *args)
                           &bad_flags, &summed_flag, &max_priority, &max_payload))
         return NULL;
     Py_buffer tables;
-    if (PyObject_GetBuffer(tables_obj, &tables, PyBUF_C_CONTIGUOUS) < 0)
+    if (tables_buffer(tables_obj, &tables) < 0)
         return NULL;
-    if (tables.len != N_TABLES * 256) {
-        PyErr_Format(PyExc_ValueError, "tables must be %d bytes, not %zd", N_TABLES * 256,
-                     tables.len);
-        PyBuffer_Release(&tables);
-        return NULL;
-    }
     Items it;
     if (items_open(&it, datagrams, "datagrams must be a list, tuple or Datagrams") < 0) {
         PyBuffer_Release(&tables);
