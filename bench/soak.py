@@ -186,7 +186,9 @@ def soak(
         if background != "none":
             tb.start_background(background, udp_rate_bps=udp_rate_bps)
         every = max(1, rounds // samples)
+        round_s: list[float] = []
         for rnd in range(rounds):
+            t_round = time.monotonic()
             xs = [rng.standard_normal(lanes).astype(np.float32) for _ in range(H)]
             waits = [
                 _submit(r, job, rnd, x, meta, lay, bound) for r, x in zip(ranks, xs, strict=True)
@@ -200,6 +202,7 @@ def soak(
                         w(round_timeout)
                 continue
             fig["completed"] += 1
+            round_s.append(time.monotonic() - t_round)
             digests = {hashlib.sha256(s.tobytes() + c.tobytes()).hexdigest() for s, c, _ in results}
             if len(digests) != 1:
                 fig["replica_mismatches"] += 1
@@ -222,6 +225,10 @@ def soak(
                         rss[pid].append((rnd, v))
                 if progress is not None:
                     progress(f"round {rnd + 1}/{rounds}, {len(fig['failed'])} failed")
+        if round_s:
+            q = np.percentile(round_s, [50, 90, 99])
+            fig["round_s"] = {"p50": q[0], "p90": q[1], "p99": q[2], "max": max(round_s)}
+        fig["daemon_counters"] = [r.client.status().get("counters", {}) for r in ranks]
     finally:
         fig["seconds"] = round(time.monotonic() - t0, 1)
         with contextlib.suppress(Exception):
