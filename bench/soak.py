@@ -16,7 +16,9 @@ link. Per round it checks:
 - exactness: packets with every contribution equal the fp32 sum exactly.
 
 It samples each daemon's RSS (VmRSS in /proc/PID/status) as it goes and
-reports the value after warm-up and at the end. `soak()` runs on an existing
+reports the value after warm-up and at the end; it also reports the completed
+rounds' times (submits to the last reply: p50, p90, p99, max) and each
+daemon's counters at the end. `soak()` runs on an existing
 testbed (tests/test_reliability.py uses it); `main()` builds and removes one.
 """
 
@@ -188,8 +190,8 @@ def soak(
         every = max(1, rounds // samples)
         round_s: list[float] = []
         for rnd in range(rounds):
-            t_round = time.monotonic()
             xs = [rng.standard_normal(lanes).astype(np.float32) for _ in range(H)]
+            t_round = time.monotonic()  # from the submits: not the inputs' making
             waits = [
                 _submit(r, job, rnd, x, meta, lay, bound) for r, x in zip(ranks, xs, strict=True)
             ]
