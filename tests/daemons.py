@@ -107,7 +107,9 @@ class Daemon:
     env: dict[str, str] = field(default_factory=dict)
 
     def start(self, wait: float = 20.0) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
+        # the checkout first; packages installed beside the interpreter's stay reachable
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dlcp.daemon", "--config", str(self.config)],
