@@ -277,9 +277,9 @@ class Outbox:
         bucket's layout. Each named packet is
         looked up by (job, round, bucket, shard, offset, type) among the
         packets recently sent to this peer and charged to the path it took;
-        the entry is forgotten, so a repeated NACK does not count it twice
-        (its retransmission is tracked afresh). Packets never sent or no
-        longer remembered are not charged.
+        the entry is forgotten, so a repeated NACK does not count it twice.
+        Packets never sent or no longer remembered are not charged, and
+        neither are retransmissions (`_track` does not remember them).
         """
         n = nack.count
         if n <= 0:
@@ -339,15 +339,17 @@ class Outbox:
 
     @staticmethod
     def _track(peer: Peer, dgs: list[bytes], path: int) -> None:
-        """Remember the path each DATA/RESULT datagram of `dgs` went on, and count
-        them per shard and path for the shard's DONE."""
+        """Remember the path each DATA/RESULT datagram of `dgs` but the
+        retransmissions went on, and count them all per shard and path for the
+        shard's DONE."""
         tracked = peer.tracked
         shard_paths = peer.shard_paths
         for dg in dgs:
             t = dg[3]
             if t in (_DATA, _RESULT):
                 prefix = dg[8:22]
-                tracked[prefix + dg[28:32] + dg[3:4]] = path
+                if not dg[4] & _F_RETRANSMIT:
+                    tracked[prefix + dg[28:32] + dg[3:4]] = path
                 bkey = prefix + (b"r" if t == _RESULT else b"d")
                 counts = shard_paths.get(bkey)
                 if counts is None:

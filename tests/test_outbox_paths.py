@@ -3,6 +3,7 @@ path on its own and sends a DONE behind its shard (no sockets)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -129,15 +130,29 @@ def test_result_losses_and_retransmissions() -> None:
     # a data NACK for the same offsets names other packets (never sent): no charge
     deliver(ob, peer, nack(lay, 0, [3]), lay)
     assert [ps.lost for ps in peer.paths] == lost
-    # the retransmission is tracked afresh: losing it is charged again
+    # A retransmission is not charged: a repeated NACK may cross it in flight.
+    # It went on a path all the same, and counts as sent there.
     for p in paths:
         p.sent.clear()
-    ob.push(peer, result_packets(lay, 0)[3], 1)
+    sent_before = [ps.sent for ps in peer.paths]
+    ob.push(peer, retransmitted(result_packets(lay, 0)[3]), 1)
     ob.flush(0.0)
     again = path_of(paths)[(PacketType.RESULT, 0, off)]
+    assert peer.paths[again].sent == sent_before[again] + 1
     deliver(ob, peer, nack(lay, 0, [3], result=True), lay)
-    assert sum(ps.lost for ps in peer.paths) == 2
-    assert peer.paths[again].lost >= 1
+    assert [ps.lost for ps in peer.paths] == lost
+    # a first transmission sent after it is charged as ever
+    ob.push(peer, result_packets(lay, 0)[4], 2)
+    ob.flush(0.0)
+    fourth = path_of(paths)[(PacketType.RESULT, 0, lay.shard_results(0)[4][0])]
+    deliver(ob, peer, nack(lay, 0, [3, 4], result=True), lay)
+    assert sum(ps.lost for ps in peer.paths) == 2 and peer.paths[fourth].lost >= 1
+
+
+def retransmitted(dgram: bytes) -> bytes:
+    """`dgram` as the engine resends it: the RETRANSMIT flag set, signed again."""
+    h, payload = decode(dgram, {JOB: KEY})
+    return encode(replace(h, flags=h.flags | Flags.RETRANSMIT), bytes(payload), KEY)
 
 
 def test_unsent_packets_and_one_path() -> None:

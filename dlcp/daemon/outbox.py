@@ -795,9 +795,12 @@ class Outbox:
         bucket's layout. Each named packet is
         looked up by (job, round, bucket, shard, offset, type) among the
         packets recently sent to this peer and charged to the path it took;
-        the entry is forgotten, so a repeated NACK does not count it twice
-        (its retransmission is tracked afresh). Packets never sent or no
-        longer remembered are not charged.
+        the entry is forgotten, so a repeated NACK does not count it twice.
+        Packets never sent or no longer remembered are not charged, and
+        neither are retransmissions (`_send` does not remember them): a
+        receiver repeats a NACK once the peer's usual answer time has passed
+        (NackClock), so a repeat may cross a retransmission still in flight,
+        and charging it would count a loss on a path that lost nothing.
         """
         n = nack.count
         if n <= 0:
@@ -997,6 +1000,7 @@ class Outbox:
             chosen.tolist() if isinstance(chosen, np.ndarray) else [int(p) for p in chosen]
         )
         special = [i for i, dg in enumerate(batch) if dg[3] == _DONE or dg[4] & _F_RETRANSMIT]
+        resent: set[int] = set()  # retransmissions: sent, counted, never charged
         safest = -1
         for i in special:
             dg = batch[i]
@@ -1009,6 +1013,7 @@ class Outbox:
                 if counts is not None:
                     assign[i] = counts.index(max(counts))
             elif t in _DR:  # a retransmission
+                resent.add(i)
                 # A retransmission takes the path that loses least, among those
                 # the balancer uses: losing it again costs another NACK round.
                 if safest < 0:
@@ -1039,12 +1044,14 @@ class Outbox:
                 sent_idx += out
                 self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
                 if one_shard:
-                    self._track(peer, map(keys.__getitem__, out), ((heads[0], n),), p)
+                    first = out if not resent else [i for i in out if i not in resent]
+                    self._track(peer, map(keys.__getitem__, first), ((heads[0], n),), p)
                 else:
                     out = [i for i in out if kinds[i] in _DR]
+                    first = out if not resent else [i for i in out if i not in resent]
                     # (with none: the shards' counts are still kept within bounds)
                     per_shard = Counter(map(heads.__getitem__, out))  # first seen first
-                    self._track(peer, map(keys.__getitem__, out), per_shard.items(), p)
+                    self._track(peer, map(keys.__getitem__, first), per_shard.items(), p)
             done += n
             if n < len(dgs):
                 full = True
