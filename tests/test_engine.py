@@ -9,7 +9,7 @@ import pytest
 
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, Send
 from dlcp.core.layout import Layout
-from dlcp.core.timing import Timing
+from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import LocalError, Reason
 from dlcp.wire import Codec, Flags, PacketType, decode
 from tests.netsim import Network
@@ -1032,7 +1032,7 @@ def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
     required = ~agg.received & ~agg.droppable
     short = agg.manifest.all() and not required.any()
     for row in range(len(agg.senders)):
-        again = agg.last_nack[row] + agg.timing.nack_interval
+        again = agg.last_nack[row] + agg._repeat_after(row)
         if agg.manifest[row]:
             if required[row].any() or (short and not agg.received[row].all()):
                 times.append(max(again, agg.last_arrival + agg.timing.nack_delay))
@@ -1056,7 +1056,14 @@ def test_a_shards_next_timer_is_the_whole_masks_answer(seed: int) -> None:
     n = len(pk)
     starts = np.array([lay.packet_range(i)[0] for i in pk], dtype=np.int64)
     counts = np.array([lay.packet_range(i)[1] for i in pk], dtype=np.int64)
-    agg = ShardAggregator(layout=lay, shard=0, senders=[0, 1, 2], now=0.0, timing=Timing())
+    clocks = {}
+    if seed % 2:  # senders whose answers to NACKs have been timed: shorter repeats
+        clocks = {node: NackClock() for node in (1, 2)}
+        clocks[1].sample(0.001)
+        clocks[2].sample(0.05)
+    agg = ShardAggregator(
+        layout=lay, shard=0, senders=[0, 1, 2], now=0.0, timing=Timing(), clocks=clocks
+    )
     droppable = rng.random((3, n)) < rng.choice([0.0, 0.3, 1.0])
     arrived = np.zeros((3, n), dtype=bool)
     now = 0.0

@@ -16,7 +16,7 @@ missing packet of that sender is treated as required.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,7 +25,7 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.layout import Layout
-from dlcp.core.timing import Timing
+from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
 from dlcp.wire.header import MAX_PRIORITY, Flags
@@ -147,10 +147,14 @@ class ShardAggregator:
         senders: Sequence[int],
         now: float,
         timing: Timing,
+        clocks: Mapping[int, NackClock] | None = None,
     ) -> None:
         self.layout = layout
         self.shard = shard
         self.timing = timing
+        # per sender node, how soon it answers NACKs (the engine's, shared by
+        # every shard of the job); a sender without one: `nack_interval`
+        self.clocks: Mapping[int, NackClock] = {} if clocks is None else clocks
         self.senders = tuple(senders)
         self._row = {node: r for r, node in enumerate(self.senders)}
         pk = layout.shard_packets(shard)
@@ -188,6 +192,8 @@ class ShardAggregator:
         self.created = now
         self.done_at: float | None = None  # when every required packet and the bound were met
         self.last_nack = np.full(s, -math.inf)
+        # per sender row, the NACKs sent to it since it last answered one
+        self.unanswered = [0] * s
         self.last_arrival = now
         self.result: ShardResult | None = None
         # where `_finish` puts the sums, when set (`sum_into`): the collector's
@@ -487,6 +493,7 @@ class ShardAggregator:
         if first in parts:
             return
         parts.add(first)
+        self.unanswered[row] = 0  # the DONE a NACK may have asked for (no sample)
         self.droppable[row, first : first + n] = droppable
         self.manifest_covered[row] += n
         self.bound = min(self.bound, bound)
@@ -598,7 +605,7 @@ class ShardAggregator:
             return [], False
         # Something required is missing. Ask for it once it is overdue.
         for row, node in enumerate(self.senders):
-            if now < self.last_nack[row] + self.timing.nack_interval:
+            if now < self.last_nack[row] + self._repeat_after(row):
                 continue
             if self.manifest[row]:
                 if now < self.last_arrival + self.timing.nack_delay:
@@ -611,12 +618,33 @@ class ShardAggregator:
                 if missing.size:
                     nacks.append(Nack(node, self.shard, tuple(int(m) for m in missing)))
                     self.last_nack[row] = now
+                    self.unanswered[row] += 1
             elif now >= self.created + self.timing.grace and (
                 now >= self.last_arrival + self.timing.grace
             ):  # no DONE, and nothing at all has arrived for a while
                 nacks.append(Nack(node, self.shard, (), need_manifest=True))
                 self.last_nack[row] = now
+                self.unanswered[row] += 1
         return nacks, False
+
+    def _repeat_after(self, row: int) -> float:
+        """How long after its last NACK sender row `row` is asked again."""
+        clock = self.clocks.get(self.senders[row])
+        if clock is None:
+            return self.timing.nack_interval
+        return clock.repeat_after(self.timing, self.unanswered[row])
+
+    def answered(self, sender: int, now: float) -> None:
+        """A retransmission from `sender` was stored: its answer to the NACKs
+        sent it, timed from the last of them where that was the only one
+        (Karn's rule: the answer to a repeated NACK is no sample)."""
+        row = self._row.get(sender)
+        if row is None or not self.unanswered[row]:
+            return
+        clock = self.clocks.get(sender)
+        if clock is not None and self.unanswered[row] == 1:
+            clock.sample(now - float(self.last_nack[row]))
+        self.unanswered[row] = 0
 
     def _to_reach_bound(self, row: int, missing_lanes: int, total: int) -> np.ndarray:
         allowed = int(self.bound * total)
@@ -640,7 +668,7 @@ class ShardAggregator:
         # calls of a round find no manifest in yet but the node's own.
         short: bool | None = None  # whether only the bound is unmet
         for row in range(len(self.senders)):
-            again = self.last_nack[row] + self.timing.nack_interval
+            again = self.last_nack[row] + self._repeat_after(row)
             if self.manifest[row]:
                 if self._row_complete(row):
                     continue
@@ -767,6 +795,7 @@ class _Awaited:
     done: bool = False
     last_arrival: float | None = None
     last_nack: float = -math.inf
+    unanswered: int = 0  # NACKs sent to the owner since it last answered one
 
 
 @dataclass
@@ -795,6 +824,9 @@ class ResultCollector:
     last_stored: int = -1
     # per node, when its last data-leg packet of this round came (`heard_from`)
     heard: dict[int, float] = field(init=False)
+    # per owner node, how soon it answers NACKs (the engine's, shared by the
+    # job's rounds); an owner without one: `nack_interval`
+    clocks: Mapping[int, NackClock] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -1014,6 +1046,7 @@ class ResultCollector:
             return
         w.done = True
         w.last_arrival = now
+        w.unanswered = 0  # the DONE a NACK may have asked for (no sample)
         self.lost_lanes += lost_lanes
         self.total_lanes += self.layout.shard_range(shard)[1] * self.senders
 
@@ -1034,7 +1067,7 @@ class ResultCollector:
         nacks: list[Nack] = []
         t = self.timing
         for shard, w in self.waiting.items():
-            if now < w.last_nack + t.nack_interval:
+            if now < w.last_nack + self._repeat_after(w):
                 continue
             if w.done:
                 last = w.last_arrival if w.last_arrival is not None else self.created
@@ -1042,12 +1075,14 @@ class ResultCollector:
                     missing = np.flatnonzero(~w.received)
                     nacks.append(Nack(w.owner, shard, tuple(int(m) for m in missing)))
                     w.last_nack = now
+                    w.unanswered += 1
             elif w.last_arrival is not None and now >= w.last_arrival + t.grace:
                 # Results stopped without their DONE: ask for the DONE only. It
                 # trails the owner's queued results, so the precise NACK for what
                 # is really missing follows once it arrives.
                 nacks.append(Nack(w.owner, shard, (), need_manifest=True))
                 w.last_nack = now
+                w.unanswered += 1
             elif w.last_arrival is None and now >= self._quiet_since(w) + t.grace:
                 # No result from this owner yet, and it has been quiet for a
                 # grace: either it is still aggregating (it ignores the
@@ -1060,6 +1095,30 @@ class ResultCollector:
                 w.last_nack = now
         return nacks
 
+    def _repeat_after(self, w: _Awaited) -> float:
+        """How long after its last NACK for `w` the owner is asked again."""
+        clock = self.clocks.get(w.owner)
+        if clock is None:
+            return self.timing.nack_interval
+        return clock.repeat_after(self.timing, w.unanswered)
+
+    def awaits_answer(self, shard: int) -> bool:
+        """Whether a NACK for `shard` waits for its answer."""
+        w = self.waiting.get(shard)
+        return w is not None and w.unanswered > 0
+
+    def answered(self, shard: int, now: float) -> None:
+        """A retransmitted result packet of `shard` was stored: the owner's
+        answer to the NACKs sent it, timed from the last of them where that
+        was the only one (Karn's rule, as `ShardAggregator.answered`)."""
+        w = self.waiting.get(shard)
+        if w is None or not w.unanswered:
+            return
+        clock = self.clocks.get(w.owner)
+        if clock is not None and w.unanswered == 1:
+            clock.sample(now - w.last_nack)
+        w.unanswered = 0
+
     def next_timer(self) -> float | None:
         t = _Tick()
         for w in self.waiting.values():
@@ -1068,7 +1127,7 @@ class ResultCollector:
                 continue
             last = w.last_arrival if w.last_arrival is not None else self.created
             wait = self.timing.nack_delay if w.done else self.timing.grace
-            t.arm(max(last + wait, w.last_nack + self.timing.nack_interval))
+            t.arm(max(last + wait, w.last_nack + self._repeat_after(w)))
         if self.waiting:
             t.arm(self.created + self.timing.timeout)
         return t.at

@@ -28,7 +28,7 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.aggregate import Nack, ResultCollector, RunRejected, ShardAggregator, ShardResult
 from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
-from dlcp.core.timing import Timing
+from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import HEADER_DTYPE, _bulk, decode_batch, encode_batch
 from dlcp.wire.header import (
@@ -164,6 +164,14 @@ def _batch(
     if droppable is not None and len(droppable) != len(datagrams):
         raise ValueError(f"{len(datagrams)} datagrams but {len(droppable)} droppable flags")
     return SendBatch(node, datagrams, priorities, droppable, kind)
+
+
+_RETRANSMIT = int(Flags.RETRANSMIT)
+
+
+def _retransmitted(heads: np.ndarray) -> bool:
+    """Whether any of a run's header records is a retransmission."""
+    return bool((heads["flags"] & _RETRANSMIT).any())
 
 
 def _int_list(a: np.ndarray) -> list[int]:
@@ -402,6 +410,8 @@ class Engine:
         self.gather = gather
         self.jobs: dict[int, JobSpec] = {}
         self._keys: dict[int, MacKey] = {}
+        # per job, per peer node: how soon it answers this node's NACKs
+        self._clocks: dict[int, dict[int, NackClock]] = {}
         self._aggs: dict[tuple[OpKey, int], ShardAggregator] = {}
         self._finished: dict[tuple[OpKey, int], _Finished] = {}
         self._contribs: dict[OpKey, _Contribution] = {}
@@ -441,10 +451,14 @@ class Engine:
             raise LocalError(f"job {spec.job}: {exc}") from exc
         self.jobs[spec.job] = spec
         self._keys[spec.job] = key
+        self._clocks[spec.job] = {
+            n: NackClock() for n in {*spec.contributors, *spec.owners} if n != spec.me
+        }
 
     def remove_job(self, job: int, now: float) -> None:
         self.jobs.pop(job, None)
         self._keys.pop(job, None)
+        self._clocks.pop(job, None)
         for op in [op for op in self._collectors if op[0] == job]:
             self._fail(op, "job removed", now)
         for k in [k for k in self._aggs if k[0][0] == job]:
@@ -609,6 +623,7 @@ class Engine:
             now=now,
             timing=self.timing,
             out=out,
+            clocks=self._clocks.get(job, {}),
         )
         self._contribs[op] = c
         self._collectors[op] = collector
@@ -982,6 +997,8 @@ class Engine:
             return None
         self._heard(op, h.sender, now)
         agg = self._aggregator(op, h.shard, lay, now)
+        if any(agg.unanswered) and _retransmitted(heads):
+            agg.answered(h.sender, now)
         stored, bad = agg.on_data_run(
             sender=h.sender,
             heads=heads,
@@ -1015,6 +1032,8 @@ class Engine:
         self._check_owner(spec, h)
         if col.layout.total != h.total or col.layout.codec != h.codec:
             raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        if col.awaits_answer(h.shard) and _retransmitted(heads):
+            col.answered(h.shard, now)
         stored, bad = col.on_result_run(
             shard=h.shard, sender=h.sender, heads=heads, payloads=payloads, now=now
         )
@@ -1164,6 +1183,8 @@ class Engine:
             return
         self._heard(op, h.sender, now)
         agg = self._aggregator(op, h.shard, lay, now)
+        if h.flags & Flags.RETRANSMIT:
+            agg.answered(h.sender, now)
         fresh = agg.on_data(
             sender=h.sender,
             offset=h.offset,
@@ -1224,6 +1245,8 @@ class Engine:
         self._check_owner(spec, h)
         if col.layout.total != h.total or col.layout.codec != h.codec:
             raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        if h.flags & Flags.RETRANSMIT:
+            col.answered(h.shard, now)
         fresh = col.on_result(
             shard=h.shard,
             sender=h.sender,
@@ -1239,22 +1262,29 @@ class Engine:
 
     def _unsent_lately(
         self,
+        spec: JobSpec,
         store: dict[tuple[int, int], np.ndarray],
         key: tuple[int, int],
         n: int,
         idx: np.ndarray,
         now: float,
     ) -> list[int]:
-        """The NACKed packets not already resent within the last NACK interval.
+        """The NACKed packets not already resent lately: within half the wait
+        after which the NACKing node (`key[1]`) repeats a NACK, as this node
+        would repeat its own to that node (the paths both ways alike), or
+        within `nack_interval` until that is known.
 
-        A receiver repeats its NACK every `nack_interval` while packets are
-        missing; resending what is still queued or in flight would only feed a
-        retransmission storm.
+        A receiver repeats its NACK while packets are missing; resending what
+        is still queued or in flight would only feed a retransmission storm.
         """
         last = store.get(key)
         if last is None:
             last = store[key] = np.full(n, -np.inf)
-        fresh = idx[now >= last[idx] + self.timing.nack_interval]
+        window = self.timing.nack_interval
+        clock = self._clocks.get(spec.job, {}).get(key[1])
+        if clock is not None and clock.samples:
+            window = clock.repeat_after(self.timing) / 2
+        fresh = idx[now >= last[idx] + window]
         dup = idx.size - fresh.size
         if dup:
             self.stats["retransmits_suppressed"] += dup
@@ -1280,7 +1310,7 @@ class Engine:
             if idx.size and idx.max() >= n:
                 raise RemoteError(Reason.BAD_RANGE, f"NACK for result packet {idx.max()} of {n}")
             if idx.size:
-                todo = self._unsent_lately(f.resent, (h.shard, h.sender), n, idx, now)
+                todo = self._unsent_lately(spec, f.resent, (h.shard, h.sender), n, idx, now)
                 if todo:
                     self._send_results(f, h.sender, todo)
             if h.flags & Flags.NEED_MANIFEST:
@@ -1295,7 +1325,7 @@ class Engine:
         if idx.size and idx.max() >= n:
             raise RemoteError(Reason.BAD_RANGE, f"NACK for packet {idx.max()} of {n}")
         if idx.size:
-            todo = self._unsent_lately(c.resent, (h.shard, h.sender), n, idx, now)
+            todo = self._unsent_lately(spec, c.resent, (h.shard, h.sender), n, idx, now)
             if todo:
                 self._send_data(c, h.shard, h.sender, todo)
         if h.flags & Flags.NEED_MANIFEST:
@@ -1308,7 +1338,12 @@ class Engine:
         if agg is None:
             spec = self.jobs[op[0]]
             agg = ShardAggregator(
-                layout=lay, shard=shard, senders=spec.contributors, now=now, timing=self.timing
+                layout=lay,
+                shard=shard,
+                senders=spec.contributors,
+                now=now,
+                timing=self.timing,
+                clocks=self._clocks.get(op[0]),
             )
             self._aggs[key] = agg
             self._see_round(op[0], op[1])

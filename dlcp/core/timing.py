@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dlcp.errors import LocalError
 
-__all__ = ["Timing"]
+__all__ = ["NackClock", "Timing"]
 
 
 @dataclass(frozen=True)
@@ -17,8 +17,11 @@ class Timing:
     # After a sender's DONE, how long a missing required packet may still be in
     # flight (reordered behind the top-priority DONE) before it is NACKed.
     nack_delay: float = 0.005
-    # Between repeated NACKs for the same missing packets.
+    # Between repeated NACKs for the same missing packets: the longest wait,
+    # and the wait until a peer's answers to NACKs have been timed (NackClock).
     nack_interval: float = 0.03
+    # The shortest wait between repeated NACKs, however fast a peer answers.
+    nack_min: float = 0.005
     # Once every required packet is in and the bound is met, how long to wait
     # for droppable stragglers before completing without them.
     linger: float = 0.002
@@ -39,7 +42,15 @@ class Timing:
     ack_wait: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("nack_delay", "nack_interval", "linger", "grace", "timeout", "retain"):
+        for name in (
+            "nack_delay",
+            "nack_interval",
+            "nack_min",
+            "linger",
+            "grace",
+            "timeout",
+            "retain",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise LocalError(f"timing.{name} must be > 0 seconds, got {value}")
@@ -50,3 +61,52 @@ class Timing:
             )
         if self.timeout <= self.grace:
             raise LocalError("timing.timeout must exceed timing.grace")
+        if self.nack_min > self.nack_interval:
+            raise LocalError(
+                f"timing.nack_min ({self.nack_min}) must not exceed timing.nack_interval "
+                f"({self.nack_interval})"
+            )
+
+
+class NackClock:
+    """How soon one peer answers a NACK, and so how long to wait before
+    repeating one that has gone unanswered.
+
+    A NACK's answer is the first retransmitted packet that comes back for it.
+    The time from the NACK to its answer is learnt as TCP learns its
+    retransmission timeout (RFC 6298: a smoothed mean and mean deviation), and
+    with Karn's rule: a NACK that had to be repeated is no sample, since which
+    copy was answered is unknown. A fixed wait between NACKs would have to
+    cover the slowest network and the busiest host, and every lost NACK or
+    retransmission costs a round that wait.
+    """
+
+    __slots__ = ("rttvar", "samples", "srtt")
+
+    def __init__(self) -> None:
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.samples = 0
+
+    def sample(self, seconds: float) -> None:
+        """One NACK answered `seconds` after it was sent (never repeated)."""
+        if not seconds >= 0:
+            return
+        self.samples += 1
+        if self.srtt is None:
+            self.srtt = seconds
+            self.rttvar = seconds / 2
+            return
+        self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
+        self.srtt = 0.875 * self.srtt + 0.125 * seconds
+
+    def repeat_after(self, timing: Timing, unanswered: int = 1) -> float:
+        """How long after the last of `unanswered` (>= 1) NACKs to repeat it:
+        the mean answer time plus four deviations, within `timing.nack_min`
+        and `timing.nack_interval`, doubled for each NACK before the last that
+        went unanswered too (at most `nack_interval`); `nack_interval` until an
+        answer has been timed."""
+        if self.srtt is None:
+            return timing.nack_interval
+        wait = min(max(self.srtt + 4 * self.rttvar, timing.nack_min), timing.nack_interval)
+        return min(wait * (1 << min(max(unanswered - 1, 0), 16)), timing.nack_interval)
