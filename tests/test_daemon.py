@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from dlcp import ipc
+from dlcp.core.timing import Timing
 from dlcp.shim.client import DaemonClient, DaemonError, SealedSegment
 from dlcp.wire import mac
 from dlcp.wire.header import Header, PacketType, encode
@@ -282,7 +283,19 @@ def test_metrics_endpoint_and_status_cli(trio: list, ranks: list[Rank]) -> None:
         check=True,
     ).stdout
     st = json.loads(out)
-    assert any(j["job"] == JOB for j in st["jobs"])
+    (job,) = (j for j in st["jobs"] if j["job"] == JOB)
+    # each peer's NACK clock: untimed (no NACK answered yet: the fixed wait)
+    # or timed (the learnt wait, within the bounds)
+    answers = job["nack_answers"]
+    assert sorted(a["node"] for a in answers) == sorted(set(range(3)) - {job["me"]})
+    timing = Timing()
+    for a in answers:
+        assert a["peer"]
+        if a["answer_s"] is None:
+            assert a["answers"] == 0 and a["repeat_after_s"] == timing.nack_interval
+        else:
+            assert a["answers"] > 0 and a["deviation_s"] >= 0
+            assert timing.nack_min <= a["repeat_after_s"] <= timing.nack_interval
     assert st["mac"] == f"ghash-aes ({mac.GhashAesKey(bytes(32)).backend})"
     human = subprocess.run(
         [sys.executable, "-m", "dlcp", "status", "--socket", d.socket],
@@ -292,6 +305,7 @@ def test_metrics_endpoint_and_status_cli(trio: list, ranks: list[Rank]) -> None:
         check=True,
     ).stdout
     assert str(JOB) in human and "peer" in human and f"MAC {st['mac']}" in human
+    assert len(re.findall(r"node \d \(\S+\): .*, repeat after \d+\.\d ms", human)) == 2
 
 
 def test_status_cli_without_daemon_is_one_clear_error(tmp_path: Path) -> None:

@@ -198,3 +198,24 @@ def _nacks(e: Engine, net: Network, to: int) -> list[bytes]:
         if s.node == to and dg[3] == PacketType.NACK:
             out.append(dg)
     return out
+
+
+def test_nack_answers_show_each_peers_clock() -> None:
+    """`Engine.nack_answers` (what `dlcp status` and the metrics show): nothing
+    timed and the fixed interval before any NACK; after lossy rounds, the
+    learnt answer time, its deviation and the repeat wait the clock gives."""
+    timing = Timing()
+    fresh = _pair(timing)[0].nack_answers(JOB)
+    assert fresh == {
+        1: {"answer_s": None, "deviation_s": None, "answers": 0, "repeat_after_s": 0.03}
+    }
+    _, net = _rounds(timing, 4, seed=5)
+    for me, e in net.engines.items():
+        (node, seen), *others = e.nack_answers(JOB).items()
+        clock = e._clocks[JOB][1 - me]
+        assert node == 1 - me and not others
+        assert seen["answers"] == clock.samples > 0
+        assert seen["answer_s"] == clock.srtt and seen["deviation_s"] == clock.rttvar
+        assert seen["repeat_after_s"] == clock.repeat_after(timing)
+        assert timing.nack_min <= seen["repeat_after_s"] < timing.nack_interval
+    assert e.nack_answers(JOB + 1) == {}

@@ -455,6 +455,21 @@ class Engine:
             n: NackClock() for n in {*spec.contributors, *spec.owners} if n != spec.me
         }
 
+    def nack_answers(self, job: int) -> dict[int, dict[str, Any]]:
+        """Per peer node of `job`: how soon it answers this node's NACKs (mean
+        and mean deviation, seconds; None before an answer was timed), how
+        many answers were timed, and the wait before a NACK to it is repeated."""
+        out: dict[int, dict[str, Any]] = {}
+        for node, clock in sorted(self._clocks.get(job, {}).items()):
+            timed = clock.srtt is not None
+            out[node] = {
+                "answer_s": clock.srtt,
+                "deviation_s": clock.rttvar if timed else None,
+                "answers": clock.samples,
+                "repeat_after_s": clock.repeat_after(self.timing),
+            }
+        return out
+
     def remove_job(self, job: int, now: float) -> None:
         self.jobs.pop(job, None)
         self._keys.pop(job, None)

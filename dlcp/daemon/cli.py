@@ -67,6 +67,17 @@ def run(args: argparse.Namespace) -> int:
             f"local ranks {j['local_ranks']}  clients {j['clients']}  "
             f"rounds ok {j['rounds_completed']} failed {j['rounds_failed']}"
         )
+        for a in j.get("nack_answers", []):
+            answered = (
+                f"answers NACKs in {a['answer_s'] * 1e3:.1f} ms "
+                f"(+-{a['deviation_s'] * 1e3:.1f}, {a['answers']} timed)"
+                if a["answer_s"] is not None
+                else "no NACK answer timed yet"
+            )
+            print(
+                f"    node {a['node']} ({a['peer'] or '?'}): {answered}, "
+                f"repeat after {a['repeat_after_s'] * 1e3:.1f} ms"
+            )
     print("peers:")
     if not st["peers"]:
         print("  (none)")

@@ -165,6 +165,19 @@ class DaemonCollector(Collector):
                 {"path": str(i)},
                 float(p.gso),
             )
+        # exposed without series too: a peer has one once it answered a NACK
+        for name, doc in (
+            ("dlcp_nack_answer_seconds", "How soon the peer answers NACKs (smoothed mean)"),
+            ("dlcp_nack_repeat_seconds", "Wait before an unanswered NACK to the peer is repeated"),
+        ):
+            fams[name] = GaugeMetricFamily(name, doc, labels=["job", "peer"])
+        for job in d.jobs.values():
+            for answer in d.nack_answers(job):
+                if answer["answer_s"] is None or answer["peer"] is None:
+                    continue
+                labels = {"job": str(job.spec.job), "peer": answer["peer"]}
+                gauge("dlcp_nack_answer_seconds", "", labels, answer["answer_s"])
+                gauge("dlcp_nack_repeat_seconds", "", labels, answer["repeat_after_s"])
         for peer in d.outbox.peers.values():
             gauge(
                 "dlcp_peer_rate_bps",

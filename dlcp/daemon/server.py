@@ -1295,7 +1295,9 @@ class Daemon:
             "daemon": self.describe(),
             "draining": self.draining,
             "uptime_s": round(time.monotonic() - _STARTED, 3),
-            "jobs": [j.describe() for j in self.jobs.values()],
+            "jobs": [
+                {**j.describe(), "nack_answers": self.nack_answers(j)} for j in self.jobs.values()
+            ],
             "clients": len(self.clients),
             "rounds_in_flight": self.engine.pending_rounds(),
             "mac": self.mac_description(),
@@ -1343,6 +1345,14 @@ class Daemon:
             },
             "rejects": {r: self.rejected(r) for r in self.reject_reasons()},
         }
+
+    def nack_answers(self, job: JobState) -> list[dict[str, Any]]:
+        """How soon each peer of `job` answers this daemon's NACKs (Engine.nack_answers)."""
+        out = []
+        for node, answer in self.engine.nack_answers(job.spec.job).items():
+            peer = job.peers.get(node)
+            out.append({"node": node, "peer": None if peer is None else peer.name, **answer})
+        return out
 
     def mac_description(self) -> str:
         """The packet MAC and, for ghash-aes, whether the C extension computes it."""
