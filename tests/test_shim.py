@@ -326,6 +326,33 @@ def test_arena_makes_sealed_segments_where_the_kernel_has_them() -> None:
         arena.close()
 
 
+@pytest.mark.parametrize("kind", [Segment, SealedSegment])
+def test_a_segment_is_page_locked_for_cuda_only_where_cuda_is(kind: type) -> None:
+    """`pin_for_cuda` (GPU buckets: one DMA each way, dlcp.shim.pinning) is
+    tried once, is False without a CUDA device, and `close` releases either
+    way; tests/test_shim_cuda.py covers the page-locked case."""
+    seg = kind(f"dlcp-pin-{os.getpid()}", 1 << 16)
+    try:
+        assert seg.pin_for_cuda() is torch.cuda.is_available()
+        assert seg.pinned is torch.cuda.is_available()
+        assert seg.pin_for_cuda() is seg.pinned
+    finally:
+        seg.close()
+    assert not seg.pinned
+
+
+def test_staging_ignores_direct_for_cpu_tensors(segment: Segment) -> None:
+    """`direct` concerns CUDA tensors; CPU bytes are copied and read in place."""
+    staging = Staging()
+    src = torch.arange(256, dtype=torch.uint8).repeat(4)
+    staging.write(segment.buf[64 : 64 + src.numel()], src, direct=True)
+    host = np.frombuffer(segment.buf, np.uint8, src.numel(), 64)
+    assert bytes(host) == src.numpy().tobytes()
+    back = staging.to_device(host, torch.device("cpu"), direct=True)
+    assert torch.equal(back, src) and back.data_ptr() == host.ctypes.data
+    del host, back
+
+
 def test_arena_cuts_aligned_regions_grows_and_unlinks() -> None:
     client = _StubClient()
     prefix = f"dlcp-arena-{os.getpid()}"

@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import dlcp.shim as dlcp
+from dlcp.shim.client import SealedSegment, Segment
+from dlcp.shim.pinning import pin_mapping, unpin_mapping
 from dlcp.shim.staging import Staging
 from tests.daemons import loopback_daemons
 from tests.test_shim import make_model, spawn, train_steps
@@ -109,16 +111,58 @@ def test_ddp_hook_on_cuda_matches_the_default_hook(tmp_path: Path) -> None:
         assert torch.equal(results[0][codec]["mean"], results[1][codec]["mean"]), codec
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("n", [1, 1000, (1 << 20) + 1, 3 << 20])
-def test_staging_round_trips_cuda_bytes(n: int) -> None:
+def test_staging_round_trips_cuda_bytes(n: int, direct: bool) -> None:
+    """Through the staging buffer, and (`direct`) straight to and from a
+    page-locked segment, at an offset inside it as a region is."""
     staging = Staging()
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0")
-    region = bytearray(n + 7)
-    staging.write(memoryview(region), src)
-    host = np.frombuffer(region, dtype=np.uint8, count=n)
-    assert bytes(region[:n]) == src.cpu().numpy().tobytes()
-    back = staging.to_device(host, torch.device("cuda:0"))
-    assert back.is_cuda and torch.equal(back, src)
-    # the result is a copy: the region may be reused at once
-    region[:n] = bytes(n)
-    assert torch.equal(back, src)
+    seg = SealedSegment("dlcp-test-staging", n + 4096)
+    try:
+        assert seg.pin_for_cuda() or not direct
+        region = seg.buf[4096 - 8 : 4096 - 8 + n]  # not page-aligned
+        staging.write(region, src, direct=direct)
+        host = np.frombuffer(region, dtype=np.uint8)
+        assert bytes(region) == src.cpu().numpy().tobytes()
+        floats = host[: n - n % 4].view(np.float32)
+        for view, want in ((host, src), (floats, src[: floats.size * 4].view(torch.float32))):
+            back = staging.to_device(view, torch.device("cuda:0"), direct=direct)
+            assert back.is_cuda and back.dtype == want.dtype
+            # bit for bit (random bytes as floats hold NaNs, which equal nothing)
+            assert torch.equal(back.view(torch.uint8), want.view(torch.uint8))
+        # the result is a copy: the region may be reused at once
+        back = staging.to_device(host, torch.device("cuda:0"), direct=direct)
+        region[:] = bytes(n)
+        assert torch.equal(back, src)
+        del host, floats, view, region
+    finally:
+        seg.close()
+    assert not seg.pinned
+
+
+@pytest.mark.parametrize("kind", [Segment, SealedSegment])
+def test_segments_are_page_locked_once_and_released_on_close(kind: type) -> None:
+    seg = kind("dlcp-test-pin", 1 << 20)
+    try:
+        assert seg.pin_for_cuda() and seg.pinned
+        assert seg.pin_for_cuda()  # tried once: no second registration
+    finally:
+        seg.close()
+    assert not seg.pinned
+
+
+def test_a_refused_registration_warns_and_leaves_cuda_working() -> None:
+    """Registering a mapping twice is refused (cudaErrorHostMemoryAlreadyRegistered):
+    the shim warns, stages instead, and the runtime's last error is cleared, so
+    PyTorch's next kernel launch does not fail on it."""
+    seg = SealedSegment("dlcp-test-pin-twice", 1 << 20)
+    try:
+        assert pin_mapping(seg.buf)
+        with pytest.warns(RuntimeWarning, match="did not page-lock"):
+            assert not pin_mapping(seg.buf)
+        x = torch.arange(1000, device="cuda:0", dtype=torch.float32)
+        assert float((x * 2).sum()) == 999_000.0
+        unpin_mapping(seg.buf)
+    finally:
+        seg.close()

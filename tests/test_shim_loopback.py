@@ -68,6 +68,7 @@ def test_fp32_hook_equals_the_default_hook_over_three_daemons(trio: list[Daemon]
         assert stats["fallbacks"] == 0 and stats["failures"] == 0
         assert stats["rounds"] > 6  # several buckets per step
         assert stats["lost_lanes"] == 0
+        assert not stats["segment_pinned"]  # CPU buckets: nothing page-locked
 
 
 def test_two_ranks_per_host_are_summed_by_their_daemon(tmp_path: Path) -> None:

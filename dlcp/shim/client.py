@@ -45,7 +45,33 @@ def _unmap(buf: memoryview, m: mmap.mmap) -> None:
         pass
 
 
-class Segment:
+class _Mapped:
+    """A segment's mapping, page-locked for CUDA once a GPU bucket uses it."""
+
+    mmap: mmap.mmap
+    buf: memoryview
+    pinned: bool = False  # page-locked: GPU copies to and from it are one DMA
+    _pin_tried: bool = False
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the mapping (tried once); whether it is."""
+        if not self._pin_tried:
+            from dlcp.shim.pinning import pin_mapping  # torch: only for GPU buckets
+
+            self._pin_tried = True
+            self.pinned = pin_mapping(self.buf)
+        return self.pinned
+
+    def _release(self) -> None:
+        if self.pinned:
+            from dlcp.shim.pinning import unpin_mapping
+
+            self.pinned = False
+            unpin_mapping(self.buf)
+        _unmap(self.buf, self.mmap)
+
+
+class Segment(_Mapped):
     """A POSIX shared-memory segment (/dev/shm/NAME) this process creates and owns."""
 
     def __init__(self, name: str, size: int, group: int | None = None) -> None:
@@ -72,12 +98,12 @@ class Segment:
         self.buf = memoryview(self.mmap)
 
     def close(self) -> None:
-        _unmap(self.buf, self.mmap)
+        self._release()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
 
-class SealedSegment:
+class SealedSegment(_Mapped):
     """A segment in a memfd sealed against shrinking, which the daemon maps.
 
     Handed to the daemon as a descriptor (`DaemonClient.segment`), never by
@@ -104,7 +130,7 @@ class SealedSegment:
         self.buf = memoryview(self.mmap)
 
     def close(self) -> None:
-        _unmap(self.buf, self.mmap)
+        self._release()
         with contextlib.suppress(OSError):
             os.close(self.fd)
 

@@ -131,7 +131,8 @@ def submit_round(
         generator=generator,
     )
     block_max = enc.block_max.detach().to("cpu", torch.float32)
-    staging.write(region.data_view(), enc.lanes)
+    direct = enc.lanes.is_cuda and region.segment.pin_for_cuda()
+    staging.write(region.data_view(), enc.lanes, direct=direct)
     write_meta(region.meta_view(), layers, norms, block_max.numpy())
     reply = client.submit(
         job=job,
@@ -162,7 +163,7 @@ def decode_round(
     """Read the out region of a finished round and average each packet's sums by
     its contributor count (packets nobody contributed to decode to 0)."""
     out = read_out(region.out_view(), plan.layout)
-    sums = staging.to_device(out.sums, device)
+    sums = staging.to_device(out.sums, device, direct=region.segment.pinned)
     counts = torch.from_numpy(out.counts.astype(np.int32)).to(device)
     mean = plan.codec.decode(
         sums,

@@ -347,6 +347,8 @@ class DlcpState:
             "total_lanes": self.total_lanes,
             "saturated": self.saturated,
             "last_error": self.last_error,
+            # the segment page-locked for CUDA: GPU buckets move in one DMA
+            "segment_pinned": self._link is not None and self._link.arena.segment.pinned,
             "codec": self.codec,
             "auto": None if self._auto is None else self._auto.describe(),
         }
