@@ -16,6 +16,8 @@ import torch
 
 __all__ = ["mapping_address", "pin_mapping", "unpin_mapping"]
 
+_PORTABLE = 1  # cudaHostRegisterPortable
+
 
 def mapping_address(buf: memoryview) -> int:
     """The address of `buf`'s first byte (no view of it is kept)."""
@@ -50,7 +52,8 @@ def pin_mapping(buf: memoryview) -> bool:
     rt = _cudart()
     if rt is None:
         return False
-    err = int(rt.cudaHostRegister(mapping_address(buf), len(buf), 0))  # type: ignore[attr-defined]
+    # portable: page-locked for every device's context, not only the current one's
+    err = int(rt.cudaHostRegister(mapping_address(buf), len(buf), _PORTABLE))  # type: ignore[attr-defined]
     if err != 0:
         _clear_last_error()
         warnings.warn(
