@@ -16,8 +16,11 @@ all-reduce, to the last synchronize):
 
 The backends run in turn, `--rounds` times, in one invocation. A loopback
 figure on one machine: it shows what the shim's copies cost beside Gloo's,
-not what a network would. `--device cpu` runs the same steps on the CPU (a
-smoke test; the two dlcp backends are then one).
+not what a network would. `--ceiling` is the daemons' pacing ceiling, 100
+Gbit/s by default as in bench/veth_busbw.py (loopback has no link rate;
+dlcpd's default of 10 Gbit/s, a real link's, caps dlcp here).
+`--device cpu` runs the same steps on the CPU (a smoke test; the two dlcp
+backends are then one).
 """
 
 from __future__ import annotations
@@ -133,12 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument(
+        "--ceiling",
+        type=float,
+        default=100e9,
+        help="the daemons' pacing ceiling, bit/s ([rate] ceiling_bps; dlcpd's default: 10e9)",
+    )
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (--device cpu for a smoke test)", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as td, loopback_daemons(Path(td), a.ranks) as ds:
+    extra = {"rate": {"ceiling_bps": a.ceiling}}
+    with tempfile.TemporaryDirectory() as td, loopback_daemons(Path(td), a.ranks, extra) as ds:
         sockets = [d.socket for d in ds]
         mp.spawn(
             _worker,
@@ -166,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
-    print(f"{a.ranks} ranks on {name}, {a.params_m}M parameters, {a.steps} steps x {a.rounds}")
+    print(
+        f"{a.ranks} ranks on {name}, {a.params_m}M parameters, {a.steps} steps x {a.rounds}, "
+        f"pacing ceiling {a.ceiling / 1e9:g} Gbit/s"
+    )
     for r in rows:
         step_ms = r["median_step_s"] * 1e3
         print(f"{r['backend']:>12}  median step {step_ms:8.1f} ms  pinned {r['pinned']}")
