@@ -105,6 +105,21 @@ def _steps(
     return out
 
 
+def _counters(status: dict[str, Any]) -> dict[str, Any]:
+    """What of a daemon's status says where its time went: losses, resends, stalls."""
+    c = status["counters"]
+    keys = ("rounds_completed", "data_nacks_sent", "result_nacks_sent", "data_retransmits",
+            "result_retransmits", "late_packets", "rx_packets")  # fmt: skip
+    peers = status["peers"]
+    return {
+        **{k: c.get(k, 0) for k in keys},
+        "lost_packets": sum(p["lost_packets"] for p in peers),
+        "window_stalls": sum(p["window_stalls"] for p in peers),
+        "window_resets": sum(p["window_resets"] for p in peers),
+        "mac": status["mac"],
+    }
+
+
 def _worker(
     rank: int, world: int, port: int, sockets: list[str], a: dict[str, Any], out_dir: str
 ) -> None:
@@ -157,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             join=True,
         )
         ranks = [json.loads(Path(td, f"rank{i}.json").read_text()) for i in range(a.ranks)]
+        daemons = []
+        for d in ds:
+            c = d.client()
+            try:
+                daemons.append(_counters(c.status()))
+            finally:
+                c.close()
     runs = [r for rank in ranks for r in rank]
     rows = []
     for backend in BACKENDS:
@@ -183,9 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         step_ms = r["median_step_s"] * 1e3
         print(f"{r['backend']:>12}  median step {step_ms:8.1f} ms  pinned {r['pinned']}")
+    for i, d in enumerate(daemons):
+        print(f"daemon {i}: " + ", ".join(f"{k} {v}" for k, v in d.items()))
     if a.json:
         meta = {"device": name, "args": vars(a) | {"json": str(a.json)}}
-        a.json.write_text(json.dumps({**meta, "rows": rows}))
+        a.json.write_text(json.dumps({**meta, "rows": rows, "daemons": daemons}))
     return 0
 
 
