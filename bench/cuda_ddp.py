@@ -50,7 +50,6 @@ from tests.daemons import free_tcp_port, loopback_daemons  # noqa: E402
 
 BACKENDS = ("gloo", "dlcp-staged", "dlcp")
 WIDTH = 1024
-BATCH = 64
 WARM = 3
 
 
@@ -61,7 +60,13 @@ def _model(params_m: int) -> nn.Module:
 
 
 def _steps(
-    backend: str, rank: int, socket: str, device: torch.device, params_m: int, steps: int
+    backend: str,
+    rank: int,
+    socket: str,
+    device: torch.device,
+    params_m: int,
+    steps: int,
+    batch: int,
 ) -> dict[str, Any]:
     ddp = nn.parallel.DistributedDataParallel(
         _model(params_m).to(device),
@@ -79,7 +84,7 @@ def _steps(
         if refuse:
             client._Mapped.pin_for_cuda = lambda self: False  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
+    x = torch.randn(batch, WIDTH, generator=gen).to(device)
     times = []
     try:
         for step in range(WARM + steps):
@@ -134,8 +139,10 @@ def _worker(
     runs = []
     try:
         for r in range(a["rounds"]):
-            for backend in BACKENDS:
-                run = _steps(backend, rank, sockets[rank], device, a["params_m"], a["steps"])
+            for backend in a["backends"].split(","):
+                run = _steps(
+                    backend, rank, sockets[rank], device, a["params_m"], a["steps"], a["batch"]
+                )
                 runs.append({**run, "round": r})
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(runs))
         dist.barrier()
@@ -149,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--params-m", type=int, default=25)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=64, help="samples a step and rank")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="of " + ", ".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument(
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 c.close()
     runs = [r for rank in ranks for r in rank]
     rows = []
-    for backend in BACKENDS:
+    for backend in a.backends.split(","):
         mine = [r for r in runs if r["backend"] == backend]
         # a step ends for the job when its slowest rank ends it
         slowest = [
