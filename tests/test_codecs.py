@@ -4,6 +4,7 @@ the real aggregator lane code (dlcp.codecs.lanes over a dlcp.core.layout.Layout)
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from dlcp.codecs import (
     lanes,
     next_scale,
 )
+from dlcp.codecs.base import per_packet_norms, per_packet_view
 from dlcp.core.layout import Layout
 from dlcp.errors import LocalError
 from dlcp.wire.header import Codec as WireCodec
@@ -316,6 +318,36 @@ def test_block_norms(per_packet: int) -> None:
     flat = x.reshape(-1)
     want = [flat[i : i + per_packet].norm() for i in range(0, flat.numel(), per_packet)]
     torch.testing.assert_close(norms, torch.stack(want))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 3000), per_packet=st.integers(1, 700), seed=st.integers(0, 2**16))
+def test_per_packet_norms_are_the_padded_views_norms(n: int, per_packet: int, seed: int) -> None:
+    """Without the padded copy: each packet's max |value| exactly as before, its
+    L2 norm to rounding (the short tail's is summed on its own)."""
+    v = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 10
+    view = per_packet_view(v, per_packet)
+    got_max = per_packet_norms(v, per_packet, math.inf)
+    assert torch.equal(got_max, view.abs().amax(dim=1))
+    torch.testing.assert_close(
+        per_packet_norms(v, per_packet), torch.linalg.vector_norm(view, dim=1)
+    )
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16"])
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 7])
+def test_one_contributor_count_decodes_as_a_count_per_packet(codec: str, count: int) -> None:
+    """The decode's shortcut for a round where every packet has the same count
+    (an int) gives the bytes the per-packet counts give."""
+    c = get_codec(codec)
+    numel, per_packet = 1000, 64
+    sums = torch.randn(numel).to(c.dtype if hasattr(c, "dtype") else torch.float32) * 5
+    packets = -(-numel // per_packet)
+    per_packet_counts = torch.full((packets,), count, dtype=torch.int32)
+    want = c.decode(sums, per_packet_counts, numel=numel, per_packet=per_packet)
+    got = c.decode(sums, count, numel=numel, per_packet=per_packet)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == (numel,)
+    assert torch.equal(got, want)
 
 
 def test_block_norm_survives_the_rotation() -> None:

@@ -267,6 +267,42 @@ def test_float_average_divides_each_packet_by_its_contributors(
         np.testing.assert_allclose(mean[sl].numpy(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "thc8"])
+@pytest.mark.parametrize("lossy", [False, True])
+def test_decode_into_the_bucket_is_the_same_mean(segment: Segment, codec: str, lossy: bool) -> None:
+    """`into`: a float codec's round with one count for every packet is divided
+    straight into the bucket (no tensor of its size made); any other round
+    (a packet short of contributions, or THC) decodes as before and leaves the
+    bucket alone. Either way the mean is the same, to the bit."""
+    c = get_codec(codec)
+    plan = RoundPlan.make(c, 2000, shards=3, payload=1408, round_=4, bucket=1)
+    if plan.scaled:
+        scale = torch.ones(plan.packets)
+        plan = RoundPlan.make(c, 2000, shards=3, payload=1408, round_=4, bucket=1, scale=scale)
+    layout = plan.layout
+    rng = np.random.default_rng(2)
+    if plan.scaled:  # THC: integer sums of three contributions
+        sums = rng.integers(0, 3 * 255, layout.total).astype(np.uint16)
+    else:
+        sums = (rng.standard_normal(layout.total) * 4).astype(np.float32)
+    counts = np.full(layout.packets, 3, np.uint16)
+    if lossy:
+        counts[1] = 2
+    region = _region(segment, layout)
+    _write_out(region, layout, sums, counts, np.ones(layout.packets))
+    want = decode_round(plan, region, torch.device("cpu"), Staging()).mean.clone()
+    bucket = torch.full((2000,), -1.0)
+    got = decode_round(plan, region, torch.device("cpu"), Staging(), bucket)
+    direct = codec != "thc8" and not lossy
+    assert (got.mean is bucket) is direct
+    assert torch.equal(got.mean, want)
+    assert torch.equal(bucket, want) if direct else bool((bucket == -1.0).all())
+    # a bucket of another dtype or size is never written
+    half = torch.zeros(2000, dtype=torch.float16)
+    assert decode_round(plan, region, torch.device("cpu"), Staging(), half).mean is not half
+    assert not half.any()
+
+
 @pytest.mark.parametrize("codec", ["thc8", "thc4"])
 def test_thc_average_from_integer_sums(segment: Segment, codec: str) -> None:
     c = get_codec(codec)

@@ -58,7 +58,7 @@ from dlcp.codecs.base import (
     Scale,
     check_per_packet,
     flat_float,
-    per_packet_view,
+    per_packet_norms,
 )
 from dlcp.codecs.fp import mean_of_float_sums
 from dlcp.core.layout import DEFAULT_PAYLOAD
@@ -369,7 +369,7 @@ class FftCodec(Codec):
             state.residual = v - decoded
             state.rounds += 1
             state.saturated += clamped
-        block_max = per_packet_view(v.abs(), per_packet).amax(dim=1) if numel else v.new_zeros(0)
+        block_max = per_packet_norms(v, per_packet, math.inf) if numel else v.new_zeros(0)
         return Encoded(
             lanes=lanes, n_lanes=numel, scale=0.0, block_max=block_max, saturated=clamped
         )

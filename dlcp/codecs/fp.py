@@ -8,6 +8,8 @@ With a `CodecState`, fp16 feeds its rounding error back into the next round.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dlcp.codecs.base import (
@@ -19,6 +21,7 @@ from dlcp.codecs.base import (
     contributors_per_lane,
     flat_float,
     le_bytes,
+    per_packet_norms,
     per_packet_view,
 )
 from dlcp.errors import LocalError
@@ -51,9 +54,7 @@ class FloatCodec(Codec):
         if state is not None:
             v = state.take(v)
         wire = v.to(self.dtype)
-        block_max = (
-            per_packet_view(v.abs(), per_packet).amax(dim=1) if v.numel() else v.new_zeros(0)
-        )
+        block_max = per_packet_norms(v, per_packet, math.inf) if v.numel() else v.new_zeros(0)
         saturated = 0
         if self.dtype != torch.float32:
             # only a bucket whose max exceeds the half range can overflow (one sync)
@@ -98,6 +99,8 @@ def mean_of_float_sums(
     s = sums.reshape(-1).to(torch.float32)
     if numel == 0:
         return s
+    if isinstance(contributors, int):  # every packet has the same count: one division
+        return s / contributors if contributors > 0 else torch.zeros_like(s)
     c = contributors_per_lane(contributors, numel, per_packet, s.device)
     view = per_packet_view(s, per_packet)
     mean = torch.where(c > 0, view / c.clamp(min=1), 0.0)

@@ -16,6 +16,7 @@ import numpy.typing as npt
 import torch
 
 from dlcp.codecs import Codec, CodecState, block_norms
+from dlcp.codecs.fp import FloatCodec
 from dlcp.core.layout import Layout
 from dlcp.shim.arena import Region
 from dlcp.shim.client import DaemonClient
@@ -158,13 +159,37 @@ class Decoded:
 
 
 def decode_round(
-    plan: RoundPlan, region: Region, device: torch.device, staging: Staging
+    plan: RoundPlan,
+    region: Region,
+    device: torch.device,
+    staging: Staging,
+    into: torch.Tensor | None = None,
 ) -> Decoded:
     """Read the out region of a finished round and average each packet's sums by
-    its contributor count (packets nobody contributed to decode to 0)."""
+    its contributor count (packets nobody contributed to decode to 0).
+
+    `into` (the bucket, say): where the mean may be written instead of a new
+    tensor, when that is one division (a float codec, every packet with the
+    same count: the usual round); `Decoded.mean` is then `into`. A new tensor
+    of a bucket's size costs its page faults on a CPU, and a copy after."""
     out = read_out(region.out_view(), plan.layout)
     sums = staging.to_device(out.sums, device, direct=region.segment.pinned)
-    counts = torch.from_numpy(out.counts.astype(np.int32)).to(device)
+    uniform = out.counts.size > 0 and out.counts.min() == out.counts.max()
+    counts: torch.Tensor | int = (
+        int(out.counts[0]) if uniform else torch.from_numpy(out.counts.astype(np.int32)).to(device)
+    )
+    if (
+        into is not None
+        and isinstance(counts, int)
+        and counts > 0
+        and isinstance(plan.codec, FloatCodec)
+        and into.dtype == torch.float32
+        and into.device == sums.device
+        and into.is_contiguous()
+        and into.numel() == plan.numel == sums.numel()
+    ):
+        torch.div(sums.reshape(-1).to(torch.float32), counts, out=into.view(-1))
+        return Decoded(mean=into, counts=out.counts, maxima=out.maxima)
     mean = plan.codec.decode(
         sums,
         counts,

@@ -648,8 +648,9 @@ class DlcpState:
         for p in self._pending:
             assert p.sub is not None and p.reply is not None
             plan = p.sub.plan
-            dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging)
-            p.buffer.copy_(dec.mean.to(p.buffer.dtype))
+            dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
+            if dec.mean is not p.buffer:
+                p.buffer.copy_(dec.mean.to(p.buffer.dtype))
             self.rounds += 1
             self.lost_lanes += int(p.reply.get("lost_lanes", 0))
             self.total_lanes += int(p.reply.get("total_lanes", 0))
