@@ -1043,15 +1043,16 @@ class Outbox:
                 out = idx if n == len(idx) else idx[:n]
                 sent_idx += out
                 self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
-                if one_shard:
-                    first = out if not resent else [i for i in out if i not in resent]
-                    self._track(peer, map(keys.__getitem__, first), ((heads[0], n),), p)
-                else:
+                if not one_shard:
                     out = [i for i in out if kinds[i] in _DR]
-                    first = out if not resent else [i for i in out if i not in resent]
-                    # (with none: the shards' counts are still kept within bounds)
-                    per_shard = Counter(map(heads.__getitem__, out))  # first seen first
-                    self._track(peer, map(keys.__getitem__, first), per_shard.items(), p)
+                # (with none: the shards' counts are still kept within bounds)
+                per_shard = (
+                    ((heads[0], n),)
+                    if one_shard
+                    else Counter(map(heads.__getitem__, out)).items()  # first seen first
+                )
+                first = out if not resent else [i for i in out if i not in resent]
+                self._track(peer, map(keys.__getitem__, first), per_shard, p)
             done += n
             if n < len(dgs):
                 full = True
