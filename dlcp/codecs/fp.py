@@ -89,10 +89,18 @@ class FloatCodec(Codec):
 
 
 def mean_of_float_sums(
-    sums: torch.Tensor, contributors: torch.Tensor | int, *, numel: int, per_packet: int
+    sums: torch.Tensor,
+    contributors: torch.Tensor | int,
+    *,
+    numel: int,
+    per_packet: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mean from float result lanes: each packet's sums over its contributors
-    (0 where none contributed). Shared by the codecs whose owner sums floats."""
+    (0 where none contributed). Shared by the codecs whose owner sums floats.
+
+    With one count for every packet (an int) the mean is one division, into
+    `out` where given (1-D float32 of `numel`, e.g. the bucket itself)."""
     check_per_packet(per_packet)
     if sums.numel() != numel:
         raise LocalError(f"{sums.numel()} summed lanes for a bucket of {numel} values")
@@ -100,7 +108,11 @@ def mean_of_float_sums(
     if numel == 0:
         return s
     if isinstance(contributors, int):  # every packet has the same count: one division
-        return s / contributors if contributors > 0 else torch.zeros_like(s)
+        if contributors > 0:
+            return torch.div(s, contributors, out=out)
+        return torch.zeros_like(s) if out is None else out.zero_()
+    if out is not None:
+        raise LocalError("a mean into `out` needs one contributor count for every packet")
     c = contributors_per_lane(contributors, numel, per_packet, s.device)
     view = per_packet_view(s, per_packet)
     mean = torch.where(c > 0, view / c.clamp(min=1), 0.0)

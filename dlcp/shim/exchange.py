@@ -16,7 +16,7 @@ import numpy.typing as npt
 import torch
 
 from dlcp.codecs import Codec, CodecState, block_norms
-from dlcp.codecs.fp import FloatCodec
+from dlcp.codecs.fp import FloatCodec, mean_of_float_sums
 from dlcp.core.layout import Layout
 from dlcp.shim.arena import Region
 from dlcp.shim.client import DaemonClient
@@ -181,14 +181,15 @@ def decode_round(
     if (
         into is not None
         and isinstance(counts, int)
-        and counts > 0
         and isinstance(plan.codec, FloatCodec)
         and into.dtype == torch.float32
         and into.device == sums.device
         and into.is_contiguous()
         and into.numel() == plan.numel == sums.numel()
     ):
-        torch.div(sums.reshape(-1).to(torch.float32), counts, out=into.view(-1))
+        mean_of_float_sums(
+            sums, counts, numel=plan.numel, per_packet=plan.per_packet, out=into.view(-1)
+        )
         return Decoded(mean=into, counts=out.counts, maxima=out.maxima)
     mean = plan.codec.decode(
         sums,
