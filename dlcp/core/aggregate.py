@@ -136,6 +136,20 @@ def _run_slots(
 _DROPPABLE = int(Flags.DROPPABLE)
 
 
+def _repeat_wait(clock: NackClock | None, timing: Timing, unanswered: int) -> float:
+    """How long after its last of `unanswered` NACKs a peer is asked again:
+    its clock's wait, or `nack_interval` for a peer without one."""
+    return timing.nack_interval if clock is None else clock.repeat_after(timing, unanswered)
+
+
+def _time_answer(clock: NackClock | None, unanswered: int, asked_at: float, now: float) -> None:
+    """A peer answered the `unanswered` NACKs sent it, the last at `asked_at`:
+    a sample for its clock where that NACK was the only one (Karn's rule: the
+    answer to a repeated NACK is no sample, which copy it answers unknown)."""
+    if clock is not None and unanswered == 1:
+        clock.sample(now - asked_at)
+
+
 class ShardAggregator:
     """Sums one shard of one round from every sender, within a loss bound."""
 
@@ -630,20 +644,16 @@ class ShardAggregator:
     def _repeat_after(self, row: int) -> float:
         """How long after its last NACK sender row `row` is asked again."""
         clock = self.clocks.get(self.senders[row])
-        if clock is None:
-            return self.timing.nack_interval
-        return clock.repeat_after(self.timing, self.unanswered[row])
+        return _repeat_wait(clock, self.timing, self.unanswered[row])
 
     def answered(self, sender: int, now: float) -> None:
         """A retransmission from `sender` was stored: its answer to the NACKs
-        sent it, timed from the last of them where that was the only one
-        (Karn's rule: the answer to a repeated NACK is no sample)."""
+        sent it (`_time_answer`)."""
         row = self._row.get(sender)
         if row is None or not self.unanswered[row]:
             return
         clock = self.clocks.get(sender)
-        if clock is not None and self.unanswered[row] == 1:
-            clock.sample(now - float(self.last_nack[row]))
+        _time_answer(clock, self.unanswered[row], float(self.last_nack[row]), now)
         self.unanswered[row] = 0
 
     def _to_reach_bound(self, row: int, missing_lanes: int, total: int) -> np.ndarray:
@@ -1097,10 +1107,7 @@ class ResultCollector:
 
     def _repeat_after(self, w: _Awaited) -> float:
         """How long after its last NACK for `w` the owner is asked again."""
-        clock = self.clocks.get(w.owner)
-        if clock is None:
-            return self.timing.nack_interval
-        return clock.repeat_after(self.timing, w.unanswered)
+        return _repeat_wait(self.clocks.get(w.owner), self.timing, w.unanswered)
 
     def awaits_answer(self, shard: int) -> bool:
         """Whether a NACK for `shard` waits for its answer."""
@@ -1109,14 +1116,11 @@ class ResultCollector:
 
     def answered(self, shard: int, now: float) -> None:
         """A retransmitted result packet of `shard` was stored: the owner's
-        answer to the NACKs sent it, timed from the last of them where that
-        was the only one (Karn's rule, as `ShardAggregator.answered`)."""
+        answer to the NACKs sent it (`_time_answer`)."""
         w = self.waiting.get(shard)
         if w is None or not w.unanswered:
             return
-        clock = self.clocks.get(w.owner)
-        if clock is not None and w.unanswered == 1:
-            clock.sample(now - w.last_nack)
+        _time_answer(self.clocks.get(w.owner), w.unanswered, w.last_nack, now)
         w.unanswered = 0
 
     def next_timer(self) -> float | None:
