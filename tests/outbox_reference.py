@@ -2,9 +2,13 @@
 paths (main at 2d6a5c5, one Python step per packet in push and flush): the
 reference that tests/test_outbox_batch.py holds the outbox to, datagram for
 datagram. Not used by dlcp itself; do not change it to follow the outbox.
-One deliberate change since: a peer with one path is sent up to FLUSH_BYTES
-per send call when its pacer has the tokens (the outbox's one-path flushes,
-handed to sendmmsg), marked "changed" below.
+Deliberate changes since, marked "changed" below: a peer with one path is
+sent up to FLUSH_BYTES per send call when its pacer has the tokens (the
+outbox's one-path flushes, handed to sendmmsg); and the service order: urgent
+packets (all but first transmissions of DATA/RESULT) in queues of their own
+(FRONT + class), served first by class, and first transmissions served by the
+step of their shard and leg (numbered as shards and legs come, while some of
+them is queued), then by class, here kept one step a packet.
 
 Its original docstring:
 
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlcp.core.layout import Layout
-from dlcp.core.rate import Pacer, PathRates, RateConfig
+from dlcp.core.rate import WIRE_OVERHEAD, Pacer, PathRates, RateConfig
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
 from dlcp.errors import LocalError
 from dlcp.policies import LoadBalancer, PathState
@@ -37,6 +41,7 @@ from dlcp.wire.header import HEADER_SIZE, Flags, Header
 __all__ = ["Outbox", "Peer"]
 
 N_CLASSES = 8
+FRONT = N_CLASSES  # changed: urgent queues, FRONT + class
 
 
 def _identity(datagram: bytes) -> bytes:
@@ -106,7 +111,12 @@ class Peer:
     pacers: list[Pacer] | None
     balancer: LoadBalancer
     paths: list[PathState] = field(default_factory=list)
-    queues: list[deque[bytes]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
+    # changed: 2 * N_CLASSES queues; each first transmission's step (per class)
+    queues: list[deque[bytes]] = field(
+        default_factory=lambda: [deque() for _ in range(2 * N_CLASSES)]
+    )
+    steps: list[deque[int]] = field(default_factory=lambda: [deque() for _ in range(N_CLASSES)])
+    step_of: dict[bytes, int] = field(default_factory=dict)
     queued: int = 0
     pending: set[bytes] = field(default_factory=set)  # identities of queued packets
     # DONE barrier per (job, round, bucket, shard, leg): DATA/RESULT packets still
@@ -164,6 +174,7 @@ class Outbox:
         self.blocked = False  # a socket was full: wait for writability
         self.next_wake: float | None = None
         self.repeats = 0
+        self.step = 0  # changed: the last step given to a shard and leg
         self.loss_interval = 0.05  # at most one rate cut per path in this many seconds
 
     def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
@@ -214,7 +225,7 @@ class Outbox:
                 peer.held.setdefault(bkey, []).append((datagram, cls))
             else:
                 cls = peer.trail_class.get(bkey, cls)
-                peer.queues[cls].append(datagram)
+                peer.queues[FRONT + cls].append(datagram)  # changed: urgent
             return True
         if kind in (_DATA, _RESULT):
             bkey = _barrier_key(datagram)
@@ -226,20 +237,45 @@ class Outbox:
                     for old in list(trail)[: len(trail) // 2]:  # the oldest shards
                         del trail[old]
                 trail[bkey] = cls
+        # changed: urgent packets to the urgent queues, the others with their step
+        if kind not in (_DATA, _RESULT) or datagram[4] & _F_RETRANSMIT:
+            peer.queues[FRONT + cls].append(datagram)
+            return True
+        bkey = _barrier_key(datagram)
+        if bkey not in peer.step_of:
+            self.step += 1
+            peer.step_of[bkey] = self.step
         peer.queues[cls].append(datagram)
+        peer.steps[cls].append(peer.step_of[bkey])
         return True
+
+    @staticmethod
+    def _next_queue(peer: Peer) -> int:
+        """changed: the highest urgent queue with packets, else the class whose
+        head has the lowest step (the highest class among equals); -1: none."""
+        for i in range(FRONT, 2 * N_CLASSES):
+            if peer.queues[i]:
+                return i
+        heads = [(s[0], c) for c, s in enumerate(peer.steps) if s]
+        return min(heads)[1] if heads else -1
+
+    @staticmethod
+    def _popped(peer: Peer, queue: int, i: int = 0) -> None:
+        """changed: the step of the packet at `i` in `queue` goes with it."""
+        if queue < FRONT:
+            del peer.steps[queue][i]
 
     def drop_head(self) -> None:
         """After a send error: drop the first datagram of every backlogged peer's
         top non-empty class (the one that failed), so the queue moves on."""
         for peer in list(self.backlog):
-            for q in peer.queues:
-                if q:
-                    dg = q.popleft()
-                    peer.pending.discard(_identity(dg))
-                    peer.queued -= 1
-                    self._left(peer, dg)
-                    break
+            i = self._next_queue(peer)  # changed: the queue served next
+            if i >= 0:
+                dg = peer.queues[i].popleft()
+                self._popped(peer, i)
+                peer.pending.discard(_identity(dg))
+                peer.queued -= 1
+                self._left(peer, dg)
             if peer.queued == 0:
                 self.backlog.discard(peer)
 
@@ -254,11 +290,12 @@ class Outbox:
             peer.inflight[bkey] = left
             return
         del peer.inflight[bkey]
+        peer.step_of.pop(bkey, None)  # changed
         held = peer.held.pop(bkey, None)
         if held:
             trail = peer.trail_class.get(bkey)
             for dg, cls in held:
-                peer.queues[cls if trail is None else trail].append(dg)
+                peer.queues[FRONT + (cls if trail is None else trail)].append(dg)  # changed
 
     def on_nack(
         self,
@@ -396,52 +433,58 @@ class Outbox:
                     pacer.catch_up(late, now)
                 pacer.set_rate(rate, now)
             self._show_rates(peer)
-        for cls in range(N_CLASSES):
-            q = peer.queues[cls]
-            while q:
-                waits: list[float] | None = None
-                if pacers is not None:
-                    # a path with any budget may take its part of the batch (into
-                    # debt that its later sends pay off: the rate holds over time)
-                    waits = [pacer.delay(1.0, now) for pacer in pacers]
-                    waits = [0.0 if w < PACING_SLACK else w for w in waits]
-                    if min(waits) > 0:
-                        return _pacing_wake(now, waits)
-                # one batch: at most a GSO super-datagram's worth; changed: with
-                # one path, what the tokens allow up to FLUSH_BYTES (at least that)
-                room, most = BATCH_BYTES, MAX_GSO_SEGMENTS
-                if len(peer.paths) == 1:
-                    room, most = FLUSH_BYTES, FLUSH_COUNT
-                    if pacers is not None:
-                        room = max(BATCH_BYTES, min(room, int(pacers[0].tokens(now))))
-                batch = [q[0]]
-                size = len(q[0])
-                limit = min(len(q), most)
-                while len(batch) < limit and size + len(q[len(batch)]) <= room:
-                    size += len(q[len(batch)])
-                    batch.append(q[len(batch)])
-                sent, held, full = self._send(peer, batch, cls, waits, now)
-                for _ in range(sent):
-                    dg = q.popleft()
-                    peer.pending.discard(_identity(dg))
-                    self._left(peer, dg)
-                peer.queued -= sent
-                if full:
-                    self.blocked = True
-                    return None
-                if held:  # the balancer chose paths without budget: they wait for it
-                    assert waits is not None
+        while (queue := self._next_queue(peer)) >= 0:  # changed: the service order
+            q = peer.queues[queue]
+            waits: list[float] | None = None
+            if pacers is not None:
+                # a path with any budget may take its part of the batch (into
+                # debt that its later sends pay off: the rate holds over time)
+                waits = [pacer.delay(1.0, now) for pacer in pacers]
+                waits = [0.0 if w < PACING_SLACK else w for w in waits]
+                if min(waits) > 0:
                     return _pacing_wake(now, waits)
+            # one batch: at most a GSO super-datagram's worth; changed: with
+            # one path, what the tokens allow up to FLUSH_BYTES (at least that)
+            room, most = BATCH_BYTES, MAX_GSO_SEGMENTS
+            if len(peer.paths) == 1:
+                room, most = FLUSH_BYTES, FLUSH_COUNT
+                if pacers is not None:
+                    room = max(BATCH_BYTES, min(room, int(pacers[0].tokens(now))))
+            batch = [q[0]]
+            size = len(q[0])
+            limit = min(len(q), most)
+            if queue < FRONT:  # changed: packets of the head's step only
+                steps, run = peer.steps[queue], 1
+                while run < limit and steps[run] == steps[0]:
+                    run += 1
+                limit = run
+            while len(batch) < limit and size + len(q[len(batch)]) <= room:
+                size += len(q[len(batch)])
+                batch.append(q[len(batch)])
+            sent, held, full = self._send(peer, batch, queue, waits, now)
+            for _ in range(sent):
+                dg = q.popleft()
+                self._popped(peer, queue)
+                peer.pending.discard(_identity(dg))
+                self._left(peer, dg)
+            peer.queued -= sent
+            if full:
+                self.blocked = True
+                return None
+            if held:  # the balancer chose paths without budget: they wait for it
+                assert waits is not None
+                return _pacing_wake(now, waits)
         return None
 
     def _send(
-        self, peer: Peer, batch: list[bytes], cls: int, waits: list[float] | None, now: float
+        self, peer: Peer, batch: list[bytes], queue: int, waits: list[float] | None, now: float
     ) -> tuple[int, bool, bool]:
         """Send what of `batch` the balancer puts on paths with budget (`waits` 0,
         or no pacing); returns (sent from the head, some held for a path without
         budget, socket full). Packets sent behind an unsent one leave the queue
         here; the unsent stay at its head, to be assigned again."""
         paths = peer.paths
+        cls = queue % N_CLASSES  # changed: the queue's class
         tos = self.tos[cls]
         if len(paths) == 1:
             n = peer.local[0].send(batch, peer.dest(0), tos)
@@ -492,12 +535,13 @@ class Outbox:
             return done, False, False
         # keep the unsent ones at the head of the queue, in their order
         prefix = int(np.argmin(sent_mask))
-        q = peer.queues[cls]
+        q = peer.queues[queue]
         for i in range(len(batch) - 1, prefix - 1, -1):
             if sent_mask[i]:
                 dg = q[i]
                 peer.pending.discard(_identity(dg))
                 del q[i]  # sent out of order on another path
+                self._popped(peer, queue, i)
                 self._left(peer, dg)
                 peer.queued -= 1
         return prefix, held, full
@@ -510,4 +554,4 @@ class Outbox:
         peer.sent_packets[(cls, p)] += n
         peer.sent_bytes[(cls, p)] += nbytes
         if peer.pacers is not None:
-            peer.pacers[p].consume(nbytes, now)
+            peer.pacers[p].consume(nbytes + n * WIRE_OVERHEAD, now)  # changed: wire bytes

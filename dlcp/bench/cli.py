@@ -189,10 +189,11 @@ def _cluster_args(
 def _pacing_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pacing",
-        choices=("share", "aimd"),
-        default="share",
-        help="dlcp's pacing per peer: share = the link rate over hosts - 1; aimd = the "
-        "daemon's AIMD (20 Mbit/s floor) (default: share)",
+        choices=("link", "share"),
+        default="link",
+        help="dlcp's pacing: link = the daemon's own (its link rate configured; each "
+        "peer paced by AIMD up to the link over the hosts that send to it); share = "
+        "that share also as the floor and start, for diagnosis (default: link)",
     )
 
 

@@ -54,7 +54,7 @@ GLOO_PRIO_DSCP = "cs5"  # the top gradient class of the default DSCP table (clas
 CONTROL_DSCP = "cs6"  # class 0: dlcp's control traffic
 MARK_TABLE = "dlcp_bench"
 GRACE_S = 0.5
-PACING: tuple[str, ...] = ("share", "aimd")
+PACING: tuple[str, ...] = ("link", "share")
 
 Progress = Callable[[str], None]
 
@@ -93,10 +93,10 @@ class Setup:
     loss_pct: float = 1.0  # scenario "loss"
     paths: int | None = None  # default: 2 for "multipath", else 1
     mtu: int = 1500
-    # dlcp's pacing per peer: "share" paces at the link share (link rate over
-    # hosts - 1, the AIMD floor raised to it); "aimd" is the daemon's default
-    # AIMD between 20 Mbit/s and the link share.
-    pacing: str = "share"
+    # dlcp's pacing: "link" is the daemon's default with the link rate
+    # configured (AIMD per peer up to the link over the hosts that send to
+    # it); "share" (diagnosis) also makes that share the floor and start.
+    pacing: str = "link"
     name: str | None = None  # testbed name; default "bench-<pid>"
     burst: Burst = BURST
     congestion: Congestion = CONGESTION
@@ -136,15 +136,15 @@ class Setup:
 def dlcp_daemon_config(setup: Setup, variant: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
     """The daemons' extra config for backend `variant` (dlcp or an ablation).
 
-    Pacing on, each peer capped at the link rate over (hosts - 1) (times the
-    paths the variant uses), so a host's sends to all peers fit its link.
+    Pacing on, and the daemons told their link rate (a path's: the testbed's
+    rate): the daemon's own default pacing. The diagnostic `--pacing share`
+    also fixes each peer's floor and start at the link over (hosts - 1).
     """
-    paths = 1 if variant == "dlcp-1path" else setup.n_paths
     rate: dict[str, Any] = {"pacing": True}
     if setup.rate_bps is not None:
-        share = float(setup.rate_bps * paths / (setup.hosts - 1))
-        rate["link_rate_bps"] = share
+        rate["link_rate_bps"] = float(setup.rate_bps)
         if setup.pacing == "share":
+            share = float(setup.rate_bps / (setup.hosts - 1))
             # Random and droppable-class losses are not congestion here: the
             # switch's strict priorities protect the gradient classes.
             rate["min_rate_bps"] = share

@@ -93,7 +93,7 @@ class SuiteOptions:
     parts: tuple[str, ...] = ("allreduce", "train")
     ablations: bool = True
     mtu: int = 1500
-    pacing: str = "share"
+    pacing: str = "link"
     progress: bool = True
     logs: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

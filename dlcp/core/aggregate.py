@@ -837,6 +837,8 @@ class ResultCollector:
     # per owner node, how soon it answers NACKs (the engine's, shared by the
     # job's rounds); an owner without one: `nack_interval`
     clocks: Mapping[int, NackClock] = field(default_factory=dict)
+    # the shards whose owners were sent an ACK (each as it became whole here)
+    acked: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         lay = self.layout

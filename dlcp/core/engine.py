@@ -1475,15 +1475,15 @@ class Engine:
 
     def _check_complete(self, op: OpKey, now: float) -> None:
         col = self._collectors.get(op)
-        if col is None or not col.complete:
+        if col is None:
             return
         spec = self.jobs[op[0]]
+        self._ack_whole_shards(spec, op, col)
+        if not col.complete:
+            return
         del self._collectors[op]
         self._contribs.pop(op, None)
         self._closed[op] = now
-        for shard, owner in enumerate(spec.owners):
-            if owner != spec.me and col.layout.shard_packets(shard):
-                self._send_ack(spec, op, col.layout, shard, owner)
         event = RoundComplete(
             job=op[0],
             round=op[1],
@@ -1502,6 +1502,22 @@ class Engine:
             self.stats["completions_held"] += 1
             return
         self._complete(op, event)
+
+    def _ack_whole_shards(self, spec: JobSpec, op: OpKey, col: ResultCollector) -> None:
+        """ACK each other owner's result shard as soon as it is whole here, not
+        when this node's whole round is: an owner whose round completes while
+        a receiver has yet to ACK holds it (`timing.ack_wait`), and waiting for
+        the slowest receiver's whole round held nearly every round for the
+        full wait."""
+        for shard, owner in enumerate(spec.owners):
+            if (
+                owner != spec.me
+                and shard not in col.waiting
+                and shard not in col.acked
+                and col.layout.shard_packets(shard)
+            ):
+                col.acked.add(shard)
+                self._send_ack(spec, op, col.layout, shard, owner)
 
     def _complete(self, op: OpKey, event: RoundComplete) -> None:
         """Tell the caller: its buffers are its own again."""

@@ -1,7 +1,18 @@
-"""Per-destination send queues: strict priority between classes, paced per path, sprayed.
+"""Per-destination send queues: operations in the order they came, paced per path, sprayed.
 
 The engine hands datagrams with a priority class; they wait here per peer in
-one FIFO per class. `flush` sends the highest class first, in GSO-sized
+one FIFO per class (a class is also the packet's DSCP, and one send call
+carries one class). `flush` serves first what was queued first: each push of
+a shard's first transmission is one step of the peer's order, and the class
+whose oldest packet belongs to the oldest step goes next (within a step, the
+highest class first). Control packets, DONEs and retransmissions are urgent:
+they go before every step. So a host sends a shard's data, droppable packets
+and DONE before the results it queued later, whatever their classes: the
+other hosts' aggregations, which wait for that DONE, never wait behind this
+host's results (a strict priority by class let results of class 1 overtake
+droppable data of class 7 and its DONE, and the other hosts' rounds waited
+for this host's whole result leg). The switches still serve the classes
+strictly by DSCP. `flush` sends in GSO-sized
 batches, choosing a path per packet with the load balancer among the paths
 whose pacer has budget; each (peer, path) has its own rate controller and
 pacer, cut by the losses NACKs charge to that path. What the pacers or a full
@@ -21,7 +32,7 @@ from itertools import accumulate, islice, repeat
 import numpy as np
 
 from dlcp.core.layout import Layout
-from dlcp.core.rate import Pacer, PathRates, RateConfig
+from dlcp.core.rate import WIRE_OVERHEAD, Pacer, PathRates, RateConfig
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
 from dlcp.errors import LocalError
 from dlcp.policies import LoadBalancer, PathState
@@ -35,6 +46,13 @@ except ImportError:  # not built: the Python definitions below
 __all__ = ["Outbox", "Peer"]
 
 N_CLASSES = 8
+# A peer's queues: one a class for first transmissions of DATA/RESULT packets
+# (0 .. N_CLASSES - 1), served in the order they were pushed (`Peer.steps`),
+# and one a class for urgent packets (FRONT + class: control packets, DONEs,
+# retransmissions), served before them, the highest class first. A queue's
+# packets leave with the DSCP of its class (index % N_CLASSES).
+FRONT = N_CLASSES
+N_QUEUES = 2 * N_CLASSES
 
 
 def _identity(datagram: bytes) -> bytes:
@@ -220,6 +238,7 @@ _F_RETRANSMIT = int(Flags.RETRANSMIT)
 # bytes.translate tables over type and flags bytes
 _NOT_DR_TABLE = bytes(0 if t in (_DATA, _RESULT) else 1 for t in range(256))
 _DROPPABLE_TABLE = bytes(f & _F_DROPPABLE for f in range(256))
+_RETRANSMIT_TABLE = bytes(1 if f & _F_RETRANSMIT else 0 for f in range(256))
 _DR = frozenset((_DATA, _RESULT))
 _DATA_LEG, _RESULT_LEG = bytes((_DATA,)), bytes((_RESULT,))
 _BKEY = 15  # `_barrier_key` of a DATA/RESULT packet: the first bytes of its identity
@@ -341,9 +360,18 @@ class Peer:
     balancer: LoadBalancer
     paths: list[PathState] = field(default_factory=list)
     queues: list[deque[bytes]] = field(
-        default_factory=lambda: [_new_queue() for _ in range(N_CLASSES)]
+        default_factory=lambda: [_new_queue() for _ in range(N_QUEUES)]
     )
     queued: int = 0
+    # each class's queue of first transmissions as runs of [step, packets],
+    # oldest first (their counts add up to the queue's length): a shard and
+    # leg's step numbers the order in which shards and legs came (`step_of`,
+    # kept while some of its packets are queued). `_next_queue` serves the
+    # class with the oldest head.
+    steps: list[deque[list[int]]] = field(
+        default_factory=lambda: [deque() for _ in range(N_CLASSES)]
+    )
+    step_of: dict[bytes, int] = field(default_factory=dict)
     # identities of queued packets, so that a push does not queue one twice: all
     # but DONEs (never repeats) and the DATA/RESULT packets of shards and legs
     # not `watched`. A shard's packets are queued unwatched when none of it is
@@ -425,6 +453,47 @@ def _least_lossy(paths: Sequence[PathState]) -> int:
     return min(used, key=lambda p: paths[p].loss_rate)
 
 
+def _append(peer: Peer, cls: int, n: int, step: int) -> None:
+    """`n` packets of `step` joined the tail of class `cls`'s queue."""
+    runs = peer.steps[cls]
+    if runs and runs[-1][0] == step:
+        runs[-1][1] += n
+    else:
+        runs.append([step, n])
+
+
+def _took(peer: Peer, cls: int, n: int) -> None:
+    """`n` packets left the head of class `cls`'s queue."""
+    runs = peer.steps[cls]
+    while n > 0:
+        head = runs[0]
+        if head[1] > n:
+            head[1] -= n
+            return
+        n -= head[1]
+        runs.popleft()
+
+
+def _next_queue(peer: Peer) -> int:
+    """The queue to send from next: the highest class's urgent queue, else the
+    class whose head was pushed first (the highest class among equals); -1
+    when nothing is queued."""
+    queues = peer.queues
+    for i in range(FRONT, N_QUEUES):
+        if queues[i]:
+            return i
+    best, best_step = -1, 0
+    for cls, runs in enumerate(peer.steps):
+        if runs and (best < 0 or runs[0][0] < best_step):
+            best, best_step = cls, runs[0][0]
+    return best
+
+
+def _urgent(datagram: bytes) -> bool:
+    """Whether a datagram is not a first transmission of DATA/RESULT."""
+    return datagram[3] not in _DR or bool(datagram[4] & _F_RETRANSMIT)
+
+
 class Outbox:
     def __init__(
         self,
@@ -450,6 +519,7 @@ class Outbox:
         self.blocked = False  # a socket was full: wait for writability
         self.next_wake: float | None = None
         self.repeats = 0
+        self._step = 0  # the last step given to a shard and leg (see `Peer.steps`)
         self.loss_interval = 0.05  # at most one rate cut per path in this many seconds
 
     def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
@@ -499,6 +569,14 @@ class Outbox:
         self._queue(peer, datagram, min(max(priority, 0), N_CLASSES - 1))
         return True
 
+    def _step_for(self, peer: Peer, bkey: bytes) -> int:
+        """Shard and leg `bkey`'s step: the next one when none of it is queued."""
+        step = peer.step_of.get(bkey)
+        if step is None:
+            self._step += 1
+            step = peer.step_of[bkey] = self._step
+        return step
+
     @staticmethod
     def _watch(peer: Peer, bkey: bytes) -> None:
         """Keep the identities of shard and leg `bkey`'s DATA/RESULT packets in
@@ -512,8 +590,7 @@ class Outbox:
                 ids, heads = _identities_heads(list(q))
                 peer.pending.update([i for i, h in zip(ids, heads, strict=True) if h == bkey])
 
-    @staticmethod
-    def _queue(peer: Peer, datagram: bytes, cls: int) -> None:
+    def _queue(self, peer: Peer, datagram: bytes, cls: int) -> None:
         """Put a datagram that is not a repeat (already in `pending` and `queued`)
         in class `cls`'s queue, or hold it (a DONE behind its shard)."""
         kind = datagram[3]
@@ -528,7 +605,7 @@ class Outbox:
                 peer.held.setdefault(bkey, []).append((datagram, cls))
             else:
                 cls = peer.trail_class.get(bkey, cls)
-                peer.queues[cls].append(datagram)
+                peer.queues[FRONT + cls].append(datagram)
             return
         if kind in (_DATA, _RESULT):
             bkey = _barrier_key(datagram)
@@ -540,7 +617,11 @@ class Outbox:
                     for old in list(trail)[: len(trail) // 2]:  # the oldest shards
                         del trail[old]
                 trail[bkey] = cls
-        peer.queues[cls].append(datagram)
+        if _urgent(datagram):
+            peer.queues[FRONT + cls].append(datagram)
+        else:
+            peer.queues[cls].append(datagram)
+            _append(peer, cls, 1, self._step_for(peer, _barrier_key(datagram)))
 
     def push_many(self, peer: Peer, datagrams: Sequence[bytes], priorities: Sequence[int]) -> int:
         """Queue `datagrams` (with their `priorities`) in order, exactly as `push`
@@ -676,8 +757,8 @@ class Outbox:
                 k += 1
         return k
 
-    @staticmethod
     def _queue_run(
+        self,
         peer: Peer,
         dgs: Sequence[bytes],
         bkeys: list[bytes],
@@ -687,7 +768,8 @@ class Outbox:
     ) -> None:
         """`_queue` for each of `dgs`, DATA/RESULT packets (with their barrier
         keys, classes and flags bytes) that are not repeats, in bulk: same
-        queues, barriers, trail. `uniform`: the classes are known to be one."""
+        queues, barriers, trail, steps. `uniform`: the classes are known to be
+        one."""
         n = len(dgs)
         head = bkeys[0]
         inflight = peer.inflight
@@ -732,26 +814,60 @@ class Outbox:
                         for old in list(trail)[: len(trail) // 2]:
                             del trail[old]
                     trail[bkey] = cls
-        if uniform:
-            peer.queues[cls0].extend(dgs)
+        resent = flags.translate(_RETRANSMIT_TABLE)
+        if not one or 0 < resent.count(1) < n:
+            # each shard and leg's first transmissions or retransmissions on
+            # their own (one run of each, usually)
+            start = 0
+            for stop in range(1, n + 1):
+                if stop == n or bkeys[stop] is not bkeys[start] or resent[stop] != resent[start]:
+                    self._place(peer, dgs[start:stop], bkeys[start], classes[start:stop], None)
+                    start = stop
+            return
+        if not uniform and split is None:
+            split = _by_class(dgs, classes, drop, N_CLASSES)[0]
+        self._place(peer, dgs, head, classes, split)
+
+    def _place(
+        self,
+        peer: Peer,
+        dgs: Sequence[bytes],
+        bkey: bytes,
+        classes: Sequence[int],
+        split: list[list[bytes] | None] | None,
+    ) -> None:
+        """Append DATA/RESULT packets of shard and leg `bkey`, all first
+        transmissions or all retransmissions, to their classes' queues (`split`:
+        each class's of them, when known and the classes are not all one)."""
+        urgent = bool(dgs[0][4] & _F_RETRANSMIT)
+        at = FRONT if urgent else 0
+        step = 0 if urgent else self._step_for(peer, bkey)
+        cls0 = classes[0]
+        if split is None and classes.count(cls0) == len(dgs):
+            peer.queues[at + cls0].extend(dgs)
+            if step:
+                _append(peer, cls0, len(dgs), step)
             return
         if split is None:
-            split = _by_class(dgs, classes, drop, N_CLASSES)[0]
-        for q, part in zip(peer.queues, split, strict=True):
+            split = _by_class(dgs, classes, bytes(len(dgs)), N_CLASSES)[0]
+        for cls, part in enumerate(split):
             if part is not None:
-                q.extend(part)
+                peer.queues[at + cls].extend(part)
+                if step:
+                    _append(peer, cls, len(part), step)
 
     def drop_head(self) -> None:
-        """After a send error: drop the first datagram of every backlogged peer's
-        top non-empty class (the one that failed), so the queue moves on."""
+        """After a send error: drop the first datagram of the class every
+        backlogged peer sends next (the one that failed), so the queue moves on."""
         for peer in list(self.backlog):
-            for q in peer.queues:
-                if q:
-                    dg = q.popleft()
-                    peer.pending.discard(_identity(dg))
-                    peer.queued -= 1
-                    self._left(peer, dg)
-                    break
+            i = _next_queue(peer)
+            if i >= 0:
+                dg = peer.queues[i].popleft()
+                if i < FRONT:
+                    _took(peer, i, 1)
+                peer.pending.discard(_identity(dg))
+                peer.queued -= 1
+                self._left(peer, dg)
             if peer.queued == 0:
                 self.backlog.discard(peer)
 
@@ -771,12 +887,13 @@ class Outbox:
             inflight[bkey] = left
             return
         del inflight[bkey]
+        peer.step_of.pop(bkey, None)
         peer.watched.discard(bkey)  # none queued: nothing to repeat
         held = peer.held.pop(bkey, None)
         if held:
             trail = peer.trail_class.get(bkey)
             for dg, cls in held:
-                peer.queues[cls if trail is None else trail].append(dg)
+                peer.queues[FRONT + (cls if trail is None else trail)].append(dg)
 
     def on_nack(
         self,
@@ -919,59 +1036,64 @@ class Outbox:
         pacer0 = pacers[0] if pacers is not None and one else None
         pending, watched = peer.pending, peer.watched
         release = self._release
-        for cls, q in enumerate(peer.queues):
-            if not q:
-                continue
+        while (i := _next_queue(peer)) >= 0:
+            q = peer.queues[i]
+            cls = i % N_CLASSES
             # what `_unqueue` pops the sent with: a Fifo itself (at once), a
             # deque's popleft (once a datagram)
             popleft = q if NATIVE_KEYS else q.popleft
-            while q:
-                window = FLUSH_BYTES
-                if peer.window:
-                    window = self._window_room(peer, now, len(q[0]))
-                    if window <= 0:
-                        assert peer.stalled_since is not None
-                        return peer.stalled_since + _probe_wait(peer)
-                waits: list[float] | None = None
-                if pacer0 is not None:  # one path: its budget alone
-                    wait = pacer0.delay(1.0, now)
-                    if wait >= PACING_SLACK:
-                        return _pacing_wake(now, [wait])
-                elif pacers is not None:
-                    # a path with any budget may take its part of the batch (into
-                    # debt that its later sends pay off: the rate holds over time)
-                    waits = [pacer.delay(1.0, now) for pacer in pacers]
-                    waits = [0.0 if w < PACING_SLACK else w for w in waits]
-                    if min(waits) > 0:
-                        return _pacing_wake(now, waits)
-                if one:  # as much as the tokens allow (at least a batch: into debt)
-                    room = FLUSH_BYTES
-                    if pacer0 is not None:
-                        room = max(BATCH_BYTES, min(room, int(pacer0.tokens(now))))
-                    batch, sizes = _batch(q, min(room, window), FLUSH_COUNT)
-                    sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
-                    held, full = False, sent < len(batch)
-                    if sent:
-                        self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
-                        # identities out of `pending`, the batch off the queue, and
-                        # per shard the packets its held DONEs were waiting for
-                        for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
-                            release(peer, bkey, k)
-                        peer.queued -= sent
-                else:
-                    batch, sizes = _batch(q, min(BATCH_BYTES, window))
-                    ids, heads = _identities_heads(batch)
-                    sent, held, full = self._send(peer, batch, ids, heads, cls, waits, now)
-                    if sent:  # the batch's first `sent` (`_send` took those sent behind)
-                        for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
-                            release(peer, bkey, k)
-                        peer.queued -= sent
-                if full:
-                    self.blocked = True
-                    return None
-                if held:  # the balancer chose paths without budget: they wait for it
-                    assert waits is not None
+            # at most the oldest step's packets of the class: then the order is looked at again
+            run = FLUSH_COUNT if i >= FRONT else peer.steps[i][0][1]
+            window = FLUSH_BYTES
+            if peer.window:
+                window = self._window_room(peer, now, len(q[0]))
+                if window <= 0:
+                    assert peer.stalled_since is not None
+                    return peer.stalled_since + _probe_wait(peer)
+            waits: list[float] | None = None
+            if pacer0 is not None:  # one path: its budget alone
+                wait = pacer0.delay(1.0, now)
+                if wait >= PACING_SLACK:
+                    return _pacing_wake(now, [wait])
+            elif pacers is not None:
+                # a path with any budget may take its part of the batch (into
+                # debt that its later sends pay off: the rate holds over time)
+                waits = [pacer.delay(1.0, now) for pacer in pacers]
+                waits = [0.0 if w < PACING_SLACK else w for w in waits]
+                if min(waits) > 0:
                     return _pacing_wake(now, waits)
+            if one:  # as much as the tokens allow (at least a batch: into debt)
+                room = FLUSH_BYTES
+                if pacer0 is not None:
+                    room = max(BATCH_BYTES, min(room, int(pacer0.tokens(now))))
+                batch, sizes = _batch(q, min(room, window), min(FLUSH_COUNT, run))
+                sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
+                held, full = False, sent < len(batch)
+                if sent:
+                    self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
+                    if i < FRONT:
+                        _took(peer, i, sent)
+                    # identities out of `pending`, the batch off the queue, and
+                    # per shard the packets its held DONEs were waiting for
+                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                        release(peer, bkey, k)
+                    peer.queued -= sent
+            else:
+                batch, sizes = _batch(q, min(BATCH_BYTES, window), min(MAX_GSO_SEGMENTS, run))
+                ids, heads = _identities_heads(batch)
+                sent, held, full = self._send(peer, batch, ids, heads, i, waits, now)
+                if sent:  # the batch's first `sent` (`_send` took those sent behind)
+                    if i < FRONT:
+                        _took(peer, i, sent)
+                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                        release(peer, bkey, k)
+                    peer.queued -= sent
+            if full:
+                self.blocked = True
+                return None
+            if held:  # the balancer chose paths without budget: they wait for it
+                assert waits is not None
+                return _pacing_wake(now, waits)
         return None
 
     def _send(
@@ -980,7 +1102,7 @@ class Outbox:
         batch: list[bytes],
         ids: list[bytes],
         heads: list[bytes],
-        cls: int,
+        queue: int,
         waits: list[float] | None,
         now: float,
     ) -> tuple[int, bool, bool]:
@@ -991,6 +1113,7 @@ class Outbox:
         socket full). Packets sent behind an unsent one leave the queue here;
         the unsent stay at its head, to be assigned again."""
         paths = peer.paths
+        cls = queue % N_CLASSES
         tos = self.tos[cls]
         ready = None if waits is None else [w == 0 for w in waits]
         chosen = peer.balancer.assign(
@@ -1064,12 +1187,14 @@ class Outbox:
         for i in sent_idx:
             sent_mask[i] = True
         prefix = sent_mask.index(False)
-        q = peer.queues[cls]
+        q = peer.queues[queue]
         for i in range(len(batch) - 1, prefix - 1, -1):
             if sent_mask[i]:
                 dg = q[i]
                 peer.pending.discard(_identity(dg))
                 del q[i]  # sent out of order on another path
+                if queue < FRONT:
+                    _took(peer, queue, 1)
                 self._left(peer, dg)
                 peer.queued -= 1
         return prefix, held, full
@@ -1144,5 +1269,5 @@ class Outbox:
         peer.rate.on_sent(p, nbytes)
         peer.sent_packets[(cls, p)] += n
         peer.sent_bytes[(cls, p)] += nbytes
-        if peer.pacers is not None:
-            peer.pacers[p].consume(nbytes, now)
+        if peer.pacers is not None:  # the wire's bytes
+            peer.pacers[p].consume(nbytes + n * WIRE_OVERHEAD, now)

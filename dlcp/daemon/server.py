@@ -862,8 +862,10 @@ class Daemon:
         return state
 
     def _size_windows(self) -> None:
-        """Each peer's flow-control window: `window_bytes` shared among the
-        hosts that send to it in the jobs here (itself included), at least
+        """Each peer's pacing cap, the link's rate shared among the hosts that
+        send to it in the jobs here (`RateConfig.fan_in_rate`: incast fills
+        the peer's port at most to `rate.utilization`), and its flow-control
+        window: `window_bytes` shared among those hosts (itself included), at least
         WINDOW_MIN: what they may all have in flight at once then fits the
         peer's socket as one sender's window does (a transpose job of H hosts:
         H-1 senders a host; "ps": the contributors to an aggregator, the
@@ -871,10 +873,6 @@ class Daemon:
         its credits (`rx_grant`): `window_bytes` shared among all the hosts
         that send to it in all its jobs, which a sender in only some of them
         cannot know of (its `Peer.limit` takes the smaller)."""
-        total = self.config.window_bytes
-        if not total:
-            self.rx_grant = 0
-            return
         senders: dict[Peer, set[HostAddr]] = {}
         mine: set[HostAddr] = set()
         for job in self.jobs.values():
@@ -882,6 +880,14 @@ class Daemon:
             mine.update(job.hosts[i] for i in spec.senders_to(spec.me))
             for node, peer in job.peers.items():
                 senders.setdefault(peer, set()).update(job.hosts[i] for i in spec.senders_to(node))
+        for peer, hosts in senders.items():  # each peer's pacing cap (`RateConfig.fan_in_rate`)
+            cap = self.config.rate.fan_in_rate(len(hosts))
+            if cap is not None:
+                peer.rate.set_max_rate(cap)
+        total = self.config.window_bytes
+        if not total:
+            self.rx_grant = 0
+            return
         for peer, hosts in senders.items():
             peer.window = max(WINDOW_MIN, total // max(1, len(hosts)))
         self.rx_grant = max(WINDOW_MIN, total // max(1, len(mine)))
