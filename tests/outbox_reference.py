@@ -68,7 +68,9 @@ SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted fo
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
 FLUSH_BYTES = 4 << 20  # changed: the most a one-path peer is sent per call
 FLUSH_COUNT = 4096
-BURST_BYTES = 256 * 1024  # pacer burst: several batches
+BURST_BYTES = 64 * 1024  # changed: pacer burst, one batch (256 KB before)
+DROPPABLE_CLASS = 7  # changed: droppable packets first in a step, trickled
+DROPPABLE_BATCH = 8
 # ... or this long at the path's rate, if more: the daemon's loop comes back to
 # send only every millisecond or few when busy receiving; a fixed burst lost
 # the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
@@ -256,8 +258,9 @@ class Outbox:
         for i in range(FRONT, 2 * N_CLASSES):
             if peer.queues[i]:
                 return i
-        heads = [(s[0], c) for c, s in enumerate(peer.steps) if s]
-        return min(heads)[1] if heads else -1
+        order = [DROPPABLE_CLASS, *(c for c in range(N_CLASSES) if c != DROPPABLE_CLASS)]
+        heads = [(peer.steps[c][0], k, c) for k, c in enumerate(order) if peer.steps[c]]
+        return min(heads)[2] if heads else -1
 
     @staticmethod
     def _popped(peer: Peer, queue: int, i: int = 0) -> None:
@@ -458,6 +461,9 @@ class Outbox:
                 while run < limit and steps[run] == steps[0]:
                     run += 1
                 limit = run
+            trickle = queue == DROPPABLE_CLASS and pacers is not None
+            if trickle:  # changed: droppable packets a few at a time
+                limit = min(limit, DROPPABLE_BATCH)
             while len(batch) < limit and size + len(q[len(batch)]) <= room:
                 size += len(q[len(batch)])
                 batch.append(q[len(batch)])
@@ -474,6 +480,11 @@ class Outbox:
             if held:  # the balancer chose paths without budget: they wait for it
                 assert waits is not None
                 return _pacing_wake(now, waits)
+            if trickle and sent and peer.queued:  # changed: the next after this one's time
+                assert pacers is not None
+                rate = min(pacer.rate_bps for pacer in pacers) * len(pacers)
+                spent = sent * (len(batch[0]) + WIRE_OVERHEAD) * 8.0 / rate
+                return now + max(spent, PACING_QUANTUM)
         return None
 
     def _send(

@@ -245,7 +245,7 @@ def at_once(ob: Outbox, peer: Peer, chunk: list[tuple[bytes, int]]) -> int:
 
 @pytest.mark.parametrize("n_paths", [1, 2])
 @pytest.mark.parametrize("paced", [False, True])
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2, 4])
 def test_push_many_is_push_one_by_one(
     n_paths: int, paced: bool, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -35,7 +35,7 @@ from dlcp.core.layout import Layout
 from dlcp.core.rate import WIRE_OVERHEAD, Pacer, PathRates, RateConfig
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
 from dlcp.errors import LocalError
-from dlcp.policies import LoadBalancer, PathState
+from dlcp.policies import DROPPABLE_CLASS, LoadBalancer, PathState
 from dlcp.wire.header import HEADER_SIZE, Flags, Header
 
 try:
@@ -259,7 +259,12 @@ BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-da
 # allow either way; this only cuts it into fewer calls.
 FLUSH_BYTES = 4 << 20
 FLUSH_COUNT = 4096  # ... and at most this many datagrams
-BURST_BYTES = 256 * 1024  # pacer burst: several batches
+# pacer burst: one batch (or BURST_SECONDS at the rate, if more). Senders
+# converging on a port that they fill to `rate.utilization` leave it a queue
+# of their bursts, drained only by the rest of the link: bursts of 256 KB
+# from 2 senders kept 300-500 KB queued at a 200 Mbit/s port for a whole
+# phase of a round, and the droppable class behind it lost half its packets.
+BURST_BYTES = 64 * 1024
 # ... or this long at the path's rate, if more: the daemon's loop comes back to
 # send only every millisecond or few when busy receiving; a fixed burst lost
 # the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
@@ -279,6 +284,13 @@ PACING_QUANTUM = 0.001
 # every token beyond the burst was lost, and pacing at a 10 Gbit/s rate held a
 # veth at 0.7x its unpaced throughput while sending a fraction of that rate.
 CATCH_UP_SECONDS = 0.02
+# Droppable packets (DROPPABLE_CLASS) leave a paced peer in batches of at
+# most this many, one batch per its time at the path's rate: a switch gives
+# their class a short queue (16 packets in dlcp's tc plan), which a GSO batch
+# of 44 (or a pacer's burst of 178) overflowed whenever the port was busy
+# with another sender's higher classes; 3 hosts on a clean 200 Mbit/s link
+# lost half of them there (1.9 % of the lanes).
+DROPPABLE_BATCH = 8
 # Flow control (`Outbox(window_bytes=...)`): a peer is sent at most its window
 # of bytes that it has not yet credited (`on_credit`: it says how many bytes it
 # has taken from its socket). Without it a flush puts a whole leg of a bucket
@@ -474,16 +486,27 @@ def _took(peer: Peer, cls: int, n: int) -> None:
         runs.popleft()
 
 
+# The order of the classes among first transmissions of one step: droppable
+# packets first. Sent last, they met the switch's queues full of the other
+# senders' data of the step (a strict priority starves their class, whose
+# queue is short) and were lost; first, they pass while the port is still
+# quiet, trickled (DROPPABLE_BATCH), and the step's DONE follows its
+# required packets as before.
+STEP_ORDER = (DROPPABLE_CLASS, *(c for c in range(N_CLASSES) if c != DROPPABLE_CLASS))
+
+
 def _next_queue(peer: Peer) -> int:
     """The queue to send from next: the highest class's urgent queue, else the
-    class whose head was pushed first (the highest class among equals); -1
-    when nothing is queued."""
+    class whose head was pushed first (among equals, in STEP_ORDER); -1 when
+    nothing is queued."""
     queues = peer.queues
     for i in range(FRONT, N_QUEUES):
         if queues[i]:
             return i
     best, best_step = -1, 0
-    for cls, runs in enumerate(peer.steps):
+    steps = peer.steps
+    for cls in STEP_ORDER:
+        runs = steps[cls]
         if runs and (best < 0 or runs[0][0] < best_step):
             best, best_step = cls, runs[0][0]
     return best
@@ -1044,6 +1067,9 @@ class Outbox:
             popleft = q if NATIVE_KEYS else q.popleft
             # at most the oldest step's packets of the class: then the order is looked at again
             run = FLUSH_COUNT if i >= FRONT else peer.steps[i][0][1]
+            trickle = i == DROPPABLE_CLASS and pacers is not None
+            if trickle:
+                run = min(run, DROPPABLE_BATCH)
             window = FLUSH_BYTES
             if peer.window:
                 window = self._window_room(peer, now, len(q[0]))
@@ -1094,6 +1120,11 @@ class Outbox:
             if held:  # the balancer chose paths without budget: they wait for it
                 assert waits is not None
                 return _pacing_wake(now, waits)
+            if trickle and sent and peer.queued:  # the next batch after this one's time
+                assert pacers is not None
+                rate = min(pacer.rate_bps for pacer in pacers) * len(pacers)
+                spent = sent * (len(batch[0]) + WIRE_OVERHEAD) * 8.0 / rate
+                return now + max(spent, PACING_QUANTUM)
         return None
 
     def _send(
