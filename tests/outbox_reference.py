@@ -69,8 +69,6 @@ BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-da
 FLUSH_BYTES = 4 << 20  # changed: the most a one-path peer is sent per call
 FLUSH_COUNT = 4096
 BURST_BYTES = 64 * 1024  # changed: pacer burst, one batch (256 KB before)
-DROPPABLE_CLASS = 7  # changed: droppable packets first in a step, trickled
-DROPPABLE_BATCH = 8
 # ... or this long at the path's rate, if more: the daemon's loop comes back to
 # send only every millisecond or few when busy receiving; a fixed burst lost
 # the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
@@ -187,7 +185,13 @@ class Outbox:
             rate = PathRates(n_paths, self.rate_config, decrease_interval=self.loss_interval)
             pacers = (
                 [
-                    Pacer(rate_bps=r, burst_bytes=BURST_BYTES, now=now, burst_seconds=BURST_SECONDS)
+                    Pacer(  # changed: no tokens to start with
+                        rate_bps=r,
+                        burst_bytes=BURST_BYTES,
+                        now=now,
+                        burst_seconds=BURST_SECONDS,
+                        tokens=0.0,
+                    )
                     for r in rate.rates()
                 ]
                 if self.pacing
@@ -258,9 +262,8 @@ class Outbox:
         for i in range(FRONT, 2 * N_CLASSES):
             if peer.queues[i]:
                 return i
-        order = [DROPPABLE_CLASS, *(c for c in range(N_CLASSES) if c != DROPPABLE_CLASS)]
-        heads = [(peer.steps[c][0], k, c) for k, c in enumerate(order) if peer.steps[c]]
-        return min(heads)[2] if heads else -1
+        heads = [(s[0], c) for c, s in enumerate(peer.steps) if s]
+        return min(heads)[1] if heads else -1
 
     @staticmethod
     def _popped(peer: Peer, queue: int, i: int = 0) -> None:
@@ -420,8 +423,8 @@ class Outbox:
             if peer.queued == 0:
                 self.backlog.discard(peer)
                 if peer.pacers is not None:
-                    for pacer in peer.pacers:
-                        pacer.settle(now)
+                    for pacer in peer.pacers:  # changed: an idle path keeps a quantum
+                        pacer.settle(now, pacer.rate_bps * PACING_QUANTUM / 8)
             elif wake is not None and (self.next_wake is None or wake < self.next_wake):
                 self.next_wake = wake
             if self.blocked:
@@ -452,7 +455,8 @@ class Outbox:
             if len(peer.paths) == 1:
                 room, most = FLUSH_BYTES, FLUSH_COUNT
                 if pacers is not None:
-                    room = max(BATCH_BYTES, min(room, int(pacers[0].tokens(now))))
+                    # changed: at least a datagram (a batch before)
+                    room = max(len(q[0]), min(room, int(pacers[0].tokens(now))))
             batch = [q[0]]
             size = len(q[0])
             limit = min(len(q), most)
@@ -461,9 +465,6 @@ class Outbox:
                 while run < limit and steps[run] == steps[0]:
                     run += 1
                 limit = run
-            trickle = queue == DROPPABLE_CLASS and pacers is not None
-            if trickle:  # changed: droppable packets a few at a time
-                limit = min(limit, DROPPABLE_BATCH)
             while len(batch) < limit and size + len(q[len(batch)]) <= room:
                 size += len(q[len(batch)])
                 batch.append(q[len(batch)])
@@ -480,11 +481,6 @@ class Outbox:
             if held:  # the balancer chose paths without budget: they wait for it
                 assert waits is not None
                 return _pacing_wake(now, waits)
-            if trickle and sent and peer.queued:  # changed: the next after this one's time
-                assert pacers is not None
-                rate = min(pacer.rate_bps for pacer in pacers) * len(pacers)
-                spent = sent * (len(batch[0]) + WIRE_OVERHEAD) * 8.0 / rate
-                return now + max(spent, PACING_QUANTUM)
         return None
 
     def _send(

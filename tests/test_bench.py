@@ -318,21 +318,24 @@ def test_daemon_config_per_variant() -> None:
     setup = Setup(hosts=3, rate_bps=10**9, scenario="multipath")
     cfg = dlcp_daemon_config(setup, "dlcp")
     assert cfg["rate"]["pacing"] is True
-    # two paths, two peers: each peer gets 2 x 1 Gbit/s / 2
+    # the daemons are told their link's rate (each path's) and pace by their own
+    # defaults: no rate, floor or start per benchmark
     assert cfg["rate"]["link_rate_bps"] == pytest.approx(1e9)
+    assert set(cfg["rate"]) == {"pacing", "link_rate_bps"}
+    assert "timing" not in cfg or set(cfg["timing"]) == {"timeout"}
     assert cfg["policies"] == {"balance": "spray"}
     one = dlcp_daemon_config(setup, "dlcp-1path")
-    assert one["rate"]["link_rate_bps"] == pytest.approx(0.5e9)
+    assert one["rate"]["link_rate_bps"] == pytest.approx(1e9)
     clean = Setup(hosts=3, rate_bps=200_000_000)
     assert clean.n_paths == 1
-    assert dlcp_daemon_config(clean, "dlcp")["rate"]["link_rate_bps"] == pytest.approx(1e8)
+    assert dlcp_daemon_config(clean, "dlcp")["rate"]["link_rate_bps"] == pytest.approx(2e8)
     assert dlcp_daemon_config(clean, "dlcp-noprio")["policies"]["priority"] == "flow"
     assert dlcp_daemon_config(clean, "dlcp-nobound")["policies"]["drop"] == "none"
     assert "link_rate_bps" not in dlcp_daemon_config(Setup(rate_bps=None), "dlcp")["rate"]
-    # pacing "share" holds the rate at the link share; "aimd" leaves the daemon's AIMD
-    assert dlcp_daemon_config(clean, "dlcp")["rate"]["min_rate_bps"] == pytest.approx(1e8)
-    aimd = dlcp_daemon_config(Setup(rate_bps=200_000_000, pacing="aimd"), "dlcp")["rate"]
-    assert "min_rate_bps" not in aimd and aimd["link_rate_bps"] == pytest.approx(1e8)
+    # the diagnostic pacing "share" holds the rate at the link over hosts - 1
+    share = dlcp_daemon_config(Setup(rate_bps=200_000_000, pacing="share"), "dlcp")["rate"]
+    assert share["min_rate_bps"] == pytest.approx(1e8)
+    assert share["initial_rate_bps"] == pytest.approx(1e8)
     with pytest.raises(BenchError, match="pacing"):
         Setup(pacing="fast")
 

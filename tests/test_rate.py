@@ -476,3 +476,21 @@ def test_random_loss_does_not_collapse_a_path(seed: int) -> None:
         rates[tol] = pr.rates()
     assert rates[0.15][1] >= 100e6 and rates[0.15][0] >= 100e6
     assert rates[0.0][1] < 0.1 * rates[0.0][0]
+
+
+def test_fan_in_rate_shares_the_link_among_its_senders() -> None:
+    cfg = RateConfig(link_rate_bps=200e6, utilization=0.97)
+    assert cfg.fan_in_rate(2) == pytest.approx(97e6)
+    assert cfg.fan_in_rate(1) == pytest.approx(194e6)
+    assert cfg.fan_in_rate(0) == pytest.approx(194e6)  # no sender known: the link
+    assert RateConfig().fan_in_rate(2) is None  # no link rate: no cap
+
+
+def test_losses_cut_the_rate_only_with_loss_backoff() -> None:
+    kept = RateController(RateConfig(link_rate_bps=1e8, initial_rate_bps=1e8, loss_backoff=False))
+    cut = RateController(RateConfig(link_rate_bps=1e8, initial_rate_bps=1e8))
+    for i in range(20):  # a burst: half of everything lost, for a second
+        kept.on_loss(50, now=i * 0.05, loss_rate=0.5)
+        cut.on_loss(50, now=i * 0.05, loss_rate=0.5)
+    assert kept.rate_bps == pytest.approx(1e8) and kept.lost_packets == 1000
+    assert cut.rate_bps <= 1e8 / 16

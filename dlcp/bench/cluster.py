@@ -53,7 +53,6 @@ __all__ = [
 GLOO_PRIO_DSCP = "cs5"  # the top gradient class of the default DSCP table (class 1)
 CONTROL_DSCP = "cs6"  # class 0: dlcp's control traffic
 MARK_TABLE = "dlcp_bench"
-GRACE_S = 0.5
 PACING: tuple[str, ...] = ("link", "share")
 
 Progress = Callable[[str], None]
@@ -160,11 +159,7 @@ def dlcp_daemon_config(setup: Setup, variant: str, *, timeout_s: float = 60.0) -
         "daemon": {"log_level": os.environ.get("DLCP_BENCH_DAEMON_LOG", "warning")},
         "rate": rate,
         "policies": policies,
-        # grace: how long a receiver waits, with data flowing but no DONE from
-        # a sender, before NACKing everything missing. The 50 ms default is
-        # shorter than a paced shard takes at these link rates, and a NACK of
-        # a whole shard is larger than one datagram (see BENCHMARKS.md).
-        "timing": {"timeout": timeout_s, "grace": GRACE_S},
+        "timing": {"timeout": timeout_s},
     }
     return merge_config(config, extra)
 

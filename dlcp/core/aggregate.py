@@ -892,8 +892,6 @@ class ResultCollector:
         pk = self.layout.shard_packets(result.shard)
         self.contributors[pk.start : pk.stop] = result.contributors
         self.block_max[pk.start : pk.stop] = result.block_max
-        self.lost_lanes += result.lost_lanes
-        self.total_lanes += result.total_lanes
         self.waiting.pop(result.shard, None)
 
     def on_result(
@@ -1059,8 +1057,23 @@ class ResultCollector:
         w.done = True
         w.last_arrival = now
         w.unanswered = 0  # the DONE a NACK may have asked for (no sample)
-        self.lost_lanes += lost_lanes
-        self.total_lanes += self.layout.shard_range(shard)[1] * self.senders
+
+    def tally(self) -> None:
+        """Set `lost_lanes` and `total_lanes` from the whole bucket's result
+        counts, once every shard is in: a packet holding c of the round's W
+        contributions (the most any packet holds) lacks (W - c) / W of its
+        lanes from each of the `senders`. From the packets rather than the
+        owners' DONEs: a DONE comes after its shard's results, and the round
+        usually completed before it, so the other owners' losses went
+        uncounted (the bench's lost lanes were about half the true ones)."""
+        counts = self.layout.packet_counts()
+        self.total_lanes = int(counts.sum()) * self.senders
+        full = int(self.contributors.max(initial=0))
+        if full <= 0:
+            self.lost_lanes = 0
+            return
+        short = ((full - self.contributors) * counts).sum()
+        self.lost_lanes = round(float(short) * self.senders / full)
 
     def heard_from(self, node: int, now: float) -> None:
         """A data-leg packet of this round came from `node` (data or a manifest

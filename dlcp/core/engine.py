@@ -1484,6 +1484,7 @@ class Engine:
         del self._collectors[op]
         self._contribs.pop(op, None)
         self._closed[op] = now
+        col.tally()
         event = RoundComplete(
             job=op[0],
             round=op[1],

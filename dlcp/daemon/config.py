@@ -25,14 +25,16 @@ __all__ = ["Config", "JobConfig", "PeerConfig", "load", "parse"]
 # The daemon's defaults for [rate] where they differ from RateConfig's: start
 # each path to a peer at 1 Gbit/s and never pace it below 20 Mbit/s (NACK bursts
 # are loss signals that arrive in clumps; the floor keeps recovery traffic
-# moving); a path losing up to 15 % of its packets at random keeps its rate
-# (balance = "adaptive" weighs it by its goodput, 1 - loss), more than that
-# is congestion.
+# moving); balance = "adaptive" takes a path losing up to 15 % of its packets
+# as random (it weighs it by its goodput, 1 - loss), more than that as
+# congestion. Losses do not cut the rate (loss_backoff, see RateConfig): each
+# peer's rate is capped at its share of the link (link_rate_bps, fan-in).
 RATE_DEFAULTS: dict[str, Any] = {
     "initial_rate_bps": 1e9,
     "min_rate_bps": 20e6,
     "initial_rtt": 0.01,
     "loss_tolerance": 0.15,
+    "loss_backoff": False,
 }
 
 

@@ -35,7 +35,7 @@ from dlcp.core.layout import Layout
 from dlcp.core.rate import WIRE_OVERHEAD, Pacer, PathRates, RateConfig
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
 from dlcp.errors import LocalError
-from dlcp.policies import DROPPABLE_CLASS, LoadBalancer, PathState
+from dlcp.policies import LoadBalancer, PathState
 from dlcp.wire.header import HEADER_SIZE, Flags, Header
 
 try:
@@ -261,9 +261,12 @@ FLUSH_BYTES = 4 << 20
 FLUSH_COUNT = 4096  # ... and at most this many datagrams
 # pacer burst: one batch (or BURST_SECONDS at the rate, if more). Senders
 # converging on a port that they fill to `rate.utilization` leave it a queue
-# of their bursts, drained only by the rest of the link: bursts of 256 KB
-# from 2 senders kept 300-500 KB queued at a 200 Mbit/s port for a whole
-# phase of a round, and the droppable class behind it lost half its packets.
+# of their bursts, drained only by the rest of the link, and a strict
+# priority starves the droppable class, whose queue is short, behind it:
+# bursts of 256 KB from 2 senders kept 300-500 KB queued at a 200 Mbit/s
+# port for a whole phase of a round, and half the droppable packets were lost
+# there. So are a sender's batches no larger than its tokens (below) and an
+# idle path's burst a PACING_QUANTUM (`flush`).
 BURST_BYTES = 64 * 1024
 # ... or this long at the path's rate, if more: the daemon's loop comes back to
 # send only every millisecond or few when busy receiving; a fixed burst lost
@@ -284,13 +287,6 @@ PACING_QUANTUM = 0.001
 # every token beyond the burst was lost, and pacing at a 10 Gbit/s rate held a
 # veth at 0.7x its unpaced throughput while sending a fraction of that rate.
 CATCH_UP_SECONDS = 0.02
-# Droppable packets (DROPPABLE_CLASS) leave a paced peer in batches of at
-# most this many, one batch per its time at the path's rate: a switch gives
-# their class a short queue (16 packets in dlcp's tc plan), which a GSO batch
-# of 44 (or a pacer's burst of 178) overflowed whenever the port was busy
-# with another sender's higher classes; 3 hosts on a clean 200 Mbit/s link
-# lost half of them there (1.9 % of the lanes).
-DROPPABLE_BATCH = 8
 # Flow control (`Outbox(window_bytes=...)`): a peer is sent at most its window
 # of bytes that it has not yet credited (`on_credit`: it says how many bytes it
 # has taken from its socket). Without it a flush puts a whole leg of a bucket
@@ -486,27 +482,16 @@ def _took(peer: Peer, cls: int, n: int) -> None:
         runs.popleft()
 
 
-# The order of the classes among first transmissions of one step: droppable
-# packets first. Sent last, they met the switch's queues full of the other
-# senders' data of the step (a strict priority starves their class, whose
-# queue is short) and were lost; first, they pass while the port is still
-# quiet, trickled (DROPPABLE_BATCH), and the step's DONE follows its
-# required packets as before.
-STEP_ORDER = (DROPPABLE_CLASS, *(c for c in range(N_CLASSES) if c != DROPPABLE_CLASS))
-
-
 def _next_queue(peer: Peer) -> int:
     """The queue to send from next: the highest class's urgent queue, else the
-    class whose head was pushed first (among equals, in STEP_ORDER); -1 when
-    nothing is queued."""
+    class whose head was pushed first (the highest class among equals); -1
+    when nothing is queued."""
     queues = peer.queues
     for i in range(FRONT, N_QUEUES):
         if queues[i]:
             return i
     best, best_step = -1, 0
-    steps = peer.steps
-    for cls in STEP_ORDER:
-        runs = steps[cls]
+    for cls, runs in enumerate(peer.steps):
         if runs and (best < 0 or runs[0][0] < best_step):
             best, best_step = cls, runs[0][0]
     return best
@@ -553,7 +538,15 @@ class Outbox:
             rate = PathRates(n_paths, self.rate_config, decrease_interval=self.loss_interval)
             pacers = (
                 [
-                    Pacer(rate_bps=r, burst_bytes=BURST_BYTES, now=now, burst_seconds=BURST_SECONDS)
+                    # no burst to start with: the H - 1 senders of a job's
+                    # first round towards one port start at once
+                    Pacer(
+                        rate_bps=r,
+                        burst_bytes=BURST_BYTES,
+                        now=now,
+                        burst_seconds=BURST_SECONDS,
+                        tokens=0.0,
+                    )
                     for r in rate.rates()
                 ]
                 if self.pacing
@@ -1040,7 +1033,10 @@ class Outbox:
                 self.backlog.discard(peer)
                 if peer.pacers is not None:
                     for pacer in peer.pacers:
-                        pacer.settle(now)
+                        # an idle path's next burst: PACING_QUANTUM at its rate,
+                        # so that the H - 1 senders that start a round towards
+                        # one port at once do not each send a whole burst
+                        pacer.settle(now, pacer.rate_bps * PACING_QUANTUM / 8)
             elif wake is not None and (self.next_wake is None or wake < self.next_wake):
                 self.next_wake = wake
             if self.blocked:
@@ -1067,9 +1063,6 @@ class Outbox:
             popleft = q if NATIVE_KEYS else q.popleft
             # at most the oldest step's packets of the class: then the order is looked at again
             run = FLUSH_COUNT if i >= FRONT else peer.steps[i][0][1]
-            trickle = i == DROPPABLE_CLASS and pacers is not None
-            if trickle:
-                run = min(run, DROPPABLE_BATCH)
             window = FLUSH_BYTES
             if peer.window:
                 window = self._window_room(peer, now, len(q[0]))
@@ -1091,7 +1084,10 @@ class Outbox:
             if one:  # as much as the tokens allow (at least a batch: into debt)
                 room = FLUSH_BYTES
                 if pacer0 is not None:
-                    room = max(BATCH_BYTES, min(room, int(pacer0.tokens(now))))
+                    # what the tokens allow, at least a datagram (into debt):
+                    # not a whole batch, whose 44 datagrams at a time from
+                    # each sender kept a queue at a port they fill to 97 %
+                    room = max(len(q[0]), min(room, int(pacer0.tokens(now))))
                 batch, sizes = _batch(q, min(room, window), min(FLUSH_COUNT, run))
                 sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
                 held, full = False, sent < len(batch)
@@ -1120,11 +1116,6 @@ class Outbox:
             if held:  # the balancer chose paths without budget: they wait for it
                 assert waits is not None
                 return _pacing_wake(now, waits)
-            if trickle and sent and peer.queued:  # the next batch after this one's time
-                assert pacers is not None
-                rate = min(pacer.rate_bps for pacer in pacers) * len(pacers)
-                spent = sent * (len(batch[0]) + WIRE_OVERHEAD) * 8.0 / rate
-                return now + max(spent, PACING_QUANTUM)
         return None
 
     def _send(
