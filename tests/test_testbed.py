@@ -157,9 +157,11 @@ def test_background_flows_ring_and_rates() -> None:
 def test_iperf_argv() -> None:
     (flow,) = background_flows(2, [1], "udp", link_bps=10**8, pattern="ring")[:1]
     assert (flow.src, flow.dst) == (1, 0)
-    assert iperf_server_argv(flow)[:4] == ["iperf3", "--server", "--bind", "10.77.1.1"]
+    # background traffic at the lowest CPU priority (it stands for other hosts)
+    nice = ["nice", "-n", "19"]
+    assert iperf_server_argv(flow)[:7] == [*nice, "iperf3", "--server", "--bind", "10.77.1.1"]
     client = iperf_client_argv(flow, duration_s=2.5)
-    assert client[:5] == ["iperf3", "--client", "10.77.1.1", "--bind", "10.77.1.2"]
+    assert client[:8] == [*nice, "iperf3", "--client", "10.77.1.1", "--bind", "10.77.1.2"]
     assert client[client.index("--time") + 1] == "3"
     assert client[-3:] == ["--udp", "--bitrate", str(flow.rate_bps)]
     endless = iperf_client_argv(flow, duration_s=None, parallel=4)
