@@ -826,7 +826,7 @@ class ResultCollector:
     contributors: np.ndarray = field(init=False)
     block_max: np.ndarray = field(init=False)
     waiting: dict[int, _Awaited] = field(init=False)
-    lost_lanes: int = 0
+    lost_lanes: int = 0  # set when the round completes (`tally`)
     total_lanes: int = 0
     duplicates: int = 0
     # the position, in the last run given (`on_results_many`, `on_result_run`),
@@ -1049,7 +1049,7 @@ class ResultCollector:
             del self.waiting[shard]
         return take.size, bad
 
-    def on_done(self, *, shard: int, sender: int, lost_lanes: int, now: float) -> None:
+    def on_done(self, *, shard: int, sender: int, now: float) -> None:
         """The owner's DONE for a shard: it has sent every result packet."""
         w = self.waiting.get(shard)
         if w is None or sender != w.owner or w.done:

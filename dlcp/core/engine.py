@@ -1145,7 +1145,8 @@ class Engine:
                 self.stats["late_packets"] += 1
                 return
             self._check_owner(spec, h)
-            col.on_done(shard=h.shard, sender=h.sender, lost_lanes=h.aux, now=now)
+            # (its `aux`, the owner's lost lanes, is not needed: `ResultCollector.tally`)
+            col.on_done(shard=h.shard, sender=h.sender, now=now)
             self._poll_collector(op, col, now)
         elif t == PacketType.NACK:
             self._on_nack(spec, op, h, payload, result_leg, now)
