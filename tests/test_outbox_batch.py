@@ -20,6 +20,7 @@ import pytest
 
 from dlcp.core.rate import RateConfig
 from dlcp.daemon import outbox as outbox_mod
+from dlcp.daemon import packet_keys
 from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Flags, Header, PacketType, encode
@@ -182,11 +183,11 @@ def _pending(peer: Peer) -> set[bytes]:
     outbox keeps: those of the packets of shards it watches, and of the others
     that are not DATA/RESULT packets; no more."""
     queued = [dg for q in peer.queues for dg in q if dg[3] != PacketType.DONE]
-    ids = {outbox_mod._identity(dg) for dg in queued}
+    ids = {packet_keys._identity(dg) for dg in queued}
     kept = {
-        outbox_mod._identity(dg)
+        packet_keys._identity(dg)
         for dg in queued
-        if dg[3] not in outbox_mod._DR or outbox_mod._barrier_key(dg) in peer.watched
+        if dg[3] not in outbox_mod._DR or packet_keys._barrier_key(dg) in peer.watched
     }
     assert kept <= peer.pending <= ids
     assert peer.watched <= {k for k, v in peer.inflight.items() if v}
@@ -294,7 +295,7 @@ def test_an_ack_among_a_fresh_shard_is_looked_up_alone() -> None:
     assert want[1]["repeats"] == 2 and want[1]["queued"] == 11 + 9
     ob, peer, _ = make(1, False, 0)
     assert at_once(ob, peer, first) == 11
-    assert peer.pending == {outbox_mod._identity(ack)} and not peer.watched
+    assert peer.pending == {packet_keys._identity(ack)} and not peer.watched
     assert at_once(ob, peer, second) == 9 and ob.repeats == 2
 
 

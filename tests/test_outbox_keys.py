@@ -19,16 +19,18 @@ from types import ModuleType
 
 import pytest
 
-from dlcp.daemon import outbox
+from dlcp.daemon import outbox, packet_keys
 
-if outbox._keys is None and os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1":
+if packet_keys._keys is None and os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1":
     pytest.skip("dlcp.daemon._keys is not built (DLCP_ALLOW_NO_NATIVE=1)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def keys() -> ModuleType:
-    assert outbox._keys is not None, "dlcp.daemon._keys was not built: pip install -e . builds it"
-    return outbox._keys
+    assert packet_keys._keys is not None, (
+        "dlcp.daemon._keys was not built: pip install -e . builds it"
+    )
+    return packet_keys._keys
 
 
 def _datagrams(n: int, seed: int) -> list[bytes]:
@@ -39,17 +41,17 @@ def _datagrams(n: int, seed: int) -> list[bytes]:
 @pytest.mark.parametrize("n", [0, 1, 2, 63, 64, 500])
 def test_identities_and_heads_equal_the_python_definitions(keys: ModuleType, n: int) -> None:
     dgs = _datagrams(n, n)
-    ids = [outbox._identity(dg) for dg in dgs]
+    ids = [packet_keys._identity(dg) for dg in dgs]
     assert keys.identities(dgs) == ids
     assert keys.identities(tuple(dgs)) == ids
-    assert keys.identities_heads(dgs) == (ids, [i[: outbox._BKEY] for i in ids])
+    assert keys.identities_heads(dgs) == (ids, [i[: packet_keys._BKEY] for i in ids])
     assert all(len(i) == 29 for i in ids)
 
 
 def test_other_buffers_give_the_same_identities(keys: ModuleType) -> None:
     dgs = _datagrams(8, 7)
     others = [bytearray(dgs[0]), memoryview(dgs[1]), memoryview(b"xx" + dgs[2])[2:], *dgs[3:]]
-    assert keys.identities(others) == [outbox._identity(dg) for dg in dgs]
+    assert keys.identities(others) == [packet_keys._identity(dg) for dg in dgs]
 
 
 def test_every_identity_byte_comes_from_its_header_byte(keys: ModuleType) -> None:
@@ -133,23 +135,23 @@ def test_shard_keys_equal_the_python_definition(keys: ModuleType, n: int, shards
     ]
     for batch in (dgs, ordered):
         got = keys.shard_keys(batch)
-        assert got == outbox._py_shard_keys(batch)
+        assert got == packet_keys._py_shard_keys(batch)
         heads, bkeys, _ = got
         assert heads == b"".join(dg[3:5] for dg in batch)
         assert bkeys == [
-            outbox._barrier_key(dg) if dg[3] in (DATA, RESULT) else None for dg in batch
+            packet_keys._barrier_key(dg) if dg[3] in (DATA, RESULT) else None for dg in batch
         ]
         others = [memoryview(dg) if k % 2 else bytearray(dg) for k, dg in enumerate(batch)]
-        assert keys.shard_keys(others) == got == outbox._py_shard_keys(others)
-    want = list(dict.fromkeys(outbox._barrier_key(dg) for dg in ordered if dg[3] == DATA))
-    assert keys.shard_keys(ordered)[2] == (want if len(want) <= outbox._DISTINCT_MAX else None)
+        assert keys.shard_keys(others) == got == packet_keys._py_shard_keys(others)
+    want = list(dict.fromkeys(packet_keys._barrier_key(dg) for dg in ordered if dg[3] == DATA))
+    assert keys.shard_keys(ordered)[2] == (want if len(want) <= packet_keys._DISTINCT_MAX else None)
 
 
 def test_shard_keys_say_when_a_packet_may_be_there_twice(keys: ModuleType) -> None:
     a = [_packet(DATA, 1, k) for k in (0, 5, 9)]
     b = [_packet(RESULT, 1, k) for k in (0, 5)]  # the result leg of shard 1: another key
     done, nack = _packet(DONE, 1, 0), _packet(NACK, 1, 0)
-    for f in (keys.shard_keys, outbox._py_shard_keys):
+    for f in (keys.shard_keys, packet_keys._py_shard_keys):
         heads, bkeys, distinct = f([*a, done, nack, *b])
         assert distinct == [_bkey(DATA, 1), _bkey(RESULT, 1)]
         assert bkeys[3] is None and bkeys[4] is None
@@ -162,8 +164,8 @@ def test_shard_keys_say_when_a_packet_may_be_there_twice(keys: ModuleType) -> No
         assert f([*a, a[2]])[2] is None
         assert f([a[1], a[0]])[2] is None
         assert f([a[0], *b, a[1]])[2] is None
-        many = [_packet(DATA, k, 0) for k in range(outbox._DISTINCT_MAX + 1)]
-        assert f(many[:-1])[2] == [_bkey(DATA, k) for k in range(outbox._DISTINCT_MAX)]
+        many = [_packet(DATA, k, 0) for k in range(packet_keys._DISTINCT_MAX + 1)]
+        assert f(many[:-1])[2] == [_bkey(DATA, k) for k in range(packet_keys._DISTINCT_MAX)]
         assert f(many)[2] is None
         assert f([]) == (b"", [], [])
         with pytest.raises(ValueError, match="datagram 1 is 35 bytes"):
@@ -179,19 +181,20 @@ def test_unqueue_discards_only_watched_shards(keys: ModuleType, seed: int) -> No
     them); every other packet's leave it."""
     rng = random.Random(seed)
     dgs = _batch(300, seed, 6)
-    ids = outbox._py_identities(dgs)
-    heads = sorted({i[: outbox._BKEY] for i in ids if i[0] in (DATA, RESULT)})
+    ids = packet_keys._py_identities(dgs)
+    heads = sorted({i[: packet_keys._BKEY] for i in ids if i[0] in (DATA, RESULT)})
     for watched in (set(), set(rng.sample(heads, 2)), set(heads)):
         pending = set(ids) | {bytes((DATA,)) + rng.randbytes(28) for _ in range(100)}
         c_set, py_set = set(pending), set(pending)
         n = rng.randrange(301)
         got = keys.unqueue(c_set, dgs, n, None, watched)
-        assert got == outbox._py_unqueue(py_set, dgs, n, None, watched)
+        assert got == packet_keys._py_unqueue(py_set, dgs, n, None, watched)
         assert got == keys.unqueue(set(pending), dgs, n)  # the same shards counted
         assert c_set == py_set
-        gone = {i for i in ids[:n] if i[0] not in (DATA, RESULT) or i[: outbox._BKEY] in watched}
+        bkey = packet_keys._BKEY
+        gone = {i for i in ids[:n] if i[0] not in (DATA, RESULT) or i[:bkey] in watched}
         assert c_set == pending - gone
-    for f in (keys.unqueue, outbox._py_unqueue):
+    for f in (keys.unqueue, packet_keys._py_unqueue):
         with pytest.raises(TypeError, match="watched must be a set"):
             f(set(), dgs, 1, None, list(heads))
 
@@ -205,7 +208,7 @@ def _unqueue_both(
     tail = [bytes(40)] * 3
     c_q, py_q = deque(dgs + tail), deque(dgs + tail)
     shards = keys.unqueue(c_set, dgs, n, c_q.popleft)
-    assert shards == outbox._py_unqueue(py_set, dgs, n, py_q.popleft)
+    assert shards == packet_keys._py_unqueue(py_set, dgs, n, py_q.popleft)
     assert c_set == py_set
     assert list(c_q) == list(py_q) == dgs[n:] + tail
     fifo, f_set = keys.Fifo(dgs + tail), set(pending)  # popped at once
@@ -221,7 +224,7 @@ def test_unqueue_equals_the_python_definition(keys: ModuleType, shards: int, see
     rng = random.Random(seed)
     for size in (1, 2, 17, 1024):
         dgs = _batch(size, seed * 1000 + size, shards)
-        ids = outbox._py_identities(dgs)
+        ids = packet_keys._py_identities(dgs)
         # queued identities: most of the batch's, and many others
         pending = {i for i in ids if rng.random() < 0.9}
         pending |= {bytes((DATA,)) + rng.randbytes(28) for _ in range(2000)}
@@ -229,7 +232,7 @@ def test_unqueue_equals_the_python_definition(keys: ModuleType, shards: int, see
             got, left = _unqueue_both(keys, pending, dgs, n)
             assert left == pending - set(ids[:n])
             # (barrier key, packets) per shard: every DATA/RESULT packet counted
-            dr = [i[: outbox._BKEY] for i in ids[:n] if i[0] in (DATA, RESULT)]
+            dr = [i[: packet_keys._BKEY] for i in ids[:n] if i[0] in (DATA, RESULT)]
             assert sorted(got) == sorted((b, dr.count(b)) for b in set(dr))
 
 
@@ -242,21 +245,21 @@ def test_unqueue_gives_shards_in_the_order_of_their_last_packet(keys: ModuleType
 
     batch = [dg(DATA, 1), dg(DATA, 2), dg(DONE, 3), dg(DATA, 1), dg(RESULT, 1), dg(NACK, 2)]
     want = [(key(DATA, 2), 1), (key(DATA, 1), 2), (key(RESULT, 1), 1)]
-    assert keys.unqueue(set(), batch, 6) == outbox._py_unqueue(set(), batch, 6) == want
+    assert keys.unqueue(set(), batch, 6) == packet_keys._py_unqueue(set(), batch, 6) == want
     assert keys.unqueue(set(), batch, 3) == [(key(DATA, 1), 1), (key(DATA, 2), 1)]
     assert keys.unqueue(set(), [dg(DONE, 1), dg(NACK, 1)], 2) == []
     # shard after shard past the few compared one by one: the C table's path
     many = [dg(DATA, s % 40) for s in range(200)]
     want = [(key(DATA, s), 5) for s in range(40)]
-    assert keys.unqueue(set(), many, 200) == outbox._py_unqueue(set(), many, 200) == want
+    assert keys.unqueue(set(), many, 200) == packet_keys._py_unqueue(set(), many, 200) == want
 
 
 def test_unqueue_takes_other_buffers(keys: ModuleType) -> None:
     dgs = _batch(50, 3, 3)
     others = [memoryview(dg) if k % 2 else bytearray(dg) for k, dg in enumerate(dgs)]
-    pending = set(outbox._py_identities(dgs))
+    pending = set(packet_keys._py_identities(dgs))
     a, b = set(pending), set(pending)
-    assert keys.unqueue(a, others, 40) == outbox._py_unqueue(b, dgs, 40)
+    assert keys.unqueue(a, others, 40) == packet_keys._py_unqueue(b, dgs, 40)
     assert a == b
 
 
@@ -288,11 +291,11 @@ def test_gathered_datagrams_give_the_same_identities_and_unqueue(keys: ModuleTyp
     mixed = _gathered(dgs)
     assert any(not isinstance(dg, bytes) for dg in mixed)
     joined = [bytes(dg) for dg in mixed]  # bytes 48..64 (the tag) differ from dgs
-    assert keys.identities(mixed) == [outbox._identity(dg) for dg in joined]
-    assert keys.shard_keys(mixed) == outbox._py_shard_keys(joined)
-    pending = set(outbox._py_identities(joined))
+    assert keys.identities(mixed) == [packet_keys._identity(dg) for dg in joined]
+    assert keys.shard_keys(mixed) == packet_keys._py_shard_keys(joined)
+    pending = set(packet_keys._py_identities(joined))
     a, b = set(pending), set(pending)
-    assert keys.unqueue(a, mixed, 50) == outbox._py_unqueue(b, joined, 50)
+    assert keys.unqueue(a, mixed, 50) == packet_keys._py_unqueue(b, joined, 50)
     assert a == b
 
 
@@ -314,7 +317,7 @@ def test_unqueue_keys_are_new_to_whatever_keeps_them(keys: ModuleType) -> None:
             return False
 
     dgs = _batch(30, 5, 2)
-    ids = outbox._py_identities(dgs)
+    ids = packet_keys._py_identities(dgs)
     pending: set[object] = {Keeper(i) for i in set(ids)}  # one apiece: compared once a lookup
     keys.unqueue(pending, dgs, 30)
     # every key kept still says the identity it was compared as (CPython may
@@ -328,10 +331,10 @@ def test_unqueue_keys_are_new_to_whatever_keeps_them(keys: ModuleType) -> None:
 
 def test_unqueue_rejects_bad_input_and_leaves_the_set(keys: ModuleType) -> None:
     dgs = _batch(10, 9, 2)
-    pending = set(outbox._py_identities(dgs))
+    pending = set(packet_keys._py_identities(dgs))
     before = set(pending)
     short = [*dgs[:3], bytes(35), *dgs[3:]]
-    both: tuple[Callable[..., object], ...] = (keys.unqueue, outbox._py_unqueue)
+    both: tuple[Callable[..., object], ...] = (keys.unqueue, packet_keys._py_unqueue)
     for f in both:
         with pytest.raises(TypeError, match="pending must be a set"):
             f(list(pending), dgs, 2)
@@ -354,7 +357,7 @@ def test_unqueue_rejects_bad_input_and_leaves_the_set(keys: ModuleType) -> None:
     with pytest.raises(ValueError, match="datagram 3 is 35 bytes"):
         keys.unqueue(pending, short, 11)
     assert pending == before  # checked before any was discarded
-    assert keys.unqueue(pending, short, 3) == outbox._py_unqueue(set(before), short, 3)
+    assert keys.unqueue(pending, short, 3) == packet_keys._py_unqueue(set(before), short, 3)
     with pytest.raises(TypeError):
         keys.unqueue(pending, [*dgs[:2], 7], 3)
     with pytest.raises(TypeError):
@@ -380,11 +383,11 @@ def test_unqueue_survives_a_batch_emptied_under_it(keys: ModuleType) -> None:
 def test_the_outbox_uses_the_extension_where_it_is_built(keys: ModuleType) -> None:
     if os.environ.get("DLCP_NATIVE_KEYS") == "0":
         pytest.skip("DLCP_NATIVE_KEYS=0 turns the extension off")
-    assert outbox._identities is keys.identities
-    assert outbox._identities_heads is keys.identities_heads
-    assert outbox._shard_keys is keys.shard_keys
-    assert outbox._unqueue is keys.unqueue
-    assert outbox._take is keys.take
+    assert packet_keys._identities is keys.identities
+    assert packet_keys._identities_heads is keys.identities_heads
+    assert packet_keys._shard_keys is keys.shard_keys
+    assert packet_keys._unqueue is keys.unqueue
+    assert packet_keys._take is keys.take
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -404,7 +407,7 @@ def test_take_equals_the_python_definition(keys: ModuleType, seed: int) -> None:
     total = sum(map(len, dgs))
     for nbytes in (0, 1, 35, 36, 64, 9000, 9001, 65_536, 1 << 20, total, total + 1):
         for count in (1, 2, 7, 64, len(q), len(q) + 5, 1024):
-            want_head, want_sizes = outbox._py_take(q, nbytes, count)
+            want_head, want_sizes = packet_keys._py_take(q, nbytes, count)
             for queue in (q, fifo):
                 head, sizes = keys.take(queue, nbytes, count)
                 assert len(head) == len(want_head) and all(
@@ -521,7 +524,7 @@ def test_by_class_equals_the_python_definition(keys: ModuleType, seed: int) -> N
     classes = [rng.randrange(top) for _ in range(n)]
     drop = bytes(rng.choice([0, 0, 1]) for _ in range(n))
     got = keys.by_class(dgs, classes, drop, 8)
-    want = outbox._py_by_class(dgs, classes, drop, 8)
+    want = packet_keys._py_by_class(dgs, classes, drop, 8)
     assert got == want
     lists, trail = got
     assert [dg for part in lists if part for dg in part] == [
@@ -531,7 +534,7 @@ def test_by_class_equals_the_python_definition(keys: ModuleType, seed: int) -> N
     assert all(a is b for a, b in zip(lists[classes[0]] or [], first, strict=True))  # no copies
     kept = [k for k, d in zip(classes, drop, strict=True) if not d and k < 7]
     assert trail == (max(kept) if kept else -1)
-    for f in (keys.by_class, outbox._py_by_class):
+    for f in (keys.by_class, packet_keys._py_by_class):
         with pytest.raises(ValueError, match=r"not in 0\.\.7"):
             f(dgs[:2], [0, 8], bytes(2), 8)
         with pytest.raises(ValueError, match=r"not in 0\.\.7"):
@@ -549,12 +552,12 @@ def test_clamped_classes_equals_the_python_definition(keys: ModuleType) -> None:
     cases += [[rng.randrange(-2, 10) for _ in range(rng.randrange(1, 60))] for _ in range(50)]
     for prios in cases:
         got = keys.clamped_classes(prios, 8)
-        want = outbox._py_clamped_classes(prios, 8)
+        want = packet_keys._py_clamped_classes(prios, 8)
         assert got == want, prios
         assert got[1] == (len(set(prios)) <= 1)
         assert got[0] == [min(max(p, 0), 7) for p in prios]
         if all(0 <= p < 8 for p in prios):
             assert got[0] is prios and want[0] is prios  # no copy
-    for f in (keys.clamped_classes, outbox._py_clamped_classes):
+    for f in (keys.clamped_classes, packet_keys._py_clamped_classes):
         with pytest.raises(TypeError):
             f([1, "2"], 8)

@@ -2,14 +2,14 @@
  *
  * A packet's identity is its type byte (header byte 3) followed by header
  * bytes 8..35 (job to element count): 29 bytes that name the packet whatever
- * its flags, class or MAC (see dlcp/daemon/outbox.py, `_identity`). Its head
+ * its flags, class or MAC (see dlcp/daemon/packet_keys.py, `_identity`). Its head
  * is the identity's first 15 bytes: the leg and (job, round, bucket, shard).
  * Python builds each with two slices and a concatenation; here each is one
  * allocation and a copy. `shard_keys` reads what queueing a batch takes (type,
  * flags and barrier key of each packet, and whether a packet may be there
  * twice). `unqueue` does a sent batch's bookkeeping (identities out of the
  * pending set, packets per shard, the queue popped) in one call. The
- * Python definitions in outbox.py stay the reference: tests/test_outbox_keys.py
+ * Python definitions in packet_keys.py stay the reference: tests/test_outbox_keys.py
  * checks these against them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -822,7 +822,7 @@ PyDoc_STRVAR(take_doc,
 "The batch at the head of `queue` (an iterable of datagrams: a deque, or a\n"
 "Fifo, read in place): as many as fit in `nbytes` bytes, at least one and at\n"
 "most `count`, and their running byte sums (an int64 memoryview).\n"
-"outbox._py_take is the definition.");
+"packet_keys._py_take is the definition.");
 
 static PyObject *
 take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -912,7 +912,7 @@ PyDoc_STRVAR(clamped_classes_doc,
 "clamped_classes(priorities, n) -> (list, bool)\n\n"
 "The priorities (ints) each clamped into 0 .. n - 1: the same list where all\n"
 "are in range already, else a new one; and whether they are all one class.\n"
-"outbox._py_clamped_classes is the definition.");
+"packet_keys._py_clamped_classes is the definition.");
 
 static PyObject *
 clamped_classes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -982,7 +982,7 @@ PyDoc_STRVAR(by_class_doc,
 "The datagrams of each class 0 .. n - 1 in their order (None for a class\n"
 "with none; each class an int in 0 .. n - 1, one per datagram), and the\n"
 "highest class below n - 1 of those whose `drop` byte (one per datagram) is\n"
-"0, or -1 when there is none. outbox._py_by_class is the definition.");
+"0, or -1 when there is none. packet_keys._py_by_class is the definition.");
 
 static PyObject *
 by_class(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1071,7 +1071,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "dlcp.daemon._keys",
-    "The outbox's packet identities in C (see dlcp/daemon/outbox.py).", -1, methods,
+    "The outbox's packet identities in C (see dlcp/daemon/packet_keys.py).", -1, methods,
 };
 
 PyMODINIT_FUNC
