@@ -31,6 +31,7 @@ from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import HEADER_DTYPE, _bulk, decode_batch, encode_batch
+from dlcp.wire.credit import CREDIT_SIZE, Credit, credit_of, credit_payload
 from dlcp.wire.header import (
     HEADER_SIZE,
     LANE_BITS,
@@ -180,51 +181,6 @@ def _int_list(a: np.ndarray) -> list[int]:
     if a.size and a.min() == a.max():
         return [int(a[0])] * a.size
     return a.tolist()
-
-
-# A CONTROL packet's payload that credits its receiver: kind 1, the count's
-# epoch, the bytes counted, flags, the window granted (`Engine.credit_datagram`,
-# `credit_of`). Credits of older daemons, without the grant (18 bytes) or
-# without flags too (17 bytes), are read as well, and a newer daemon's longer
-# credit as far as these fields go: a field added later must leave them be.
-_CREDIT = struct.Struct("!BQQBQ")
-_CREDIT_V2 = struct.Struct("!BQQB")
-_CREDIT_V1 = struct.Struct("!BQQ")
-_CREDIT_KIND = 1
-# flag: the sender's sockets held no datagram when it counted (nothing of the
-# peer's waits there: what the count lacks was dropped or is still on the way)
-CREDIT_DRAINED = 1
-
-
-class Credit(NamedTuple):
-    """What a credit says: `received` bytes of the peer's have left the
-    crediting daemon's sockets, in its count named `epoch`; `drained`: its
-    sockets were empty then; `window`: the bytes the peer may have in flight
-    to it (its share of the crediting daemon's receive budget among all the
-    hosts that send to it, in every job it has; 0: not said)."""
-
-    epoch: int
-    received: int
-    drained: bool
-    window: int
-
-
-def credit_of(payload: bytes | memoryview) -> Credit | None:
-    """What a credit's payload says; None for another kind of CONTROL packet."""
-    if len(payload) < 1 or payload[0] != _CREDIT_KIND:
-        return None
-    n = len(payload)
-    if n >= _CREDIT.size:  # a newer daemon's may add fields after these: read what is known
-        _kind, epoch, received, flags, window = _CREDIT.unpack_from(payload)
-    elif n == _CREDIT_V2.size:
-        _kind, epoch, received, flags = _CREDIT_V2.unpack(payload)
-        window = 0
-    elif n == _CREDIT_V1.size:
-        _kind, epoch, received = _CREDIT_V1.unpack(payload)
-        flags = window = 0
-    else:
-        return None
-    return Credit(epoch, received, bool(flags & CREDIT_DRAINED), window)
 
 
 def manifest_capacity(payload: int) -> int:
@@ -541,11 +497,9 @@ class Engine:
             codec=Codec.FP32,
             shard=0,
             sender=spec.me,
-            count=_CREDIT.size,
+            count=CREDIT_SIZE,
         )
-        flags = CREDIT_DRAINED if drained else 0
-        body = _CREDIT.pack(_CREDIT_KIND, epoch, received, flags, window)
-        return encode(header, body, self._mac(spec))
+        return encode(header, credit_payload(epoch, received, drained, window), self._mac(spec))
 
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""
