@@ -25,7 +25,7 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.layout import Layout
-from dlcp.core.timing import NackClock, Timing
+from dlcp.core.timing import NackClock, Timing, repeat_wait, time_answer
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
 from dlcp.wire.header import MAX_PRIORITY, Flags
@@ -134,20 +134,6 @@ def _run_slots(
 
 
 _DROPPABLE = int(Flags.DROPPABLE)
-
-
-def _repeat_wait(clock: NackClock | None, timing: Timing, unanswered: int) -> float:
-    """How long after its last of `unanswered` NACKs a peer is asked again:
-    its clock's wait, or `nack_interval` for a peer without one."""
-    return timing.nack_interval if clock is None else clock.repeat_after(timing, unanswered)
-
-
-def _time_answer(clock: NackClock | None, unanswered: int, asked_at: float, now: float) -> None:
-    """A peer answered the `unanswered` NACKs sent it, the last at `asked_at`:
-    a sample for its clock where that NACK was the only one (Karn's rule: the
-    answer to a repeated NACK is no sample, which copy it answers unknown)."""
-    if clock is not None and unanswered == 1:
-        clock.sample(now - asked_at)
 
 
 class ShardAggregator:
@@ -644,16 +630,16 @@ class ShardAggregator:
     def _repeat_after(self, row: int) -> float:
         """How long after its last NACK sender row `row` is asked again."""
         clock = self.clocks.get(self.senders[row])
-        return _repeat_wait(clock, self.timing, self.unanswered[row])
+        return repeat_wait(clock, self.timing, self.unanswered[row])
 
     def answered(self, sender: int, now: float) -> None:
         """A retransmission from `sender` was stored: its answer to the NACKs
-        sent it (`_time_answer`)."""
+        sent it (`time_answer`)."""
         row = self._row.get(sender)
         if row is None or not self.unanswered[row]:
             return
         clock = self.clocks.get(sender)
-        _time_answer(clock, self.unanswered[row], float(self.last_nack[row]), now)
+        time_answer(clock, self.unanswered[row], float(self.last_nack[row]), now)
         self.unanswered[row] = 0
 
     def _to_reach_bound(self, row: int, missing_lanes: int, total: int) -> np.ndarray:
@@ -1059,13 +1045,11 @@ class ResultCollector:
         w.unanswered = 0  # the DONE a NACK may have asked for (no sample)
 
     def tally(self) -> None:
-        """Set `lost_lanes` and `total_lanes` from the whole bucket's result
-        counts, once every shard is in: a packet holding c of the round's W
-        contributions (the most any packet holds) lacks (W - c) / W of its
-        lanes from each of the `senders`. From the packets rather than the
-        owners' DONEs: a DONE comes after its shard's results, and the round
-        usually completed before it, so the other owners' losses went
-        uncounted (the bench's lost lanes were about half the true ones)."""
+        """`lost_lanes` and `total_lanes` from the bucket's result counts, once
+        every shard is in: a packet holding c of the round's W contributions
+        (the most any packet holds) lacks (W - c) / W of its lanes from each of
+        the `senders`. Not from the owners' DONEs: they come after the results,
+        usually after the round completed (the losses went uncounted)."""
         counts = self.layout.packet_counts()
         self.total_lanes = int(counts.sum()) * self.senders
         full = int(self.contributors.max(initial=0))
@@ -1122,7 +1106,7 @@ class ResultCollector:
 
     def _repeat_after(self, w: _Awaited) -> float:
         """How long after its last NACK for `w` the owner is asked again."""
-        return _repeat_wait(self.clocks.get(w.owner), self.timing, w.unanswered)
+        return repeat_wait(self.clocks.get(w.owner), self.timing, w.unanswered)
 
     def awaits_answer(self, shard: int) -> bool:
         """Whether a NACK for `shard` waits for its answer."""
@@ -1131,11 +1115,11 @@ class ResultCollector:
 
     def answered(self, shard: int, now: float) -> None:
         """A retransmitted result packet of `shard` was stored: the owner's
-        answer to the NACKs sent it (`_time_answer`)."""
+        answer to the NACKs sent it (`time_answer`)."""
         w = self.waiting.get(shard)
         if w is None or not w.unanswered:
             return
-        _time_answer(self.clocks.get(w.owner), w.unanswered, w.last_nack, now)
+        time_answer(self.clocks.get(w.owner), w.unanswered, w.last_nack, now)
         w.unanswered = 0
 
     def next_timer(self) -> float | None:

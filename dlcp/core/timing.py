@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dlcp.errors import LocalError
 
-__all__ = ["NackClock", "Timing"]
+__all__ = ["NackClock", "Timing", "repeat_wait", "time_answer"]
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,17 @@ class NackClock:
             return timing.nack_interval
         wait = min(max(self.srtt + 4 * self.rttvar, timing.nack_min), timing.nack_interval)
         return min(wait * (1 << min(max(unanswered - 1, 0), 16)), timing.nack_interval)
+
+
+def repeat_wait(clock: NackClock | None, timing: Timing, unanswered: int) -> float:
+    """How long after its last of `unanswered` NACKs a peer is asked again:
+    its clock's wait, or `nack_interval` for a peer without one."""
+    return timing.nack_interval if clock is None else clock.repeat_after(timing, unanswered)
+
+
+def time_answer(clock: NackClock | None, unanswered: int, asked_at: float, now: float) -> None:
+    """A peer answered the `unanswered` NACKs sent it, the last at `asked_at`:
+    a sample for its clock where that NACK was the only one (Karn's rule: the
+    answer to a repeated NACK is no sample, which copy it answers unknown)."""
+    if clock is not None and unanswered == 1:
+        clock.sample(now - asked_at)
