@@ -32,6 +32,7 @@ from dlcp.daemon import notify
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
 from dlcp.daemon.outbox import CREDIT_STEP, WINDOW_MIN, Outbox, Peer
+from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import NATIVE_SEND, UdpPath
 from dlcp.errors import DlcpError, LocalError, Reason
@@ -87,30 +88,6 @@ def _join(parts: list[Sequence[memoryview]]) -> Sequence[memoryview]:
     if _bulk is not None and all(type(p) is _bulk.Datagrams for p in parts):
         return _bulk.join(parts)
     return [dg for p in parts for dg in p]
-
-
-class RequestError(DlcpError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _bad(msg: str) -> RequestError:
-    return RequestError("bad_request", msg)
-
-
-def _int_field(req: dict[str, Any], name: str, lo: int, hi: int) -> int:
-    v = req.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _bad(f"{name} must be an integer in {lo}..{hi}")
-    return v
-
-
-def _float_field(req: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
-    v = req.get(name, default)
-    if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _bad(f"{name} must be a number in {lo}..{hi}")
-    return float(v)
 
 
 class Client:
@@ -822,7 +799,7 @@ class Daemon:
     ) -> JobState:
         H = len(hosts)
         if not 0 <= me < H:
-            raise _bad(f"me={me} is not an index of hosts")
+            raise bad_request(f"me={me} is not an index of hosts")
         mine = hosts[me]
         if mine.udp_port != self.config.udp_port or not set(mine.addresses) & set(
             self.config.addresses
@@ -839,7 +816,7 @@ class Daemon:
             contr = contributors or tuple(i for i in range(H) if i not in aggs)
             for i in (*aggs, *contr):
                 if not 0 <= i < H:
-                    raise _bad(f"host index {i} out of range")
+                    raise bad_request(f"host index {i} out of range")
             spec = JobSpec(
                 job=job,
                 key=key,
@@ -850,7 +827,7 @@ class Daemon:
                 mac=self.config.mac,
             )
         else:
-            raise _bad(f"mode must be transpose or ps, not {mode!r}")
+            raise bad_request(f"mode must be transpose or ps, not {mode!r}")
         state = JobState(spec=spec, hosts=hosts, local_ranks=local_ranks, mode=mode, static=static)
         now = self.now
         for node, h in enumerate(hosts):
@@ -1040,7 +1017,7 @@ class Daemon:
         if req.get("memfd") is True:
             # the descriptor follows as SCM_RIGHTS with one byte; nothing else is
             # read from this connection until it has come (_take_fd)
-            size = _int_field(req, "size", 1, MAX_SEGMENT)
+            size = int_field(req, "size", 1, MAX_SEGMENT)
             client.awaiting_fd = (rid, size)
             client.writer.transport.pause_reading()  # type: ignore[attr-defined]
             client.reply(rid, send_fd=True)
@@ -1114,34 +1091,34 @@ class Daemon:
     def _op_join(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         if self.draining:
             raise RequestError("shutting_down", "the daemon is stopping")
-        job_id = _int_field(req, "job", 0, 2**32 - 1)
+        job_id = int_field(req, "job", 0, 2**32 - 1)
         key_hex = req.get("key")
         try:
             key = bytes.fromhex(key_hex) if isinstance(key_hex, str) else b""
         except ValueError:
             key = b""
         if not 16 <= len(key) <= 64:
-            raise _bad("key must be 16..64 bytes in hex")
+            raise bad_request("key must be 16..64 bytes in hex")
         if "hosts" in req:
             hosts = parse_hosts(req["hosts"])
-            me = _int_field(req, "me", 0, len(hosts) - 1)
+            me = int_field(req, "me", 0, len(hosts) - 1)
         else:  # membership from the config's peers
             cfg = self.config
             table = {p.index: HostAddr(p.addresses, p.udp_port) for p in cfg.peers}
             table[cfg.host_index] = HostAddr(cfg.addresses, cfg.udp_port)
             if sorted(table) != list(range(len(table))):
-                raise _bad("config peers do not form indices 0..H-1; pass hosts")
+                raise bad_request("config peers do not form indices 0..H-1; pass hosts")
             hosts = tuple(table[i] for i in range(len(table)))
             me = cfg.host_index
-        local = _int_field(req, "local_ranks", 1, 256) if "local_ranks" in req else 1
+        local = int_field(req, "local_ranks", 1, 256) if "local_ranks" in req else 1
         mode = req.get("mode", "transpose")
-        payload = _int_field(req, "payload", 64, 65443) if "payload" in req else self.config.payload
+        payload = int_field(req, "payload", 64, 65443) if "payload" in req else self.config.payload
         aggs_raw, contr_raw = req.get("aggregators", ()), req.get("contributors", ())
         if not isinstance(aggs_raw, list | tuple) or not isinstance(contr_raw, list | tuple):
-            raise _bad("aggregators and contributors must list host indices")
+            raise bad_request("aggregators and contributors must list host indices")
         aggs, contr = tuple(aggs_raw), tuple(contr_raw)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*aggs, *contr)):
-            raise _bad("aggregators and contributors must list host indices")
+            raise bad_request("aggregators and contributors must list host indices")
         state = self._make_job(
             job=job_id,
             key=key,
@@ -1172,7 +1149,7 @@ class Daemon:
         client.reply(rid)
 
     def _op_leave(self, client: Client, rid: int, req: dict[str, Any]) -> None:
-        job_id = _int_field(req, "job", 0, 2**32 - 1)
+        job_id = int_field(req, "job", 0, 2**32 - 1)
         if job_id not in client.jobs:
             raise RequestError("unknown_job", f"this client has not joined job {job_id}")
         self._leave(client, job_id)
@@ -1184,52 +1161,52 @@ class Daemon:
     def _op_submit(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         if self.draining:
             raise RequestError("shutting_down", "the daemon is stopping")
-        job_id = _int_field(req, "job", 0, 2**32 - 1)
+        job_id = int_field(req, "job", 0, 2**32 - 1)
         job = self.jobs.get(job_id)
         if job is None or job_id not in client.jobs:
             raise RequestError("unknown_job", f"job {job_id} was not joined on this connection")
         seg = client.segment
         if seg is None:
-            raise _bad("no segment: send 'segment' first")
-        rnd = _int_field(req, "round", 0, 2**32 - 1)
-        bucket = _int_field(req, "bucket", 0, 2**32 - 1)
+            raise bad_request("no segment: send 'segment' first")
+        rnd = int_field(req, "round", 0, 2**32 - 1)
+        bucket = int_field(req, "bucket", 0, 2**32 - 1)
         codec_name = req.get("codec")
         if not isinstance(codec_name, str) or codec_name not in ipc.CODEC_BY_NAME:
-            raise _bad(f"codec must be one of {', '.join(ipc.CODEC_BY_NAME)}")
+            raise bad_request(f"codec must be one of {', '.join(ipc.CODEC_BY_NAME)}")
         codec = Codec(ipc.CODEC_BY_NAME[codec_name])
-        total = _int_field(req, "total", 1, 2**32 - 1)
-        bound = _float_field(req, "bound", 0.0, 0.5, 0.0)
-        scale = _float_field(req, "scale", -3.4e38, 3.4e38, 0.0)
+        total = int_field(req, "total", 1, 2**32 - 1)
+        bound = float_field(req, "bound", 0.0, 0.5, 0.0)
+        scale = float_field(req, "scale", -3.4e38, 3.4e38, 0.0)
         spec = job.spec
         layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
         n = layout.packets
         d_off, d_len = seg.region(req.get("data"), "data")
         if d_len != lane_bytes(codec, total, False):
-            raise _bad(
+            raise bad_request(
                 f"data holds {d_len} bytes; {total} {codec_name} lanes need "
                 f"{lane_bytes(codec, total, False)}"
             )
         o_off, o_len = seg.region(req.get("out"), "out")
         need = lane_bytes(codec, total, True) + 6 * n
         if o_len < need:
-            raise _bad(f"out holds {o_len} bytes; the result needs {need}")
+            raise bad_request(f"out holds {o_len} bytes; the result needs {need}")
         regions = [(d_off, d_len)]
         layers = norms = bmax = None
         if req.get("meta") is not None:
             m_off, m_len = seg.region(req.get("meta"), "meta")
             if m_len not in (6 * n, 10 * n):
-                raise _bad(f"meta must hold {6 * n} or {10 * n} bytes for {n} packets")
+                raise bad_request(f"meta must hold {6 * n} or {10 * n} bytes for {n} packets")
             regions.append((m_off, m_len))
             mv = seg.read(m_off, m_len)
             layers = np.frombuffer(mv, "<u2", n, 0).astype(np.int64)
             norms = np.frombuffer(mv, "<f4", n, 2 * n).astype(np.float64)
             if not np.isfinite(norms).all() or (norms < 0).any():
-                raise _bad("norms must be finite and >= 0")
+                raise bad_request("norms must be finite and >= 0")
             if m_len == 10 * n:
                 bmax = np.frombuffer(mv, "<f4", n, 6 * n).copy()
         for off, ln in regions:
             if off < o_off + o_len and o_off < off + ln:
-                raise _bad("out overlaps data or meta")
+                raise bad_request("out overlaps data or meta")
         op = (job_id, rnd, bucket)
         lr = self.rounds.get(op)
         if lr is None:
