@@ -127,7 +127,7 @@ def test_spec_validation(spec: dict[str, Any], message: str) -> None:
 
 
 def test_spec_json_roundtrip() -> None:
-    spec = TestbedSpec(hosts=3, paths=2, rate_bps=10**9, loss_pct=0.5, name="x", tso=True)
+    spec = TestbedSpec(hosts=3, paths=2, rate_bps=10**9, loss_pct=0.5, name="x", segmentation=True)
     assert TestbedSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
 
 
@@ -292,7 +292,7 @@ def test_cli_up_arguments() -> None:
         background_pattern="ring",
         daemons=True,
         name="x",
-        tso=True,
+        segmentation=True,
     )
     assert args.quiet
     defaults = testbed_cli.spec_from_args(_parse("up", "--hosts", "2"))
@@ -580,15 +580,49 @@ def test_hosts_reach_each_other_on_every_path(shaped: Testbed, nettool: Path) ->
     assert f"{shaped.address('h2', 1)} lladdr {host_mac(2, 1)} PERMANENT" in neigh.stdout
 
 
+def _features(tb: Testbed, netns: str, ifname: str) -> dict[str, str]:
+    """`ethtool -k` of `ifname` in `netns`: {feature: "on"/"off"}."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, "ethtool", "-k", ifname],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    pairs = (line.strip().split(": ", 1) for line in out.splitlines() if ": " in line)
+    return {k: v.split()[0] for k, v in pairs if v}
+
+
 @netns
 def test_switch_ports_are_shaped_and_offloads_off(shaped: Testbed) -> None:
     from dlcp.tc.apply import root_qdisc
 
     for port in shaped.switch_ports:
         assert root_qdisc(port, netns=shaped.switch_netns) == ("htb", "1:")
-    features = shaped.exec("h2", ["ethtool", "-k", "eth1"], capture=True, check=True).stdout
-    assert "tx-udp-segmentation: off" in features
-    assert "tcp-segmentation-offload: off" in features  # shaped: MTU packets at the switch
+    host = _features(shaped, shaped.host("h2").netns, "eth1")
+    # shaped: MTU packets at the switch, for TCP and UDP alike; GRO as on a NIC
+    assert host["tx-udp-segmentation"] == "off"
+    assert host["tcp-segmentation-offload"] == "off"
+    assert host["generic-receive-offload"] == "on"
+    port = _features(shaped, shaped.switch_netns, shaped.host("h2").switch_ports[1])
+    assert port["generic-receive-offload"] == "off"  # a switch forwards frames as they come
+    nf = subprocess.run(
+        ["ip", "netns", "exec", shaped.switch_netns, "sysctl", "-n",
+         "net.bridge.bridge-nf-call-iptables"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if nf.returncode == 0:  # br_netfilter present: bridged frames skip the firewall
+        assert nf.stdout.strip() == "0"
+
+
+@netns
+def test_unshaped_hosts_segment_tcp_and_udp_alike(make_testbed: Callable[..., Testbed]) -> None:
+    tb = make_testbed(hosts=2)
+    for h in ("h0", "h1"):
+        host = _features(tb, tb.host(h).netns, "eth0")
+        assert host["tx-udp-segmentation"] == "on"
+        assert host["tcp-segmentation-offload"] == "on"
+        assert host["generic-receive-offload"] == "on"
+    assert tb.show()["segmentation"] is True
 
 
 @netns

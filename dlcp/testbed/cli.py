@@ -83,11 +83,16 @@ def register(subparsers: Any) -> None:
         "(default: 60%% of the link)",
     )
     up.add_argument(
+        "--segmentation",
         "--tso",
+        dest="segmentation",
         choices=("auto", "on", "off"),
         default="auto",
-        help="TCP segmentation offload on host veths; auto: off when shaped, so "
-        "the switch queues MTU packets (default: auto)",
+        help="segmentation offload on the host veths, one policy for TCP (TSO) "
+        "and UDP (GSO) alike; auto: off when shaped, so the switch queues MTU "
+        "packets as a ToR does, on when unshaped. Receive offload (GRO) is "
+        "always on on the host veths, as on a real NIC, for TCP and UDP; the "
+        "switch ports have neither (default: auto)",
     )
     up.add_argument(
         "--mtu",
@@ -170,7 +175,7 @@ def spec_from_args(args: argparse.Namespace) -> TestbedSpec:
         udp_rate_bps=None if args.udp_rate is None else parse_rate_arg(args.udp_rate),
         daemons=args.daemons,
         name=args.name,
-        tso={"auto": None, "on": True, "off": False}[args.tso],
+        segmentation={"auto": None, "on": True, "off": False}[args.segmentation],
         mtu=args.mtu,
     )
 

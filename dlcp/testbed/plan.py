@@ -98,10 +98,13 @@ class TestbedSpec:
     host), resolution 0.1 %. `background` starts iperf3 traffic at `up`,
     running `background_s` seconds or, when None, until `down`.
 
-    `tso` is TCP segmentation offload on the host veths; None (default) turns
-    it off when the links are shaped, so the switch queues MTU-size packets
-    as a ToR would rather than 64 KB super-packets, and leaves it on when
-    unshaped (faster). UDP segmentation offload is always off.
+    `segmentation` is the host veths' segmentation offload, one policy for
+    TCP (TSO) and UDP (GSO) alike: None (default) turns both off when the
+    links are shaped, so the switch queues MTU-size packets as a ToR would
+    rather than 64 KB super-packets, and on when unshaped, where the veth
+    carries super-packets as a fast NIC's offloads would. Receive offload
+    (GRO) is on on every host veth, as on a real NIC; the switch ports have
+    neither (`segments` is the resolved setting).
     """
 
     __test__ = False  # not a pytest test class
@@ -118,7 +121,7 @@ class TestbedSpec:
     name: str = DEFAULT_NAME
     udp_port: int = UDP_PORT
     metrics_port: int = METRICS_PORT
-    tso: bool | None = None
+    segmentation: bool | None = None
     mtu: int = 1500  # link MTU (9000: jumbo frames; the daemons' payload follows)
 
     def __post_init__(self) -> None:
@@ -147,6 +150,12 @@ class TestbedSpec:
         for label, port in (("udp_port", self.udp_port), ("metrics_port", self.metrics_port)):
             if not 1 <= port <= 65535:
                 raise TestbedError(f"{label} must be a port number, not {port}")
+
+    @property
+    def segments(self) -> bool:
+        """Whether the host veths segment (TSO and UDP GSO on): `segmentation`,
+        or by default only when the links are unshaped."""
+        return self.segmentation if self.segmentation is not None else self.rate_bps is None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

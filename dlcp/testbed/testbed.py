@@ -76,6 +76,16 @@ _NETNS_SYSCTLS = (
     ' if [ -e "$f" ]; then echo 1 > "$f" || exit 1; fi; done'
 )
 
+# A switch forwards frames without passing them through the IP firewall: with
+# br_netfilter loaded (Docker loads it) every bridged packet would also cross
+# the iptables hooks, a per-packet cost no real switch has.
+_SWITCH_SYSCTLS = (
+    "for f in /proc/sys/net/bridge/bridge-nf-call-iptables"
+    " /proc/sys/net/bridge/bridge-nf-call-ip6tables"
+    " /proc/sys/net/bridge/bridge-nf-call-arptables; do"
+    ' if [ -e "$f" ]; then echo 0 > "$f" || exit 1; fi; done'
+)
+
 Progress = Callable[[str], None]
 
 
@@ -235,6 +245,7 @@ class Testbed:
             system.run(["ip", "netns", "add", ns])
             system.run(["ip", "-n", ns, "link", "set", "lo", "up"])
             system.run(["sh", "-c", _NETNS_SYSCTLS], netns=ns)
+        system.run(["sh", "-c", _SWITCH_SYSCTLS], netns=self.switch_netns)
 
     def _create_links(self) -> None:
         sw = self.switch_netns
@@ -271,17 +282,15 @@ class Testbed:
             _batch("ip", h.netns, commands)
 
     def _tune_offloads(self) -> None:
-        """No UDP segmentation offload on host veths, so the switch queues MTU
-        packets; no TSO either unless `spec.tso` (see `TestbedSpec`)."""
-        features = ["tx-udp-segmentation"]
-        tso = self.spec.tso if self.spec.tso is not None else self.spec.rate_bps is None
-        if not tso:
-            features.append("tso")
+        """Host veths as a real NIC's: receive offload (GRO) on for every
+        protocol, and one segmentation policy for TCP and UDP alike (TSO and
+        UDP GSO both on, or both off: `TestbedSpec.segmentation`). The switch
+        ports get neither: a switch forwards frames as they come."""
+        state = "on" if self.spec.segments else "off"
         for h in self.hosts:
             script = "; ".join(
-                f"ethtool -K {ifname} {feature} off 2>/dev/null"
+                f"ethtool -K {ifname} gro on tso {state} tx-udp-segmentation {state} 2>/dev/null"
                 for ifname in h.interfaces
-                for feature in features
             )
             system.run(["sh", "-c", script + "; true"], netns=h.netns)
 
@@ -583,7 +592,7 @@ class Testbed:
             "rate_bps": self.spec.rate_bps,
             "paths": self.spec.paths,
             "loss_pct": self.spec.loss_pct,
-            "tso": self.spec.tso,
+            "segmentation": self.spec.segments,
             "complete": bool(self._state().get("complete")),
             "hosts": [
                 {
