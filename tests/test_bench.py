@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlcp.bench import allreduce, train
 from dlcp.bench import cli as bench_cli
 from dlcp.bench.ar_worker import bucket_spans, make_data, position_scales
 from dlcp.bench.cluster import (
@@ -266,6 +267,7 @@ def fake_allreduce(
         "times_s": times,
         "cpu_s": 1.0,
         "loss_frac": 0.01 if backend.startswith("dlcp") else 0.0,
+        "cpu_bound": False,
         "rate_bps": 10**9,
         "loss_pct": loss_pct,
         "run": run,
@@ -288,6 +290,7 @@ def fake_train(
         "final_acc": final,
         "steps": 80,
         "curve": curve,
+        "cpu_bound": False,
         "hosts": 3,
         "rate_bps": 10**8,
         "loss_pct": loss_pct,
@@ -464,6 +467,29 @@ def test_markdown_tables() -> None:
     assert "0.17x" in md  # p99 vs Gloo under congestion
     mt = markdown_train(tr)
     assert "3.00x" in mt and "0.90x" in mt
+    assert "not a network result" not in md + mt
+    assert "| net |" in md and "| net |" in mt
+    clean_gloo = next(r for r in ar if r["backend"] == "gloo" and r["scenario"] == "clean")
+    clean_gloo.update(cpu_bound=True, idle_frac=0.02, runq_wait_frac=0.7)
+    md = markdown_allreduce(ar)
+    assert md.count("not a network result") == 1
+    assert "clean: Gloo's run was CPU-bound (machine 2 % idle" in md
+    assert "| cpu |" in md
+
+
+def test_printed_tables_mark_cpu_bound_runs() -> None:
+    gloo = fake_allreduce("gloo", "clean", 0.4, 0.5)
+    dlcp = fake_allreduce("dlcp", "clean", 0.5, 0.6)
+    gloo.update(cpu_bound=True, idle_frac=0.05, runq_wait_frac=0.6, machine_cpu_s=9.0)
+    text = allreduce.format_table([dlcp, gloo])
+    rows = text.splitlines()
+    assert rows[0].split()[11:14] == ["mCPU", "s", "bound"]
+    assert rows[1].split()[9] == "net" and rows[2].split()[9] == "cpu"
+    assert rows[-1].startswith("clean: Gloo's run was CPU-bound") and "not a network" in rows[-1]
+    tr = [fake_train("gloo", "clean", 3.0, 0.95), fake_train("dlcp", "clean", 2.0, 0.95)]
+    assert "not a network result" not in train.format_table(tr)
+    tr[0]["cpu_bound"] = True
+    assert "not a network result" in train.format_table(tr)
 
 
 def test_plots_from_fake_data(tmp_path: Path) -> None:
@@ -529,6 +555,8 @@ def test_bench_allreduce_smoke(tmp_path: Path) -> None:
         assert len(r["times_s"]) == 2
         assert r["p50_s"] > 0 and r["p99_s"] >= r["p50_s"]
         assert r["size_bytes"] == 256_000 and r["hosts"] == 3 and r["iters"] == 2
+        assert isinstance(r["cpu_bound"], bool)
+        assert 0 <= r["idle_frac"] <= 1 and r["machine_cpu_s"] > 0
     assert records[0]["result_error"] is not None  # dlcp's result was checked
     assert (tmp_path / "cdf.png").read_bytes()[:8] == PNG_MAGIC
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlcp.bench import cpuload
 from dlcp.bench.cluster import GLOO_PRIO_DSCP, Cluster, Setup
 from dlcp.bench.common import (
     ALLREDUCE_KEYS,
@@ -97,6 +98,7 @@ def _record(opts: AllreduceOptions, backend: str, codec: str) -> dict[str, Any]:
         "busbw_gbps": float("nan"),
         "cpu_s": float("nan"),
         "loss_frac": 0.0,
+        "cpu_bound": None,  # set from the run (dlcp.bench.cpuload); None: not measured
         "rate_bps": s.rate_bps,
         "paths": s.n_paths,
         "loss_pct": s.loss_pct if s.scenario == "loss" else 0.0,
@@ -225,6 +227,8 @@ def _run_workers(
         g.expect("warm", 60.0 + opts.warmup * opts.round_timeout_s)
         pids = cluster.daemon_pids() if is_dlcp else []
         d0 = sum(proc_cpu_s(p) for p in pids)
+        mine = pids + g.pids()
+        cpu0 = cpuload.snapshot(mine)
         bar = tqdm(
             total=opts.iters,
             desc=f"{label:<22}",
@@ -248,6 +252,7 @@ def _run_workers(
         finally:
             bar.close()
         daemon_cpu = sum(proc_cpu_s(p) for p in pids) - d0
+        rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
         g.send("go")  # every host has its results: leave
         g.wait()
     per_rank = [r["times_s"] for r in results]
@@ -289,7 +294,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     }
     lines = [
         f"{'scenario':<14} {'backend':<13} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
-        f"{'p99/p50':>7} {'busbw':>7} {'CPU s':>6} {'lost':>6} {'p50/gloo':>8} {'p99/gloo':>8}"
+        f"{'p99/p50':>7} {'busbw':>7} {'CPU s':>6} {'mCPU s':>6} {'bound':>5} {'lost':>6} "
+        f"{'p50/gloo':>8} {'p99/gloo':>8}"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
@@ -308,13 +314,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
             f"{tail:7.2f} {r['busbw_gbps']:7.3f} {r['cpu_s']:6.1f} "
+            f"{r.get('machine_cpu_s', float('nan')):6.1f} {cpuload.mark(r):>5} "
             f"{100 * r.get('loss_frac', 0.0):5.2f}% {ratio('p50_s'):>8} {ratio('p99_s'):>8}"
         )
     first = records[0]
     lines.append(
         f"({first['hosts']} hosts, {format_rate(first.get('rate_bps'))} links, "
         f"{format_bytes(first['size_bytes'])} buffer, {first['iters']} iterations; "
-        "busbw in Gbit/s at p50)"
+        "busbw in Gbit/s at p50; CPU s: the backend's processes, mCPU s: the whole "
+        "machine's busy CPU; bound: cpu = the run was CPU-bound, net = it was not)"
+    )
+    lines += cpuload.baseline_notes(
+        records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
     )
     return "\n".join(lines)
 

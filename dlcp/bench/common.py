@@ -65,6 +65,7 @@ ALLREDUCE_KEYS: tuple[str, ...] = (
     "busbw_gbps",
     "cpu_s",
     "loss_frac",
+    "cpu_bound",
 )
 TRAIN_KEYS: tuple[str, ...] = (
     "backend",
@@ -75,6 +76,7 @@ TRAIN_KEYS: tuple[str, ...] = (
     "final_acc",
     "steps",
     "curve",
+    "cpu_bound",
 )
 
 

@@ -117,6 +117,10 @@ class WorkerGroup:
     def __enter__(self) -> WorkerGroup:
         return self
 
+    def pids(self) -> list[int]:
+        """The workers' process ids (each is its rank's program: `ip netns exec` execs it)."""
+        return [w.proc.pid for w in self.workers]
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dlcp.bench import cpuload
 from dlcp.bench.common import format_bytes, format_rate
 from dlcp.bench.plots import scenario_label
 
@@ -216,15 +217,15 @@ def _gloo_of(records: Sequence[Rec], r: Rec, backend: str) -> Rec | None:
 def markdown_allreduce(records: Sequence[Rec]) -> str:
     """Allreduce records as a markdown table with ratios to Gloo."""
     lines = [
-        "| scenario | backend | codec | p50 s | p99 s | p99/p50 | busbw Gbit/s | CPU s | lost "
-        "| p50 / Gloo | p99 / Gloo |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | backend | codec | p50 s | p99 s | p99/p50 | busbw Gbit/s | CPU s "
+        "| machine CPU s | bound | lost | p50 / Gloo | p99 / Gloo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         label = scenario_label(r)
         if r.get("error"):
             first = str(r["error"]).splitlines()[0][:120]
-            lines.append(f"| {label} | {r['backend']} | {r['codec']} | failed: {first} ||||||||")
+            lines.append(f"| {label} | {r['backend']} | {r['codec']} | failed: {first} ||||||||||")
             continue
         g = _gloo_of(records, r, "gloo")
         tail = _ratio(r, r, "p99_s", "p50_s")
@@ -232,7 +233,8 @@ def markdown_allreduce(records: Sequence[Rec]) -> str:
         lines.append(
             f"| {label} | {r['backend']} | {r['codec']} | {_fmt(r['p50_s'], '.3f')} "
             f"| {_fmt(r['p99_s'], '.3f')} | {_fmt(tail)} | {_fmt(r.get('busbw_gbps'), '.3f')} "
-            f"| {_fmt(r.get('cpu_s'), '.1f')} | {lost} "
+            f"| {_fmt(r.get('cpu_s'), '.1f')} | {_fmt(r.get('machine_cpu_s'), '.1f')} "
+            f"| {cpuload.mark(r)} | {lost} "
             f"| {_fmt(_ratio(r, g, 'p50_s'), '.2f', 'x')} "
             f"| {_fmt(_ratio(r, g, 'p99_s'), '.2f', 'x')} |"
         )
@@ -241,23 +243,27 @@ def markdown_allreduce(records: Sequence[Rec]) -> str:
         lines.append("")
         lines.append(
             f"{f['hosts']} hosts, {format_rate(f.get('rate_bps'))} links, "
-            f"{format_bytes(f['size_bytes'])} float32 buffer, {f['iters']} timed iterations each."
+            f"{format_bytes(f['size_bytes'])} float32 buffer, {f['iters']} timed iterations each. "
+            "CPU s: the backend's processes; machine CPU s: the whole machine's busy CPU "
+            "(the emulated switch and softirq threads included); bound: cpu = the run was "
+            "CPU-bound, net = it was not."
         )
+    lines += [f"\n**{n}.**" for n in cpuload.baseline_notes(records, scenario_label)]
     return "\n".join(lines)
 
 
 def markdown_train(records: Sequence[Rec]) -> str:
     """Train records as a markdown table with TTA speed-ups."""
     lines = [
-        "| scenario | backend | codec | TTA s | final acc % | step p50 s | train s | lost "
-        "| Gloo TTA / TTA | gloo-prio TTA / TTA |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | backend | codec | TTA s | final acc % | step p50 s | train s | bound "
+        "| lost | Gloo TTA / TTA | gloo-prio TTA / TTA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         label = scenario_label(r)
         if r.get("error"):
             first = str(r["error"]).splitlines()[0][:120]
-            lines.append(f"| {label} | {r['backend']} | {r['codec']} | failed: {first} |||||||")
+            lines.append(f"| {label} | {r['backend']} | {r['codec']} | failed: {first} ||||||||")
             continue
 
         def sp(b: str, r: Rec = r) -> str:
@@ -274,7 +280,7 @@ def markdown_train(records: Sequence[Rec]) -> str:
             f"| {label} | {r['backend']} | {r['codec']} | {tta}{steps} "
             f"| {_fmt(None if final is None else 100 * float(final), '.1f')} "
             f"| {_fmt(r.get('step_p50_s'), '.3f')} | {_fmt(r.get('wall_s'), '.1f')} "
-            f"| {_fmt(100 * float(r.get('loss_frac') or 0), '.2f', '%')} "
+            f"| {cpuload.mark(r)} | {_fmt(100 * float(r.get('loss_frac') or 0), '.2f', '%')} "
             f"| {sp('gloo')} | {sp('gloo-prio')} |"
         )
     if records:
@@ -283,6 +289,8 @@ def markdown_train(records: Sequence[Rec]) -> str:
         lines.append(
             f"{f['hosts']} ranks, {format_rate(f.get('rate_bps'))} links, target accuracy "
             f"{100 * float(f['target_acc']):g} %, {f['steps']} steps for every backend "
-            f"(MLP {f.get('hidden')}, {f.get('params', '?')} parameters)."
+            f"(MLP {f.get('hidden')}, {f.get('params', '?')} parameters). "
+            "bound: cpu = the run was CPU-bound, net = it was not."
         )
+    lines += [f"\n**{n}.**" for n in cpuload.baseline_notes(records, scenario_label)]
     return "\n".join(lines)

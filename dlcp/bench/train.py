@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlcp.bench import cpuload
 from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup
 from dlcp.bench.common import (
     CODECS,
@@ -93,6 +94,7 @@ def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
         "final_acc": None,
         "steps": opts.steps,
         "curve": [],
+        "cpu_bound": None,  # set from the run (dlcp.bench.cpuload); None: not measured
         "hosts": s.hosts,
         "rate_bps": s.rate_bps,
         "paths": s.n_paths,
@@ -232,6 +234,8 @@ def _run_workers(
         budget = opts.time_budget_s
         wait_s = 120.0 + opts.steps * opts.round_timeout_s
         results: list[dict[str, Any]] | None = None
+        mine = g.pids() + (cluster.daemon_pids() if backend.startswith("dlcp") else [])
+        cpu0 = cpuload.snapshot(mine)
         try:
             g.send("go")
             results = g.expect_any(
@@ -242,6 +246,7 @@ def _run_workers(
                 raise
         finally:
             bar.close()
+            rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
         if results is None:  # the time budget ran out: keep what was streamed
             g.kill()
             rec["budget_s"] = budget
@@ -301,7 +306,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         by.setdefault((r["scenario"], r.get("loss_pct", 0.0)), {})[r["backend"]] = r
     lines = [
         f"{'scenario':<14} {'backend':<13} {'codec':<5} {'TTA s':>7} {'final':>6} "
-        f"{'step p50':>8} {'wall s':>7} {'lost':>6} {'gloo/TTA':>8} {'prio/TTA':>8}"
+        f"{'step p50':>8} {'wall s':>7} {'bound':>5} {'lost':>6} {'gloo/TTA':>8} {'prio/TTA':>8}"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
@@ -326,13 +331,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         lost = f"{100 * r.get('loss_frac', 0.0):5.2f}%"
         lines.append(
             f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {tta:>7} {final:>6} {step:>8} "
-            f"{wall:>7} {lost:>6} {speedup('gloo'):>8} {speedup('gloo-prio'):>8}"
+            f"{wall:>7} {cpuload.mark(r):>5} {lost:>6} {speedup('gloo'):>8} "
+            f"{speedup('gloo-prio'):>8}"
         )
     first = records[0]
     lines.append(
         f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
         f"target accuracy {100 * first['target_acc']:g} %, {first['steps']} steps; "
-        "gloo/TTA = Gloo's TTA over this backend's: > 1 is faster than Gloo)"
+        "gloo/TTA = Gloo's TTA over this backend's: > 1 is faster than Gloo; "
+        "bound: cpu = the run was CPU-bound, net = it was not)"
+    )
+    lines += cpuload.baseline_notes(
+        records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
     )
     return "\n".join(lines)
 
