@@ -512,6 +512,10 @@ def test_suite_matrix_and_summary(tmp_path: Path) -> None:
     assert not any("-" in b and b.startswith("dlcp") for c in allreduce_cases(ablations=False)
                    for b in c.backends)  # fmt: skip
     assert {c.scenario for c in train_cases()} == {"clean", "loss", "congested"}
+    # congestion only where the 2-core machines carry its background
+    at = {rate: {c.scenario for c in cases if c.runs_at(rate)} for rate in (10**9, None, 2 * 10**8)}
+    assert "congested" not in at[10**9] and "congested" not in at[None]
+    assert "congested" in at[2 * 10**8] and "clean" in at[None]
     ar, tr = suite_records()
     write_json(tmp_path / "allreduce-1gbit.json", ar, ALLREDUCE_KEYS)
     write_json(tmp_path / "train.json", tr, TRAIN_KEYS)

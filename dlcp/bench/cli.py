@@ -168,7 +168,8 @@ def _cluster_args(
         default="clean",
         help="clean; loss: --loss %% random loss on every switch port; burst: 300 ms of "
         "50%% loss every 2 s on one port; congested: TCP + UDP background on every "
-        "port; multipath: two paths (default: clean)",
+        "port (on 2 cores its background saturates the CPU above 200mbit: `bench all` "
+        "runs it at 200mbit only); multipath: two paths (default: clean)",
     )
     p.add_argument("--loss", type=float, default=1.0, metavar="PCT", help="for --scenario loss")
     p.add_argument("--codec", choices=codecs, default="fp32", help="dlcp's codec (default: fp32)")
@@ -198,7 +199,14 @@ def _pacing_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _common_args(p: argparse.ArgumentParser, *, default_json: str | None) -> None:
-    p.add_argument("--json", type=Path, default=default_json, help="write the records here")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=default_json,
+        help="write the records here; each has cpu_bound (true: the machine was under "
+        "10%% idle or a process waited for a CPU over half the run: not a network "
+        "result), idle_frac, runq_wait_frac and machine_cpu_s",
+    )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     p.add_argument("--logs", type=Path, default=None, help="keep daemon and worker logs here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
