@@ -9,7 +9,7 @@ import pytest
 
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, Send
 from dlcp.core.layout import Layout
-from dlcp.core.timing import NackClock, Timing
+from dlcp.core.timing import NackClock, Timing, done_wait
 from dlcp.errors import LocalError, Reason
 from dlcp.wire import Codec, Flags, PacketType, decode
 from tests.netsim import Network
@@ -225,6 +225,53 @@ def test_a_shard_whose_results_all_vanish_is_asked_for() -> None:
     assert net.engines[0].stats["result_nacks_sent"] > 0
     for ev in done.values():
         np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
+
+
+@pytest.mark.parametrize("leg", ["data", "result"])
+def test_a_lost_done_pair_costs_answer_times_not_a_grace(leg: str) -> None:
+    """Both copies of node 1's DONE to node 0 are lost in round 1, on the data leg
+    (node 0 owns shard 0) or the result leg (node 1 owns shard 1), with one
+    packet before them (a burst): node 0 cannot tell what is missing. Once
+    its NACK clock for node 1 has been timed (round 0: node 1's first data
+    or result packets to node 0 lost and re-sent), node 0 asks for the DONE
+    after that answer time, a few milliseconds here, not after the 50 ms
+    grace (which it still waits for a peer it has never timed). Virtual
+    time: the round ends well within a grace of its start."""
+    timing = Timing(timeout=5.0, grace=0.05)
+    want = PacketType.DATA if leg == "data" else PacketType.RESULT
+    dones = 0
+
+    def drop(src: int, s: Send) -> bool:
+        nonlocal dones
+        if src != 1 or s.node != 0:
+            return False
+        h = decode(s.datagram, {JOB: KEY})[0]
+        if h.round == 0:  # train the clock: lose node 1's first packets once
+            return h.type == want and not h.flags & Flags.RETRANSMIT and h.offset % (7 * 352) == 0
+        if h.type == PacketType.DONE and bool(h.flags & Flags.RESULT_LEG) == (leg == "result"):
+            dones += 1
+            return dones <= 2  # both copies; the answer to node 0's question passes
+        # and one packet before them: without the DONE node 0 cannot tell what is missing
+        third = lay.shard_range(h.shard)[0] + 2 * 352  # its shard's third packet
+        return h.type == want and not h.flags & Flags.RETRANSMIT and h.offset == third
+
+    xs = [np.arange(30_000, dtype=np.float32) * (h + 1) for h in range(3)]
+    net = Network(cluster(3, timing=timing), seed=5, drop=drop, delay=(0.0002, 0.0006))
+    lay = submit_all(net, xs, round=0)
+    net.run(until=10.0)
+    assert len(completions(net)) == 3
+    assert net.engines[0].stats[f"{leg}_nacks_sent"] > 0
+    for events in net.events.values():
+        events.clear()
+    start = net.now
+    submit_all(net, xs, round=1)
+    net.run(until=start + 10.0, done=lambda: len(completions(net)) == 3)
+    took = net.now - start  # when the last node completed
+    done = completions(net)
+    assert sorted(done) == [0, 1, 2] and dones > 2  # the DONE was asked for and came
+    for ev in done.values():
+        np.testing.assert_array_equal(ev.sums, np.arange(30_000, dtype=np.float32) * 6)
+    assert took < timing.grace / 2, took
 
 
 @pytest.mark.parametrize("trickle", [True, False])
@@ -1036,10 +1083,14 @@ def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
         if agg.manifest[row]:
             if required[row].any() or (short and not agg.received[row].all()):
                 times.append(max(again, agg.last_arrival + agg.timing.nack_delay))
-        else:
-            times.append(
-                max(again, agg.created + agg.timing.grace, agg.last_arrival + agg.timing.grace)
-            )
+        else:  # changed: a timed sender whose packets came is asked after its answer time
+            wait = done_wait(agg.clocks.get(agg.senders[row]), agg.timing)
+            if wait < agg.timing.grace and agg.received[row].any():
+                times.append(max(again, agg.last_arrival + wait))
+            else:
+                times.append(
+                    max(again, agg.created + agg.timing.grace, agg.last_arrival + agg.timing.grace)
+                )
     return min(times)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.layout import Layout
-from dlcp.core.timing import NackClock, Timing, repeat_wait, time_answer
+from dlcp.core.timing import NackClock, Timing, done_wait, repeat_wait, time_answer
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
 from dlcp.wire.header import MAX_PRIORITY, Flags
@@ -619,9 +619,7 @@ class ShardAggregator:
                     nacks.append(Nack(node, self.shard, tuple(int(m) for m in missing)))
                     self.last_nack[row] = now
                     self.unanswered[row] += 1
-            elif now >= self.created + self.timing.grace and (
-                now >= self.last_arrival + self.timing.grace
-            ):  # no DONE, and nothing at all has arrived for a while
+            elif now >= self._manifest_due(row):  # no DONE, and the shard has gone quiet
                 nacks.append(Nack(node, self.shard, (), need_manifest=True))
                 self.last_nack[row] = now
                 self.unanswered[row] += 1
@@ -631,6 +629,20 @@ class ShardAggregator:
         """How long after its last NACK sender row `row` is asked again."""
         clock = self.clocks.get(self.senders[row])
         return repeat_wait(clock, self.timing, self.unanswered[row])
+
+    def _manifest_due(self, row: int) -> float:
+        """When sender row `row`, whose DONE has not come, is asked for it.
+
+        Its packets came but no DONE: the DONE leaves right behind them, so
+        both copies were lost (a burst) once the shard has been quiet for the
+        time this sender takes to answer a NACK (`done_wait`), a few
+        round-trips, not a grace. Nothing from it yet, or a sender never
+        timed: it may not have started (a late rank), so a grace after the
+        round began and after the last arrival."""
+        wait = done_wait(self.clocks.get(self.senders[row]), self.timing)
+        if wait < self.timing.grace and self.received[row].any():
+            return self.last_arrival + wait
+        return max(self.created, self.last_arrival) + self.timing.grace
 
     def answered(self, sender: int, now: float) -> None:
         """A retransmission from `sender` was stored: its answer to the NACKs
@@ -675,13 +687,7 @@ class ShardAggregator:
                         continue
                 t.arm(max(again, self.last_arrival + self.timing.nack_delay))
             else:
-                t.arm(
-                    max(
-                        again,
-                        self.created + self.timing.grace,
-                        self.last_arrival + self.timing.grace,
-                    )
-                )
+                t.arm(max(again, self._manifest_due(row)))
         return t.at
 
     def _row_complete(self, row: int) -> bool:
@@ -1085,7 +1091,7 @@ class ResultCollector:
                     nacks.append(Nack(w.owner, shard, tuple(int(m) for m in missing)))
                     w.last_nack = now
                     w.unanswered += 1
-            elif w.last_arrival is not None and now >= w.last_arrival + t.grace:
+            elif w.last_arrival is not None and now >= w.last_arrival + self._done_wait(w):
                 # Results stopped without their DONE: ask for the DONE only. It
                 # trails the owner's queued results, so the precise NACK for what
                 # is really missing follows once it arrives.
@@ -1108,6 +1114,11 @@ class ResultCollector:
         """How long after its last NACK for `w` the owner is asked again."""
         return repeat_wait(self.clocks.get(w.owner), self.timing, w.unanswered)
 
+    def _done_wait(self, w: _Awaited) -> float:
+        """How long `w`'s results may pause before its owner is asked for the
+        DONE that should have followed them (`done_wait`)."""
+        return done_wait(self.clocks.get(w.owner), self.timing)
+
     def awaits_answer(self, shard: int) -> bool:
         """Whether a NACK for `shard` waits for its answer."""
         w = self.waiting.get(shard)
@@ -1129,7 +1140,7 @@ class ResultCollector:
                 t.arm(self._quiet_since(w) + self.timing.grace)
                 continue
             last = w.last_arrival if w.last_arrival is not None else self.created
-            wait = self.timing.nack_delay if w.done else self.timing.grace
+            wait = self.timing.nack_delay if w.done else self._done_wait(w)
             t.arm(max(last + wait, w.last_nack + self._repeat_after(w)))
         if self.waiting:
             t.arm(self.created + self.timing.timeout)

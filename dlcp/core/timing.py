@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dlcp.errors import LocalError
 
-__all__ = ["NackClock", "Timing", "repeat_wait", "time_answer"]
+__all__ = ["NackClock", "Timing", "done_wait", "repeat_wait", "time_answer"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,16 @@ def repeat_wait(clock: NackClock | None, timing: Timing, unanswered: int) -> flo
     """How long after its last of `unanswered` NACKs a peer is asked again:
     its clock's wait, or `nack_interval` for a peer without one."""
     return timing.nack_interval if clock is None else clock.repeat_after(timing, unanswered)
+
+
+def done_wait(clock: NackClock | None, timing: Timing) -> float:
+    """How long a peer's packets may pause before it is asked for the DONE
+    that should have followed them: the time it takes to answer a NACK
+    (`NackClock.repeat_after`, a few round-trips), at most `timing.grace`;
+    the grace for a peer not yet timed."""
+    if clock is None or clock.srtt is None:
+        return timing.grace
+    return min(clock.repeat_after(timing, 1), timing.grace)
 
 
 def time_answer(clock: NackClock | None, unanswered: int, asked_at: float, now: float) -> None:
