@@ -55,14 +55,15 @@ def _mark(ok: bool) -> str:
 def allreduce_table(d: Path) -> list[str]:
     out = [
         "| scenario | dlcp p50 / p99 s | Gloo p50 / p99 s | gloo-prio p50 / p99 s "
-        "| dlcp lanes lost | dlcp p99/p50 | targets (ratio, bar: verdict) |",
-        "|---|---|---|---|---|---|---|",
+        "| dlcp lanes lost | dlcp p99/p50 | CPU-bound (dlcp, Gloo, prio) "
+        "| targets (ratio, bar: verdict) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, label, targets in SCENARIOS:
         recs = _load(d / f"{name}.json")
         dl = recs.get("dlcp")
         if dl is None:
-            out.append(f"| {label} | not run | | | | | |")
+            out.append(f"| {label} | not run | | | | | | |")
             continue
         gl, gp = recs.get("gloo"), recs.get("gloo-prio")
         verdicts = []
@@ -83,21 +84,30 @@ def allreduce_table(d: Path) -> list[str]:
         out.append(
             f"| {label} | {_s(dl, 'p50_s')} / {_s(dl, 'p99_s')} | {_s(gl, 'p50_s')} / "
             f"{_s(gl, 'p99_s')} | {_s(gp, 'p50_s')} / {_s(gp, 'p99_s')} | {lost:.2%} "
-            f"| {spread:.2f} | {'; '.join(verdicts)} |"
+            f"| {spread:.2f} | {', '.join(_bound(r) for r in (dl, gl, gp))} "
+            f"| {'; '.join(verdicts)} |"
         )
     return out
 
 
+def _bound(r: Rec | None) -> str:
+    """cpu / net from the record's cpu_bound (dlcp.bench.cpuload); - when not measured."""
+    if r is None or r.get("cpu_bound") is None:
+        return "-"
+    return "cpu" if r["cpu_bound"] else "net"
+
+
 def train_table(d: Path) -> list[str]:
     out = [
-        "| scenario | dlcp TTA s (final acc) | Gloo | gloo-prio | targets |",
-        "|---|---|---|---|---|",
+        "| scenario | dlcp TTA s (final acc) | Gloo | gloo-prio | CPU-bound (dlcp, Gloo, prio) "
+        "| targets |",
+        "|---|---|---|---|---|---|",
     ]
     for name, label in TRAININGS:
         recs = _load(d / f"{name}.json")
         dl, gl, gp = recs.get("dlcp"), recs.get("gloo"), recs.get("gloo-prio")
         if dl is None:
-            out.append(f"| {label} | not run | | | |")
+            out.append(f"| {label} | not run | | | | |")
             continue
 
         def cell(r: Rec | None) -> str:
@@ -119,7 +129,10 @@ def train_table(d: Path) -> list[str]:
         if gl is not None and dl.get("final_acc") is not None and gl.get("final_acc") is not None:
             gap = (gl["final_acc"] - dl["final_acc"]) * 100
             verdicts.append(f"accuracy {gap:+.1f} points below Gloo (<= 0.5): {_mark(gap <= 0.5)}")
-        out.append(f"| {label} | {cell(dl)} | {cell(gl)} | {cell(gp)} | {'; '.join(verdicts)} |")
+        bound = ", ".join(_bound(r) for r in (dl, gl, gp))
+        out.append(
+            f"| {label} | {cell(dl)} | {cell(gl)} | {cell(gp)} | {bound} | {'; '.join(verdicts)} |"
+        )
     return out
 
 
