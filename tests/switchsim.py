@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -210,6 +211,8 @@ class SwitchSim:
         short_queue_packets: int = TC.short_queue_packets,
         gather: bool = NATIVE_SEND,
         max_events: int = 10_000_000,
+        loss: float = 0.0,
+        loss_seed: int = 0,
     ) -> None:
         self.config = config = config or bench_config(hosts, link_bps)
         self.n_hosts, self.payload, self.delay = hosts, config.payload, delay
@@ -227,6 +230,8 @@ class SwitchSim:
         ]
         self.hosts = [SimHost(self, h, config, gather) for h in range(hosts)]
         self.next_round: Callable[[SimHost, int, float], None] | None = None
+        # random loss at the switch ports' ingress (the testbed's nftables "in")
+        self.loss, self._loss_rng, self.lost = loss, random.Random(loss_seed), 0
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
@@ -267,6 +272,9 @@ class SwitchSim:
         self.at(self.now + self.delay / 2, self._to_switch, item)
 
     def _to_switch(self, item: Item) -> None:
+        if self.loss and self._loss_rng.random() < self.loss:
+            self.lost += 1
+            return
         self._offer(self.down[item[1]], item)
 
     def _offer(self, port: Port, item: Item) -> None:

@@ -78,3 +78,27 @@ def test_back_to_back_rounds_run_at_line_rate_without_loss(think: tuple[float, .
             f"deepest switch queue per downlink and class: {depth}",
         ]
     )
+
+
+@pytest.mark.parametrize(("loss", "slack"), [(0.01, 1.25), (0.05, 1.35)])
+def test_random_loss_costs_a_bounded_share_of_the_round(loss: float, slack: float) -> None:
+    """Random loss at every switch port (seeded): every round completes within
+    the loss bound, and once the NACK clocks are timed (by the third round) a
+    round takes at most `slack` x the line-rate time. Measured on this tree,
+    rounds 0-2: 1.16x, 1.16x, 1.14x at 1 %; 1.70x, 1.62x, 1.21x at 5 %, where
+    NACKs are repeated after `nack_interval` until a peer's answers are timed
+    (Karn's rule takes no sample from a repeated NACK).
+    What remains is the mechanism: an owner sends its shard's results only
+    once every required packet of the shard is in, so each leg ends with the
+    DONE, a NACK and the retransmissions while its uplink idles; a timer
+    wait of a grace or a fixed interval per loss would take this past
+    `slack`."""
+    res = run_rounds(ROUNDS, ELEMENTS, HOSTS, link_bps=LINK_BPS, loss=loss, loss_seed=1)
+    failed = [r.failed for rs in res.rounds for r in rs if r.failed]
+    assert not failed and [len(rs) for rs in res.rounds] == [ROUNDS] * HOSTS, failed
+    assert res.sim.lost > 0
+    lanes = ELEMENTS * HOSTS
+    lost = [[r.lost_lanes for r in rs] for rs in res.rounds]
+    assert all(x <= 0.05 * lanes for rs in lost for x in rs), lost
+    times = [t / res.line_time for t in res.round_times()]
+    assert times[-1] <= slack, [round(t, 3) for t in times]
