@@ -372,17 +372,30 @@ def test_demo_not_root_fails_cleanly(
 def test_demo_options_and_table() -> None:
     import dlcp.demo
 
-    args = parser().parse_args(["demo", "--with-prio", "--steps", "30"])
+    args = parser().parse_args(["demo", "--steps", "30"])
     opts = dlcp.demo.demo_options(args)
     assert opts.setup.scenario == "congested"
     assert opts.setup.name == "demo"
-    assert set(opts.backends) == {"dlcp", "gloo", "gloo-prio"}
+    assert opts.backends == ("gloo", "gloo-prio", "dlcp")  # gloo-prio by default
     assert opts.steps == 30
+    skip = dlcp.demo.demo_options(parser().parse_args(["demo", "--no-prio"]))
+    assert skip.backends == ("gloo", "dlcp")
     table = dlcp.demo.side_by_side(
-        [fake_train("gloo", "congested", 40.0, 0.93), fake_train("dlcp", "congested", 10.0, 0.94)]
+        [
+            fake_train("gloo", "congested", 40.0, 0.93),
+            fake_train("gloo-prio", "congested", 11.0, 0.94),
+            fake_train("dlcp", "congested", 10.0, 0.94),
+        ]
     )
-    assert "4.00x as fast as gloo" in table
-    assert "gloo" in table.splitlines()[0] and "dlcp" in table.splitlines()[0]
+    lines = table.splitlines()
+    assert lines[0].split() == ["gloo", "gloo-prio", "dlcp"]
+    assert "4.00x as fast as gloo" in table and "1.10x as fast as gloo-prio" in table
+    assert dlcp.demo.MEANING["gloo"] in table and dlcp.demo.MEANING["gloo-prio"] in table
+    assert "CPU-bound" not in table
+    busy = fake_train("dlcp", "congested", 10.0, 0.94)
+    busy.update(cpu_bound=True, idle_frac=0.03)
+    table = dlcp.demo.side_by_side([fake_train("gloo", "congested", 40.0, 0.93), busy])
+    assert "note: dlcp's run was CPU-bound (machine 3 % idle)" in table
 
 
 # --- worker data -------------------------------------------------------------------------
