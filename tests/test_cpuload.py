@@ -102,8 +102,8 @@ def test_marks_and_baseline_notes() -> None:
     assert cpuload.mark({"backend": "gloo"}) == "-"
     (note,) = cpuload.baseline_notes(recs, lambda r: r["scenario"])
     assert note == (
-        "loss: Gloo's run was CPU-bound (machine 4 % idle, a rank waited for a CPU 61 % "
-        "of the time): not a network result"
+        "loss: Gloo's run was CPU-bound (machine 4 % idle, a process's threads waited for a CPU "
+        "61 % of the run, summed): not a network result"
     )
 
 

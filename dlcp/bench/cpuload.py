@@ -172,7 +172,7 @@ def baseline_notes(records: Iterable[dict[str, Any]], label: Any) -> list[str]:
             wait = 100 * float(r.get("runq_wait_frac") or 0.0)
             notes.append(
                 f"{label(r)}: Gloo's run was CPU-bound (machine {idle:.0f} % idle, "
-                f"a rank waited for a CPU {wait:.0f} % of the time): "
+                f"a process's threads waited for a CPU {wait:.0f} % of the run, summed): "
                 "not a network result"
             )
     return notes
