@@ -24,6 +24,7 @@ PARTS: tuple[str, ...] = (
     "dlcp.bench.cli",
     "dlcp.daemon.cli",
     "dlcp.plan_cli",
+    "dlcp.decode_cli",
     "dlcp.tc.cli",
     "dlcp.testbed.cli",
 )
