@@ -288,7 +288,9 @@ def test_dscp_on_the_wire_follows_layer_and_magnitude() -> None:
         "dscp": list(TABLE),
     }
     rounds: list[tuple[list[Captured], Capture]] = []
-    with make_testbed("pol-dscp", hosts=2) as tb:
+    # MTU frames on the wire: unshaped, the host veths would segment by default
+    # and 64 KB super-packets would cross the switch whole
+    with make_testbed("pol-dscp", hosts=2, segmentation=False) as tb:
         ports = [h.switch_ports[0] for h in tb.hosts]
         tb.start_daemons(
             {"policies": policies, "timing": {"timeout": 30.0}, "daemon": {"metrics_port": 0}}

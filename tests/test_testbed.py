@@ -605,13 +605,24 @@ def test_switch_ports_are_shaped_and_offloads_off(shaped: Testbed) -> None:
     assert host["generic-receive-offload"] == "on"
     port = _features(shaped, shaped.switch_netns, shaped.host("h2").switch_ports[1])
     assert port["generic-receive-offload"] == "off"  # a switch forwards frames as they come
-    nf = subprocess.run(
-        ["ip", "netns", "exec", shaped.switch_netns, "sysctl", "-n",
-         "net.bridge.bridge-nf-call-iptables"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    if nf.returncode == 0:  # br_netfilter present: bridged frames skip the firewall
-        assert nf.stdout.strip() == "0"
+    assert shaped.show()["senders_decoupled"] is True
+
+
+@netns
+def test_a_sender_faster_than_its_port_loses_at_the_switch(
+    make_testbed: Callable[..., Testbed], nettool: Path
+) -> None:
+    """A switch does not push back on its hosts: a UDP burst far above a 10
+    Mbit/s port overflows the port's queue and loses there. Without
+    `kernel.decouple_senders` the sending socket stays charged for its frames
+    in the switch's queue, blocks, and every datagram arrives."""
+    pytest.importorskip("dlcp.tc.apply")
+    tb = make_testbed(hosts=2, rate_bps=10_000_000)
+    assert tb.show()["senders_decoupled"] is True
+    sent = 3000  # ~0.7 MB at once: about 0.6 s at the port's rate, its queue holds 1000
+    got = _udp_received(tb, nettool, "h0", "h1", sent, interval=0)
+    drops = sum(s.drops for s in tb.tc_stats("h1"))
+    assert got < sent and drops == sent - got, (got, drops)
 
 
 @netns

@@ -26,7 +26,7 @@ from typing import Any
 
 import dlcp
 from dlcp import signals
-from dlcp.testbed import system
+from dlcp.testbed import kernel, system
 from dlcp.testbed.config import daemon_config, merge_config, to_toml
 from dlcp.testbed.plan import (
     DEFAULT_NAME,
@@ -67,24 +67,6 @@ DEFAULT_DAEMON_COMMAND: tuple[str, ...] = (
 )
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 _BASE_TOOLS = ("ip", "bridge", "nft", "ethtool")
-
-# Run in every namespace before links exist, so no veth ever gets IPv6 (router
-# solicitations and MLD reports would otherwise show up in the switch's queues).
-_NETNS_SYSCTLS = (
-    "for f in /proc/sys/net/ipv6/conf/all/disable_ipv6"
-    " /proc/sys/net/ipv6/conf/default/disable_ipv6; do"
-    ' if [ -e "$f" ]; then echo 1 > "$f" || exit 1; fi; done'
-)
-
-# A switch forwards frames without passing them through the IP firewall: with
-# br_netfilter loaded (Docker loads it) every bridged packet would also cross
-# the iptables hooks, a per-packet cost no real switch has.
-_SWITCH_SYSCTLS = (
-    "for f in /proc/sys/net/bridge/bridge-nf-call-iptables"
-    " /proc/sys/net/bridge/bridge-nf-call-ip6tables"
-    " /proc/sys/net/bridge/bridge-nf-call-arptables; do"
-    ' if [ -e "$f" ]; then echo 0 > "$f" || exit 1; fi; done'
-)
 
 Progress = Callable[[str], None]
 
@@ -220,7 +202,9 @@ class Testbed:
         self._create_namespaces()
         self._say(f"wiring {self.spec.hosts} hosts x {self.spec.paths} path(s) to the switch")
         self._create_links()
-        self._tune_offloads()
+        kernel.tune_offloads(
+            [(h.netns, h.interfaces) for h in self.hosts], segments=self.spec.segments
+        )
         self._apply_loss()
         if self.spec.rate_bps is not None:
             self._say(f"shaping switch ports to {format_rate(self.spec.rate_bps)}")
@@ -244,8 +228,14 @@ class Testbed:
         for ns in self.namespaces:
             system.run(["ip", "netns", "add", ns])
             system.run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            system.run(["sh", "-c", _NETNS_SYSCTLS], netns=ns)
-        system.run(["sh", "-c", _SWITCH_SYSCTLS], netns=self.switch_netns)
+            kernel.disable_ipv6(ns)
+        decoupled = kernel.decouple_senders(self.switch_netns)
+        self._update(lambda st: st.update(senders_decoupled=decoupled))
+        if not decoupled:
+            self._say(
+                f"warning: no br_netfilter ({kernel.BRIDGE_NF} missing, modprobe failed): "
+                "the switch's queues will hold back their senders' sockets"
+            )
 
     def _create_links(self) -> None:
         sw = self.switch_netns
@@ -264,8 +254,8 @@ class Testbed:
                     f"link set {port} mtu {self.spec.mtu} master {bridge_name(p)} up",
                 ]
                 fdb.append(f"fdb replace {mac} dev {port} master static")
-        _batch("ip", sw, commands)
-        _batch("bridge", sw, fdb)
+        kernel.batch("ip", sw, commands)
+        kernel.batch("bridge", sw, fdb)
         for h in self.hosts:
             commands = []
             for p, (addr, ifname) in enumerate(zip(h.addresses, h.interfaces, strict=True)):
@@ -279,20 +269,7 @@ class Testbed:
                     for other in self.hosts
                     if other is not h
                 ]
-            _batch("ip", h.netns, commands)
-
-    def _tune_offloads(self) -> None:
-        """Host veths as a real NIC's: receive offload (GRO) on for every
-        protocol, and one segmentation policy for TCP and UDP alike (TSO and
-        UDP GSO both on, or both off: `TestbedSpec.segmentation`). The switch
-        ports get neither: a switch forwards frames as they come."""
-        state = "on" if self.spec.segments else "off"
-        for h in self.hosts:
-            script = "; ".join(
-                f"ethtool -K {ifname} gro on tso {state} tx-udp-segmentation {state} 2>/dev/null"
-                for ifname in h.interfaces
-            )
-            system.run(["sh", "-c", script + "; true"], netns=h.netns)
+            kernel.batch("ip", h.netns, commands)
 
     def _apply_loss(self) -> None:
         n = loss_permille(self.spec.loss_pct)
@@ -593,6 +570,7 @@ class Testbed:
             "paths": self.spec.paths,
             "loss_pct": self.spec.loss_pct,
             "segmentation": self.spec.segments,
+            "senders_decoupled": bool(self._state().get("senders_decoupled")),
             "complete": bool(self._state().get("complete")),
             "hosts": [
                 {
@@ -741,12 +719,6 @@ def _tc_modules() -> tuple[Any, Any]:
             f"link shaping needs dlcp.tc, which cannot be imported ({exc}); use --rate none"
         ) from exc
     return tc_plan, tc_apply
-
-
-def _batch(tool: str, netns: str, commands: Sequence[str]) -> None:
-    """Run `ip` or `bridge` commands in `netns` in one process."""
-    if commands:
-        system.run([tool, "-n", netns, "-batch", "-"], input="\n".join(commands) + "\n")
 
 
 def _pythonpath() -> str:
