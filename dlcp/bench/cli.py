@@ -141,8 +141,17 @@ def register(sub: Any) -> None:
     al.add_argument("--no-progress", action="store_true", help="no progress bars")
     al.set_defaults(func=_all)
 
-    rp = actions.add_parser("report", help="redraw plots and summary.md of a `bench all` directory")
-    rp.add_argument("out", type=Path, help="the --out directory of `dlcp bench all`")
+    rp = actions.add_parser(
+        "report",
+        help="the issues' targets against benchmark JSON (BENCHMARKS.md's first tables)",
+        description="Print the open issues' targets beside what the records measured: "
+        "the network-bound table (200 Mbit/s, 3 hosts: clean, loss 1 %%, loss 5 %%, burst, "
+        "congested, two trainings) and the CPU table (unshaped 2 hosts, 1 Gbit/s). Reads "
+        "the JSON that `dlcp bench allreduce|train --json` wrote (files, or directories of "
+        "them); each file is one invocation and every ratio is within one. A `dlcp bench "
+        "all` directory also gets its plots and summary.md redrawn.",
+    )
+    rp.add_argument("paths", type=Path, nargs="+", help="JSON files or directories of them")
     rp.set_defaults(func=_report)
 
 
@@ -352,14 +361,31 @@ def _all(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from dlcp.bench import scorecard
+
+    paths: list[Path] = args.paths
+    for path in paths:
+        if not path.exists():
+            raise BenchError(f"{path}: no such file or directory")
+        if path.is_dir() and (any(path.glob("allreduce-*.json")) or (path / "train.json").exists()):
+            _redraw_suite(path)
+    try:
+        invocations = scorecard.load(paths)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"cannot read the records: {exc}") from None
+    if not invocations:
+        raise BenchError(f"no benchmark records in {', '.join(map(str, paths))}")
+    print(scorecard.markdown(invocations))
+    return 0
+
+
+def _redraw_suite(out: Path) -> None:
+    """Plots and summary.md of a `dlcp bench all` directory, drawn anew."""
     from dlcp.bench.common import format_rate
     from dlcp.bench.plots import plot_latency_cdf, plot_tta
     from dlcp.bench.suite import load_dir, summary
 
-    out: Path = args.out
     ar, tr = load_dir(out)
-    if not ar and not tr:
-        raise BenchError(f"no benchmark records in {out}")
     rates = sorted({r.get("rate_bps") or 0 for r in ar})
     for rate in rates:
         recs = [r for r in ar if (r.get("rate_bps") or 0) == rate]
@@ -367,5 +393,4 @@ def _report(args: argparse.Namespace) -> int:
     if tr:
         plot_tta(tr, out / "tta.png")
     (out / "summary.md").write_text(summary(out))
-    print((out / "summary.md").read_text())
-    return 0
+    print(f"dlcp bench: wrote {out / 'summary.md'}")

@@ -1,58 +1,21 @@
-"""Targets of the benchmark issue, checked against records; markdown tables.
+"""Markdown tables of benchmark records, and time-to-accuracy ratios.
 
-Each target compares dlcp with Gloo (or gloo-prio) measured in the same
-invocation (records with the same "run"), else on the same scenario and rate.
+The issues' targets against these records are `dlcp.bench.scorecard`'s.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from dlcp.bench import cpuload
 from dlcp.bench.common import format_bytes, format_rate
 from dlcp.bench.plots import scenario_label
 
-__all__ = [
-    "Target",
-    "check_targets",
-    "markdown_allreduce",
-    "markdown_targets",
-    "markdown_train",
-    "tta_speedup",
-]
+__all__ = ["markdown_allreduce", "markdown_train", "tta_speedup"]
 
 Rec = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Target:
-    """One target of the issue and what was measured."""
-
-    name: str
-    limit: float
-    op: str  # "<=" or ">="
-    measured: float | None
-    detail: str = ""
-    lower_bound: bool = False  # `measured` is a lower bound (Gloo never got there)
-
-    @property
-    def ok(self) -> bool | None:
-        if self.measured is None or not math.isfinite(self.measured):
-            return None
-        met = self.measured <= self.limit if self.op == "<=" else self.measured >= self.limit
-        if self.lower_bound and not met:
-            return None  # the true value may still meet it
-        return met
-
-    @property
-    def verdict(self) -> str:
-        if self.lower_bound and self.ok is None and self.measured is not None:
-            return "inconclusive (lower bound)"
-        text = {True: "met", False: "**not met**", None: "not measured"}[self.ok]
-        return text + (" (lower bound)" if self.lower_bound and self.ok else "")
 
 
 def _ok(r: Rec | None) -> bool:
@@ -92,87 +55,6 @@ def _ratio(a: Rec | None, b: Rec | None, key: str, key_b: str | None = None) -> 
     return float(x) / float(y)
 
 
-def check_targets(allreduce: Sequence[Rec], train: Sequence[Rec]) -> list[Target]:
-    """The issue's targets, measured on these records (one link rate)."""
-    out: list[Target] = []
-
-    def ar(
-        backend: str, scenario: str, loss: float | None = None, codec: str = "fp32"
-    ) -> Rec | None:
-        return _find(allreduce, backend=backend, scenario=scenario, loss_pct=loss, codec=codec)
-
-    def beside(rec: Rec | None, backend: str) -> Rec | None:
-        """`backend` from the same invocation as `rec`."""
-        if rec is None:
-            return None
-        return _find(
-            allreduce,
-            backend=backend,
-            scenario=rec["scenario"],
-            loss_pct=float(rec.get("loss_pct") or 0.0),
-            run=rec.get("run"),
-        )
-
-    d = ar("dlcp", "clean")
-    out.append(
-        Target("clean: dlcp p50 / Gloo p50", 1.0, "<=", _ratio(d, beside(d, "gloo"), "p50_s"))
-    )
-    t = ar("dlcp", "clean", codec="thc8")
-    out.append(
-        Target("clean: dlcp thc8 p50 / Gloo p50", 0.35, "<=", _ratio(t, beside(t, "gloo"), "p50_s"))
-    )
-    c = ar("dlcp", "congested")
-    out.append(
-        Target("congested: dlcp p99 / Gloo p99", 0.33, "<=", _ratio(c, beside(c, "gloo"), "p99_s"))
-    )
-    out.append(
-        Target(
-            "congested: dlcp p99 / gloo-prio p99",
-            1.05,
-            "<=",
-            _ratio(c, beside(c, "gloo-prio"), "p99_s"),
-        )
-    )
-    out.append(Target("congested: dlcp p99 / p50", 1.3, "<=", _ratio(c, c, "p99_s", "p50_s")))
-    for loss, limit in ((1.0, 0.6), (5.0, 0.4)):
-        r = ar("dlcp", "loss", loss)
-        out.append(
-            Target(
-                f"loss {loss:g}%: dlcp p99 / Gloo p99",
-                limit,
-                "<=",
-                _ratio(r, beside(r, "gloo"), "p99_s"),
-            )
-        )
-    b = ar("dlcp", "burst")
-    out.append(
-        Target("burst: dlcp p99 / Gloo p99", 0.45, "<=", _ratio(b, beside(b, "gloo"), "p99_s"))
-    )
-
-    def tr(backend: str, scenario: str, loss: float | None = None) -> Rec | None:
-        return _find(train, backend=backend, scenario=scenario, loss_pct=loss)
-
-    def speedup(name: str, other: Rec | None, mine: Rec | None, limit: float) -> Target:
-        value, bound = tta_speedup(other, mine)
-        return Target(name, limit, ">=", value, lower_bound=bound)
-
-    dl, gl = tr("dlcp", "loss", 5.0), tr("gloo", "loss", 5.0)
-    out.append(speedup("train, 5% loss: Gloo TTA / dlcp TTA", gl, dl, 1.5))
-    dc, gc, pc = tr("dlcp", "congested"), tr("gloo", "congested"), tr("gloo-prio", "congested")
-    out.append(speedup("train, congested: Gloo TTA / dlcp TTA", gc, dc, 1.8))
-    out.append(speedup("train, congested: gloo-prio TTA / dlcp TTA", pc, dc, 0.95))
-    scen = sorted({(r["scenario"], float(r.get("loss_pct") or 0.0)) for r in train})
-    for s, loss in scen:
-        dr, gr = tr("dlcp", s, loss), tr("gloo", s, loss)
-        diff = None
-        full = all(r is not None and r.get("stopped_at_step") is None for r in (dr, gr))
-        if full and _ok(dr) and _ok(gr) and dr and gr and dr.get("final_acc") is not None:
-            diff = abs(float(dr["final_acc"]) - float(gr["final_acc"])) * 100
-        label = scenario_label({"scenario": s, "loss_pct": loss})
-        out.append(Target(f"train, {label}: |final acc dlcp - Gloo| (points)", 0.5, "<=", diff))
-    return out
-
-
 def tta_speedup(other: Rec | None, mine: Rec | None) -> tuple[float | None, bool]:
     """other's TTA over mine, and whether that is only a lower bound (other never
     reached the target in the time it trained)."""
@@ -191,17 +73,6 @@ def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
     return f"{x:{spec}}{suffix}"
-
-
-def markdown_targets(targets: Sequence[Target]) -> str:
-    lines = ["| target | limit | measured | verdict |", "|---|---|---|---|"]
-    for t in targets:
-        unit = "" if "points" in t.name else "x"
-        lines.append(
-            f"| {t.name} | {t.op} {t.limit:g}{unit} | {_fmt(t.measured, '.2f', unit)} "
-            f"| {t.verdict} |"
-        )
-    return "\n".join(lines)
 
 
 def _gloo_of(records: Sequence[Rec], r: Rec, backend: str) -> Rec | None:

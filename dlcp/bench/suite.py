@@ -21,13 +21,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dlcp.bench import scorecard
 from dlcp.bench.allreduce import AllreduceOptions, run_allreduce
 from dlcp.bench.allreduce import save as save_allreduce
 from dlcp.bench.cluster import Setup
 from dlcp.bench.common import format_bytes, format_rate, read_json
 from dlcp.bench.common import say as default_say
 from dlcp.bench.plots import plot_latency_cdf, plot_tta
-from dlcp.bench.report import check_targets, markdown_allreduce, markdown_targets, markdown_train
+from dlcp.bench.report import markdown_allreduce, markdown_train
 from dlcp.bench.train import TrainOptions, run_train
 from dlcp.bench.train import save as save_train
 
@@ -250,20 +251,8 @@ def summary(out: Path) -> str:
         parts += ["## Time to accuracy", "", markdown_train(train), ""]
         if (out / "tta.png").exists():
             parts += ["![time to accuracy](tta.png)", ""]
-    for f in files:
-        recs = read_json(f)
-        if not recs:
-            continue
-        rate = format_rate(recs[0].get("rate_bps"))
-        parts += [
-            f"## Targets (all-reduce at {rate}; train at "
-            f"{format_rate(train[0].get('rate_bps')) if train else '-'})",
-            "",
-            markdown_targets(check_targets(recs, train)),
-            "",
-        ]
-    if not files and train:
-        parts += ["## Targets", "", markdown_targets(check_targets([], train)), ""]
+    invocations = scorecard.load([*files, *([out / "train.json"] if train else [])])
+    parts += ["## Targets", "", scorecard.markdown(invocations), ""]
     return "\n".join(parts)
 
 
