@@ -96,11 +96,18 @@ def test_runs_within_one_file_are_separate_invocations(tmp_path: Path) -> None:
         rec("dlcp", "congested", 0.6, 0.7, run=2),
         rec("gloo-prio", "congested", 0.6, 0.7, run=2),
         rec("gloo", "congested", 4.0, 8.0, run=2, cpu_bound=True),
+        rec("dlcp", "congested", 0.1, 0.1, run=3, error="boom"),
+        rec("gloo", "congested", None, None, run=4, error="sent nothing for 180 s"),
+        rec("dlcp", "congested", 0.6, 0.7, run=4),
     ])  # fmt: skip
     invocations = scorecard.load([tmp_path])
-    assert len(invocations) == 2
+    assert len(invocations) == 4
     row = scorecard.NET_ROWS[4]
-    by = scorecard.find(row, invocations)
+    # the last invocation whose dlcp ran, with a baseline that failed
+    failed = scorecard.markdown(invocations)
+    assert "| congested | 0.600 / 0.700 | failed | not run |" in failed
+    assert "p50 vs gloo-prio: not run" in failed
+    by = scorecard.find(row, invocations[:2])
     assert by is not None
     verdicts = scorecard.verdicts(row, by)
     assert verdicts[:2] == [

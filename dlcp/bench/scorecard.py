@@ -123,15 +123,15 @@ def _matches(row: Row, r: Rec) -> bool:
         and r.get("scenario") == row.scenario
         and abs(float(r.get("loss_pct") or 0.0) - row.loss_pct) < 1e-9
         and r.get("codec", "fp32") == "fp32"
-        and not r.get("error")
     )
 
 
 def find(row: Row, invocations: Sequence[Invocation]) -> dict[str, Rec] | None:
-    """The backends' records of the last invocation whose dlcp record fits `row`."""
+    """The backends' records of the last invocation whose dlcp record fits
+    `row` and did not fail (the others' may have: they show as failed)."""
     for inv in reversed(invocations):
         by = {r["backend"]: r for r in inv if _matches(row, r)}
-        if "dlcp" in by:
+        if "dlcp" in by and not by["dlcp"].get("error"):
             return by
     return None
 
@@ -149,7 +149,7 @@ def verdicts(row: Row, by: dict[str, Rec]) -> list[str]:
         x, y = dl.get(bar.key), None if base is None else base.get(bar.over or bar.key)
         name = bar.label if bar.over else f"{bar.label} vs {bar.against}"
         if x is None or not y:
-            why = "not run" if base is None else "no value"
+            why = "not run" if base is None else "failed" if base.get("error") else "no value"
             out.append(f"{name}: {why}")
             continue
         ratio = float(x) / float(y)
@@ -184,6 +184,8 @@ def _times(r: Rec | None) -> str:
 def _tta(r: Rec | None) -> str:
     if r is None:
         return "not run"
+    if r.get("error"):
+        return "failed"
     tta, acc = r.get("tta_s"), r.get("final_acc")
     text = "not reached" if tta is None else f"{tta:.1f}"
     return f"{text} ({acc:.3f})" if acc is not None else text
