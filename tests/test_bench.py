@@ -554,7 +554,30 @@ def test_bench_allreduce_smoke(tmp_path: Path) -> None:
         assert isinstance(r["cpu_bound"], bool)
         assert 0 <= r["idle_frac"] <= 1 and r["machine_cpu_s"] > 0
     assert records[0]["result_error"] is not None  # dlcp's result was checked
+    # dlcp's CPU counts its daemons' (the ranks only hand buffers over)
+    assert 0 < records[0]["daemon_cpu_s"] <= records[0]["cpu_s"]
     assert (tmp_path / "cdf.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.netns
+def test_bench_train_smoke_counts_the_daemons_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "train.json"
+    args = parser().parse_args(
+        [
+            "bench", "train", "--hosts", "2", "--rate", "200mbit", "--steps", "6",
+            "--eval-every", "3", "--backends", "dlcp,gloo", "--json", str(out),
+            "--no-progress", "--name", f"bench-r{os.getpid() % 100000}",
+        ]
+    )  # fmt: skip
+    args.func(args)
+    records = json.loads(out.read_text())
+    assert [r["backend"] for r in records] == ["dlcp", "gloo"]
+    for r in records:
+        assert not r.get("error"), r.get("error")
+        assert r["final_acc"] is not None and isinstance(r["cpu_bound"], bool)
+    dlcp, gloo = records
+    assert 0 < dlcp["daemon_cpu_s"] <= dlcp["cpu_s"]
+    assert "daemon_cpu_s" not in gloo
 
 
 def _namespaces(prefix: str) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
+from dlcp.bench.allreduce import proc_cpu_s
 from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup
 from dlcp.bench.common import (
     CODECS,
@@ -234,8 +235,10 @@ def _run_workers(
         budget = opts.time_budget_s
         wait_s = 120.0 + opts.steps * opts.round_timeout_s
         results: list[dict[str, Any]] | None = None
-        mine = g.pids() + (cluster.daemon_pids() if backend.startswith("dlcp") else [])
+        daemons = cluster.daemon_pids() if backend.startswith("dlcp") else []
+        mine = g.pids() + daemons
         cpu0 = cpuload.snapshot(mine)
+        d0 = sum(proc_cpu_s(p) for p in daemons)
         try:
             g.send("go")
             results = g.expect_any(
@@ -247,6 +250,7 @@ def _run_workers(
         finally:
             bar.close()
             rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
+            daemon_cpu = sum(proc_cpu_s(p) for p in daemons) - d0
         if results is None:  # the time budget ran out: keep what was streamed
             g.kill()
             rec["budget_s"] = budget
@@ -268,8 +272,10 @@ def _run_workers(
     rec["wall_s"] = r0.get("wall_s")
     steps_t = r0.get("step_times_s") or []
     rec["step_p50_s"] = percentile(steps_t, 50) if steps_t else None
-    rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in results)
+    # the ranks' own, and for dlcp its daemons' as `dlcp bench allreduce` counts them
+    rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in results) + daemon_cpu
     if backend.startswith("dlcp"):
+        rec["daemon_cpu_s"] = daemon_cpu
         stats = [r.get("dlcp") or {} for r in results]
         lost = sum(int(s.get("lost_lanes", 0)) for s in stats)
         total = sum(int(s.get("total_lanes", 0)) for s in stats)
