@@ -87,6 +87,11 @@ def test_ratios_stay_within_one_invocation_and_the_last_counts(tmp_path: Path) -
     assert verdicts[0] == "p99 vs gloo 0.90 (<= 0.6): **not met**"
     assert verdicts[1] == "p99 vs gloo-prio: not run"
     assert verdicts[2] == "p99/p50 1.29 (<= 1.25): **not met**"
+    # a ratio that rounds onto its bar is shown with the digits that miss it
+    close = {"dlcp": rec("dlcp", "clean", 0.628, 0.7), "gloo": rec("gloo", "clean", 0.596, 0.7)}
+    assert scorecard.verdicts(scorecard.NET_ROWS[0], close)[0] == (
+        "p50 vs gloo 1.0537 (<= 1.05): **not met**"
+    )
 
 
 def test_runs_within_one_file_are_separate_invocations(tmp_path: Path) -> None:

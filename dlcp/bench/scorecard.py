@@ -153,7 +153,10 @@ def verdicts(row: Row, by: dict[str, Rec]) -> list[str]:
             out.append(f"{name}: {why}")
             continue
         ratio = float(x) / float(y)
-        out.append(f"{name} {ratio:.2f} (<= {bar.limit:g}): {_mark(ratio <= bar.limit)}")
+        shown = f"{ratio:.2f}"
+        if (float(shown) <= bar.limit) != (ratio <= bar.limit):  # rounding hides the miss
+            shown = f"{ratio:.4f}"
+        out.append(f"{name} {shown} (<= {bar.limit:g}): {_mark(ratio <= bar.limit)}")
     if row.max_lost is not None:
         lost = float(dl.get("loss_frac") or 0.0)
         out.append(f"lost {lost:.2%} (<= {row.max_lost:.1%}): {_mark(lost <= row.max_lost)}")
