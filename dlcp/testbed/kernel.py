@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dlcp.testbed import system
 
-__all__ = ["BRIDGE_NF", "batch", "decouple_senders", "disable_ipv6", "tune_offloads"]
+__all__ = ["BRIDGE_NF", "decouple_senders", "disable_ipv6", "tune_offloads"]
 
 # Run in every namespace before links exist, so no veth ever gets IPv6 (router
 # solicitations and MLD reports would otherwise show up in the switch's queues).
@@ -68,9 +68,3 @@ def tune_offloads(hosts: Sequence[tuple[str, Sequence[str]]], *, segments: bool)
             for ifname in interfaces
         )
         system.run(["sh", "-c", script + "; true"], netns=netns)
-
-
-def batch(tool: str, netns: str, commands: Sequence[str]) -> None:
-    """Run `ip` or `bridge` commands in `netns` in one process."""
-    if commands:
-        system.run([tool, "-n", netns, "-batch", "-"], input="\n".join(commands) + "\n")

@@ -16,6 +16,7 @@ __all__ = [
     "NETNS_DIR",
     "TOOL_PACKAGES",
     "Proc",
+    "batch",
     "is_alive",
     "list_netns",
     "log_tail",
@@ -85,6 +86,12 @@ def run(
         why = "; ".join(lines[-3:]) if lines else f"exit status {done.returncode}"
         raise TestbedError(f"command failed: {' '.join(full)}: {why}")
     return done
+
+
+def batch(tool: str, netns: str, commands: Sequence[str]) -> None:
+    """Run `ip` or `bridge` commands in `netns` in one process."""
+    if commands:
+        run([tool, "-n", netns, "-batch", "-"], input="\n".join(commands) + "\n")
 
 
 def list_netns() -> list[str]:

@@ -254,8 +254,8 @@ class Testbed:
                     f"link set {port} mtu {self.spec.mtu} master {bridge_name(p)} up",
                 ]
                 fdb.append(f"fdb replace {mac} dev {port} master static")
-        kernel.batch("ip", sw, commands)
-        kernel.batch("bridge", sw, fdb)
+        system.batch("ip", sw, commands)
+        system.batch("bridge", sw, fdb)
         for h in self.hosts:
             commands = []
             for p, (addr, ifname) in enumerate(zip(h.addresses, h.interfaces, strict=True)):
@@ -269,7 +269,7 @@ class Testbed:
                     for other in self.hosts
                     if other is not h
                 ]
-            kernel.batch("ip", h.netns, commands)
+            system.batch("ip", h.netns, commands)
 
     def _apply_loss(self) -> None:
         n = loss_permille(self.spec.loss_pct)
@@ -563,6 +563,7 @@ class Testbed:
         procs = self.processes()
         daemons = {p["host"]: p for p in procs if p["role"] == "daemon"}
         loss = self.loss()
+        state = self._state()
         return {
             "name": self.name,
             "state_dir": str(self.state_dir),
@@ -570,8 +571,8 @@ class Testbed:
             "paths": self.spec.paths,
             "loss_pct": self.spec.loss_pct,
             "segmentation": self.spec.segments,
-            "senders_decoupled": bool(self._state().get("senders_decoupled")),
-            "complete": bool(self._state().get("complete")),
+            "senders_decoupled": bool(state.get("senders_decoupled")),
+            "complete": bool(state.get("complete")),
             "hosts": [
                 {
                     "name": h.name,
