@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import sys
 import time
@@ -33,7 +32,7 @@ from dlcp.bench.common import (
 from dlcp.bench.common import say as default_say
 from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
 
-__all__ = ["AllreduceOptions", "format_table", "proc_cpu_s", "run_allreduce", "run_backend"]
+__all__ = ["AllreduceOptions", "format_table", "run_allreduce", "run_backend"]
 
 Say = Callable[[str], None]
 
@@ -68,16 +67,6 @@ class AllreduceOptions:
     @property
     def elements(self) -> int:
         return self.size_bytes // 4
-
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 _ports = iter(range(29600, 30600))
@@ -226,7 +215,7 @@ def _run_workers(
         g.send("go")
         g.expect("warm", 60.0 + opts.warmup * opts.round_timeout_s)
         pids = cluster.daemon_pids() if is_dlcp else []
-        d0 = sum(proc_cpu_s(p) for p in pids)
+        d0 = cpuload.processes_cpu_s(pids)
         mine = pids + g.pids()
         cpu0 = cpuload.snapshot(mine)
         bar = tqdm(
@@ -251,7 +240,7 @@ def _run_workers(
             )
         finally:
             bar.close()
-        daemon_cpu = sum(proc_cpu_s(p) for p in pids) - d0
+        daemon_cpu = cpuload.processes_cpu_s(pids) - d0
         rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
         g.send("go")  # every host has its results: leave
         g.wait()

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
-from dlcp.bench.allreduce import proc_cpu_s
 from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup
 from dlcp.bench.common import (
     CODECS,
@@ -238,7 +237,7 @@ def _run_workers(
         daemons = cluster.daemon_pids() if backend.startswith("dlcp") else []
         mine = g.pids() + daemons
         cpu0 = cpuload.snapshot(mine)
-        d0 = sum(proc_cpu_s(p) for p in daemons)
+        d0 = cpuload.processes_cpu_s(daemons)
         try:
             g.send("go")
             results = g.expect_any(
@@ -250,7 +249,7 @@ def _run_workers(
         finally:
             bar.close()
             rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
-            daemon_cpu = sum(proc_cpu_s(p) for p in daemons) - d0
+            daemon_cpu = cpuload.processes_cpu_s(daemons) - d0
         if results is None:  # the time budget ran out: keep what was streamed
             g.kill()
             rec["budget_s"] = budget
