@@ -93,6 +93,14 @@ class Config:
     # at once, about 10 % (0.85x Gloo against 0.95x; BENCHMARKS.md rounds 27
     # and 28).
     window_bytes: int = 64 << 20
+    # Receive moderation, as a NIC's interrupt moderation (0: none): after a
+    # wake-up that found work the daemon stops watching its sockets and polls
+    # them this often, taking what arrived meanwhile in one drain and sending
+    # what its pacers earned in one flush, until a poll finds nothing to do. At
+    # 200 Mbit/s a daemon otherwise woke about 1,300 times a second for 12-14
+    # datagrams each and its Python cost per wake-up, not the bytes, took the
+    # two cores; 2 ms took 17 % of its CPU off a round (BENCHMARKS-LOG.md).
+    moderation_s: float = 0.002
     peers: tuple[PeerConfig, ...] = ()
     # [policies]
     priority: dict[str, Any] = field(default_factory=lambda: {"name": "layer_magnitude"})
@@ -130,6 +138,7 @@ _SECTIONS = {
         "mac",
         "socket_buffer_bytes",
         "window_bytes",
+        "moderation_s",
         "peers",
     },
     "policies": {"priority", "drop", "balance", "dscp"},
@@ -282,6 +291,14 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
         f"network.window_bytes must be 0 (no flow control) or at least {WINDOW_MIN} "
         "(4 credit steps)",
     )
+    moderation = n.get("moderation_s", cfg.moderation_s)
+    _need(
+        isinstance(moderation, int | float)
+        and not isinstance(moderation, bool)
+        and 0 <= moderation <= 0.1,
+        f"network.moderation_s must be a number of seconds in [0, 0.1], got {moderation!r}",
+    )
+    cfg.moderation_s = float(moderation)
     peers = n.get("peers", [])
     _need(isinstance(peers, list), "network.peers must be a list of tables")
     cfg.peers = tuple(_peer(v, f"network.peers[{i}]", cfg.udp_port) for i, v in enumerate(peers))

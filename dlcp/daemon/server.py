@@ -79,6 +79,10 @@ _RX_BUDGET = 64
 # daemon that received more fall behind in sending, so that its peer sat idle
 # at the end of the data leg, waiting for the rest of its shard.
 _RX_SENDING = 16
+# A poll that takes this much or more comes back at once (`_take_from`): the
+# link brings more than a batch per poll interval (1 Gbit/s and faster), and
+# waiting would leave it idle with data queued rather than save wake-ups.
+MODERATION_BYTES = 256 * 1024
 OpKey = tuple[int, int, int]
 
 
@@ -149,6 +153,11 @@ class Daemon:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._writers: set[int] = set()
+        # receive moderation (`_moderate`): while busy, the sockets are not
+        # watched and a poll comes every `moderation_s` seconds
+        self._moderation = config.moderation_s
+        self._polling = False
+        self._poll_at = 0.0
         self._server: asyncio.AbstractServer | None = None
         self._metrics_server: Any = None
         self._round_hist: Any = None
@@ -311,8 +320,45 @@ class Daemon:
 
     # -- network in -----------------------------------------------------------
     def _on_readable(self, path: UdpPath) -> None:
-        self._receive(path)
+        _, full = self._take_from((path,))
+        if self._moderation > 0:
+            self._moderate(True, full, self.now)
         self._pump()
+
+    def _take_from(self, paths: Sequence[UdpPath]) -> tuple[int, bool]:
+        """`_receive` on each of `paths`: the bytes taken, and whether there is
+        likely more (a drain took its whole budget, or MODERATION_BYTES: the
+        link is fast enough that a poll interval holds more than one batch)."""
+        before = self.counters["rx_bytes"]
+        full = False
+        for path in paths:
+            calls = path.recvmsg_calls
+            self._receive(path)
+            full = full or path.recvmsg_calls - calls >= self._rx_budget()
+        taken = self.counters["rx_bytes"] - before
+        return taken, full or taken >= MODERATION_BYTES
+
+    def _rx_budget(self) -> int:
+        return _RX_SENDING if self.outbox.backlog else _RX_BUDGET
+
+    def _moderate(self, busy: bool, full: bool, now: float) -> None:
+        """Interrupt moderation: after a wake-up that found work the daemon
+        stops watching its sockets and polls them every `moderation` seconds
+        (at once when a drain took its whole budget), taking what arrived
+        meanwhile in one drain and sending what the pacers earned in one
+        flush; a poll that finds nothing to take or send goes back to
+        watching the sockets."""
+        assert self._loop is not None
+        if busy:
+            if not self._polling:
+                self._polling = True
+                for p in self.paths:
+                    self._loop.remove_reader(p.fileno())
+            self._poll_at = now if full else now + self._moderation
+        elif self._polling:
+            self._polling = False
+            for p in self.paths:
+                self._loop.add_reader(p.fileno(), self._on_readable, p)
 
     def _receive(self, path: UdpPath) -> None:
         """Take what waits on `path`'s socket: each recvmsg buffer (a GRO
@@ -333,7 +379,7 @@ class Daemon:
         # per buffer (transport.Split): its datagrams, bytes, how many have a
         # whole header (all but a shorter last one, or none), their job (a list
         # when they name more than one) and type bytes, the source
-        budget = _RX_SENDING if self.outbox.backlog else _RX_BUDGET
+        budget = self._rx_budget()
         senders: dict[Peer, JobState] = {}  # the peers the buffers came from (a job of each)
         for segs, size, full, ids, types, src in path.receive_split(budget):
             k = len(segs)
@@ -608,10 +654,13 @@ class Daemon:
         self._pump()
 
     def _arm(self, now: float) -> None:
-        t = self.engine.get_timer()
-        wake = self.outbox.next_wake
-        if wake is not None and not self.outbox.blocked and (t is None or wake < t):
-            t = wake
+        if self._polling:  # the poll takes the sockets, the timers and the pacers' due
+            t: float | None = self._poll_at
+        else:
+            t = self.engine.get_timer()
+            wake = self.outbox.next_wake
+            if wake is not None and not self.outbox.blocked and (t is None or wake < t):
+                t = wake
         if t == self._timer_at:
             return
         if self._timer is not None:
@@ -629,12 +678,13 @@ class Daemon:
         # IO callbacks): take them first, or a NACK timer fires for packets
         # that have already arrived.
         try:
-            for path in self.paths:
-                self._receive(path)
+            taken, full = self._take_from(self.paths)
             now = self.now
             t = self.engine.get_timer()
             if t is not None and t <= now:
                 self.engine.handle_timer(now)
+            if self._polling:
+                self._moderate(taken > 0 or bool(self.outbox.backlog), full, now)
         finally:
             # whatever went wrong above (it is logged by the loop), the timer
             # is armed again: without it no round would ever time out
