@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dlcp.daemon import status
+
 if TYPE_CHECKING:
     from dlcp.daemon.server import Daemon
 
@@ -101,12 +103,12 @@ class DaemonCollector(Collector):
         for key, (name, doc, labels) in _ENGINE.items():
             docs.setdefault(name, doc)
             counter(name, docs[name], labels, d.engine.stats.get(key, 0))
-        for reason in d.reject_reasons():
+        for reason in status.reject_reasons(d):
             counter(
                 "dlcp_rejected_packets_total",
                 "Received datagrams rejected, by reason",
                 {"reason": reason},
-                d.rejected(reason),
+                status.rejected(d, reason),
             )
         for outcome in ("completed", "failed"):
             counter(
@@ -172,7 +174,7 @@ class DaemonCollector(Collector):
         ):
             fams[name] = GaugeMetricFamily(name, doc, labels=["job", "peer"])
         for job in d.jobs.values():
-            for answer in d.nack_answers(job):
+            for answer in status.nack_answers(d, job):
                 if answer["answer_s"] is None or answer["peer"] is None:
                     continue
                 labels = {"job": str(job.spec.job), "peer": answer["peer"]}

@@ -16,7 +16,6 @@ import secrets
 import signal
 import socket
 import struct
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,16 +27,15 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, SendBatch, credit_of
 from dlcp.core.layout import Layout
-from dlcp.daemon import notify
+from dlcp.daemon import notify, status
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
 from dlcp.daemon.outbox import CREDIT_STEP, WINDOW_MIN, Outbox, Peer
 from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import NATIVE_SEND, UdpPath
-from dlcp.errors import DlcpError, LocalError, Reason
+from dlcp.errors import DlcpError, LocalError
 from dlcp.policies import apply_droppable, from_config
-from dlcp.wire import mac
 from dlcp.wire.batch import _bulk
 from dlcp.wire.header import (
     HEADER_SIZE,
@@ -238,7 +236,7 @@ class Daemon:
             ",".join(cfg.addresses),
             cfg.udp_port,
             cfg.metrics_port or "off",
-            self.mac_description(),
+            status.mac_description(self.config.mac),
         )
 
     async def serve(self) -> None:
@@ -1206,7 +1204,7 @@ class Daemon:
         client.reply(rid)
 
     def _op_status(self, client: Client, rid: int, req: dict[str, Any]) -> None:
-        client.reply(rid, status=self.status())
+        client.reply(rid, status=status.snapshot(self))
 
     def _op_submit(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         if self.draining:
@@ -1323,87 +1321,6 @@ class Daemon:
             part.client.error(part.rid, "round_failed", why)
 
     # -- status -------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        return {
-            "daemon": self.describe(),
-            "draining": self.draining,
-            "uptime_s": round(time.monotonic() - _STARTED, 3),
-            "jobs": [
-                {**j.describe(), "nack_answers": self.nack_answers(j)} for j in self.jobs.values()
-            ],
-            "clients": len(self.clients),
-            "rounds_in_flight": self.engine.pending_rounds(),
-            "mac": self.mac_description(),
-            "paths": [
-                {
-                    "address": p.address,
-                    "port": p.port,
-                    "gso": p.gso,
-                    "gro": p.gro,
-                    "sendmsg_calls": p.sendmsg_calls,
-                    "recvmsg_calls": p.recvmsg_calls,
-                }
-                for p in self.paths
-            ],
-            "peers": [
-                {
-                    "peer": peer.name,
-                    "rate_bps": peer.rate.rate_bps,
-                    "queued": peer.queued,
-                    "lost_packets": peer.rate.lost_packets,
-                    "sent_packets": sum(peer.sent_packets.values()),
-                    "sent_bytes": sum(peer.sent_bytes.values()),
-                    "window_bytes": peer.window,
-                    "granted_bytes": peer.granted,
-                    "limit_bytes": peer.limit,
-                    "in_flight_bytes": peer.in_flight,
-                    "window_stalls": peer.window_stalls,
-                    "window_resets": peer.window_resets,
-                    "paths": [
-                        {
-                            "weight": ps.weight,
-                            "loss_rate": ps.loss_rate,
-                            "sent": ps.sent,
-                            "rate_bps": rc.rate_bps,
-                        }
-                        for ps, rc in zip(peer.paths, peer.rate.paths, strict=True)
-                    ],
-                }
-                for peer in self.outbox.peers.values()
-            ],
-            "counters": {
-                **dict(self.engine.stats),
-                **dict(self.counters),
-                "credits_taken": self.outbox.credits,
-            },
-            "rejects": {r: self.rejected(r) for r in self.reject_reasons()},
-        }
-
-    def nack_answers(self, job: JobState) -> list[dict[str, Any]]:
-        """How soon each peer of `job` answers this daemon's NACKs (Engine.nack_answers)."""
-        out = []
-        for node, answer in self.engine.nack_answers(job.spec.job).items():
-            peer = job.peers.get(node)
-            out.append({"node": node, "peer": None if peer is None else peer.name, **answer})
-        return out
-
-    def mac_description(self) -> str:
-        """The packet MAC and, for ghash-aes, whether the C extension computes it."""
-        if self.config.mac != "ghash-aes":
-            return self.config.mac
-        return f"ghash-aes ({mac.GhashAesKey(bytes(32)).backend})"
-
-    def reject_reasons(self) -> list[str]:
-        """Every reason a datagram can be rejected for (series start at 0 for alerts)."""
-        return sorted({r.label for r in Reason} | set(self.daemon_rejects) | {"bad_address"})
-
-    def rejected(self, reason: str) -> int:
-        n = self.daemon_rejects.get(reason, 0)
-        for r, c in self.engine.rejects.items():
-            if r.label == reason:
-                n += c
-        return n
-
     def tc_samples(self) -> list[dict[str, Any]]:
         return self._tc_cache
 
@@ -1425,6 +1342,3 @@ class Daemon:
         while not self.stopped.is_set():
             self._tc_cache = await asyncio.to_thread(read)
             await asyncio.sleep(1.0)
-
-
-_STARTED = time.monotonic()

@@ -1,0 +1,104 @@
+"""A daemon's state as `dlcp status` and /metrics read it (`snapshot` and
+the rejects and NACK answers they share)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from dlcp.errors import Reason
+from dlcp.wire import mac
+
+if TYPE_CHECKING:
+    from dlcp.daemon.jobs import JobState
+    from dlcp.daemon.server import Daemon
+
+__all__ = ["mac_description", "nack_answers", "reject_reasons", "rejected", "snapshot"]
+
+_STARTED = time.monotonic()
+
+
+def snapshot(d: Daemon) -> dict[str, Any]:
+    """What `dlcp status` shows: the daemon, its jobs, paths, peers, counters and rejects."""
+    return {
+        "daemon": d.describe(),
+        "draining": d.draining,
+        "uptime_s": round(time.monotonic() - _STARTED, 3),
+        "jobs": [{**j.describe(), "nack_answers": nack_answers(d, j)} for j in d.jobs.values()],
+        "clients": len(d.clients),
+        "rounds_in_flight": d.engine.pending_rounds(),
+        "mac": mac_description(d.config.mac),
+        "paths": [
+            {
+                "address": p.address,
+                "port": p.port,
+                "gso": p.gso,
+                "gro": p.gro,
+                "sendmsg_calls": p.sendmsg_calls,
+                "recvmsg_calls": p.recvmsg_calls,
+            }
+            for p in d.paths
+        ],
+        "peers": [
+            {
+                "peer": peer.name,
+                "rate_bps": peer.rate.rate_bps,
+                "queued": peer.queued,
+                "lost_packets": peer.rate.lost_packets,
+                "sent_packets": sum(peer.sent_packets.values()),
+                "sent_bytes": sum(peer.sent_bytes.values()),
+                "window_bytes": peer.window,
+                "granted_bytes": peer.granted,
+                "limit_bytes": peer.limit,
+                "in_flight_bytes": peer.in_flight,
+                "window_stalls": peer.window_stalls,
+                "window_resets": peer.window_resets,
+                "paths": [
+                    {
+                        "weight": ps.weight,
+                        "loss_rate": ps.loss_rate,
+                        "sent": ps.sent,
+                        "rate_bps": rc.rate_bps,
+                    }
+                    for ps, rc in zip(peer.paths, peer.rate.paths, strict=True)
+                ],
+            }
+            for peer in d.outbox.peers.values()
+        ],
+        "counters": {
+            **dict(d.engine.stats),
+            **dict(d.counters),
+            "credits_taken": d.outbox.credits,
+        },
+        "rejects": {r: rejected(d, r) for r in reject_reasons(d)},
+    }
+
+
+def nack_answers(d: Daemon, job: JobState) -> list[dict[str, Any]]:
+    """How soon each peer of `job` answers this daemon's NACKs (Engine.nack_answers)."""
+    out = []
+    for node, answer in d.engine.nack_answers(job.spec.job).items():
+        peer = job.peers.get(node)
+        out.append({"node": node, "peer": None if peer is None else peer.name, **answer})
+    return out
+
+
+def mac_description(name: str) -> str:
+    """The packet MAC and, for ghash-aes, whether the C extension computes it."""
+    if name != "ghash-aes":
+        return name
+    return f"ghash-aes ({mac.GhashAesKey(bytes(32)).backend})"
+
+
+def reject_reasons(d: Daemon) -> list[str]:
+    """Every reason a datagram can be rejected for (series start at 0 for alerts)."""
+    return sorted({r.label for r in Reason} | set(d.daemon_rejects) | {"bad_address"})
+
+
+def rejected(d: Daemon, reason: str) -> int:
+    """Datagrams rejected for `reason`, by the daemon and by its engine."""
+    n = d.daemon_rejects.get(reason, 0)
+    for r, c in d.engine.rejects.items():
+        if r.label == reason:
+            n += c
+    return n
