@@ -33,7 +33,7 @@ from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_ho
 from dlcp.daemon.outbox import CREDIT_STEP, WINDOW_MIN, Outbox, Peer
 from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
-from dlcp.daemon.transport import NATIVE_SEND, UdpPath
+from dlcp.daemon.transport import NATIVE_SEND, Split, UdpPath
 from dlcp.errors import DlcpError, LocalError
 from dlcp.policies import apply_droppable, from_config
 from dlcp.wire.batch import _bulk
@@ -77,6 +77,7 @@ _RX_BUDGET = 64
 # daemon that received more fall behind in sending, so that its peer sat idle
 # at the end of the data leg, waiting for the rest of its shard.
 _RX_SENDING = 16
+_RX_SENDING_BYTES = 1_000_000  # ... taken again while a drain is smaller (16 GRO buffers are more)
 # A poll that takes this much or more comes back at once (`_take_from`): the
 # link brings more than a batch per poll interval (1 Gbit/s and faster), and
 # waiting would leave it idle with data queued rather than save wake-ups.
@@ -330,14 +331,31 @@ class Daemon:
         before = self.counters["rx_bytes"]
         full = False
         for path in paths:
-            calls = path.recvmsg_calls
-            self._receive(path)
-            full = full or path.recvmsg_calls - calls >= self._rx_budget()
+            full = self._receive(path) or full
         taken = self.counters["rx_bytes"] - before
         return taken, full or taken >= MODERATION_BYTES
 
-    def _rx_budget(self) -> int:
-        return _RX_SENDING if self.outbox.backlog else _RX_BUDGET
+    def _splits(self, path: UdpPath) -> tuple[list[Split], bool]:
+        """One drain of `path`'s socket, and whether it stopped at its budget:
+        up to _RX_BUDGET buffers, or while the outbox has datagrams to send
+        _RX_SENDING buffers at a time up to _RX_SENDING_BYTES (behind a shaped
+        port a buffer is one datagram: 16 of them are 24 KB, and a poll's
+        arrivals took three drains and pumps)."""
+        if not self.outbox.backlog:
+            calls = path.recvmsg_calls
+            out = path.receive_split(_RX_BUDGET)
+            return out, path.recvmsg_calls - calls >= _RX_BUDGET
+        out = []
+        taken = 0
+        while True:
+            calls = path.recvmsg_calls
+            got = path.receive_split(_RX_SENDING)
+            out += got
+            if path.recvmsg_calls - calls < _RX_SENDING:
+                return out, False
+            taken += sum(split[1] for split in got)
+            if taken >= _RX_SENDING_BYTES:
+                return out, True
 
     def _moderate(self, busy: bool, full: bool, now: float) -> None:
         """Interrupt moderation: after a wake-up that found work the daemon
@@ -358,12 +376,13 @@ class Daemon:
             for p in self.paths:
                 self._loop.add_reader(p.fileno(), self._on_readable, p)
 
-    def _receive(self, path: UdpPath) -> None:
+    def _receive(self, path: UdpPath) -> bool:
         """Take what waits on `path`'s socket: each recvmsg buffer (a GRO
         super-datagram: one source, one segment size) is split and its job and
         node looked up once when all its datagrams name one job; the engine
         takes the whole drain at once; then the accepted control packets (NACKs,
-        and the bytes that acknowledge each peer) are acted on."""
+        and the bytes that acknowledge each peer) are acted on. True when
+        the drain stopped at its budget (more may wait)."""
         now = self.now
         jobs = self.jobs
         rx = 0
@@ -377,9 +396,9 @@ class Daemon:
         # per buffer (transport.Split): its datagrams, bytes, how many have a
         # whole header (all but a shorter last one, or none), their job (a list
         # when they name more than one) and type bytes, the source
-        budget = self._rx_budget()
         senders: dict[Peer, JobState] = {}  # the peers the buffers came from (a job of each)
-        for segs, size, full, ids, types, src in path.receive_split(budget):
+        splits, more = self._splits(path)
+        for segs, size, full, ids, types, src in splits:
             k = len(segs)
             rx += k
             rx_bytes += size
@@ -424,7 +443,7 @@ class Daemon:
             if peer.rx_bytes - peer.rx_credited >= CREDIT_STEP:
                 self._credit(peer, job)
         if not parts:
-            return
+            return more
         dgs = _join(parts)
         # each datagram's source node (-1: none), made per group, not per datagram
         if len(groups) == 1:  # the usual drain: one run of one peer
@@ -437,14 +456,15 @@ class Daemon:
         accepted = self.engine.receive_many(dgs, now, nodes)
         types = b"".join(kinds)
         if not accepted.size or not types.strip(_DATA_BYTE):  # none, or all data
-            return
+            return more
         kind = np.frombuffer(types, np.uint8)[accepted]
         if _DATA_BYTE not in types:  # no data (a drain of results): all go on
             self._on_control(accepted, kind, dgs, groups, runs, sizes, lasts, now)
-            return
+            return more
         control = kind != _DATA
         if control.any():
             self._on_control(accepted[control], kind[control], dgs, groups, runs, sizes, lasts, now)
+        return more
 
     def _receive_mixed(
         self,
