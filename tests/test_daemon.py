@@ -273,8 +273,13 @@ def test_metrics_endpoint_and_status_cli(trio: list, ranks: list[Rank]) -> None:
         "dlcp_rejected_packets_total{reason=",
         "dlcp_round_duration_seconds_bucket",
         "dlcp_peer_rate_bps{",
+        'dlcp_wakeups_total{kind="poll"}',
+        'dlcp_wakeups_total{kind="timer"}',
     ):
         assert name in body, name
+    # the round's datagrams woke the daemon: at least once for a readable socket
+    woke = re.search(r'^dlcp_wakeups_total\{kind="readable"\} (\S+)$', body, re.M)
+    assert woke is not None and float(woke.group(1)) >= 1
     out = subprocess.run(
         [sys.executable, "-m", "dlcp", "status", "--socket", d.socket, "--json"],
         capture_output=True,

@@ -79,6 +79,9 @@ def test_a_busy_wake_up_polls_and_an_idle_poll_watches_again(
     d._on_timer()
     assert not d._polling and _registered(loop, path)
     assert d._timer is None  # nothing to time: an idle daemon sleeps
+    # counted by what woke the daemon (dlcp_wakeups_total)
+    assert (d.counters["wakeups_readable"], d.counters["wakeups_poll"]) == (1, 2)
+    assert d.counters["wakeups_timer"] == 0
 
 
 def test_a_poll_that_takes_a_fast_links_worth_comes_back_at_once(

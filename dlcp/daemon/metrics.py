@@ -157,6 +157,13 @@ class DaemonCollector(Collector):
         counter(
             "dlcp_received_bytes_total", "Bytes received", {"path": "all"}, d.counters["rx_bytes"]
         )
+        for kind in ("readable", "poll", "timer"):
+            counter(
+                "dlcp_wakeups_total",
+                "Times the event loop ran the daemon's network work, by what woke it",
+                {"kind": kind},
+                d.counters[f"wakeups_{kind}"],
+            )
         for i, p in enumerate(d.paths):
             gauge(
                 "dlcp_path_info", "Local path addresses", {"path": str(i), "address": p.address}, 1

@@ -319,6 +319,7 @@ class Daemon:
 
     # -- network in -----------------------------------------------------------
     def _on_readable(self, path: UdpPath) -> None:
+        self.counters["wakeups_readable"] += 1
         _, full = self._take_from((path,))
         if self._moderation > 0:
             self._moderate(True, full, self.now)
@@ -692,6 +693,7 @@ class Daemon:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
+        self.counters["wakeups_poll" if self._polling else "wakeups_timer"] += 1
         # Datagrams may be waiting in the sockets (the loop runs timers before
         # IO callbacks): take them first, or a NACK timer fires for packets
         # that have already arrived.
