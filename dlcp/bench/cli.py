@@ -1,4 +1,4 @@
-"""`dlcp bench allreduce|train|all|report`: dlcp against Gloo on an emulated cluster.
+"""`dlcp bench allreduce|train|ddp|all|report`: dlcp against Gloo on an emulated cluster.
 
 Every bench builds its own testbed (network namespaces; needs root), runs
 every requested backend on it in the same invocation, and removes it.
@@ -20,7 +20,14 @@ from dlcp.bench.common import (
     parse_size,
 )
 
-__all__ = ["allreduce_options", "register", "setup_from_args", "suite_options", "train_options"]
+__all__ = [
+    "allreduce_options",
+    "ddp_options",
+    "register",
+    "setup_from_args",
+    "suite_options",
+    "train_options",
+]
 
 _BACKENDS_HELP = (
     "comma-separated: dlcp, gloo, gloo-prio (Gloo marked into the top class), and dlcp's "
@@ -100,6 +107,18 @@ def register(sub: Any) -> None:
     _common_args(tr, default_json=None)
     tr.set_defaults(func=_train)
 
+    dd = actions.add_parser(
+        "ddp",
+        help="DDP step time with dlcp's hook and with Gloo's default hook",
+        description="Train an MLP of --grad-size of fp32 gradients with DDP, one rank per "
+        "host, with dlcp's communication hook and with DDP's default all-reduce over Gloo, "
+        "back to back on the same emulated cluster; step times, p50/p99, CPU, and where "
+        "dlcp's buckets spent their time (the shim's timeline).",
+    )
+    _ddp_args(dd)
+    _common_args(dd, default_json=None)
+    dd.set_defaults(func=_ddp)
+
     al = actions.add_parser(
         "all",
         help="every scenario, backend and ablation; JSON, plots, summary",
@@ -155,6 +174,71 @@ def register(sub: Any) -> None:
     rp.set_defaults(func=_report)
 
 
+def _ddp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts (default: 2)")
+    p.add_argument(
+        "--rate", default="none", help="switch port rate, e.g. 1gbit; none: unshaped (default)"
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--grad-size", default=None, help="fp32 gradients per step, e.g. 50MB (default: 50MB)"
+    )
+    size.add_argument(
+        "--params", type=int, default=None, help="model parameters (instead of --grad-size)"
+    )
+    p.add_argument(
+        "--layers", type=int, default=8, help="equal linear layers of the MLP (default: 8)"
+    )
+    p.add_argument("--batch", type=int, default=16, help="batch per rank (default: 16)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed first steps (default: 3)")
+    p.add_argument("--codec", choices=CODECS, default="fp32", help="dlcp's codec (default: fp32)")
+    p.add_argument(
+        "--backends",
+        default="dlcp,gloo",
+        type=_backends_arg,
+        help="comma-separated: dlcp (its hook), gloo (DDP's default hook) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default: 25)"
+    )
+    p.add_argument("--loss-bound", type=float, default=0.0, help="dlcp's loss bound (default: 0)")
+    p.add_argument(
+        "--no-model",
+        action="store_true",
+        help="dlcp.init without model=: the shim learns the buckets' sizes in the first step",
+    )
+    p.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
+    p.add_argument("--name", default=None, help="testbed name (default: bench-<pid>)")
+
+
+def ddp_options(args: argparse.Namespace) -> Any:
+    from dlcp.bench.cluster import Setup
+    from dlcp.bench.ddp import DdpOptions
+
+    if args.params is not None:
+        if args.params < 1:
+            raise BenchError(f"--params must be >= 1, not {args.params}")
+        grad = 4 * args.params
+    else:
+        grad = parse_size(args.grad_size or "50MB")
+    setup = Setup(hosts=args.hosts, rate_bps=parse_rate(args.rate), mtu=args.mtu, name=args.name)
+    return DdpOptions(
+        setup=setup,
+        grad_bytes=grad,
+        layers=args.layers,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        codec=args.codec,
+        backends=tuple(args.backends),
+        bucket_mb=args.bucket_cap_mb,
+        bound=args.loss_bound,
+        with_model=not args.no_model,
+        progress=not args.no_progress,
+    )
+
+
 def _backends_arg(text: str) -> list[str]:
     try:
         return parse_backends(text)
@@ -178,7 +262,9 @@ def _cluster_args(
         help="clean; loss: --loss %% random loss on every switch port; burst: 300 ms of "
         "50%% loss every 2 s on one port; congested: TCP + UDP background on every "
         "port (on 2 cores its background saturates the CPU above 200mbit: `bench all` "
-        "runs it at 200mbit only); multipath: two paths (default: clean)",
+        "runs it at 200mbit only); multipath: two paths; pathdown: two paths, and 4 s "
+        "into each backend's run host 0's port on path 0 (the one Gloo uses) goes down "
+        "for 6 s (default: clean)",
     )
     p.add_argument("--loss", type=float, default=1.0, metavar="PCT", help="for --scenario loss")
     p.add_argument("--codec", choices=codecs, default="fp32", help="dlcp's codec (default: fp32)")
@@ -346,6 +432,27 @@ def _train(args: argparse.Namespace) -> int:
         print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
     if args.plot:
         plot_tta(records, args.plot, title=f"time to accuracy, {opts.setup.describe()}")
+        print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
+    return _finish(records)
+
+
+def _ddp(args: argparse.Namespace) -> int:
+    from dlcp.bench.ddp import format_table, run_ddp, save
+
+    opts = ddp_options(args)
+    records = run_ddp(opts, log_dir=args.logs)
+    print(format_table(records))
+    if args.json:
+        save(records, args.json)
+        print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from dlcp.bench.plots import plot_latency_cdf
+
+        plot_latency_cdf(
+            [{**r, "times_s": r["step_times_s"]} for r in records],
+            args.plot,
+            title=f"DDP step, {opts.setup.describe()}",
+        )
         print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
     return _finish(records)
 

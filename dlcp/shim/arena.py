@@ -73,6 +73,7 @@ class Arena:
         self._serial = 0
         self._top = 0
         self._retired: list[Segment | SealedSegment] = []
+        self.grows = 0  # segments replaced by larger ones
         self.segment = self._new(max(size, MIN_SEGMENT))
 
     def _new(self, size: int) -> Segment | SealedSegment:
@@ -117,6 +118,7 @@ class Arena:
         self._retired.append(self.segment)
         self.segment = new
         self._top = 0
+        self.grows += 1
 
     def reset(self) -> None:
         """The step's results are read: free all regions and retired segments."""

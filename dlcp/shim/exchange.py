@@ -7,6 +7,7 @@ seed, THC scale) is in `RoundPlan`, computed from values all ranks share.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from dlcp.shim.arena import Region
 from dlcp.shim.client import DaemonClient
 from dlcp.shim.regions import read_out, region_sizes, write_meta
 from dlcp.shim.staging import Staging
+from dlcp.shim.timeline import BucketTimes
 
 __all__ = ["Decoded", "RoundPlan", "Submitted", "decode_round", "round_seed", "submit_round"]
 
@@ -115,9 +117,11 @@ def submit_round(
     state: CodecState | None,
     generator: torch.Generator | None,
     staging: Staging,
+    times: BucketTimes | None = None,
 ) -> Submitted:
     """Encode the flat bucket `x` (left unchanged), write it and its metadata into
-    `region`, and submit it. The reply future completes when the round ends."""
+    `region`, and submit it. The reply future completes when the round ends.
+    `times`: stamped as the bucket is encoded, written, submitted and replied."""
     if region.sizes != region_sizes(plan.layout):
         raise ValueError("region was cut for another layout")
     if plan.scaled and plan.scale is None:
@@ -132,9 +136,13 @@ def submit_round(
         generator=generator,
     )
     block_max = enc.block_max.detach().to("cpu", torch.float32)
+    if times is not None:
+        times.encoded = time.perf_counter()
     direct = enc.lanes.is_cuda and region.segment.pin_for_cuda()
     staging.write(region.data_view(), enc.lanes, direct=direct)
     write_meta(region.meta_view(), layers, norms, block_max.numpy())
+    if times is not None:
+        times.written = time.perf_counter()
     reply = client.submit(
         job=job,
         round=plan.round,
@@ -145,7 +153,14 @@ def submit_round(
         scale=plan.header_scale,
         **region.submit_fields(),
     )
+    if times is not None:
+        times.submitted = time.perf_counter()
+        reply.add_done_callback(lambda _: _stamp_replied(times))
     return Submitted(plan, region, reply, block_max, enc.saturated)
+
+
+def _stamp_replied(times: BucketTimes) -> None:
+    times.replied = time.perf_counter()
 
 
 @dataclass(frozen=True)

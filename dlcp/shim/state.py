@@ -70,6 +70,7 @@ from dlcp.shim.link import AttachFailed, Link, attach
 from dlcp.shim.regions import region_sizes
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.staging import Staging
+from dlcp.shim.timeline import BucketTimes, Timeline
 
 __all__ = ["DlcpState", "ShimError"]
 
@@ -134,6 +135,7 @@ _RUNTIME = (
     "_warned",
     "_auto_used",
     "_status",
+    "_timeline",
     "__weakref__",
 )
 
@@ -161,6 +163,7 @@ class _Pending:
     reply: dict[str, Any] | None = None
     sent_at: float | None = None  # when submitted, and when the reply came (auto)
     replied_at: float | None = None
+    times: BucketTimes | None = None  # the bucket's timeline (DDP buckets)
 
 
 def _check_fraction(name: str, value: float, hi: float) -> float:
@@ -296,6 +299,7 @@ class DlcpState:
         self._warned = False
         self._auto_used = False
         self._status: Future[dict[str, Any]] | None = None
+        self._timeline = Timeline()
 
     # -- pickling (checkpoints) -------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -349,9 +353,23 @@ class DlcpState:
             "last_error": self.last_error,
             # the segment page-locked for CUDA: GPU buckets move in one DMA
             "segment_pinned": self._link is not None and self._link.arena.segment.pinned,
+            # the segment's size, and how often it grew since attaching (a step
+            # that grows it first waits for its buckets in flight)
+            "segment_bytes": None if self._link is None else self._link.arena.segment.size,
+            "segment_grows": 0 if self._link is None else self._link.arena.grows,
             "codec": self.codec,
             "auto": None if self._auto is None else self._auto.describe(),
         }
+
+    @property
+    def timeline(self) -> Timeline:
+        """Per-bucket stamps of the last steps through the daemon (`dlcp.shim.timeline`)."""
+        return self._timeline
+
+    def timeline_summary(self, last: int | None = None) -> dict[str, Any]:
+        """Medians per phase of the last `last` steps' buckets, in seconds
+        (`dlcp.shim.timeline.Timeline.summary`)."""
+        return self._timeline.summary(last)
 
     def attach(self) -> bool:
         """Collective: (re)attach every rank to its daemon. Returns whether attached.
@@ -411,6 +429,7 @@ class DlcpState:
         self, bucket: dist.GradBucket, codec: str | None = None
     ) -> torch.futures.Future[torch.Tensor]:
         """What `dlcp.shim.hook` does with one DDP bucket."""
+        handed = time.perf_counter()
         if self._attach_due and not self._pending:
             self.attach()
         buf = bucket.buffer()
@@ -431,17 +450,20 @@ class DlcpState:
         params = bucket.parameters()
         self._layers.observe(params)
         flat = buf.reshape(-1)
+        times = self._timeline.bucket(bucket.index(), flat.numel() * flat.element_size(), handed)
         p = self._launch(
             flat,
             bucket.index(),
             name,
             ("ddp", name, bucket.index()),
             lambda plan: self._packet_layers(bucket, flat, plan),
+            times,
         )
         p.future = torch.futures.Future()
         if auto is not None:
             self._time_exchange(p)
             auto.bucket_left(time.perf_counter())
+        times.left = time.perf_counter()
         if last:
             self._finish_step()
         return p.future
@@ -492,6 +514,7 @@ class DlcpState:
         name: str,
         key: Key | None,
         layers: Callable[[RoundPlan], npt.NDArray[np.uint16]],
+        times: BucketTimes | None = None,
     ) -> _Pending:
         """Plan, encode and submit one bucket; failures are recorded, not raised.
 
@@ -508,7 +531,9 @@ class DlcpState:
         plan = RoundPlan.make(
             codec, numel, shards=len(m.hosts), payload=m.payload, round_=self.round, bucket=bucket
         )
-        p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None)
+        p = _Pending(
+            bucket=bucket, buffer=flat, key=state_key, keep=key is not None, times=times
+        )
         self._pending.append(p)
         ef = self._ef.get(state_key) if key is not None else None
         if ef is None and key is not None and name != "fp32":
@@ -545,6 +570,7 @@ class DlcpState:
                 state=ef,
                 generator=self._generator(flat.device),
                 staging=self._staging,
+                times=times,
             )
         except Exception as exc:
             p.error = f"submit: {type(exc).__name__}: {exc}"
@@ -587,6 +613,9 @@ class DlcpState:
                 continue
             try:
                 p.reply = p.sub.reply.result(timeout=max(0.0, deadline - time.monotonic()))
+                if p.times is not None:
+                    p.times.seen = time.perf_counter()
+                    p.times.daemon_s = float(p.reply.get("elapsed_s", math.nan))
                 if p.sent_at is not None and p.replied_at is None:  # (callbacks run late)
                     p.replied_at = time.perf_counter()
             except TimeoutError:
@@ -598,6 +627,7 @@ class DlcpState:
         pending = self._pending
         auto = self._auto if self._auto_used else None
         learned = False
+        began = time.perf_counter()
         try:
             self._wait_replies(time.monotonic() + self.round_timeout_s)
             local = next((p.error for p in pending if p.error), None)
@@ -622,6 +652,7 @@ class DlcpState:
             self._auto_used = False
             if self._link is not None:
                 self._link.arena.reset()
+            self._timeline.end_step(time.perf_counter() - began)
             self._end_step()
 
     def _maxima(self, pending: list[_Pending]) -> torch.Tensor | None:
@@ -651,6 +682,8 @@ class DlcpState:
             dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
             if dec.mean is not p.buffer:
                 p.buffer.copy_(dec.mean.to(p.buffer.dtype))
+            if p.times is not None:
+                p.times.decoded = time.perf_counter()
             self.rounds += 1
             self.lost_lanes += int(p.reply.get("lost_lanes", 0))
             self.total_lanes += int(p.reply.get("total_lanes", 0))
@@ -663,6 +696,8 @@ class DlcpState:
                 at += n
             if p.future is not None:
                 p.future.set_result(p.buffer)
+            if p.times is not None:
+                p.times.completed = time.perf_counter()
 
     def _step_failed(self, reason: str) -> None:
         for p in self._pending:

@@ -1,0 +1,303 @@
+"""`dlcp bench ddp`: the time of a DDP step with dlcp's hook and with Gloo's default one.
+
+One rank per emulated host trains the same MLP (`dlcp.bench.ddp_worker`,
+about `grad_bytes` of fp32 gradients in `layers` layers, so DDP makes several
+buckets that become ready over the backward pass) for `warmup` + `steps`
+steps: with DDP's default all-reduce over Gloo, and with dlcp's hook through
+real daemons, back to back on the same testbed. A step is forward, backward
+and the update; its time is the slowest rank's. The dlcp record also carries
+the shim's timeline (`dlcp.shim.timeline`): medians per phase of where a
+bucket's time went between DDP handing it over and its future completing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlcp.bench import cpuload
+from dlcp.bench.cluster import Cluster, Setup
+from dlcp.bench.common import CODECS, BenchError, format_bytes, format_rate, percentile
+from dlcp.bench.common import say as default_say
+from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
+
+__all__ = ["DDP_BACKENDS", "DDP_KEYS", "DdpOptions", "format_table", "run_ddp", "save"]
+
+Say = Callable[[str], None]
+
+DDP_BACKENDS: tuple[str, ...] = ("dlcp", "gloo")
+# Present in every record of `dlcp bench ddp --json`, in this order.
+DDP_KEYS: tuple[str, ...] = (
+    "backend",
+    "codec",
+    "scenario",
+    "hosts",
+    "grad_bytes",
+    "params",
+    "steps",
+    "step_times_s",
+    "p50_s",
+    "p99_s",
+    "cpu_s",
+    "cpu_bound",
+)
+
+_ports = iter(range(31700, 32700))
+
+
+@dataclass(frozen=True)
+class DdpOptions:
+    setup: Setup
+    grad_bytes: int = 50_000_000  # fp32 gradients: grad_bytes / 4 parameters
+    layers: int = 8
+    batch: int = 16
+    steps: int = 20
+    warmup: int = 3
+    codec: str = "fp32"
+    backends: Sequence[str] = DDP_BACKENDS
+    bucket_mb: float = 25.0  # DDP's bucket_cap_mb (its default), the same for both
+    bound: float = 0.0
+    with_model: bool = True  # dlcp.init(model=...): the segment sized up front
+    round_timeout_s: float = 60.0
+    seed: int = 0
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}")
+        for b in self.backends:
+            if b not in DDP_BACKENDS:
+                raise BenchError(f"bench ddp runs backends {', '.join(DDP_BACKENDS)}, not {b!r}")
+        if not self.backends:
+            raise BenchError("--backends names no backend")
+        if self.grad_bytes < 4 * 1024:
+            raise BenchError(f"--grad-size must be at least 4kB, not {self.grad_bytes} bytes")
+        if self.steps < 1 or self.layers < 1 or self.batch < 1:
+            raise BenchError("--steps, --layers and --batch must be >= 1")
+        if self.warmup < 1:
+            raise BenchError("--warmup must be >= 1 (the first step attaches and sizes buckets)")
+        if not self.bucket_mb > 0:
+            raise BenchError(f"--bucket-cap-mb must be > 0, not {self.bucket_mb}")
+        if not 0 <= self.bound <= 0.5:
+            raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
+
+    @property
+    def params(self) -> int:
+        return self.grad_bytes // 4
+
+
+def _record(opts: DdpOptions, backend: str) -> dict[str, Any]:
+    s = opts.setup
+    return {
+        "backend": backend,
+        "codec": opts.codec if backend == "dlcp" else "fp32",
+        "scenario": s.scenario,
+        "hosts": s.hosts,
+        "grad_bytes": opts.grad_bytes,
+        "params": None,
+        "steps": opts.steps,
+        "step_times_s": [],
+        "p50_s": None,
+        "p99_s": None,
+        "cpu_s": None,
+        "cpu_bound": None,  # from the run (dlcp.bench.cpuload); None: not measured
+        "rate_bps": s.rate_bps,
+        "mtu": s.mtu,
+        "layers": opts.layers,
+        "batch_per_rank": opts.batch,
+        "bucket_mb": opts.bucket_mb,
+        "warmup": opts.warmup,
+        **opts.extra,
+    }
+
+
+def _argv(cluster: Cluster, opts: DdpOptions, backend: str, rank: int, port: int) -> list[str]:
+    args = [
+        "--backend", backend, "--rank", str(rank), "--world", str(opts.setup.hosts),
+        "--master", cluster.tb.address(0), "--port", str(port),
+        "--params", str(opts.params), "--layers", str(opts.layers),
+        "--batch", str(opts.batch), "--steps", str(opts.steps), "--warmup", str(opts.warmup),
+        "--seed", str(opts.seed), "--codec", opts.codec, "--bound", str(opts.bound),
+        "--timeout", str(opts.round_timeout_s), "--bucket-mb", str(opts.bucket_mb),
+    ]  # fmt: skip
+    if not opts.with_model:
+        args.append("--no-model")
+    return worker_argv("dlcp.bench.ddp_worker", args)
+
+
+def run_backend(cluster: Cluster, opts: DdpOptions, backend: str, say: Say) -> dict[str, Any]:
+    rec = _record(opts, backend)
+    is_dlcp = backend == "dlcp"
+    started = time.monotonic()
+    try:
+        if is_dlcp:
+            rec["loss_bound"] = opts.bound
+            cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
+        port = next(_ports)
+        argvs = [_argv(cluster, opts, backend, h.index, port) for h in cluster.tb.hosts]
+        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        say(f"{backend}: starting {len(argvs)} workers")
+        _run_workers(cluster, opts, backend, argvs, env, rec, say)
+    except BenchError as exc:
+        rec["error"] = str(exc)
+        if is_dlcp and cluster.daemons_running:
+            tail = cluster.daemon_log_tail(3)
+            if tail:
+                rec["error"] += f"\ndaemon logs: {tail}"
+        say(f"{backend}: FAILED: {rec['error']}")
+    finally:
+        if is_dlcp:
+            cluster.stop_dlcp()
+        if cluster.log_dir is not None:
+            cluster.save_logs(cluster.log_dir, backend)
+    rec["run_wall_s"] = time.monotonic() - started
+    return rec
+
+
+def _run_workers(
+    cluster: Cluster,
+    opts: DdpOptions,
+    backend: str,
+    argvs: list[list[str]],
+    env: dict[str, str],
+    rec: dict[str, Any],
+    say: Say,
+) -> None:
+    from tqdm import tqdm
+
+    label = f"ddp-{cluster.run_label(backend)}"
+    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
+    with group as g:
+        ready = g.expect("ready", 300.0 + opts.warmup * opts.round_timeout_s)
+        rec["params"] = ready[0].get("params")
+        rec["width"] = ready[0].get("width")
+        bar = tqdm(
+            total=opts.steps,
+            desc=f"{label:<20}",
+            unit="step",
+            file=sys.stderr,
+            disable=not opts.progress,
+            leave=True,
+            dynamic_ncols=True,
+        )
+
+        def on_event(rank: int, msg: dict[str, Any]) -> None:
+            if msg.get("event") == "step":
+                bar.update(1)
+
+        daemons = cluster.daemon_pids() if backend == "dlcp" else []
+        mine = g.pids() + daemons
+        cpu0 = cpuload.snapshot(mine)
+        d0 = cpuload.processes_cpu_s(daemons)
+        try:
+            g.send("go")
+            results = g.expect_any(
+                "result", 120.0 + opts.steps * opts.round_timeout_s, on_other=on_event
+            )
+        finally:
+            bar.close()
+            rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
+            daemon_cpu = cpuload.processes_cpu_s(daemons) - d0
+        g.wait()
+    summarize(rec, results, daemon_cpu if backend == "dlcp" else None)
+
+
+def summarize(
+    rec: dict[str, Any], results: Sequence[dict[str, Any]], daemon_cpu: float | None
+) -> None:
+    """Fill `rec` from the ranks' results: a step takes as long as its slowest rank."""
+    per_rank = [[float(t) for t in r.get("step_times_s") or []] for r in results]
+    n = min((len(t) for t in per_rank), default=0)
+    steps = [max(t[i] for t in per_rank) for i in range(n)]
+    rec["step_times_s"] = steps
+    rec["p50_s"] = percentile(steps, 50) if steps else None
+    rec["p99_s"] = percentile(steps, 99) if steps else None
+    rec["mean_s"] = sum(steps) / len(steps) if steps else None
+    rec["first_step_s"] = max(float(r.get("first_step_s") or 0.0) for r in results)
+    rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in results) + (daemon_cpu or 0.0)
+    if daemon_cpu is None:
+        return
+    rec["daemon_cpu_s"] = daemon_cpu
+    stats = [r.get("dlcp") or {} for r in results]
+    lost = sum(int(s.get("lost_lanes", 0)) for s in stats)
+    total = sum(int(s.get("total_lanes", 0)) for s in stats)
+    rec["loss_frac"] = lost / total if total else 0.0
+    rec["fallbacks"] = sum(int(s.get("fallbacks", 0)) for s in stats)
+    rec["dlcp_rounds"] = sum(int(s.get("rounds", 0)) for s in stats)
+    rec["segment_grows"] = sum(int(s.get("segment_grows", 0)) for s in stats)
+    rec["timeline"] = [s.get("timeline") for s in stats]  # per rank
+    errors = [s.get("last_error") for s in stats if s.get("last_error")]
+    if errors:
+        rec["dlcp_last_error"] = errors[0]
+
+
+def run_ddp(
+    opts: DdpOptions, say: Say | None = None, *, log_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    say = say or default_say
+    records = []
+    with Cluster(opts.setup, progress=say) as cluster:
+        cluster.log_dir = log_dir
+        for backend in opts.backends:
+            records.append(run_backend(cluster, opts, backend, say))
+    return records
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
+def format_table(records: Sequence[dict[str, Any]]) -> str:
+    """Step times per backend, dlcp's ratio to Gloo's, and dlcp's timeline."""
+    if not records:
+        return "(no results)"
+    gloo = next((r for r in records if r["backend"] == "gloo" and r.get("p50_s")), None)
+    lines = [
+        f"{'backend':<8} {'codec':<5} {'p50 ms':>8} {'p99 ms':>8} {'first ms':>9} "
+        f"{'cpu s':>7} {'bound':>5} {'/gloo':>6}"
+    ]
+    for r in records:
+        if r.get("error"):
+            why = str(r["error"]).splitlines()[0]
+            lines.append(f"{r['backend']:<8} {r['codec']:<5} FAILED: {why}")
+            continue
+        ratio = "-"
+        if gloo is not None and r.get("p50_s"):
+            ratio = f"{r['p50_s'] / gloo['p50_s']:.2f}x"
+        cpu = "-" if r.get("cpu_s") is None else f"{r['cpu_s']:.1f}"
+        lines.append(
+            f"{r['backend']:<8} {r['codec']:<5} {_ms(r.get('p50_s')):>8} "
+            f"{_ms(r.get('p99_s')):>8} {_ms(r.get('first_step_s')):>9} {cpu:>7} "
+            f"{cpuload.mark(r):>5} {ratio:>6}"
+        )
+    for r in records:
+        for rank, tl in enumerate(r.get("timeline") or []):
+            if not tl:
+                continue
+            phases = ", ".join(f"{k} {_ms(v)}" for k, v in tl["phases"].items())
+            step = ", ".join(
+                f"{k} {v:.0f}" if k == "in_flight" and v is not None else f"{k} {_ms(v)}"
+                for k, v in tl["step"].items()
+            )
+            lines.append(f"dlcp rank {rank} bucket medians ms: {phases}")
+            lines.append(f"dlcp rank {rank} step medians ms: {step}")
+    first = records[0]
+    lines.append(
+        f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
+        f"{format_bytes(first['grad_bytes'])} of gradients in {first['layers']} layers, "
+        f"DDP buckets of {first['bucket_mb']:g} MB, {first['steps']} steps; /gloo = this "
+        "step p50 over Gloo's: <= 1 is as fast; bound: cpu = the run was CPU-bound)"
+    )
+    lines += cpuload.baseline_notes(records, lambda r: r["scenario"])
+    return "\n".join(lines)
+
+
+def save(records: Sequence[dict[str, Any]], path: Path | str) -> None:
+    from dlcp.bench.common import write_json
+
+    write_json(path, records, DDP_KEYS)
