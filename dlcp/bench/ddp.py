@@ -231,6 +231,13 @@ def summarize(
     rec["dlcp_rounds"] = sum(int(s.get("rounds", 0)) for s in stats)
     rec["segment_grows"] = sum(int(s.get("segment_grows", 0)) for s in stats)
     rec["timeline"] = [s.get("timeline") for s in stats]  # per rank
+    rec["first_timeline"] = [s.get("first_timeline") for s in stats]  # the first step's
+    # per rank, medians (s): forward + backward to the first bucket, buckets, the rest
+    rec["spans"] = [s.get("spans") for s in stats]
+    rec["first_spans"] = [s.get("first_spans") for s in stats]
+    rec["first_segment_grows"] = sum(int(s.get("first_segment_grows") or 0) for s in stats)
+    # per host: the daemons' counters over the timed steps (NACKs, retransmissions)
+    rec["daemon_counters"] = [s.get("daemon_counters") or {} for s in stats]
     errors = [s.get("last_error") for s in stats if s.get("last_error")]
     if errors:
         rec["dlcp_last_error"] = errors[0]

@@ -22,12 +22,15 @@ import datetime
 import json
 import math
 import resource
+import statistics
 import sys
 import time
 import warnings
 from typing import Any
 
 import torch
+
+from dlcp.shim.timeline import StepTimes
 
 __all__ = ["build_model", "main", "mlp_width"]
 
@@ -57,6 +60,18 @@ def build_model(params: int, layers: int, seed: int) -> torch.nn.Sequential:
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     mods.append(torch.nn.Linear(width, OUTPUTS))
     return torch.nn.Sequential(*mods)
+
+
+SPANS = ("before_hooks", "in_hooks", "after_hooks")
+
+
+def step_spans(tl: StepTimes, start: float, end: float) -> dict[str, float]:
+    """A dlcp step cut at its buckets (seconds): the forward pass and the
+    backward until DDP hands over the first bucket; from then until the last
+    bucket's future completes; the rest (DDP's finalisation, the update)."""
+    first = min(b.handed for b in tl.buckets)
+    last = max(b.completed for b in tl.buckets)
+    return {"before_hooks": first - start, "in_hooks": last - first, "after_hooks": end - last}
 
 
 def cpu_s() -> float:
@@ -124,19 +139,29 @@ def run(a: argparse.Namespace) -> None:
     xb = torch.randn(a.batch, width, generator=gen)
     yb = torch.randint(0, OUTPUTS, (a.batch,), generator=gen)
 
+    spans: list[dict[str, float]] = []
+
     def step() -> float:
         ts = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
-        return time.perf_counter() - ts
+        te = time.perf_counter()
+        if state is not None and state.timeline.steps:
+            spans.append(step_spans(state.timeline.steps[-1], ts, te))
+        return te - ts
 
     first = step()  # the first step: attaching, the segment, DDP's rebuilt buckets
+    first_timeline = state.timeline_summary(last=1) if state is not None else None
+    first_spans = spans[-1] if spans else None
+    first_grows = state.stats()["segment_grows"] if state is not None else None
     for _ in range(max(0, a.warmup - 1)):
         step()
     if state is not None:
         state.timeline.clear()
+    spans.clear()
+    counters0 = state.daemon_counters() if state is not None else {}
     dist.barrier()
     emit("ready", params=params, width=width, first_step_s=first)
     if not sys.stdin.readline():
@@ -156,6 +181,15 @@ def run(a: argparse.Namespace) -> None:
     if state is not None:
         stats = state.stats()
         stats["timeline"] = state.timeline_summary()
+        stats["first_timeline"] = first_timeline
+        stats["first_spans"] = first_spans
+        stats["spans"] = {k: statistics.median(s[k] for s in spans) for k in SPANS if spans}
+        stats["first_segment_grows"] = first_grows
+        after = state.daemon_counters()
+        # what the timed steps cost the daemon (NACKs, retransmissions, ...)
+        stats["daemon_counters"] = {
+            k: v - counters0.get(k, 0) for k, v in after.items() if v != counters0.get(k, 0)
+        }
         dist.barrier()  # leave the daemon's job only when every rank is done
         state.close()
     emit(

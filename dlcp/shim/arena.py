@@ -74,6 +74,7 @@ class Arena:
         self._top = 0
         self._retired: list[Segment | SealedSegment] = []
         self.grows = 0  # segments replaced by larger ones
+        self.step_bytes = 0  # what the regions since the last reset take, in any segment
         self.segment = self._new(max(size, MIN_SEGMENT))
 
     def _new(self, size: int) -> Segment | SealedSegment:
@@ -105,6 +106,7 @@ class Arena:
         meta = data + align(sizes.data)
         out = meta + align(sizes.meta)
         self._top = out + align(sizes.out)
+        self.step_bytes += self._top - data
         return Region(self.segment, data, meta, out, sizes)
 
     def grow(self, needed: int) -> None:
@@ -120,9 +122,18 @@ class Arena:
         self._top = 0
         self.grows += 1
 
+    def reserve(self, size: int) -> bool:
+        """Make the segment hold at least `size` bytes (between steps: no submit
+        outstanding); whether it had to grow."""
+        if self.segment.size >= size:
+            return False
+        self.grow(size)
+        return True
+
     def reset(self) -> None:
         """The step's results are read: free all regions and retired segments."""
         self._top = 0
+        self.step_bytes = 0
         for seg in self._retired:
             seg.close()
         self._retired = []

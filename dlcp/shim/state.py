@@ -62,6 +62,7 @@ import torch.distributed as dist
 from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec, next_scale
 from dlcp.errors import DlcpError, LocalError
 from dlcp.shim import pg
+from dlcp.shim.arena import Arena
 from dlcp.shim.auto import AUTO, AutoCodec, available, host_calibration, link_from_status
 from dlcp.shim.client import default_socket
 from dlcp.shim.exchange import RoundPlan, Submitted, decode_round, submit_round
@@ -72,7 +73,7 @@ from dlcp.shim.rendezvous import Store
 from dlcp.shim.staging import Staging
 from dlcp.shim.timeline import BucketTimes, Timeline
 
-__all__ = ["DlcpState", "ShimError"]
+__all__ = ["DlcpState", "ShimError", "segment_for"]
 
 log = logging.getLogger("dlcp.shim")
 
@@ -140,6 +141,15 @@ _RUNTIME = (
 )
 
 Key = tuple[Any, ...]
+
+
+def segment_for(model: torch.nn.Module) -> int:
+    """Bytes of segment one step of `model`'s gradients takes in the largest
+    codec (fp32): each value's lanes and sums (8 bytes), the packets' metadata
+    and counts (16 bytes a packet of at least 64 values: 0.25 a value), and
+    each bucket's alignment (1 MiB covers thousands of buckets)."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return int(numel * 8.5) + (1 << 20)
 
 
 class ShimError(DlcpError):
@@ -255,8 +265,7 @@ class DlcpState:
         self.mode = mode
         self.segment_bytes = segment_bytes
         if segment_bytes is None and model is not None:
-            numel = sum(p.numel() for p in model.parameters())
-            self.segment_bytes = int(numel * 8.5) + (1 << 20)  # fp32 data + sums + meta
+            self.segment_bytes = segment_for(model)
 
         self.round = 0
         self.fallbacks = 0
@@ -334,9 +343,14 @@ class DlcpState:
         return None if self._auto is None else self._auto.current
 
     def set_model(self, model: torch.nn.Module) -> None:
-        """Take layer indices from `model`'s parameter order (e.g. after unpickling)."""
+        """Take layer indices from `model`'s parameter order (e.g. after unpickling),
+        and size the segment for its gradients now (not collective), so that
+        the next step does not grow it (`init(model=...)` does both at once)."""
         self._layers = LayerMap(model)
         self._layer_cache.clear()
+        self.segment_bytes = max(self.segment_bytes or 0, segment_for(model))
+        if self._link is not None and not self._pending:
+            self._link.arena.reserve(self.segment_bytes)
 
     def stats(self) -> dict[str, Any]:
         """Counters, for logs and tests."""
@@ -370,6 +384,15 @@ class DlcpState:
         """Medians per phase of the last `last` steps' buckets, in seconds
         (`dlcp.shim.timeline.Timeline.summary`)."""
         return self._timeline.summary(last)
+
+    def daemon_counters(self, timeout: float = 5.0) -> dict[str, int]:
+        """The local daemon's counters (`status`: datagrams, NACKs, retransmissions,
+        ...; the whole host's, every job's), or {} when not attached."""
+        link = self._link
+        if link is None:
+            return {}
+        status = link.client.call("status", timeout=timeout)["status"]
+        return {str(k): int(v) for k, v in status.get("counters", {}).items()}
 
     def attach(self) -> bool:
         """Collective: (re)attach every rank to its daemon. Returns whether attached.
@@ -651,9 +674,21 @@ class DlcpState:
             self._pending = []
             self._auto_used = False
             if self._link is not None:
-                self._link.arena.reset()
+                self._reserve_for_next_step(self._link.arena)
             self._timeline.end_step(time.perf_counter() - began)
             self._end_step()
+
+    def _reserve_for_next_step(self, arena: Arena) -> None:
+        """Free the step's regions; if the step outgrew the segment, size it for
+        the whole step now, between steps, so the next one does not grow it
+        bucket by bucket (each growth waits for the buckets in flight)."""
+        taken = arena.step_bytes
+        arena.reset()
+        try:
+            if arena.reserve(taken):
+                self.segment_bytes = max(self.segment_bytes or 0, arena.segment.size)
+        except Exception as exc:  # the next step grows it, or fails over
+            log.debug("dlcp: could not grow the segment between steps: %s", exc)
 
     def _maxima(self, pending: list[_Pending]) -> torch.Tensor | None:
         """What the agreement carries for the next THC scales: per bucket its max
@@ -679,6 +714,8 @@ class DlcpState:
         for p in self._pending:
             assert p.sub is not None and p.reply is not None
             plan = p.sub.plan
+            if p.times is not None:
+                p.times.decoding = time.perf_counter()
             dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
             if dec.mean is not p.buffer:
                 p.buffer.copy_(dec.mean.to(p.buffer.dtype))

@@ -15,10 +15,15 @@ Phases of one bucket (seconds):
 - submit: the SUBMIT request on the Unix socket;
 - queue: submit sent to the daemon's round start (the reply's turnaround
   less the daemon's own round time: the socket, and the daemon busy with
-  earlier work);
+  earlier work; negative where a peer's packets started the round on this
+  daemon before the submit came);
 - daemon: the daemon's round, from its start to its reply (the wire);
 - result: the reply received until the step's end takes it up (the rest of
   the backward pass, or earlier buckets' decoding);
+- agree: taken up until its decode begins: the later buckets' replies, the
+  step's agreement (every
+  rank's outcome, one small all-reduce that waits for the slowest rank) and
+  the decoding of the buckets before it;
 - decode: the out region averaged into the bucket;
 - complete: the future completed (DDP's callbacks run inline);
 - total: handed over to completed.
@@ -46,6 +51,7 @@ PHASES: tuple[str, ...] = (
     "queue",
     "daemon",
     "result",
+    "agree",
     "decode",
     "complete",
     "total",
@@ -68,6 +74,7 @@ class BucketTimes:
     left: float = _NAN  # the hook returned to DDP
     replied: float = _NAN  # on the client's reader thread
     seen: float = _NAN  # the step's end took the reply up
+    decoding: float = _NAN  # its decode began (after the step's agreement)
     decoded: float = _NAN
     completed: float = _NAN
     daemon_s: float = _NAN  # the daemon's round time, from its reply
@@ -81,7 +88,8 @@ class BucketTimes:
             "queue": turnaround - self.daemon_s,
             "daemon": self.daemon_s,
             "result": self.seen - self.replied,
-            "decode": self.decoded - self.seen,
+            "agree": self.decoding - self.seen,
+            "decode": self.decoded - self.decoding,
             "complete": self.completed - self.decoded,
             "total": self.completed - self.handed,
         }
