@@ -4,8 +4,11 @@ One rank per emulated host trains the same MLP (`dlcp.bench.ddp_worker`,
 about `grad_bytes` of fp32 gradients in `layers` layers, so DDP makes several
 buckets that become ready over the backward pass) for `warmup` + `steps`
 steps: with DDP's default all-reduce over Gloo, and with dlcp's hook through
-real daemons, back to back on the same testbed. A step is forward, backward
-and the update; its time is the slowest rank's. The dlcp record also carries
+real daemons. Every rank holds one model per backend and alternates their
+steps, so both backends meet the same machine (on a shared host, whatever
+else runs weighs on both alike). A step is forward, backward and the update;
+its time is the slowest rank's. The CPU-load keys (`cpu_bound`, ...) are the
+alternated run's; dlcp's `cpu_s` adds its daemons' CPU to its ranks'. The dlcp record also carries
 the shim's timeline (`dlcp.shim.timeline`): medians per phase of where a
 bucket's time went between DDP handing it over and its future completing.
 """
@@ -25,7 +28,15 @@ from dlcp.bench.common import CODECS, BenchError, format_bytes, format_rate, per
 from dlcp.bench.common import say as default_say
 from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
 
-__all__ = ["DDP_BACKENDS", "DDP_KEYS", "DdpOptions", "format_table", "run_ddp", "save"]
+__all__ = [
+    "DDP_BACKENDS",
+    "DDP_KEYS",
+    "DdpOptions",
+    "format_table",
+    "run_ddp",
+    "save",
+    "summarize",
+]
 
 Say = Callable[[str], None]
 
@@ -112,14 +123,15 @@ def _record(opts: DdpOptions, backend: str) -> dict[str, Any]:
         "batch_per_rank": opts.batch,
         "bucket_mb": opts.bucket_mb,
         "warmup": opts.warmup,
+        "alternated": len(opts.backends) > 1,
         **opts.extra,
     }
 
 
-def _argv(cluster: Cluster, opts: DdpOptions, backend: str, rank: int, port: int) -> list[str]:
+def _argv(cluster: Cluster, opts: DdpOptions, rank: int, port: int) -> list[str]:
     args = [
-        "--backend", backend, "--rank", str(rank), "--world", str(opts.setup.hosts),
-        "--master", cluster.tb.address(0), "--port", str(port),
+        "--backend", ",".join(opts.backends), "--rank", str(rank),
+        "--world", str(opts.setup.hosts), "--master", cluster.tb.address(0), "--port", str(port),
         "--params", str(opts.params), "--layers", str(opts.layers),
         "--batch", str(opts.batch), "--steps", str(opts.steps), "--warmup", str(opts.warmup),
         "--seed", str(opts.seed), "--codec", opts.codec, "--bound", str(opts.bound),
@@ -130,52 +142,56 @@ def _argv(cluster: Cluster, opts: DdpOptions, backend: str, rank: int, port: int
     return worker_argv("dlcp.bench.ddp_worker", args)
 
 
-def run_backend(cluster: Cluster, opts: DdpOptions, backend: str, say: Say) -> dict[str, Any]:
-    rec = _record(opts, backend)
-    is_dlcp = backend == "dlcp"
-    started = time.monotonic()
-    try:
-        if is_dlcp:
-            rec["loss_bound"] = opts.bound
-            cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
-        port = next(_ports)
-        argvs = [_argv(cluster, opts, backend, h.index, port) for h in cluster.tb.hosts]
-        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
-        say(f"{backend}: starting {len(argvs)} workers")
-        _run_workers(cluster, opts, backend, argvs, env, rec, say)
-    except BenchError as exc:
-        rec["error"] = str(exc)
-        if is_dlcp and cluster.daemons_running:
-            tail = cluster.daemon_log_tail(3)
-            if tail:
-                rec["error"] += f"\ndaemon logs: {tail}"
-        say(f"{backend}: FAILED: {rec['error']}")
-    finally:
-        if is_dlcp:
-            cluster.stop_dlcp()
-        if cluster.log_dir is not None:
-            cluster.save_logs(cluster.log_dir, backend)
-    rec["run_wall_s"] = time.monotonic() - started
-    return rec
+def run_ddp(
+    opts: DdpOptions, say: Say | None = None, *, log_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    """One run on a new testbed: every rank alternates the backends' steps."""
+    say = say or default_say
+    records = [_record(opts, b) for b in opts.backends]
+    uses_dlcp = "dlcp" in opts.backends
+    with Cluster(opts.setup, progress=say) as cluster:
+        cluster.log_dir = log_dir
+        started = time.monotonic()
+        try:
+            if uses_dlcp:
+                cluster.start_dlcp("dlcp", timeout_s=opts.round_timeout_s)
+            port = next(_ports)
+            argvs = [_argv(cluster, opts, h.index, port) for h in cluster.tb.hosts]
+            env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+            say(f"{'+'.join(opts.backends)}: starting {len(argvs)} workers (steps alternated)")
+            _run_workers(cluster, opts, argvs, env, records)
+        except BenchError as exc:
+            error = str(exc)
+            if uses_dlcp and cluster.daemons_running:
+                tail = cluster.daemon_log_tail(3)
+                if tail:
+                    error += f"\ndaemon logs: {tail}"
+            say(f"FAILED: {error}")
+            for rec in records:
+                rec["error"] = error
+        finally:
+            if uses_dlcp:
+                cluster.stop_dlcp()
+            if cluster.log_dir is not None:
+                cluster.save_logs(cluster.log_dir, "+".join(opts.backends))
+        for rec in records:
+            rec["run_wall_s"] = time.monotonic() - started
+    return records
 
 
 def _run_workers(
     cluster: Cluster,
     opts: DdpOptions,
-    backend: str,
     argvs: list[list[str]],
     env: dict[str, str],
-    rec: dict[str, Any],
-    say: Say,
+    records: list[dict[str, Any]],
 ) -> None:
     from tqdm import tqdm
 
-    label = f"ddp-{cluster.run_label(backend)}"
+    label = f"ddp-{cluster.run_label('+'.join(opts.backends))}"
     group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
     with group as g:
         ready = g.expect("ready", 300.0 + opts.warmup * opts.round_timeout_s)
-        rec["params"] = ready[0].get("params")
-        rec["width"] = ready[0].get("width")
         bar = tqdm(
             total=opts.steps,
             desc=f"{label:<20}",
@@ -190,69 +206,60 @@ def _run_workers(
             if msg.get("event") == "step":
                 bar.update(1)
 
-        daemons = cluster.daemon_pids() if backend == "dlcp" else []
+        daemons = cluster.daemon_pids()
         mine = g.pids() + daemons
         cpu0 = cpuload.snapshot(mine)
         d0 = cpuload.processes_cpu_s(daemons)
         try:
             g.send("go")
-            results = g.expect_any(
-                "result", 120.0 + opts.steps * opts.round_timeout_s, on_other=on_event
-            )
+            wait_s = 120.0 + opts.steps * len(opts.backends) * opts.round_timeout_s
+            results = g.expect_any("result", wait_s, on_other=on_event)
         finally:
             bar.close()
-            rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
+            load = cpuload.load(cpu0, cpuload.snapshot(mine))
             daemon_cpu = cpuload.processes_cpu_s(daemons) - d0
         g.wait()
-    summarize(rec, results, daemon_cpu if backend == "dlcp" else None)
+    for rec in records:
+        rec["params"] = ready[0].get("params")
+        rec["width"] = ready[0].get("width")
+        rec.update(load)  # the machine's, over the whole alternated run
+        runs = [r["runs"][rec["backend"]] for r in results]
+        summarize(rec, runs, daemon_cpu if rec["backend"] == "dlcp" else None)
 
 
 def summarize(
-    rec: dict[str, Any], results: Sequence[dict[str, Any]], daemon_cpu: float | None
+    rec: dict[str, Any], runs: Sequence[dict[str, Any]], daemon_cpu: float | None
 ) -> None:
-    """Fill `rec` from the ranks' results: a step takes as long as its slowest rank."""
-    per_rank = [[float(t) for t in r.get("step_times_s") or []] for r in results]
+    """Fill `rec` from the ranks' runs of its backend: a step takes as long as
+    its slowest rank; dlcp's CPU includes its daemons' (idle in Gloo's steps)."""
+    per_rank = [[float(t) for t in r.get("step_times_s") or []] for r in runs]
     n = min((len(t) for t in per_rank), default=0)
     steps = [max(t[i] for t in per_rank) for i in range(n)]
+    stats = [r.get("stats") or {} for r in runs]
     rec["step_times_s"] = steps
     rec["p50_s"] = percentile(steps, 50) if steps else None
     rec["p99_s"] = percentile(steps, 99) if steps else None
     rec["mean_s"] = sum(steps) / len(steps) if steps else None
-    rec["first_step_s"] = max(float(r.get("first_step_s") or 0.0) for r in results)
-    rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in results) + (daemon_cpu or 0.0)
+    rec["first_step_s"] = max(float(s.get("first_step_s") or 0.0) for s in stats)
+    rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in runs) + (daemon_cpu or 0.0)
     if daemon_cpu is None:
         return
     rec["daemon_cpu_s"] = daemon_cpu
-    stats = [r.get("dlcp") or {} for r in results]
     lost = sum(int(s.get("lost_lanes", 0)) for s in stats)
     total = sum(int(s.get("total_lanes", 0)) for s in stats)
     rec["loss_frac"] = lost / total if total else 0.0
     rec["fallbacks"] = sum(int(s.get("fallbacks", 0)) for s in stats)
     rec["dlcp_rounds"] = sum(int(s.get("rounds", 0)) for s in stats)
     rec["segment_grows"] = sum(int(s.get("segment_grows", 0)) for s in stats)
-    rec["timeline"] = [s.get("timeline") for s in stats]  # per rank
-    rec["first_timeline"] = [s.get("first_timeline") for s in stats]  # the first step's
-    # per rank, medians (s): forward + backward to the first bucket, buckets, the rest
-    rec["spans"] = [s.get("spans") for s in stats]
-    rec["first_spans"] = [s.get("first_spans") for s in stats]
     rec["first_segment_grows"] = sum(int(s.get("first_segment_grows") or 0) for s in stats)
-    # per host: the daemons' counters over the timed steps (NACKs, retransmissions)
-    rec["daemon_counters"] = [s.get("daemon_counters") or {} for s in stats]
+    # per rank: the shim's timeline (medians per phase, dlcp.shim.timeline), the
+    # first step's, and the step cut at its buckets (forward and backward to the
+    # first bucket, the buckets, the rest); per host the daemon's counters
+    for key in ("timeline", "first_timeline", "spans", "first_spans", "daemon_counters"):
+        rec[key] = [s.get(key) for s in stats]
     errors = [s.get("last_error") for s in stats if s.get("last_error")]
     if errors:
         rec["dlcp_last_error"] = errors[0]
-
-
-def run_ddp(
-    opts: DdpOptions, say: Say | None = None, *, log_dir: Path | None = None
-) -> list[dict[str, Any]]:
-    say = say or default_say
-    records = []
-    with Cluster(opts.setup, progress=say) as cluster:
-        cluster.log_dir = log_dir
-        for backend in opts.backends:
-            records.append(run_backend(cluster, opts, backend, say))
-    return records
 
 
 def _ms(v: float | None) -> str:
@@ -293,6 +300,10 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             )
             lines.append(f"dlcp rank {rank} bucket medians ms: {phases}")
             lines.append(f"dlcp rank {rank} step medians ms: {step}")
+            spans = (r.get("spans") or [None] * (rank + 1))[rank]
+            if spans:
+                cut = ", ".join(f"{k} {_ms(v)}" for k, v in spans.items())
+                lines.append(f"dlcp rank {rank} step cut at its buckets, ms: {cut}")
     first = records[0]
     lines.append(
         f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "

@@ -8,11 +8,14 @@ all-reduce. DDP cuts the gradients into buckets of `--bucket-mb` that become
 ready one after another during the backward pass, so communication overlaps
 the computation of the layers in front.
 
+With both (`--backend dlcp,gloo`) each rank holds one such model per backend
+(same seed) and alternates their steps, so both meet the same machine.
 A step is forward, backward (all-reduce included) and an SGD update; its time
-is measured on every rank and the step's time is the slowest rank's.
+is measured on every rank (the orchestrator takes the slowest rank's).
 
-Protocol: "ready" {params, buckets} -> (go) -> "step" events (rank 0) ->
-"result" {step_times_s, cpu_s, dlcp: stats and timeline}.
+Protocol: "ready" {params, width} -> (go) -> "step" events (rank 0) ->
+"result" {runs: {backend: {step_times_s, cpu_s, stats}}}; for dlcp, stats are
+the shim's counters, its timeline and the daemon's counters.
 """
 
 from __future__ import annotations
@@ -81,7 +84,9 @@ def cpu_s() -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--backend", choices=("gloo", "dlcp"), required=True)
+    p.add_argument(
+        "--backend", required=True, help="dlcp, gloo, or both (dlcp,gloo): alternated step by step"
+    )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--master", required=True)
@@ -100,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
         "--no-model", action="store_true", help="dlcp.init without model= (the segment grows)"
     )
     a = p.parse_args(argv)
+    backends = a.backend.split(",")
+    if not backends or any(b not in ("dlcp", "gloo") for b in backends):
+        p.error(f"--backend takes dlcp, gloo or dlcp,gloo, not {a.backend!r}")
     try:
         run(a)
     except Exception as exc:
@@ -107,9 +115,51 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
+class _Trainer:
+    """One backend's DDP model, optimiser and timings in this rank."""
+
+    def __init__(self, a: argparse.Namespace, backend: str) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.backend = backend
+        self.model = build_model(a.params, a.layers, a.seed)  # the same for every backend
+        self.ddp = DDP(self.model, bucket_cap_mb=a.bucket_mb)
+        self.state: Any = None
+        if backend == "dlcp":
+            import dlcp.shim as dlcp
+
+            self.state = dlcp.init(
+                codec=a.codec,
+                loss_bound=a.bound,
+                model=None if a.no_model else self.model,
+                round_timeout_s=a.timeout,
+            )
+            self.ddp.register_comm_hook(self.state, dlcp.hook)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-4)
+        self.times: list[float] = []
+        self.cpu = 0.0
+        self.spans: list[dict[str, float]] = []
+
+    def step(self, xb: torch.Tensor, yb: torch.Tensor) -> float:
+        c0, ts = cpu_s(), time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(self.ddp(xb), yb)
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+        self.opt.step()
+        te = time.perf_counter()
+        self.cpu += cpu_s() - c0
+        if self.state is not None and self.state.timeline.steps:
+            self.spans.append(step_spans(self.state.timeline.steps[-1], ts, te))
+        return te - ts
+
+    def reset(self) -> None:
+        self.times, self.cpu, self.spans = [], 0.0, []
+        if self.state is not None:
+            self.state.timeline.clear()
+
+
 def run(a: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -119,89 +169,59 @@ def run(a: argparse.Namespace) -> None:
         world_size=a.world,
         timeout=datetime.timedelta(seconds=max(a.timeout, 1800.0)),
     )
-    model = build_model(a.params, a.layers, a.seed)
-    params = sum(p.numel() for p in model.parameters())
     width = mlp_width(a.params, a.layers)
-    ddp = DDP(model, bucket_cap_mb=a.bucket_mb)
-    state = None
-    if a.backend == "dlcp":
-        import dlcp.shim as dlcp
-
-        state = dlcp.init(
-            codec=a.codec,
-            loss_bound=a.bound,
-            model=None if a.no_model else model,
-            round_timeout_s=a.timeout,
-        )
-        ddp.register_comm_hook(state, dlcp.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    trainers = [_Trainer(a, b) for b in a.backend.split(",")]
+    params = sum(p.numel() for p in trainers[0].model.parameters())
     gen = torch.Generator().manual_seed(a.seed * 7919 + a.rank)
     xb = torch.randn(a.batch, width, generator=gen)
     yb = torch.randint(0, OUTPUTS, (a.batch,), generator=gen)
 
-    spans: list[dict[str, float]] = []
-
-    def step() -> float:
-        ts = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        opt.step()
-        te = time.perf_counter()
-        if state is not None and state.timeline.steps:
-            spans.append(step_spans(state.timeline.steps[-1], ts, te))
-        return te - ts
-
-    first = step()  # the first step: attaching, the segment, DDP's rebuilt buckets
-    first_timeline = state.timeline_summary(last=1) if state is not None else None
-    first_spans = spans[-1] if spans else None
-    first_grows = state.stats()["segment_grows"] if state is not None else None
+    first: dict[str, dict[str, Any]] = {}
+    for t in trainers:  # the first step: DDP's buckets, the daemon's first rounds
+        took = t.step(xb, yb)
+        first[t.backend] = {"first_step_s": took}
+        if t.state is not None:
+            first[t.backend].update(
+                first_timeline=t.state.timeline_summary(last=1),
+                first_spans=t.spans[-1] if t.spans else None,
+                first_segment_grows=t.state.stats()["segment_grows"],
+            )
     for _ in range(max(0, a.warmup - 1)):
-        step()
-    if state is not None:
-        state.timeline.clear()
-    spans.clear()
-    counters0 = state.daemon_counters() if state is not None else {}
+        for t in trainers:
+            t.step(xb, yb)
+    for t in trainers:
+        t.reset()
+    counters0 = {t.backend: t.state.daemon_counters() for t in trainers if t.state is not None}
     dist.barrier()
-    emit("ready", params=params, width=width, first_step_s=first)
+    emit("ready", params=params, width=width)
     if not sys.stdin.readline():
         raise SystemExit("orchestrator went away")
     dist.barrier()
-    step_times: list[float] = []
-    c0 = cpu_s()
     t0 = time.perf_counter()
     for i in range(a.steps):
-        step_times.append(step())
-        dist.barrier()  # steps start together: a step's time is not a neighbour's wait
+        for t in trainers:  # alternated: both see the same machine, step by step
+            t.times.append(t.step(xb, yb))
+            dist.barrier()  # steps start together: a step's time is not a neighbour's wait
         if a.rank == 0:
             emit("step", step=i + 1, t=time.perf_counter() - t0)
-    wall = time.perf_counter() - t0
-    cpu = cpu_s() - c0
-    stats: dict[str, Any] = {}
-    if state is not None:
-        stats = state.stats()
-        stats["timeline"] = state.timeline_summary()
-        stats["first_timeline"] = first_timeline
-        stats["first_spans"] = first_spans
-        stats["spans"] = {k: statistics.median(s[k] for s in spans) for k in SPANS if spans}
-        stats["first_segment_grows"] = first_grows
-        after = state.daemon_counters()
-        # what the timed steps cost the daemon (NACKs, retransmissions, ...)
-        stats["daemon_counters"] = {
-            k: v - counters0.get(k, 0) for k, v in after.items() if v != counters0.get(k, 0)
-        }
-        dist.barrier()  # leave the daemon's job only when every rank is done
-        state.close()
-    emit(
-        "result",
-        steps=a.steps,
-        wall_s=wall,
-        cpu_s=cpu,
-        step_times_s=step_times,
-        first_step_s=first,
-        params=params,
-        dlcp=stats,
-    )
+    results: dict[str, Any] = {}
+    for t in trainers:
+        stats: dict[str, Any] = dict(first[t.backend])
+        if t.state is not None:
+            stats.update(t.state.stats())
+            stats["timeline"] = t.state.timeline_summary()
+            stats["spans"] = {k: statistics.median(s[k] for s in t.spans) for k in SPANS}
+            before, after = counters0[t.backend], t.state.daemon_counters()
+            # what the timed steps cost the daemon (NACKs, retransmissions, ...)
+            stats["daemon_counters"] = {
+                k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)
+            }
+        results[t.backend] = {"step_times_s": t.times, "cpu_s": t.cpu, "stats": stats}
+    dist.barrier()  # leave the daemon's job only when every rank is done
+    for t in trainers:
+        if t.state is not None:
+            t.state.close()
+    emit("result", steps=a.steps, wall_s=time.perf_counter() - t0, params=params, runs=results)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dist.destroy_process_group()
