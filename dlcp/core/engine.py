@@ -31,7 +31,7 @@ from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import HEADER_DTYPE, _bulk, decode_batch, encode_batch
-from dlcp.wire.credit import CREDIT_SIZE, Credit, credit_of, credit_payload
+from dlcp.wire.credit import Credit, credit_of, credit_payload
 from dlcp.wire.header import (
     HEADER_SIZE,
     LANE_BITS,
@@ -485,6 +485,13 @@ class Engine:
         (`window` bytes, 0: none said; see `Credit`); None for a job not
         here. Its round is the newest seen, so that the peer does not take it
         for a stale one."""
+        return self.control_datagram(job, credit_payload(epoch, received, drained, window))
+
+    def control_datagram(self, job: int, payload: bytes) -> bytes | None:
+        """A CONTROL packet of `job` to a peer with `payload` (its first byte
+        the kind: a credit, a path probe or its echo; dlcp/wire/credit.py,
+        probe.py); None for a job not here. Its round is the newest seen, so
+        that the peer does not take it for a stale one."""
         spec = self.jobs.get(job)
         if spec is None:
             return None
@@ -497,9 +504,9 @@ class Engine:
             codec=Codec.FP32,
             shard=0,
             sender=spec.me,
-            count=CREDIT_SIZE,
+            count=len(payload),
         )
-        return encode(header, credit_payload(epoch, received, drained, window), self._mac(spec))
+        return encode(header, payload, self._mac(spec))
 
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""

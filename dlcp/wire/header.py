@@ -73,7 +73,8 @@ class PacketType(enum.IntEnum):
     ACK = 5  # a result receiver holds the whole shard; the owner may free it
     CONTROL = 6  # daemon to daemon (payload: kind u8, then per kind; kind 1, a flow-control
     # credit: epoch u64, bytes taken from the sockets u64, flags u8, window granted u64;
-    # engine.credit_of, docs/operations.md)
+    # engine.credit_of, docs/operations.md; kinds 2 and 3, a path probe and its echo:
+    # path u8, sequence number u32; wire/probe.py)
 
 
 class Flags(enum.IntFlag):

@@ -1,0 +1,246 @@
+"""Path health: which of a peer's paths may carry traffic, from probes and echoes (sans-IO).
+
+Spraying packets over several paths pays only if a failed path costs almost
+nothing; otherwise every extra path is one more way to stall a round. A path
+that silently drops everything (a dead link or switch port) shows up late in
+the data: the receiver NACKs what it missed only once a DONE reaches it, and
+the DONEs, NACKs, retransmissions and credits that go on the dead path are
+lost as well, until a round times out. So each peer with two or more paths
+is probed on every path while the daemon has traffic for it (`touch`): a
+small CONTROL packet, top class, that the peer echoes on the same path
+(dlcp/wire/probe.py). Probes are cheap (one per path every `interval`, only
+while there is traffic, only for peers with several paths) and say within a
+few of their round trips what the data would say only after a round.
+
+A path's state, driven by its probes' deadlines and echoes:
+- up: in use.
+- suspect: a probe went unanswered past its deadline (max(`timeout`,
+  `rtt_factor` x the path's smoothed probe RTT)); still in use, probed again
+  at once. An echo brings it back up.
+- down: `down_after` probes in a row unanswered. Nothing but probes goes on
+  it (the daemon moves its traffic to the live paths); it is probed every
+  `down_interval`.
+- probing: a down path's probe was answered; still unused until `up_after`
+  echoes in a row, then up (a miss sends it down again).
+
+When every path is down or probing at once the cause is more likely this
+daemon or the peer (a stall) than every path: all stay in use (`usable`
+returns None, as when all are up).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from dlcp.errors import LocalError
+
+__all__ = ["HealthConfig", "PathHealth", "PathStatus", "health_config"]
+
+
+class PathStatus(enum.IntEnum):
+    UP = 0
+    SUSPECT = 1
+    DOWN = 2
+    PROBING = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+_IN_USE = (PathStatus.UP, PathStatus.SUSPECT)
+_OUTSTANDING_MAX = 64  # probes awaiting an echo per path (older ones are forgotten)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """Probe timing (seconds) and the state thresholds (see the module)."""
+
+    interval: float = 0.01
+    down_interval: float = 0.05
+    timeout: float = 0.025
+    rtt_factor: float = 4.0
+    down_after: int = 3
+    up_after: int = 3
+    idle_after: float = 1.0  # no traffic for this long: probing stops
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "down_interval", "timeout", "idle_after"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and 0 < v < 60):
+                raise LocalError(f"path health {name} must be in (0, 60) seconds, got {v!r}")
+        if not 1.0 <= self.rtt_factor <= 100.0:
+            raise LocalError(f"path health rtt_factor must be in [1, 100], got {self.rtt_factor}")
+        for name in ("down_after", "up_after"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and 1 <= v <= 100):
+                raise LocalError(f"path health {name} must be an integer 1..100, got {v!r}")
+
+
+def health_config(interval: float) -> HealthConfig | None:
+    """The daemon's settings for `[network] probe_interval_s` (0: no probes)."""
+    if interval <= 0:
+        return None
+    return HealthConfig(interval=interval, down_interval=max(interval, 0.05))
+
+
+@dataclass(slots=True)
+class _Path:
+    status: PathStatus = PathStatus.UP
+    seq: int = 0  # the last probe's sequence number
+    outstanding: dict[int, float] = field(default_factory=dict)  # seq -> sent at
+    misses: int = 0  # probes in a row past their deadline without an echo
+    echoes: int = 0  # echoes in a row while probing
+    next_probe: float = 0.0
+    srtt: float | None = None
+    since: float = 0.0  # when it entered its status
+
+
+class PathHealth:
+    """The health of one peer's `n_paths` paths (indices as the outbox's)."""
+
+    def __init__(self, n_paths: int, config: HealthConfig | None = None) -> None:
+        if n_paths < 1:
+            raise LocalError("path health needs at least one path")
+        self.config = config or HealthConfig()
+        self._paths = [_Path() for _ in range(n_paths)]
+        self._active_until = -1.0
+        # (path, new status) -> times; and (path, old, new, at) not yet read
+        self.transitions: Counter[tuple[int, PathStatus]] = Counter()
+        self.changes: list[tuple[int, PathStatus, PathStatus, float]] = []
+        self.probes_sent = 0
+        self.echoes = 0
+
+    @property
+    def n_paths(self) -> int:
+        return len(self._paths)
+
+    def status(self, path: int) -> PathStatus:
+        return self._paths[path].status
+
+    def statuses(self) -> list[PathStatus]:
+        return [p.status for p in self._paths]
+
+    def rtt(self, path: int) -> float | None:
+        """The path's smoothed probe round trip (seconds), None before an echo."""
+        return self._paths[path].srtt
+
+    # -- traffic ----------------------------------------------------------
+    def touch(self, now: float) -> None:
+        """The daemon has traffic for (or from) the peer at `now`: probe until
+        `idle_after` without any."""
+        if now >= self._active_until:  # waking from idle: old probes say nothing
+            for p in self._paths:
+                p.outstanding.clear()
+                p.next_probe = min(p.next_probe, now)
+        self._active_until = now + self.config.idle_after
+
+    def active(self, now: float) -> bool:
+        return now < self._active_until
+
+    def usable(self) -> list[bool] | None:
+        """Which paths may carry data now; None when all may (all in use, or
+        none: then the fault is more likely not the paths')."""
+        use = [p.status in _IN_USE for p in self._paths]
+        if all(use) or not any(use):
+            return None
+        return use
+
+    # -- probes -----------------------------------------------------------
+    def probes_due(self, now: float) -> list[tuple[int, int]]:
+        """(path, sequence number) of each probe to send now; they count as
+        sent. Deadlines that passed are judged first."""
+        if not self.active(now):
+            self._active_until = -1.0  # idle: no timer until the next `touch`
+            return []
+        self.poll(now)
+        cfg = self.config
+        out = []
+        for i, p in enumerate(self._paths):
+            if p.next_probe > now:
+                continue
+            p.seq += 1
+            p.outstanding[p.seq] = now
+            if len(p.outstanding) > _OUTSTANDING_MAX:
+                del p.outstanding[min(p.outstanding)]
+            down = p.status == PathStatus.DOWN
+            p.next_probe = now + (cfg.down_interval if down else cfg.interval)
+            out.append((i, p.seq))
+        self.probes_sent += len(out)
+        return out
+
+    def _deadline(self, p: _Path) -> float:
+        cfg = self.config
+        return cfg.timeout if p.srtt is None else max(cfg.timeout, cfg.rtt_factor * p.srtt)
+
+    def poll(self, now: float) -> None:
+        """Count the probes whose deadline passed without an echo as misses."""
+        for i, p in enumerate(self._paths):
+            if not p.outstanding:
+                continue
+            wait = self._deadline(p)
+            late = [s for s, t in p.outstanding.items() if t + wait <= now]  # as next_timer
+            for s in late:
+                del p.outstanding[s]
+                self._miss(i, p, now)
+
+    def _miss(self, i: int, p: _Path, now: float) -> None:
+        p.misses += 1
+        p.echoes = 0
+        if p.status == PathStatus.UP:
+            self._set(i, p, PathStatus.SUSPECT, now)
+            p.next_probe = now  # ask again at once
+        elif p.status == PathStatus.PROBING or (
+            p.status == PathStatus.SUSPECT and p.misses >= self.config.down_after
+        ):
+            self._set(i, p, PathStatus.DOWN, now)
+
+    def on_echo(self, path: int, seq: int, now: float) -> None:
+        """The peer echoed probe `seq` of `path` at `now` (late ones count as
+        evidence too, without an RTT sample); unknown paths and sequence
+        numbers never sent are ignored."""
+        if not 0 <= path < len(self._paths):
+            return
+        p = self._paths[path]
+        if not 0 < seq <= p.seq:
+            return
+        self.echoes += 1
+        sent = p.outstanding.pop(seq, None)
+        if sent is not None:
+            rtt = max(now - sent, 0.0)
+            p.srtt = rtt if p.srtt is None else p.srtt + 0.125 * (rtt - p.srtt)
+            for s in [s for s in p.outstanding if s < seq]:  # overtaken: not lost
+                del p.outstanding[s]
+        p.misses = 0
+        if p.status == PathStatus.SUSPECT:
+            self._set(path, p, PathStatus.UP, now)
+        elif p.status == PathStatus.DOWN:
+            p.echoes = 1
+            self._set(path, p, PathStatus.PROBING, now)
+            p.next_probe = min(p.next_probe, now + self.config.interval)
+        elif p.status == PathStatus.PROBING:
+            p.echoes += 1
+        if p.status == PathStatus.PROBING and p.echoes >= self.config.up_after:
+            self._set(path, p, PathStatus.UP, now)
+
+    def _set(self, i: int, p: _Path, status: PathStatus, now: float) -> None:
+        self.changes.append((i, p.status, status, now))
+        self.transitions[(i, status)] += 1
+        p.status = status
+        p.since = now
+
+    def next_timer(self) -> float | None:
+        """When `probes_due` or `poll` has something to do next; None when idle."""
+        if self._active_until < 0:
+            return None
+        t: float | None = None
+        for p in self._paths:
+            cand = p.next_probe
+            if p.outstanding:
+                cand = min(cand, min(p.outstanding.values()) + self._deadline(p))
+            t = cand if t is None else min(t, cand)
+        if t is None or t >= self._active_until:
+            return None
+        return t
