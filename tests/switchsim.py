@@ -6,8 +6,11 @@ the daemons. Each host's downlink is a switch egress port as the testbed
 builds it (dlcp/tc/plan.py): its rate counts wire bytes (UDP payload + 42),
 eight classes by DSCP in strict priority, a pfifo per class (1000 packets, 16
 for the droppable class 7; HTB's small guaranteed rates left out). Uplinks
-are unshaped unless `uplink_bps` is given. Deterministic: one event heap in
-(time, sequence number) order, nothing random, nothing sleeps.
+are unshaped unless `uplink_bps` is given. With `paths` > 1 every host has
+that many ports, one a path (a switch plane each), and the daemons probe
+their paths as `Daemon` does (dlcp/daemon/probing.py); `set_port` takes one
+host's port on one path down (nothing crosses it) or up. Deterministic: one
+event heap in (time, sequence number) order, nothing random, nothing sleeps.
 """
 
 from __future__ import annotations
@@ -25,23 +28,28 @@ import numpy as np
 from dlcp.bench.cluster import Setup, dlcp_daemon_config
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, SendBatch
 from dlcp.core.layout import Layout
+from dlcp.core.pathhealth import health_config
 from dlcp.core.rate import WIRE_OVERHEAD
 from dlcp.daemon.config import Config, parse
 from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.daemon.probing import Prober
 from dlcp.daemon.transport import NATIVE_SEND, UdpPath
 from dlcp.policies import apply_droppable, from_config
 from dlcp.tc.plan import TcConfig
 from dlcp.wire import Codec, PacketType
+from dlcp.wire.header import HEADER_SIZE
+from dlcp.wire.probe import probe_of
 
 TC = TcConfig(dev="sim", rate_bps=10**9)  # the testbed's queues (its defaults)
 KEY, JOB, PORT = b"switchsim-key-32-bytes-long-...!", 1, 7400
 N_LAYERS = 16  # the benchmark's synthetic layers (dlcp/bench/ar_worker.py)
 _ACKING = (PacketType.RESULT, PacketType.ACK, PacketType.DONE)  # the daemon's _ACKING
-Item = tuple[int, int, int, bytes]  # (source host, destination host, TOS byte, datagram)
+# (source host, destination host, TOS byte, datagram, path)
+Item = tuple[int, int, int, bytes, int]
 
 
-def address(host: int) -> str:
-    return f"10.9.0.{host + 1}"
+def address(host: int, path: int = 0) -> str:
+    return f"10.9.{path}.{host + 1}"
 
 
 def line_time(elements: int, hosts: int, link_bps: float, payload: int = 1408) -> float:
@@ -51,6 +59,10 @@ def line_time(elements: int, hosts: int, link_bps: float, payload: int = 1408) -
     lay = Layout(total=elements, codec=Codec.FP32, shards=hosts, payload=payload)
     wire = 4 * elements + lay.packets * (64 + WIRE_OVERHEAD)
     return 2 * (hosts - 1) / hosts * wire * 8 / link_bps
+
+
+def _ignore(_name: str) -> None:
+    pass
 
 
 def bench_config(hosts: int, link_bps: float, pacing: str = "link") -> Config:
@@ -101,13 +113,15 @@ class FakePath:
     """What `Outbox` needs of a `UdpPath`: `address` and `send`, which hands
     every datagram to the simulator (the socket never fills)."""
 
-    def __init__(self, sim: SwitchSim, host: int) -> None:
-        self.sim, self.host, self.address, self.gso = sim, host, address(host), True
+    def __init__(self, sim: SwitchSim, host: int, path: int = 0) -> None:
+        self.sim, self.host, self.path, self.gso = sim, host, path, True
+        self.address = address(host, path)
 
     def send(self, datagrams: Sequence[bytes], dest: tuple[str, int], tos: int) -> int:
         dst = self.sim.host_of[dest[0]]
         for dg in datagrams:  # read now, as the kernel copies a datagram when sent
-            self.sim.inject(self.host, dst, tos, dg if isinstance(dg, bytes) else bytes(dg))
+            dg = dg if isinstance(dg, bytes) else bytes(dg)
+            self.sim.inject(self.host, dst, tos, dg, self.path)
         return len(datagrams)
 
 
@@ -120,18 +134,23 @@ class SimHost:
         self.sim, self.me = sim, me
         self.engine = Engine(timing=config.timing, gather=gather)
         self.engine.add_job(JobSpec.transpose(JOB, KEY, me, sim.n_hosts, payload=config.payload))
-        self.paths = [FakePath(sim, me)]
+        self.paths = [FakePath(sim, me, p) for p in range(sim.n_paths)]
         self.outbox = Outbox(
             cast("list[UdpPath]", self.paths),
             dscp=config.dscp,
             rate=config.rate,
             pacing=config.pacing,
             balancer_factory=lambda: from_config("balance", config.balance),
+            health=health_config(config.probe_interval_s),
         )
         self.outbox.backlog = cast("set[Peer]", Backlog())
+        self.prober = Prober(
+            lambda: self.outbox.multipath, self.engine, lambda: self.outbox.tos[0], _ignore
+        )
         others = [n for n in range(sim.n_hosts) if n != me]
         self.peers: dict[int, Peer] = {
-            n: self.outbox.peer((address(n),), PORT, 0.0) for n in others
+            n: self.outbox.peer(tuple(address(n, p) for p in range(sim.n_paths)), PORT, 0.0)
+            for n in others
         }
         # `Daemon._size_windows`' pacing cap: each peer hears from the others
         cap = config.rate.fan_in_rate(len(others))
@@ -148,7 +167,14 @@ class SimHost:
         outbox, the bytes of an acknowledging packet to the peer's rate."""
         h = self.engine.receive(dg, now, src=src)
         peer = self.peers[src]
-        if h is not None and h.type == PacketType.NACK:
+        if h is not None and peer.health is not None:
+            peer.rx_job = JOB
+            peer.health.touch(now)
+        if h is not None and h.type == PacketType.CONTROL:
+            probe = probe_of(dg[HEADER_SIZE:])
+            if probe is not None:
+                self.prober.on_probe(peer, JOB, probe, now)
+        elif h is not None and h.type == PacketType.NACK:
             if h.count:
                 self.outbox.on_loss(peer, h.count, now)
             shards = self.sim.n_hosts
@@ -164,7 +190,11 @@ class SimHost:
             if run and (b is None or b.node != run[0].node):
                 dgs = [dg for x in run for dg in x.datagrams]
                 prios = [p for x in run for p in x.priorities]
-                self.outbox.push_many(self.peers[run[0].node], dgs, prios)
+                peer = self.peers[run[0].node]
+                if peer.health is not None:
+                    peer.tx_job = JOB
+                    peer.health.touch(now)
+                self.outbox.push_many(peer, dgs, prios)
                 run = []
             if b is not None and b.datagrams:
                 run.append(b)
@@ -179,6 +209,9 @@ class SimHost:
                 res.failed = ev.reason
             self.results.append(res)
         ob = self.outbox
+        if ob.multipath:
+            for peer, path in self.prober.run(now):
+                ob.path_down(peer, path, now)
         if ob.backlog and not ob.blocked:
             ob.flush(now)
             self.stalls += bool(ob.backlog and ob.next_wake is None and not ob.blocked)
@@ -213,20 +246,30 @@ class SwitchSim:
         max_events: int = 10_000_000,
         loss: float = 0.0,
         loss_seed: int = 0,
+        paths: int = 1,
     ) -> None:
         self.config = config = config or bench_config(hosts, link_bps)
         self.n_hosts, self.payload, self.delay = hosts, config.payload, delay
+        self.n_paths = paths
         self.class_of_tos = {d << 2: c for c, d in enumerate(config.dscp)}
-        self.host_of = {address(h): h for h in range(hosts)}
+        self.host_of = {address(h, p): h for h in range(hosts) for p in range(paths)}
+        self.dead: set[tuple[int, int]] = set()  # (host, path): ports set down
+        self.dead_drops = 0
         self.now, self.events_left = 0.0, max_events
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         short = TC.droppable_classes
         limits = [short_queue_packets if c in short else queue_packets for c in range(8)]
-        self.down = [Port(link_bps, limits, self._arrive) for _ in range(hosts)]
+        # per path, then host
+        self.down = [
+            [Port(link_bps, limits, self._arrive) for _ in range(hosts)] for _ in range(paths)
+        ]
         self.up = [
-            None if uplink_bps is None else Port(uplink_bps, limits, self._hop)
-            for _ in range(hosts)
+            [
+                None if uplink_bps is None else Port(uplink_bps, limits, self._hop)
+                for _ in range(hosts)
+            ]
+            for _ in range(paths)
         ]
         self.hosts = [SimHost(self, h, config, gather) for h in range(hosts)]
         self.next_round: Callable[[SimHost, int, float], None] | None = None
@@ -241,6 +284,9 @@ class SwitchSim:
         t, wake = host.engine.get_timer(), host.outbox.next_wake
         if wake is not None and not host.outbox.blocked and (t is None or wake < t):
             t = wake
+        probe = host.prober.next_timer() if host.outbox.multipath else None
+        if probe is not None and (t is None or probe < t):
+            t = probe
         if t is not None and t != host.armed:
             host.armed = t
             self.at(max(t, now), self._timer, host, t)
@@ -260,13 +306,24 @@ class SwitchSim:
                 raise RuntimeError(f"too many events by t={self.now:.6f}")
             fn(*args)
 
-    def inject(self, src: int, dst: int, tos: int, dg: bytes) -> None:
-        """A datagram leaves host `src`'s socket for host `dst`."""
-        up = self.up[src]
-        if up is not None:
-            self._offer(up, (src, dst, tos, dg))
+    def set_port(self, host: int, path: int, up: bool) -> None:
+        """Host `host`'s switch port on `path` up or down: while down, what
+        `host` sends on that path and what goes to it there is dropped."""
+        if up:
+            self.dead.discard((host, path))
         else:
-            self._hop((src, dst, tos, dg))
+            self.dead.add((host, path))
+
+    def inject(self, src: int, dst: int, tos: int, dg: bytes, path: int = 0) -> None:
+        """A datagram leaves host `src`'s socket for host `dst` on `path`."""
+        if (src, path) in self.dead:
+            self.dead_drops += 1
+            return
+        up = self.up[path][src]
+        if up is not None:
+            self._offer(up, (src, dst, tos, dg, path))
+        else:
+            self._hop((src, dst, tos, dg, path))
 
     def _hop(self, item: Item) -> None:  # the link from a host to the switch
         self.at(self.now + self.delay / 2, self._to_switch, item)
@@ -275,7 +332,10 @@ class SwitchSim:
         if self.loss and self._loss_rng.random() < self.loss:
             self.lost += 1
             return
-        self._offer(self.down[item[1]], item)
+        if (item[1], item[4]) in self.dead or (item[0], item[4]) in self.dead:
+            self.dead_drops += 1
+            return
+        self._offer(self.down[item[4]][item[1]], item)
 
     def _offer(self, port: Port, item: Item) -> None:
         cls = self.class_of_tos.get(item[2] & 0xFC, TC.default_class)
@@ -317,7 +377,7 @@ class SwitchSim:
     def drops(self) -> Counter[int]:
         """Switch drops per class, all ports together."""
         out: Counter[int] = Counter()
-        for p in [*self.down, *self.up]:
+        for p in [q for ports in (*self.down, *self.up) for q in ports]:
             if p is not None:
                 out.update(p.drops)
         return out
@@ -395,13 +455,15 @@ def run_rounds(
     think: Sequence[float] = (),
     skew: Sequence[float] = (),
     until: float | None = None,
+    at: Sequence[tuple[float, Callable[[SwitchSim], None]]] = (),
     **options: Any,
 ) -> RunResult:
     """`rounds` back-to-back all-reduce rounds of one bucket of `elements` fp32
     (transpose mode, the benchmark's data, the daemon's policies with loss bound
     `bound`): host h submits round 0 at `skew[h]` and round r + 1 `think[h]`
     seconds (its worker's decode and submit) after its round r completes, as
-    the benchmark's worker does (0 where not given). `options` go to
+    the benchmark's worker does (0 where not given); each `(t, fn)` of `at`
+    calls fn(sim) at virtual time t (e.g. a port set down). `options` go to
     `SwitchSim`."""
     sim = SwitchSim(hosts, link_bps=link_bps, **options)
     lay = Layout(total=elements, codec=Codec.FP32, shards=hosts, payload=sim.payload)
@@ -426,6 +488,8 @@ def run_rounds(
         return all(len(h.results) >= rounds or any(r.failed for r in h.results) for h in sim.hosts)
 
     sim.next_round = next_round
+    for t, fn in at:
+        sim.at(t, fn, sim)
     for h in sim.hosts:
         t0 = skew[h.me] if h.me < len(skew) else 0.0
         sim.at(t0, submit, h, 0, t0)

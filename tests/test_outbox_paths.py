@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dlcp.core.layout import Layout
+from dlcp.core.pathhealth import HealthConfig
 from dlcp.core.rate import WIRE_OVERHEAD, RateConfig
 from dlcp.daemon import outbox as outbox_mod
 from dlcp.daemon.outbox import Outbox, Peer
@@ -374,3 +375,76 @@ def test_both_copies_of_a_done_go_out(bulk: bool) -> None:
     assert ob.push_many(peer, [done, done], [0, 0]) == 2 if bulk else ob.push(peer, done, 0)
     ob.flush(1.0)
     assert sent.count(done) == (4 if bulk else 3)
+
+
+@pytest.mark.parametrize("balance", ["spray", "weighted", "adaptive", "flow"])
+def test_a_path_out_of_use_carries_nothing_whatever_the_balancer(balance: str) -> None:
+    """Path health (`Peer.usable`) overrides every balancer: data, DONEs and
+    retransmissions all go on the paths in use; back in use, sprayed again."""
+    ob, peer, paths = make(2, balance)
+    lay = layout()
+    peer.usable = [False, True]
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    ob.push(peer, done_packet(lay, 1), 0)
+    ob.push(peer, retransmitted(data_packets(lay, 0)[2]), 1)
+    ob.flush(0.0)
+    assert not paths[0].sent
+    assert len(paths[1].sent) == len(data_packets(lay, 1)) + 2
+    assert peer.paths[0].weight == 0.0
+    assert peer.live_path() == 1
+    if balance == "spray":
+        peer.usable = None
+        for dg in data_packets(lay, 0):
+            ob.push(peer, dg, 2)
+        ob.flush(0.0)
+        assert paths[0].sent and peer.live_path() == 0
+
+
+def test_a_path_found_down_has_its_urgent_datagrams_sent_again_on_the_live_one() -> None:
+    paths = [FakePath(f"10.0.{p}.1") for p in range(2)]
+    ob = Outbox(
+        paths,  # type: ignore[arg-type]
+        dscp=(48, 40, 34, 26, 18, 10, 0, 8),
+        rate=RateConfig(),
+        pacing=False,
+        balancer_factory=lambda: from_config("balance", "spray"),
+        health=HealthConfig(),
+    )
+    peer = ob.peer(("10.0.0.2", "10.0.1.2"), 7400, 0.0)
+    assert peer.health is not None and ob.multipath == [peer]
+    lay = layout()
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    resent = [retransmitted(dg) for dg in data_packets(lay, 0)[:6]]
+    for dg in resent:
+        ob.push(peer, dg, 1)
+    ob.push(peer, nack(lay, 0, [1, 2]), 0)
+    ob.flush(0.0)
+    on_1 = [dg for dg in paths[1].sent if dg in resent or dg[3] == PacketType.NACK]
+    assert on_1  # sprayed: some urgent ones went on path 1
+    for p in paths:
+        p.sent.clear()
+    peer.usable = [True, False]
+    # found down within the horizon: they are queued again, and go on path 0
+    assert ob.path_down(peer, 1, 0.1) == len(on_1) == ob.resent_on_down
+    ob.flush(0.1)
+    assert not paths[1].sent and sorted(paths[0].sent) == sorted(on_1)
+    # first transmissions of data are not kept (their DONE draws NACKs), and
+    # what is past the horizon is not sent again
+    ob.push(peer, retransmitted(data_packets(lay, 0)[7]), 1)
+    peer.usable = None
+    ob.flush(0.2)
+    assert ob.path_down(peer, 1, 0.2 + outbox_mod.RESEND_HORIZON + 0.01) == 0
+
+
+def test_a_paced_path_out_of_use_is_never_ready() -> None:
+    rate = RateConfig(initial_rate_bps=1e8, min_rate_bps=1e6)
+    ob, peer, paths = make(2, rate=rate)
+    lay = layout(400 * 352)
+    peer.usable = [True, False]
+    for dg in data_packets(lay, 1):
+        ob.push(peer, dg, 2)
+    last = run_paced(ob)
+    assert not paths[1].sent and len(paths[0].sent) == len(data_packets(lay, 1))
+    assert last > 0  # paced on path 0 alone

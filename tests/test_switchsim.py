@@ -70,7 +70,7 @@ def test_back_to_back_rounds_run_at_line_rate_without_loss(think: tuple[float, .
         problems.append(f"(b) switch drops per class: {dict(sorted(res.drops.items()))}")
     if any(stalls):
         problems.append(f"(c) flushes that left packets queued, no wake-up, per host: {stalls}")
-    depth = [p.depth for p in res.sim.down]
+    depth = [p.depth for p in res.sim.down[0]]
     assert not problems, "\n".join(
         [
             *problems,

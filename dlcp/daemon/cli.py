@@ -91,6 +91,14 @@ def run(args: argparse.Namespace) -> int:
                 else ""
             )
         )
+        if len(p.get("paths", ())) > 1:  # one path: not probed, nothing to say
+            for i, ps in enumerate(p["paths"]):
+                rtt = ps.get("probe_rtt_s")
+                print(
+                    f"    path {i}  {ps.get('state', '?'):<8}  share {ps['weight']:.2f}  "
+                    f"loss {100 * ps['loss_rate']:.1f} %"
+                    + ("" if rtt is None else f"  probe rtt {rtt * 1e3:.1f} ms")
+                )
     print("counters:")
     for k, v in sorted(st["counters"].items()):
         print(f"  {k:28} {v}")

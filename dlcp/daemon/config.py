@@ -101,6 +101,12 @@ class Config:
     # datagrams each and its Python cost per wake-up, not the bytes, took the
     # two cores; 2 ms took 17 % of its CPU off a round (BENCHMARKS-LOG.md).
     moderation_s: float = 0.002
+    # Path health (dlcp/core/pathhealth.py): to a peer with two or more paths
+    # each path is probed this often while there is traffic for the peer; a
+    # path whose probes go unanswered carries nothing but probes until they
+    # get through again (0: no probes, every path always in use). The first
+    # three unanswered probes take a dead path out of use in about 80 ms.
+    probe_interval_s: float = 0.01
     peers: tuple[PeerConfig, ...] = ()
     # [policies]
     priority: dict[str, Any] = field(default_factory=lambda: {"name": "layer_magnitude"})
@@ -139,6 +145,7 @@ _SECTIONS = {
         "socket_buffer_bytes",
         "window_bytes",
         "moderation_s",
+        "probe_interval_s",
         "peers",
     },
     "policies": {"priority", "drop", "balance", "dscp"},
@@ -299,6 +306,12 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
         f"network.moderation_s must be a number of seconds in [0, 0.1], got {moderation!r}",
     )
     cfg.moderation_s = float(moderation)
+    probe = n.get("probe_interval_s", cfg.probe_interval_s)
+    _need(
+        isinstance(probe, int | float) and not isinstance(probe, bool) and 0 <= probe <= 1,
+        f"network.probe_interval_s must be a number of seconds in [0, 1], got {probe!r}",
+    )
+    cfg.probe_interval_s = float(probe)
     peers = n.get("peers", [])
     _need(isinstance(peers, list), "network.peers must be a list of tables")
     cfg.peers = tuple(_peer(v, f"network.peers[{i}]", cfg.udp_port) for i, v in enumerate(peers))

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dlcp.core.pathhealth import PathStatus
 from dlcp.daemon import status
 
 if TYPE_CHECKING:
@@ -255,6 +256,40 @@ class DaemonCollector(Collector):
                     {"path": str(i), "peer": peer.name},
                     ps.loss_rate,
                 )
+                health = peer.health
+                if health is None:  # one path: not probed, always in use
+                    continue
+                now_state = health.status(i)
+                for st in PathStatus:
+                    gauge(
+                        "dlcp_path_state",
+                        "1 for a path's current state (up, suspect, down, probing), 0 for "
+                        "the others; only peers with two or more paths are probed",
+                        {"path": str(i), "peer": peer.name, "state": st.label},
+                        1.0 if st == now_state else 0.0,
+                    )
+                    counter(
+                        "dlcp_path_transitions_total",
+                        "Times a path entered a state",
+                        {"path": str(i), "peer": peer.name, "to": st.label},
+                        health.transitions[(i, st)],
+                    )
+                rtt = health.rtt(i)
+                if rtt is not None:
+                    gauge(
+                        "dlcp_path_probe_rtt_seconds",
+                        "Smoothed round trip of a path's probes",
+                        {"path": str(i), "peer": peer.name},
+                        rtt,
+                    )
+            if peer.health is not None:
+                for kind, n in (("sent", peer.health.probes_sent), ("echoed", peer.health.echoes)):
+                    counter(
+                        "dlcp_path_probes_total",
+                        "Path probes sent to a peer, and echoes of them received",
+                        {"peer": peer.name, "kind": kind},
+                        n,
+                    )
         for sample in d.tc_samples():
             name = sample["name"]
             if sample["type"] == "counter":

@@ -22,6 +22,7 @@ socket hold back waits for the next `flush` (the daemon calls it again at
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -31,6 +32,7 @@ from itertools import repeat
 import numpy as np
 
 from dlcp.core.layout import Layout
+from dlcp.core.pathhealth import HealthConfig, PathHealth
 from dlcp.core.rate import WIRE_OVERHEAD, Pacer, PathRates, RateConfig
 from dlcp.daemon.packet_keys import (
     _BKEY,
@@ -121,6 +123,11 @@ PACING_QUANTUM = 0.001
 # every token beyond the burst was lost, and pacing at a 10 Gbit/s rate held a
 # veth at 0.7x its unpaced throughput while sending a fraction of that rate.
 CATCH_UP_SECONDS = 0.02
+# Urgent datagrams (DONEs, NACKs, retransmissions) sent on a path of a peer
+# whose paths are probed are kept this long: a path found down had them
+# queued again on the live ones (`Outbox.path_down`). Longer than a dead
+# path goes unnoticed (three probe deadlines, about 75 ms at the defaults).
+RESEND_HORIZON = 0.25
 # Flow control (`Outbox(window_bytes=...)`): a peer is sent at most its window
 # of bytes that it has not yet credited (`on_credit`: it says how many bytes it
 # has taken from its socket). Without it a flush puts a whole leg of a bucket
@@ -160,8 +167,8 @@ def _batch(
 
 
 def _pacing_wake(now: float, waits: list[float]) -> float:
-    """When to come back for the paths still short of budget (`waits` > 0): the
-    first of them due, but no sooner than PACING_QUANTUM."""
+    """When to come back for the paths still short of budget (`waits` > 0;
+    inf: out of use): the first of them due, but no sooner than PACING_QUANTUM."""
     return now + max(min(w for w in waits if w > 0), PACING_QUANTUM)
 
 
@@ -242,6 +249,18 @@ class Peer:
     rx_epoch: int = field(default_factory=lambda: int.from_bytes(os.urandom(8), "big") >> 1)
     rx_granted: int = 0  # the window last granted to it in a credit (0: none yet)
     rx_job: int | None = None  # the job it last sent us bytes in
+    # path health (peers with two or more paths; dlcp/core/pathhealth.py): the
+    # daemon probes the paths and sets `usable` (None: every path) after each
+    # probe round; `_send` moves what the balancer put on an unusable path to
+    # the usable ones, round robin from `reroute_next`. `tx_job`: the job the
+    # daemon last queued packets of for the peer (the probes' job)
+    health: PathHealth | None = None
+    usable: list[bool] | None = None
+    reroute_next: int = 0
+    tx_job: int | None = None
+    # per path, the urgent datagrams sent on it within RESEND_HORIZON: (sent
+    # at, class, datagram), re-sent on the live paths when it is found down
+    recent: dict[int, deque[tuple[float, int, bytes]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = min(len(self.addresses), len(self.local))
@@ -266,6 +285,26 @@ class Peer:
 
     def dest(self, path: int) -> tuple[str, int]:
         return self.addresses[path], self.port
+
+    def live_path(self) -> int:
+        """A path to send a single control packet on: the first usable one."""
+        usable = self.usable
+        return 0 if usable is None else usable.index(True)
+
+
+def _reroute(peer: Peer, assign: list[int], usable: list[bool]) -> None:
+    """Move what `assign` puts on paths that are not `usable` to the usable
+    ones, round robin (a path found down carries nothing but probes)."""
+    live = [p for p, u in enumerate(usable) if u]
+    k = peer.reroute_next
+    for i, p in enumerate(assign):
+        if not usable[p]:
+            assign[i] = live[k % len(live)]
+            k += 1
+    peer.reroute_next = k
+    for p, u in enumerate(usable):
+        if not u:
+            peer.paths[p].weight = 0.0
 
 
 def _least_lossy(paths: Sequence[PathState]) -> int:
@@ -325,9 +364,12 @@ class Outbox:
         pacing: bool,
         balancer_factory: object,
         window_bytes: int = 0,
+        health: HealthConfig | None = None,
     ) -> None:
         """`window_bytes`: each peer's flow-control window (0: none; see
-        CREDIT_TIMEOUT)."""
+        CREDIT_TIMEOUT); `health`: probe the paths of peers with two or more
+        (None: never, every path stays in use)."""
+        self.health = health
         self.paths = paths
         self.window_bytes = window_bytes
         self.credits = 0  # credits taken
@@ -336,12 +378,14 @@ class Outbox:
         self.pacing = pacing
         self._balancer_factory = balancer_factory
         self.peers: dict[tuple[tuple[str, ...], int], Peer] = {}
+        self.multipath: list[Peer] = []  # the peers whose paths are probed (`Peer.health`)
         self.backlog: set[Peer] = set()
         self.blocked = False  # a socket was full: wait for writability
         self.next_wake: float | None = None
         self.repeats = 0
         self._step = 0  # the last step given to a shard and leg (see `Peer.steps`)
         self.loss_interval = 0.05  # at most one rate cut per path in this many seconds
+        self.resent_on_down = 0  # urgent datagrams queued again when their path went down
 
     def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
         key = (addresses, port)
@@ -368,6 +412,9 @@ class Outbox:
             balancer = self._balancer_factory()  # type: ignore[operator]
             p = Peer(addresses, port, self.paths, rate, pacers, balancer)
             p.window = self.window_bytes
+            if self.health is not None and len(p.paths) > 1:
+                p.health = PathHealth(len(p.paths), self.health)
+                self.multipath.append(p)
             # until its first credit says what it grants (it may be sent to by
             # hosts this daemon does not know of): the least window
             p.granted = WINDOW_MIN if self.window_bytes else 0
@@ -892,6 +939,8 @@ class Outbox:
                 # debt that its later sends pay off: the rate holds over time)
                 waits = [pacer.delay(1.0, now) for pacer in pacers]
                 waits = [0.0 if w < PACING_SLACK else w for w in waits]
+                if peer.usable is not None:  # a path out of use is never ready
+                    waits = [w if u else math.inf for w, u in zip(waits, peer.usable, strict=True)]
                 if min(waits) > 0:
                     return _pacing_wake(now, waits)
             if one:  # as much as the tokens allow (at least a batch: into debt)
@@ -978,6 +1027,8 @@ class Outbox:
                     safest = _least_lossy(paths)
                 if paths[safest].loss_rate < paths[assign[i]].loss_rate:
                     assign[i] = safest
+        if peer.usable is not None:
+            _reroute(peer, assign, peer.usable)
         # what `_track` remembers: (leg, job, round, bucket, shard) and offset
         kinds = b"".join(ids)[:: len(ids[0])]  # the type bytes (identities: same length)
         all_dr = kinds.translate(_NOT_DR_TABLE).count(0) == len(kinds)
@@ -1000,6 +1051,8 @@ class Outbox:
             if n:
                 out = idx if n == len(idx) else idx[:n]
                 sent_idx += out
+                if peer.health is not None:
+                    self._remember(peer, p, cls, [batch[i] for i in out if _urgent(batch[i])], now)
                 self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
                 if not one_shard:
                     out = [i for i in out if kinds[i] in _DR]
@@ -1033,6 +1086,30 @@ class Outbox:
                 self._left(peer, dg)
                 peer.queued -= 1
         return prefix, held, full
+
+    @staticmethod
+    def _remember(peer: Peer, p: int, cls: int, urgent: list[bytes], now: float) -> None:
+        """Keep the urgent datagrams (DONEs, NACKs, retransmissions, ACKs) just
+        sent on path `p` for RESEND_HORIZON, for `path_down`."""
+        recent = peer.recent.setdefault(p, deque())
+        recent.extend((now, cls, dg) for dg in urgent)
+        horizon = now - RESEND_HORIZON
+        while recent and recent[0][0] < horizon:
+            recent.popleft()
+
+    def path_down(self, peer: Peer, p: int, now: float) -> int:
+        """Path `p` to `peer` was found down: queue again what urgent went on it
+        within RESEND_HORIZON (they go on the live paths now), so that the
+        peer's aggregations do not wait for their timers to ask for the DONEs,
+        NACKs and retransmissions it lost; the data packets lost there are
+        NACKed once their DONEs arrive. Returns how many were queued."""
+        recent = peer.recent.pop(p, None)
+        n = 0
+        for t, cls, dg in recent or ():
+            if t >= now - RESEND_HORIZON and self.push(peer, dg, cls):
+                n += 1
+        self.resent_on_down += n
+        return n
 
     def _window_room(self, peer: Peer, now: float, need: int) -> int:
         """Bytes `peer`'s window lets go now: at least `need` (the next

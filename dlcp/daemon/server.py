@@ -27,10 +27,12 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed, SendBatch, credit_of
 from dlcp.core.layout import Layout
+from dlcp.core.pathhealth import health_config
 from dlcp.daemon import notify, status
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
 from dlcp.daemon.outbox import CREDIT_STEP, WINDOW_MIN, Outbox, Peer
+from dlcp.daemon.probing import Prober
 from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.daemon.transport import NATIVE_SEND, Split, UdpPath
@@ -44,6 +46,7 @@ from dlcp.wire.header import (
     header_of_valid,
     lane_bytes,
 )
+from dlcp.wire.probe import probe_of
 
 __all__ = ["Daemon", "RequestError"]
 
@@ -148,6 +151,13 @@ class Daemon:
             pacing=config.pacing,
             balancer_factory=self._balancer_factory,
             window_bytes=config.window_bytes,
+            health=health_config(config.probe_interval_s),
+        )
+        self.prober = Prober(
+            lambda: self.outbox.multipath,
+            self.engine,
+            lambda: self.outbox.tos[0],
+            self._count,
         )
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -167,6 +177,9 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- policies -----------------------------------------------------------
+    def _count(self, name: str) -> None:
+        self.counters[name] += 1
+
     def _load_policies(self) -> None:
         cfg = self.config
         self.priority = from_config("priority", {**cfg.priority, "dscp": list(cfg.dscp)})
@@ -441,6 +454,8 @@ class Daemon:
         self.counters["rx_bytes"] += rx_bytes
         for peer, job in senders.items():  # their bytes left the socket: room for more
             peer.rx_job = job.spec.job
+            if peer.health is not None:
+                peer.health.touch(now)
             if peer.rx_bytes - peer.rx_credited >= CREDIT_STEP:
                 self._credit(peer, job)
         if not parts:
@@ -514,7 +529,8 @@ class Daemon:
         if dg is None:
             return
         try:
-            sent = peer.local[0].send([dg], peer.dest(0), self.outbox.tos[0])
+            live = peer.live_path()  # path 0 unless it is out of use
+            sent = peer.local[live].send([dg], peer.dest(live), self.outbox.tos[0])
         except OSError:
             sent = 0
         if not sent:  # socket full or an error: a later credit says as much (a count)
@@ -563,10 +579,15 @@ class Daemon:
         for i, g in zip(positions[credit].tolist(), group[credit].tolist(), strict=True):
             job, node = groups[g]
             peer = None if job is None or node is None else job.peers.get(node)
-            got = credit_of(dgs[i][HEADER_SIZE:])
-            if peer is None or got is None:
-                continue  # another kind of control packet
-            self.outbox.on_credit(peer, got.received, got.epoch, got.drained, got.window)
+            if peer is None:
+                continue
+            payload = dgs[i][HEADER_SIZE:]
+            got = credit_of(payload)
+            if got is not None:
+                self.outbox.on_credit(peer, got.received, got.epoch, got.drained, got.window)
+            elif (probe := probe_of(payload)) is not None:
+                assert job is not None
+                self.prober.on_probe(peer, job.spec.job, probe, now)
         if one and not types.strip(_RESULT_BYTE):  # all results: all acknowledge
             at = positions
         else:
@@ -610,6 +631,9 @@ class Daemon:
                 self._complete(ev)
             else:
                 self._failed(ev)
+        if self.outbox.multipath:
+            for peer, path in self.prober.run(now):
+                self._path_down(peer, path, now)
         if self.outbox.backlog and not self.outbox.blocked:
             try:
                 self.outbox.flush(now)
@@ -636,6 +660,10 @@ class Daemon:
             peer = None if job is None else job.peers.get(b.node)
             if peer is None:
                 continue
+            if peer.health is not None:  # its paths are probed while it has traffic
+                assert job is not None
+                peer.tx_job = job.spec.job
+                peer.health.touch(now)
             if peer is not run:
                 if run is not None:
                     self._push_run(run, parts)
@@ -656,6 +684,15 @@ class Daemon:
             dgs += b.datagrams
             prios += b.priorities
         self.outbox.push_many(peer, dgs, prios)
+
+    def _path_down(self, peer: Peer, path: int, now: float) -> None:
+        """`path` to `peer` was found down: what urgent went on it lately goes
+        again on the live paths, and so does a credit (credits go on the
+        first path in use, which may have been this one)."""
+        self.outbox.path_down(peer, path, now)
+        job = self.jobs.get(peer.rx_job) if peer.rx_job is not None else None
+        if job is not None and peer.health is not None and peer.health.usable() is not None:
+            self._credit(peer, job)
 
     def _wait_writable(self) -> None:
         assert self._loop is not None
@@ -680,6 +717,10 @@ class Daemon:
             wake = self.outbox.next_wake
             if wake is not None and not self.outbox.blocked and (t is None or wake < t):
                 t = wake
+            if self.outbox.multipath:
+                probe = self.prober.next_timer()
+                if probe is not None and (t is None or probe < t):
+                    t = probe
         if t == self._timer_at:
             return
         if self._timer is not None:

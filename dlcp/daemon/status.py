@@ -55,12 +55,16 @@ def snapshot(d: Daemon) -> dict[str, Any]:
                 "window_resets": peer.window_resets,
                 "paths": [
                     {
+                        # up, suspect, down or probing (dlcp/core/pathhealth.py);
+                        # a peer with one path is not probed: always up
+                        "state": "up" if peer.health is None else peer.health.status(i).label,
+                        "probe_rtt_s": None if peer.health is None else peer.health.rtt(i),
                         "weight": ps.weight,
                         "loss_rate": ps.loss_rate,
                         "sent": ps.sent,
                         "rate_bps": rc.rate_bps,
                     }
-                    for ps, rc in zip(peer.paths, peer.rate.paths, strict=True)
+                    for i, (ps, rc) in enumerate(zip(peer.paths, peer.rate.paths, strict=True))
                 ],
             }
             for peer in d.outbox.peers.values()

@@ -1,0 +1,114 @@
+"""Path probes on the wire: what `PathHealth` asks for, sent, and the peers' probes echoed.
+
+The health of each path to a peer with two or more paths is kept in the
+core (dlcp/core/pathhealth.py, sans-IO); this module only moves its probes:
+before each flush the daemon calls `run`, which sends the probes due (a
+CONTROL packet on the path itself, past the queues, as credits go), logs the
+paths' state changes and gives the outbox the paths in use (`Peer.usable`).
+A probe from a peer is echoed at once on the path index it names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from dlcp.core.pathhealth import PathStatus
+from dlcp.daemon.outbox import Peer
+from dlcp.wire.probe import Probe, probe_payload
+
+__all__ = ["Prober"]
+
+log = logging.getLogger("dlcp.daemon")
+
+
+class _Builds(Protocol):
+    def control_datagram(self, job: int, payload: bytes) -> bytes | None: ...
+
+
+class Prober:
+    """Sends `peers`' probes and echoes; `tos()` is the control class's TOS byte.
+    `count(name)` counts a send that failed (socket full or an error)."""
+
+    def __init__(
+        self,
+        peers: Callable[[], Iterable[Peer]],
+        engine: _Builds,
+        tos: Callable[[], int],
+        count: Callable[[str], None],
+    ) -> None:
+        self._peers = peers
+        self._engine = engine
+        self._tos = tos
+        self._count = count
+
+    def run(self, now: float) -> list[tuple[Peer, int]]:
+        """Send the probes due to every active multi-path peer; update `usable`.
+        Returns the (peer, path) found down now."""
+        down: list[tuple[Peer, int]] = []
+        for peer in self._peers():
+            health = peer.health
+            if health is None:
+                continue
+            job = peer.tx_job if peer.tx_job is not None else peer.rx_job
+            if job is not None:
+                for path, seq in health.probes_due(now):
+                    dg = self._engine.control_datagram(job, probe_payload(path, seq))
+                    if dg is None:
+                        break
+                    self._send(peer, path, dg)
+            else:
+                health.poll(now)
+            if health.changes:
+                for path, old, new, _at in health.changes:
+                    if new == PathStatus.DOWN:
+                        down.append((peer, path))
+                    # down and back up are worth an operator's attention; a
+                    # suspect path (one late probe) is not, on its own
+                    loud = new == PathStatus.DOWN or (new, old) == (
+                        PathStatus.UP,
+                        PathStatus.PROBING,
+                    )
+                    level = logging.WARNING if loud else logging.INFO
+                    log.log(
+                        level,
+                        "path %d to %s: %s -> %s",
+                        path,
+                        peer.addresses[path],
+                        old.label,
+                        new.label,
+                    )
+                health.changes.clear()
+            peer.usable = health.usable()
+        return down
+
+    def next_timer(self) -> float | None:
+        t: float | None = None
+        for peer in self._peers():
+            # (a peer without a job to probe in has nothing due: see `run`)
+            if peer.health is not None and (peer.tx_job is not None or peer.rx_job is not None):
+                h = peer.health.next_timer()
+                if h is not None and (t is None or h < t):
+                    t = h
+        return t
+
+    def on_probe(self, peer: Peer, job: int, probe: Probe, now: float) -> None:
+        """A probe or an echo from `peer` (in `job`) arrived at `now`."""
+        if probe.echo:
+            if peer.health is not None:
+                peer.health.on_echo(probe.path, probe.seq, now)
+            return
+        if not 0 <= probe.path < len(peer.paths):
+            return
+        dg = self._engine.control_datagram(job, probe_payload(probe.path, probe.seq, echo=True))
+        if dg is not None:
+            self._send(peer, probe.path, dg)
+
+    def _send(self, peer: Peer, path: int, dg: bytes) -> None:
+        try:
+            sent = peer.local[path].send([dg], peer.dest(path), self._tos())
+        except OSError:
+            sent = 0
+        if not sent:
+            self._count("probes_unsent")
