@@ -22,7 +22,9 @@ from dlcp.bench import cli as bench_cli
 from dlcp.bench.ar_worker import bucket_spans, make_data, position_scales
 from dlcp.bench.cluster import (
     GLOO_PRIO_DSCP,
+    PathDown,
     Setup,
+    cut_steps,
     dlcp_daemon_config,
     gloo_mark_script,
     require_root_for_bench,
@@ -315,6 +317,26 @@ def test_write_json_orders_keys_and_checks_them(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(BenchError):
         read_json(tmp_path / "bad.json")
+
+
+def test_pathdown_setup_and_the_steps_around_a_cut() -> None:
+    s = Setup(scenario="pathdown")
+    assert s.n_paths == 2 and s.path_down.path == 0 and s.path_down.length_s > 0
+    with pytest.raises(BenchError, match="2 paths"):
+        Setup(scenario="pathdown", paths=1)
+    with pytest.raises(BenchError, match="down-path 2"):
+        Setup(scenario="pathdown", path_down=PathDown(path=2))
+    # five steps of 1 s, then a 3 s one across the cut at 5.5 s, then shorter ones
+    times = [1.0] * 5 + [3.0, 1.5, 1.5, 1.0, 1.0]
+    starts = [sum(times[:i]) for i in range(10)]
+    got = cut_steps(starts, times, 5.5, n=3)
+    assert got == {
+        "steps_before": 3,
+        "median_before_s": 1.0,
+        "median_after_s": 1.5,
+        "max_after_s": 3.0,
+    }
+    assert cut_steps([], [], 1.0)["max_after_s"] is None
 
 
 def test_daemon_config_per_variant() -> None:

@@ -328,6 +328,14 @@ def test_cli_exec_arguments() -> None:
     assert (args.host, testbed_cli.exec_command(args)) == ("h2", ["sh", "-c", "true"])
 
 
+def test_cli_port_arguments() -> None:
+    args = _parse("port", "h1", "down", "--path", "1", "--name", "x")
+    assert (args.host, args.state, args.path, args.name) == ("h1", "down", 1, "x")
+    assert _parse("port", "0", "up").path == 0
+    with pytest.raises(SystemExit):
+        _parse("port", "h1", "sideways")
+
+
 def test_cli_exec_needs_a_command(monkeypatch: pytest.MonkeyPatch) -> None:
     assert main(["testbed", "exec", "h0", "--"]) == 1
 
@@ -578,6 +586,22 @@ def test_hosts_reach_each_other_on_every_path(shaped: Testbed, nettool: Path) ->
     assert "dev eth1" in route.stdout
     neigh = shaped.exec("h0", ["ip", "neigh", "show", "dev", "eth1"], capture=True, check=True)
     assert f"{shaped.address('h2', 1)} lladdr {host_mac(2, 1)} PERMANENT" in neigh.stdout
+
+
+@netns
+def test_a_port_set_down_cuts_its_path_alone_until_set_up(shaped: Testbed, nettool: Path) -> None:
+    a0, a1 = shaped.address("h1", 0), shaped.address("h1", 1)
+    shaped.set_port("h0", 0, False)
+    try:
+        assert shaped.ports_down() == [shaped.host("h0").switch_ports[0]]
+        assert shaped.show()["switches"][0]["ports_down"] == shaped.ports_down()
+        # h0 reaches h1 on path 1, not on path 0; h1 and h2 still meet on path 0
+        assert _ping(shaped, nettool, "h0", a0, a1) == {a0: False, a1: True}
+        assert _ping(shaped, nettool, "h2", a0) == {a0: True}
+    finally:
+        shaped.set_port("h0", 0, True)
+    assert shaped.ports_down() == []
+    assert _ping(shaped, nettool, "h0", a0, a1) == {a0: True, a1: True}
 
 
 def _features(tb: Testbed, netns: str, ifname: str) -> dict[str, str]:

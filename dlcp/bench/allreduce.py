@@ -10,6 +10,7 @@ real daemons (`dlcpd`, one per host, paced at link rate / (hosts - 1) per peer).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets
 import sys
@@ -91,6 +92,7 @@ def _record(opts: AllreduceOptions, backend: str, codec: str) -> dict[str, Any]:
         "rate_bps": s.rate_bps,
         "paths": s.n_paths,
         "loss_pct": s.loss_pct if s.scenario == "loss" else 0.0,
+        **({"path_down": dataclasses.asdict(s.path_down)} if s.scenario == "pathdown" else {}),
         "mtu": s.mtu,
         "pacing": s.pacing,
         **opts.extra,

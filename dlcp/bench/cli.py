@@ -267,6 +267,29 @@ def _cluster_args(
         "for 6 s (default: clean)",
     )
     p.add_argument("--loss", type=float, default=1.0, metavar="PCT", help="for --scenario loss")
+    p.add_argument(
+        "--down-at",
+        type=float,
+        default=4.0,
+        metavar="S",
+        help="for --scenario pathdown: seconds into each backend's run (default: 4)",
+    )
+    p.add_argument(
+        "--down-for",
+        type=float,
+        default=6.0,
+        metavar="S",
+        help="for --scenario pathdown: seconds the port stays down; 0: until the run "
+        "ends (default: 6)",
+    )
+    p.add_argument(
+        "--down-path",
+        type=int,
+        default=0,
+        metavar="P",
+        help="for --scenario pathdown: the path whose port on host 0 goes down (default: "
+        "0, the one Gloo uses)",
+    )
     p.add_argument("--codec", choices=codecs, default="fp32", help="dlcp's codec (default: fp32)")
     p.add_argument(
         "--backends", default="dlcp,gloo,gloo-prio", type=_backends_arg, help=_BACKENDS_HELP
@@ -308,9 +331,12 @@ def _common_args(p: argparse.ArgumentParser, *, default_json: str | None) -> Non
 
 
 def setup_from_args(args: argparse.Namespace) -> Any:
-    from dlcp.bench.cluster import Setup
+    from dlcp.bench.cluster import PathDown, Setup
 
+    if not (args.down_at >= 0 and args.down_for >= 0):
+        raise BenchError("--down-at and --down-for must be >= 0 seconds")
     return Setup(
+        path_down=PathDown(after_s=args.down_at, length_s=args.down_for, path=args.down_path),
         hosts=args.hosts,
         rate_bps=parse_rate(args.rate),
         scenario=args.scenario,

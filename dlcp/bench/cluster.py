@@ -20,12 +20,13 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -41,10 +42,13 @@ __all__ = [
     "BURST",
     "CONGESTION",
     "GLOO_PRIO_DSCP",
+    "PATH_DOWN",
     "Burst",
     "Cluster",
     "Congestion",
+    "PathDown",
     "Setup",
+    "cut_steps",
     "dlcp_daemon_config",
     "gloo_mark_script",
     "unmark_script",
@@ -78,7 +82,21 @@ class Congestion:
     udp_share: float = 0.6
 
 
+@dataclass(frozen=True)
+class PathDown:
+    """`after_s` into a backend's run, host `host`'s switch port on `path` goes
+    down for `length_s` (no carrier, nothing crosses it; 0: until the run
+    ends), then up again. Path 0 is the one a single-path transport (Gloo's
+    TCP) uses."""
+
+    after_s: float = 4.0
+    length_s: float = 6.0
+    host: int = 0
+    path: int = 0
+
+
 BURST = Burst()
+PATH_DOWN = PathDown()
 CONGESTION = Congestion()
 
 
@@ -90,7 +108,7 @@ class Setup:
     rate_bps: int | None = 10**9
     scenario: str = "clean"
     loss_pct: float = 1.0  # scenario "loss"
-    paths: int | None = None  # default: 2 for "multipath", else 1
+    paths: int | None = None  # default: 2 for "multipath" and "pathdown", else 1
     mtu: int = 1500
     # dlcp's pacing: "link" is the daemon's default with the link rate
     # configured (AIMD per peer up to the link over the hosts that send to
@@ -99,6 +117,7 @@ class Setup:
     name: str | None = None  # testbed name; default "bench-<pid>"
     burst: Burst = BURST
     congestion: Congestion = CONGESTION
+    path_down: PathDown = PATH_DOWN
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -109,6 +128,12 @@ class Setup:
             raise BenchError(f"--loss must be a percentage 0..100, not {self.loss_pct}")
         if self.paths is not None and self.paths < 1:
             raise BenchError(f"paths must be >= 1, not {self.paths}")
+        if self.scenario == "pathdown" and self.n_paths < 2:
+            raise BenchError("the pathdown scenario needs at least 2 paths")
+        if self.scenario == "pathdown" and not 0 <= self.path_down.path < self.n_paths:
+            raise BenchError(
+                f"--down-path {self.path_down.path}: the paths are 0..{self.n_paths - 1}"
+            )
         if self.pacing not in PACING:
             raise BenchError(f"pacing must be one of {', '.join(PACING)}, not {self.pacing!r}")
 
@@ -116,7 +141,7 @@ class Setup:
     def n_paths(self) -> int:
         if self.paths is not None:
             return self.paths
-        return 2 if self.scenario == "multipath" else 1
+        return 2 if self.scenario in ("multipath", "pathdown") else 1
 
     @property
     def testbed_name(self) -> str:
@@ -198,6 +223,7 @@ class Cluster:
         self.daemons_running = False
         self.variant: str | None = None
         self.log_dir: Path | None = None  # where to keep logs (default: nowhere)
+        self.cut: _PortCutter | None = None  # the last run's path cut (scenario pathdown)
 
     # -- lifetime -----------------------------------------------------------
     def __enter__(self) -> Cluster:
@@ -381,6 +407,13 @@ class Cluster:
                 yield
             finally:
                 burster.stop()
+        elif s.scenario == "pathdown":
+            cut = self.cut = _PortCutter(tb, s.path_down)
+            cut.start()
+            try:
+                yield
+            finally:
+                cut.stop()
         elif s.scenario == "congested":
             c = s.congestion
             link = s.rate_bps or 10**9
@@ -428,6 +461,60 @@ class _Burster:
                 self.tb.set_loss(b.host, 0.0)
         except BaseException as exc:  # reported by whoever reads .error
             self.error = exc
+
+
+class _PortCutter:
+    """A thread that sets one switch port down `after_s` into a run and up
+    again `length_s` later (or when the run ends first)."""
+
+    def __init__(self, tb: Testbed, down: PathDown) -> None:
+        self.tb = tb
+        self.down = down
+        self.down_at: float | None = None  # time.monotonic() when the port went down
+        self.up_at: float | None = None  # ... and up again
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlcp-bench-pathdown", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self.down_at is not None and self.up_at is None:
+            self.tb.set_port(self.down.host, self.down.path, True)
+
+    def _run(self) -> None:
+        d = self.down
+        try:
+            if self._stop.wait(d.after_s):
+                return
+            self.tb.set_port(d.host, d.path, False)
+            self.down_at = time.monotonic()
+            if d.length_s > 0:  # else down until the run ends
+                self._stop.wait(d.length_s)
+                self.tb.set_port(d.host, d.path, True)
+                self.up_at = time.monotonic()
+        except BaseException as exc:  # reported by whoever reads .error
+            self.error = exc
+
+
+def cut_steps(
+    starts: Sequence[float], times: Sequence[float], down_at: float, n: int = 20
+) -> dict[str, float | int | None]:
+    """Steps (or rounds) around a path cut: `starts` their start times on the
+    cutter's clock (time.monotonic), `times` their durations. The median of
+    the `n` that started before the cut and of the `n` after it (those in
+    flight at the cut included), and the longest from the cut on."""
+    before = [t for s, t in zip(starts, times, strict=True) if s + t <= down_at][-n:]
+    after = [t for s, t in zip(starts, times, strict=True) if s + t > down_at]
+    return {
+        "steps_before": len(before),
+        "median_before_s": statistics.median(before) if before else None,
+        "median_after_s": statistics.median(after[:n]) if after else None,
+        "max_after_s": max(after) if after else None,
+    }
 
 
 def require_root_for_bench() -> None:

@@ -40,7 +40,7 @@ __all__ = [
     "write_json",
 ]
 
-SCENARIOS: tuple[str, ...] = ("clean", "loss", "burst", "congested", "multipath")
+SCENARIOS: tuple[str, ...] = ("clean", "loss", "burst", "congested", "multipath", "pathdown")
 CODECS: tuple[str, ...] = ("fp32", "fp16", "thc8", "thc4")
 # Backends of `--backends`: the three of DESIGN.md, then dlcp's ablations.
 BACKENDS: tuple[str, ...] = (

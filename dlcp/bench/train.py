@@ -15,6 +15,7 @@ accuracies are comparable.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
-from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup
+from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup, cut_steps
 from dlcp.bench.common import (
     CODECS,
     TRAIN_KEYS,
@@ -99,6 +100,7 @@ def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
         "rate_bps": s.rate_bps,
         "paths": s.n_paths,
         "loss_pct": s.loss_pct if s.scenario == "loss" else 0.0,
+        **({"path_down": dataclasses.asdict(s.path_down)} if s.scenario == "pathdown" else {}),
         "mtu": s.mtu,
         "pacing": s.pacing,
         "batch_per_rank": opts.batch,
@@ -271,6 +273,13 @@ def _run_workers(
     rec["wall_s"] = r0.get("wall_s")
     steps_t = r0.get("step_times_s") or []
     rec["step_p50_s"] = percentile(steps_t, 50) if steps_t else None
+    rec["step_max_s"] = max(steps_t) if steps_t else None
+    rec["step_times_s"] = steps_t
+    cut = cluster.cut
+    if opts.setup.scenario == "pathdown" and cut is not None and cut.down_at is not None:
+        starts = r0.get("step_starts_s") or []
+        if len(starts) == len(steps_t):
+            rec["path_cut"] = cut_steps(starts, steps_t, cut.down_at)
     # the ranks' own, and for dlcp its daemons' as `dlcp bench allreduce` counts them
     rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in results) + daemon_cpu
     if backend.startswith("dlcp"):

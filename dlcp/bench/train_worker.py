@@ -138,10 +138,12 @@ def run(a: argparse.Namespace) -> None:
     dist.barrier()
     curve: list[list[float]] = []
     step_times: list[float] = []
+    step_starts: list[float] = []  # time.monotonic(): the orchestrator's clock too
     c0 = cpu_s()
     t0 = time.perf_counter()
     for step in range(a.steps):
         ts = time.perf_counter()
+        step_starts.append(time.monotonic())
         xb, yb = batch()
         loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
         opt.zero_grad(set_to_none=True)
@@ -170,6 +172,7 @@ def run(a: argparse.Namespace) -> None:
         "wall_s": wall,
         "cpu_s": cpu,
         "step_times_s": step_times,
+        "step_starts_s": step_starts,
         "params": params,
         "dlcp": stats,
     }

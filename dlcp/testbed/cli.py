@@ -1,4 +1,4 @@
-"""`dlcp testbed up|show|exec|loss|down`: the emulated cluster from the command line."""
+"""`dlcp testbed up|show|exec|loss|port|down`: the emulated cluster from the command line."""
 
 from __future__ import annotations
 
@@ -134,6 +134,19 @@ def register(subparsers: Any) -> None:
     _common(loss, quiet=False)
     loss.set_defaults(func=_loss)
 
+    port = sub.add_parser(
+        "port",
+        help="set a host's switch port on one path down or up (a path failure)",
+        description="Set HOST's switch port on --path down or up at runtime: the host's "
+        "interface on that path loses its carrier and nothing crosses that port, as when "
+        "a link or switch port fails. dlcp's daemons stop using the path and probe it.",
+    )
+    port.add_argument("host", metavar="HOST", help="host name like h0, or index like 0")
+    port.add_argument("state", choices=("down", "up"), help="the port's new state")
+    port.add_argument("--path", type=int, default=0, help="path (default: 0)")
+    _common(port, quiet=False)
+    port.set_defaults(func=_port)
+
     down_ = sub.add_parser("down", help="remove the testbed and everything it started")
     down_.add_argument("--keep-logs", action="store_true", help="keep logs in the state dir")
     _common(down_)
@@ -226,6 +239,12 @@ def _loss(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(args: argparse.Namespace) -> int:
+    tb = Testbed.attach(args.name)
+    tb.set_port(args.host, args.path, args.state == "up")
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
     found = down(args.name, keep_logs=args.keep_logs)
     if not args.quiet:
@@ -258,8 +277,9 @@ def format_show(info: dict[str, Any]) -> str:
         lines += ["", f"switch {sw['netns']}: bridges {', '.join(sw['bridges'])}"]
         for port in sw["ports"]:
             loss = sw["loss_pct"].get(port, {})
+            state = " (down)" if port in sw.get("ports_down", ()) else ""
             lines.append(
-                f"  {port:<8} loss in {loss.get('in', 0):g} %, out {loss.get('out', 0):g} %"
+                f"  {port:<8} loss in {loss.get('in', 0):g} %, out {loss.get('out', 0):g} %{state}"
             )
     background = info.get("background") or []
     if background:

@@ -333,6 +333,30 @@ class Testbed:
 
         self._update(record)
 
+    def set_port(self, host: str | int, path: int, up: bool) -> None:
+        """Set `host`'s switch port on `path` up or down (`ip link set`): a path
+        failure as a host sees it when its link or switch port dies (no
+        carrier on its interface; its datagrams and those toward it on that
+        path are dropped). Recorded, so that `show` lists the ports down."""
+        port = self.host(host).switch_ports[self._path(path)]
+        system.run(
+            ["ip", "-n", self.switch_netns, "link", "set", port, "up" if up else "down"]
+        )
+
+        def record(st: dict[str, Any]) -> None:
+            down = set(st.get("ports_down", []))
+            if up:
+                down.discard(port)
+            else:
+                down.add(port)
+            st["ports_down"] = sorted(down)
+
+        self._update(record)
+
+    def ports_down(self) -> list[str]:
+        """The switch ports set down with `set_port` (and not up again)."""
+        return list(self._state().get("ports_down", []))
+
     def loss(self) -> dict[str, dict[str, float]]:
         """Loss percent per switch port and direction, e.g. {"h0p0": {"in": 5.0, "out": 0.0}}."""
         recorded = self._state().get("loss_permille", {})
@@ -596,6 +620,7 @@ class Testbed:
                     "ports": self.switch_ports,
                     "bridges": [bridge_name(p) for p in range(self.spec.paths)],
                     "loss_pct": loss,
+                    "ports_down": self.ports_down(),
                 }
             ],
             "background": [p for p in procs if p["role"].startswith("background")],
