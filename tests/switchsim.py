@@ -254,6 +254,7 @@ class SwitchSim:
         self.class_of_tos = {d << 2: c for c, d in enumerate(config.dscp)}
         self.host_of = {address(h, p): h for h in range(hosts) for p in range(paths)}
         self.dead: set[tuple[int, int]] = set()  # (host, path): ports set down
+        self.port_loss: dict[tuple[int, int], float] = {}  # (host, path): loss both ways
         self.dead_drops = 0
         self.now, self.events_left = 0.0, max_events
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
@@ -314,6 +315,10 @@ class SwitchSim:
         else:
             self.dead.add((host, path))
 
+    def set_port_loss(self, host: int, path: int, loss: float) -> None:
+        """Random loss `loss` (0..1) on host `host`'s port on `path`, both ways."""
+        self.port_loss[(host, path)] = loss
+
     def inject(self, src: int, dst: int, tos: int, dg: bytes, path: int = 0) -> None:
         """A datagram leaves host `src`'s socket for host `dst` on `path`."""
         if (src, path) in self.dead:
@@ -335,6 +340,11 @@ class SwitchSim:
         if (item[1], item[4]) in self.dead or (item[0], item[4]) in self.dead:
             self.dead_drops += 1
             return
+        if self.port_loss:
+            p = max(self.port_loss.get((h, item[4]), 0.0) for h in item[:2])
+            if p and self._loss_rng.random() < p:
+                self.lost += 1
+                return
         self._offer(self.down[item[4]][item[1]], item)
 
     def _offer(self, port: Port, item: Item) -> None:

@@ -114,3 +114,42 @@ def test_without_probes_the_round_at_the_cut_waits_for_the_port() -> None:
     times = res.round_times()
     assert all(not r.failed for rs in res.rounds for r in rs)
     assert max(times) > HEAL - CUT - 0.1 > 3 * median(times)
+
+
+def test_a_lossy_path_leaves_the_default_spray_and_every_round_completes() -> None:
+    """Not dead but degraded: 40 % loss both ways on host 0's port on path 0
+    from 0.2 s. Its probes say so; the default balancer (spray) stops putting
+    data on it, the path to and from host 0 stays in use for probes only."""
+    cfg = bench_config(3, 200e6)
+    seen: dict[str, Counter[int]] = {}
+
+    def lossy(sim: SwitchSim) -> None:
+        sim.set_port_loss(0, 0, 0.4)
+
+    def take(name: str) -> tuple[float, object]:
+        def sample(sim: SwitchSim) -> None:
+            c: Counter[int] = Counter()
+            for peer in sim.hosts[0].peers.values():
+                for (_cls, path), k in peer.sent_packets.items():
+                    c[path] += k
+            seen[name] = c
+
+        return (0.6 if name == "a" else 1.0), sample
+
+    res = run_rounds(
+        ROUNDS, ELEMENTS, 3, paths=2, config=cfg, at=[(0.2, lossy), take("a"), take("b")]
+    )  # type: ignore[list-item]
+    for rs in res.rounds:
+        assert len(rs) == ROUNDS and not [r.failed for r in rs if r.failed]
+    h0 = res.sim.hosts[0]
+    for peer in h0.peers.values():
+        assert peer.health is not None
+        assert peer.health.status(0) != PathStatus.UP  # degraded, or down for a while
+        assert peer.health.probe_loss(0) > 0.25
+        assert peer.health.transitions[(0, PathStatus.DEGRADED)] >= 1
+        assert peer.usable == [False, True]
+    # between 0.6 s and 1.0 s host 0 sent (almost) nothing on path 0: only
+    # what it had queued there, while path 1 carried its traffic
+    on0 = seen["b"][0] - seen["a"][0]
+    on1 = seen["b"][1] - seen["a"][1]
+    assert on1 > 0 and on0 <= 0.02 * on1, (on0, on1)

@@ -191,3 +191,66 @@ def test_the_daemon_setting_probe_interval_s() -> None:
     for bad in (-0.1, 2, "fast", True):
         with pytest.raises(DlcpError, match="probe_interval_s"):
             parse({"network": {"probe_interval_s": bad}})
+
+
+def lossy_step(h: PathHealth, now: float, until: float, drop_every: dict[int, int]) -> float:
+    """Probes from `now` to `until`, echoed after 1 ms, but path p's every
+    `drop_every[p]`-th probe lost (0: none)."""
+    inflight: list[tuple[float, int, int]] = []
+    while now < until:
+        for path, seq in h.probes_due(now):
+            k = drop_every.get(path, 0)
+            if not (k and seq % k == 0):
+                inflight.append((now + 0.001, path, seq))
+        for item in [i for i in inflight if i[0] <= now]:
+            inflight.remove(item)
+            h.on_echo(item[1], item[2], now)
+        h.poll(now)
+        now = round(now + 0.001, 9)
+    return now
+
+
+def test_a_lossy_path_is_degraded_out_of_spray_but_weighed_by_adaptive_and_recovers() -> None:
+    h = PathHealth(2, CFG)
+    h.touch(0.0)
+    # every second probe on path 1 lost (50 %): never three misses in a row
+    now = lossy_step(h, 0.0, 1.0, {1: 2})
+    assert h.status(1) == PathStatus.DEGRADED and h.probe_loss(1) > 0.25
+    assert h.usable() == [True, False]
+    assert h.usable(degraded=True) is None  # adaptive weighs it itself
+    assert h.transitions[(1, PathStatus.DEGRADED)] >= 1
+    assert h.transitions[(1, DOWN)] == 0
+    h.touch(now)
+    lossy_step(h, now, now + 1.0, {})
+    assert h.status(1) == UP and h.usable() is None and h.probe_loss(1) < 0.125
+    # a loss rate as random loss has it (1 in 20) never degrades a path
+    h2 = PathHealth(2, CFG)
+    h2.touch(0.0)
+    lossy_step(h2, 0.0, 1.0, {0: 20, 1: 20})
+    assert h2.statuses() == [UP, UP]
+
+
+def test_a_path_much_slower_than_the_best_is_degraded() -> None:
+    h = PathHealth(2, CFG)
+    h.touch(0.0)
+    inflight: list[tuple[float, int, int]] = []
+    now = 0.0
+    while now < 1.0:
+        for path, seq in h.probes_due(now):
+            inflight.append((now + (0.001 if path == 0 else 0.02), path, seq))
+        for item in [i for i in inflight if i[0] <= now]:
+            inflight.remove(item)
+            h.on_echo(item[1], item[2], now)
+        now = round(now + 0.001, 9)
+    assert h.status(1) == PathStatus.DEGRADED and h.status(0) == UP
+    assert h.usable() == [True, False]
+    rtt0, rtt1 = h.rtt(0), h.rtt(1)
+    assert rtt0 is not None and rtt1 is not None and rtt1 > 10 * rtt0
+
+
+def test_when_every_live_path_is_degraded_they_all_stay_in_use() -> None:
+    h = PathHealth(2, CFG)
+    h.touch(0.0)
+    lossy_step(h, 0.0, 1.0, {0: 2, 1: 2})
+    assert h.statuses() == [PathStatus.DEGRADED, PathStatus.DEGRADED]
+    assert h.usable() is None

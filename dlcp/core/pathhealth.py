@@ -22,6 +22,14 @@ A path's state, driven by its probes' deadlines and echoes:
   `down_interval`.
 - probing: a down path's probe was answered; still unused until `up_after`
   echoes in a row, then up (a miss sends it down again).
+- degraded: up, but losing more than `degraded_loss` of its probes (a smoothed
+  rate, 1/16 a probe), or its smoothed probe round trip is over
+  `degraded_rtt` times the best path's and `degraded_delay` longer: out of
+  use for balancers that do not weigh the paths themselves (spray, weighted,
+  flow); `adaptive` weighs its loss and delay into its share instead. Back up
+  when the loss falls under half that rate and the round trip under half
+  that factor. The loss rate counts only while the path is in use (up or
+  suspect): a dead path comes back with the rate it went down with.
 
 When every path is down or probing at once the cause is more likely this
 daemon or the peer (a stall) than every path: all stay in use (`usable`
@@ -44,6 +52,7 @@ class PathStatus(enum.IntEnum):
     SUSPECT = 1
     DOWN = 2
     PROBING = 3
+    DEGRADED = 4
 
     @property
     def label(self) -> str:
@@ -51,6 +60,7 @@ class PathStatus(enum.IntEnum):
 
 
 _IN_USE = (PathStatus.UP, PathStatus.SUSPECT)
+_LOSS_GAIN = 1 / 16  # the probe loss rate's smoothing, a probe
 _OUTSTANDING_MAX = 64  # probes awaiting an echo per path (older ones are forgotten)
 
 
@@ -65,12 +75,19 @@ class HealthConfig:
     down_after: int = 3
     up_after: int = 3
     idle_after: float = 1.0  # no traffic for this long: probing stops
+    degraded_loss: float = 0.25
+    degraded_rtt: float = 4.0
+    degraded_delay: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("interval", "down_interval", "timeout", "idle_after"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and 0 < v < 60):
                 raise LocalError(f"path health {name} must be in (0, 60) seconds, got {v!r}")
+        if not 0.0 < self.degraded_loss <= 1.0:
+            raise LocalError(f"path health degraded_loss must be in (0, 1]: {self.degraded_loss}")
+        if not 1.0 < self.degraded_rtt <= 1000.0 or not self.degraded_delay >= 0.0:
+            raise LocalError("path health degraded_rtt must be in (1, 1000], degraded_delay >= 0")
         if not 1.0 <= self.rtt_factor <= 100.0:
             raise LocalError(f"path health rtt_factor must be in [1, 100], got {self.rtt_factor}")
         for name in ("down_after", "up_after"):
@@ -96,6 +113,8 @@ class _Path:
     next_probe: float = 0.0
     srtt: float | None = None
     since: float = 0.0  # when it entered its status
+    loss: float = 0.0  # smoothed probe loss rate
+    degraded: bool = False
 
 
 class PathHealth:
@@ -118,10 +137,16 @@ class PathHealth:
         return len(self._paths)
 
     def status(self, path: int) -> PathStatus:
-        return self._paths[path].status
+        """The path's state; an up path that loses or lags too much is DEGRADED."""
+        p = self._paths[path]
+        return PathStatus.DEGRADED if p.degraded and p.status == PathStatus.UP else p.status
 
     def statuses(self) -> list[PathStatus]:
-        return [p.status for p in self._paths]
+        return [self.status(i) for i in range(len(self._paths))]
+
+    def probe_loss(self, path: int) -> float:
+        """The path's smoothed probe loss rate."""
+        return self._paths[path].loss
 
     def rtt(self, path: int) -> float | None:
         """The path's smoothed probe round trip (seconds), None before an echo."""
@@ -140,10 +165,17 @@ class PathHealth:
     def active(self, now: float) -> bool:
         return now < self._active_until
 
-    def usable(self) -> list[bool] | None:
+    def usable(self, degraded: bool = False) -> list[bool] | None:
         """Which paths may carry data now; None when all may (all in use, or
-        none: then the fault is more likely not the paths')."""
-        use = [p.status in _IN_USE for p in self._paths]
+        none: then the fault is more likely not the paths'). `degraded`: a
+        degraded path may (for a balancer that weighs the paths itself);
+        when every live path is degraded, they all may."""
+        live = [p.status in _IN_USE for p in self._paths]
+        use = live
+        if not degraded:
+            use = [u and not p.degraded for u, p in zip(live, self._paths, strict=True)]
+        if not any(use):
+            use = live
         if all(use) or not any(use):
             return None
         return use
@@ -187,6 +219,9 @@ class PathHealth:
                 self._miss(i, p, now)
 
     def _miss(self, i: int, p: _Path, now: float) -> None:
+        if p.status in _IN_USE:  # the loss rate of a path in use (frozen while down)
+            p.loss += _LOSS_GAIN * (1.0 - p.loss)
+            self._judge(i, p, now)
         p.misses += 1
         p.echoes = 0
         if p.status == PathStatus.UP:
@@ -197,22 +232,30 @@ class PathHealth:
         ):
             self._set(i, p, PathStatus.DOWN, now)
 
-    def on_echo(self, path: int, seq: int, now: float) -> None:
+    def on_echo(self, path: int, seq: int, now: float) -> float | None:
         """The peer echoed probe `seq` of `path` at `now` (late ones count as
         evidence too, without an RTT sample); unknown paths and sequence
-        numbers never sent are ignored."""
+        numbers never sent are ignored. Returns the RTT sample, if any."""
         if not 0 <= path < len(self._paths):
-            return
+            return None
         p = self._paths[path]
         if not 0 < seq <= p.seq:
-            return
+            return None
         self.echoes += 1
         sent = p.outstanding.pop(seq, None)
+        rtt = None
         if sent is not None:
             rtt = max(now - sent, 0.0)
             p.srtt = rtt if p.srtt is None else p.srtt + 0.125 * (rtt - p.srtt)
-            for s in [s for s in p.outstanding if s < seq]:  # overtaken: not lost
+            # Overtaken (a path's probes keep their order): lost, for the loss
+            # rate; not misses, since the path answers
+            for s in [s for s in p.outstanding if s < seq]:
                 del p.outstanding[s]
+                if p.status in _IN_USE:
+                    p.loss += _LOSS_GAIN * (1.0 - p.loss)
+            if p.status in _IN_USE:
+                p.loss -= _LOSS_GAIN * p.loss
+                self._judge(path, p, now)
         p.misses = 0
         if p.status == PathStatus.SUSPECT:
             self._set(path, p, PathStatus.UP, now)
@@ -224,12 +267,45 @@ class PathHealth:
             p.echoes += 1
         if p.status == PathStatus.PROBING and p.echoes >= self.config.up_after:
             self._set(path, p, PathStatus.UP, now)
+        return rtt
+
+    def _judge(self, i: int, p: _Path, now: float) -> None:
+        """Whether path `i` is degraded, from its probe loss and round trip
+        against the best path's (with hysteresis: see the module)."""
+        cfg = self.config
+        best = min((q.srtt for q in self._paths if q.srtt is not None), default=None)
+        if p.degraded:
+            lags = (
+                p.srtt is not None
+                and best is not None
+                and (
+                    p.srtt > best * cfg.degraded_rtt / 2 and p.srtt - best > cfg.degraded_delay / 2
+                )
+            )
+            bad = p.loss > cfg.degraded_loss / 2 or lags
+        else:
+            lags = (
+                p.srtt is not None
+                and best is not None
+                and (p.srtt > best * cfg.degraded_rtt and p.srtt - best > cfg.degraded_delay)
+            )
+            bad = p.loss > cfg.degraded_loss or lags
+        if bad == p.degraded:
+            return
+        was = self.status(i)
+        p.degraded = bad
+        if p.status == PathStatus.UP:  # a state change as seen from outside
+            now_is = self.status(i)
+            self.changes.append((i, was, now_is, now))
+            self.transitions[(i, now_is)] += 1
 
     def _set(self, i: int, p: _Path, status: PathStatus, now: float) -> None:
-        self.changes.append((i, p.status, status, now))
-        self.transitions[(i, status)] += 1
+        was = self.status(i)
         p.status = status
         p.since = now
+        now_is = self.status(i)
+        self.changes.append((i, was, now_is, now))
+        self.transitions[(i, now_is)] += 1
 
     def next_timer(self) -> float | None:
         """When `probes_due` or `poll` has something to do next; None when idle."""

@@ -66,9 +66,8 @@ class Prober:
                         down.append((peer, path))
                     # down and back up are worth an operator's attention; a
                     # suspect path (one late probe) is not, on its own
-                    loud = new == PathStatus.DOWN or (new, old) == (
-                        PathStatus.UP,
-                        PathStatus.PROBING,
+                    loud = new in (PathStatus.DOWN, PathStatus.DEGRADED) or (
+                        new == PathStatus.UP and old in (PathStatus.PROBING, PathStatus.DEGRADED)
                     )
                     level = logging.WARNING if loud else logging.INFO
                     log.log(
@@ -80,7 +79,7 @@ class Prober:
                         new.label,
                     )
                 health.changes.clear()
-            peer.usable = health.usable()
+            peer.usable = health.usable(degraded=peer.balancer.weighs_paths)
         return down
 
     def next_timer(self) -> float | None:
@@ -97,7 +96,9 @@ class Prober:
         """A probe or an echo from `peer` (in `job`) arrived at `now`."""
         if probe.echo:
             if peer.health is not None:
-                peer.health.on_echo(probe.path, probe.seq, now)
+                rtt = peer.health.on_echo(probe.path, probe.seq, now)
+                if rtt is not None and rtt > 0:  # the balancer's delay statistics
+                    peer.balancer.on_rtt(peer.paths[probe.path], rtt, now)
             return
         if not 0 <= probe.path < len(peer.paths):
             return

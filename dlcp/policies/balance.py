@@ -97,6 +97,9 @@ class LoadBalancer(ABC):
     name: str = ""
     loss_window: float = 1000.0
     rtt_gain: float = 0.125
+    # whether the shares follow each path's loss and delay (then a path the
+    # daemon's probes find degraded stays in use, at the share it weighs)
+    weighs_paths: bool = False
 
     @abstractmethod
     def assign(
@@ -359,6 +362,8 @@ class AdaptiveBalancer(LoadBalancer):
         self.loss_window = check_float(loss_window, "loss_window", lo=1.0)
         self.rtt_gain = check_float(rtt_gain, "rtt_gain", lo=0.0, hi=1.0, lo_open=True)
         self._stride = _Stride()
+
+    weighs_paths = True
 
     def shares(self, paths: Sequence[PathState]) -> npt.NDArray[np.float64]:
         """The traffic share of each path, from its current statistics."""
