@@ -228,7 +228,8 @@ def test_a_step_that_outgrew_the_segment_sizes_it_for_the_next(pair: list[Daemon
         assert res["stats"]["fallbacks"] == 0, res["stats"]["last_error"]
         grows = res["grows"]
         assert grows[0] >= 1  # unknown size: the first step grows it
-        assert grows[1] == grows[2]  # then sized for the whole step: never again
+        # then sized for the whole step, with room for DDP's rebuilt buckets
+        assert grows[2] == grows[1] == grows[0]
         for got, want in zip(res["grads"], res["ref"], strict=True):
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

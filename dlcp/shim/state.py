@@ -62,7 +62,7 @@ import torch.distributed as dist
 from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec, next_scale
 from dlcp.errors import DlcpError, LocalError
 from dlcp.shim import pg
-from dlcp.shim.arena import Arena
+from dlcp.shim.arena import MIN_SEGMENT, Arena
 from dlcp.shim.auto import AUTO, AutoCodec, available, host_calibration, link_from_status
 from dlcp.shim.client import default_socket
 from dlcp.shim.exchange import RoundPlan, Submitted, decode_round, submit_round
@@ -150,6 +150,13 @@ def segment_for(model: torch.nn.Module) -> int:
     each bucket's alignment (1 MiB covers thousands of buckets)."""
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return int(numel * 8.5) + (1 << 20)
+
+
+def with_headroom(size: int) -> int:
+    """`size` and some room: DDP rebuilds its buckets after the first step, and
+    the same gradients in other buckets take a little more (each bucket's
+    metadata and alignment); a segment sized from one step fits the next."""
+    return size + size // 32 + MIN_SEGMENT
 
 
 class ShimError(DlcpError):
@@ -578,7 +585,7 @@ class DlcpState:
             sizes = region_sizes(plan.layout)
             if not link.arena.fits(sizes):
                 self._wait_replies(time.monotonic() + self.round_timeout_s)
-                link.arena.grow(sizes.total)
+                link.arena.grow(with_headroom(sizes.total))
             region = link.arena.take(sizes)
             if ef is not None:
                 p.snapshot = (ef.residual, ef.rounds, ef.saturated)
@@ -685,7 +692,7 @@ class DlcpState:
         taken = arena.step_bytes
         arena.reset()
         try:
-            if arena.reserve(taken):
+            if taken > arena.segment.size and arena.reserve(with_headroom(taken)):
                 self.segment_bytes = max(self.segment_bytes or 0, arena.segment.size)
         except Exception as exc:  # the next step grows it, or fails over
             log.debug("dlcp: could not grow the segment between steps: %s", exc)
