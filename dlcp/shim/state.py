@@ -561,9 +561,7 @@ class DlcpState:
         plan = RoundPlan.make(
             codec, numel, shards=len(m.hosts), payload=m.payload, round_=self.round, bucket=bucket
         )
-        p = _Pending(
-            bucket=bucket, buffer=flat, key=state_key, keep=key is not None, times=times
-        )
+        p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None, times=times)
         self._pending.append(p)
         ef = self._ef.get(state_key) if key is not None else None
         if ef is None and key is not None and name != "fp32":
