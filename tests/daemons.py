@@ -105,6 +105,10 @@ class Daemon:
     metrics_port: int
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    addresses: tuple[str, ...] = ()  # one a path (default: `address` alone)
+
+    def __post_init__(self) -> None:
+        self.addresses = self.addresses or (self.address,)
 
     def start(self, wait: float = 20.0) -> None:
         # the checkout first; packages installed beside the interpreter's stay reachable
@@ -143,9 +147,14 @@ class Daemon:
 
 @contextlib.contextmanager
 def loopback_daemons(
-    tmp: Path, n: int, extra: dict[str, dict[str, Any]] | None = None, start: bool = True
+    tmp: Path,
+    n: int,
+    extra: dict[str, dict[str, Any]] | None = None,
+    start: bool = True,
+    paths: int = 1,
 ) -> Iterator[list[Daemon]]:
-    """n daemons on 127.0.0.1..n, one UDP port, sockets and logs under tmp."""
+    """n daemons on 127.0.0.1..n, one UDP port, sockets and logs under tmp;
+    with `paths` > 1, path p of daemon i is 127.0.p.(i + 1)."""
     port = free_udp_port()
     ds = []
     for i in range(n):
@@ -157,6 +166,7 @@ def loopback_daemons(
             config=tmp / f"d{i}.toml",
             log=tmp / f"d{i}.log",
             metrics_port=free_tcp_port(),
+            addresses=tuple(f"127.0.{p}.{i + 1}" for p in range(paths)),
         )
         sections: dict[str, dict[str, Any]] = {
             "daemon": {
@@ -165,7 +175,7 @@ def loopback_daemons(
                 "metrics_port": d.metrics_port,
                 "host_index": i,
             },
-            "network": {"addresses": [d.address], "udp_port": port},
+            "network": {"addresses": list(d.addresses), "udp_port": port},
         }
         for k, v in (extra or {}).items():
             sections[k] = {**sections.get(k, {}), **v}
@@ -226,7 +236,7 @@ class Rank:
 
 
 def hosts_of(ds: Sequence[Daemon]) -> list[dict[str, Any]]:
-    return [{"addresses": [d.address], "udp_port": d.port} for d in ds]
+    return [{"addresses": list(d.addresses), "udp_port": d.port} for d in ds]
 
 
 @dataclass

@@ -235,7 +235,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("ops")
-    with loopback_daemons(tmp, 3, {"timing": {"timeout": 10.0}}) as ds:
+    # two paths (127.0.0.x and 127.0.1.x): the path health series exist too
+    with loopback_daemons(tmp, 3, {"timing": {"timeout": 10.0}}, paths=2) as ds:
         ranks: list[Rank] = []
         try:
             for i, d in enumerate(ds):
