@@ -107,14 +107,40 @@ class SmallestNormDrop(DropPolicy):
         k = math.floor(self.magnitude_cut * n)
         if budget == 0 or k == 0:
             return out
-        order = np.argsort(dens, kind="stable")
-        ranked = dens[order]
-        # Candidates lie strictly below the density of the first protected packet.
-        limit = n if k >= n else int(np.searchsorted(ranked, ranked[k], side="left"))
-        used = np.cumsum(lanes[order[:limit]])
-        take = int(np.searchsorted(used, budget, side="right"))
-        out[order[:take]] = True
+        out[_smallest_fitting(dens, lanes, budget, k)] = True
         return out
+
+
+def _smallest_fitting(dens: np.ndarray, lanes: np.ndarray, budget: int, k: int) -> np.ndarray:
+    """The packets, smallest density first (ties in index order), whose lanes
+    add up to at most `budget`, among those strictly below the density of the
+    `k`-th smallest (0-based; `k` >= n: all). A bucket's 5 % is a small part
+    of it: a partition finds the few smallest and only those are sorted, not
+    the whole bucket (a stable sort of 35,000 densities cost 3 ms a shard)."""
+    n = len(dens)
+    # each packet carries at most max(lanes): the budget takes at least this many
+    m = min(n, 2 * (budget // max(1, int(lanes.max())) + 1) + 64)
+    ranks = sorted({r for r in (k, m) if r < n})
+    part = np.partition(dens, ranks) if ranks else dens  # both ranks in one pass
+    kth = float(part[k]) if k < n else np.inf
+    while m < n:
+        t = part[m]
+        cand = np.flatnonzero(dens < t)  # the smallest m at most, ties at t left out
+        cand = cand[np.argsort(dens[cand], kind="stable")]  # their place in the full order
+        allowed = cand[dens[cand] < kth]
+        used = np.cumsum(lanes[allowed])
+        take = int(np.searchsorted(used, budget, side="right"))
+        # done when the budget ran out within them, or every allowed packet is in them
+        if take < len(allowed) or len(allowed) < len(cand):
+            return allowed[:take]
+        m *= 4
+        if m < n:
+            part = np.partition(dens, m)
+    order = np.argsort(dens, kind="stable")
+    ranked = dens[order]
+    limit = n if k >= n else int(np.searchsorted(ranked, ranked[k], side="left"))
+    used = np.cumsum(lanes[order[:limit]])
+    return order[: int(np.searchsorted(used, budget, side="right"))]
 
 
 def deadline_drops(

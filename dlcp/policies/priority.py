@@ -152,9 +152,16 @@ class LayerMagnitudePriority(PriorityPolicy):
         """Fraction of the bucket's density quantiles each packet exceeds (0..1)."""
         if dens.size == 0:
             return np.zeros(0)
-        # "lower" picks sample values, so +inf densities never make a NaN cut.
-        cuts = np.quantile(dens, self._levels, method="lower")
-        return np.searchsorted(cuts, dens, side="left") / len(cuts)
+        # np.quantile(dens, levels, method="lower"), which picks sample values
+        # (so +inf densities never make a NaN cut): one partition at those
+        # ranks; then how many cuts each packet exceeds, a comparison a cut
+        # (what searchsorted(cuts, dens, "left") counts, in a tenth the time)
+        ranks = np.floor(self._levels * (dens.size - 1)).astype(np.intp)
+        cuts = np.partition(dens, np.unique(ranks))[ranks]
+        above = np.zeros(dens.size, dtype=np.intp)
+        for cut in cuts.tolist():
+            above += dens > cut
+        return above / len(cuts)
 
     def classify(
         self,
