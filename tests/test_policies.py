@@ -732,3 +732,48 @@ def test_path_state_hooks() -> None:
         bal.assign(n=3, paths=[])
     with pytest.raises(LocalError):
         bal.record_sent([p], np.array([0, 1]))
+
+
+def _smallest_fitting_by_sort(
+    dens: np.ndarray, lanes: np.ndarray, budget: int, k: int
+) -> np.ndarray:
+    """smallest_norm's choice as it was first written: a stable sort of the bucket."""
+    n = len(dens)
+    order = np.argsort(dens, kind="stable")
+    ranked = dens[order]
+    limit = n if k >= n else int(np.searchsorted(ranked, ranked[k], side="left"))
+    used = np.cumsum(lanes[order[:limit]])
+    return order[: int(np.searchsorted(used, budget, side="right"))]
+
+
+def test_smallest_norm_and_magnitude_ranks_equal_their_sorted_definitions() -> None:
+    """The partition-based choices equal the sort-based ones, ties (kept in
+    index order) and infinities included."""
+    from dlcp.policies.drop import _smallest_fitting
+
+    rng = np.random.default_rng(11)
+    prio = from_config("priority", "layer_magnitude")
+    for trial in range(600):
+        n = int(rng.integers(1, 4000))
+        kind = trial % 4
+        if kind == 0:
+            dens = rng.uniform(0, 1, n)
+        elif kind == 1:
+            dens = rng.integers(0, 5, n).astype(np.float64)  # many ties
+        elif kind == 2:
+            dens = np.where(rng.random(n) < 0.1, np.inf, rng.exponential(1, n))
+        else:
+            dens = np.zeros(n)
+        lanes = rng.integers(1, 353, n) if trial % 3 == 0 else np.full(n, 352)
+        if n > 1 and trial % 5 == 0:
+            lanes[-1] = 1
+        budget = int(0.05 * lanes.sum()) if trial % 2 else int(rng.integers(0, lanes.sum() + 2))
+        k = int(rng.integers(0, n + 2))
+        np.testing.assert_array_equal(
+            _smallest_fitting(dens, lanes, budget, k),
+            _smallest_fitting_by_sort(dens, lanes, budget, k),
+        )
+        cuts = np.quantile(dens, prio._levels, method="lower")
+        np.testing.assert_array_equal(
+            prio.magnitude_score(dens), np.searchsorted(cuts, dens, side="left") / len(cuts)
+        )
