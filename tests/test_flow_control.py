@@ -417,3 +417,26 @@ def test_a_daemon_grants_its_senders_a_share_among_all_its_jobs(tmp_path: Path) 
             assert 0 <= to_1["in_flight_bytes"] <= window // 3
             to_0 = peer_of(ranks[1], "127.0.0.1:")
             assert to_0["granted_bytes"] == to_0["limit_bytes"] == window
+
+
+def test_credited_bytes_acknowledge_to_the_rate_control_within_a_leg() -> None:
+    """A credit's new bytes grow the peer's rate in slow start as the peer's
+    results do (what a first round on an unshaped link waited for); a count
+    new to the sender (its first, or a restarted peer's) is matched, not
+    taken as delivered, and credits without a time leave the rate alone."""
+    ob, peer, path = make(WINDOW_MIN)
+    n = WINDOW_MIN // DATAGRAM
+    ob.push_many(peer, data(n), [3] * n)
+    ob.flush(0.0)
+    start = peer.rate.rate_bps
+    ob.on_credit(peer, received=0, epoch=5, now=0.001)  # its first count
+    assert peer.rate.rate_bps == start
+    ob.on_credit(peer, received=path.bytes // 2, epoch=5)  # no time given
+    assert peer.rate.rate_bps == start
+    ob.on_credit(peer, received=path.bytes, epoch=5, now=0.002)
+    assert peer.rate.rate_bps > start  # slow start: grew by what was credited
+    grown = peer.rate.rate_bps
+    ob.on_credit(peer, received=path.bytes, epoch=5, now=0.003)  # nothing new
+    assert peer.rate.rate_bps == grown
+    ob.on_credit(peer, received=10, epoch=6, now=0.004)  # a restarted peer's count
+    assert peer.rate.rate_bps == grown

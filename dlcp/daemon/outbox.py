@@ -1141,7 +1141,13 @@ class Outbox:
         return limit - peer.in_flight
 
     def on_credit(
-        self, peer: Peer, received: int, epoch: int, drained: bool = False, window: int = 0
+        self,
+        peer: Peer,
+        received: int,
+        epoch: int,
+        drained: bool = False,
+        window: int = 0,
+        now: float | None = None,
     ) -> None:
         """`peer` has taken `received` bytes from us off its sockets, in the
         count it calls `epoch`; `drained`: its sockets held nothing then. A
@@ -1158,7 +1164,14 @@ class Outbox:
         `window` is what the peer grants: from now on at most that much,
         never below WINDOW_MIN, is in flight to it, however large this
         daemon's own share for it (`Peer.limit`); 0 (a peer without flow
-        control, or an older daemon): this daemon's own share alone."""
+        control, or an older daemon): this daemon's own share alone.
+
+        With `now`, the bytes a count credits beyond the last (matched as
+        before, not a new count's) acknowledge as much to the peer's rate
+        control: its slow start grows during a leg, not only when the peer's
+        results come back. Without it a first round on an unshaped link went
+        its whole data leg at the initial 1 Gbit/s (0.71 s against 0.25 for
+        the next 100 MB rounds on two hosts)."""
         self.credits += 1
         peer.probes = 0
         peer.granted = max(WINDOW_MIN, window) if window else 0
@@ -1171,7 +1184,10 @@ class Outbox:
                 peer.credited = peer.sent_total
                 return
             peer.credit_offset = 0
+        before = peer.credited
         peer.credited = max(peer.credited, min(peer.sent_total, received + peer.credit_offset))
+        if now is not None and peer.credited > before:
+            peer.rate.on_ack(peer.credited - before, None, now)
 
     @staticmethod
     def _sent(peer: Peer, cls: int, p: int, n: int, nbytes: int, now: float) -> None:

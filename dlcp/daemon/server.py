@@ -584,7 +584,9 @@ class Daemon:
             payload = dgs[i][HEADER_SIZE:]
             got = credit_of(payload)
             if got is not None:
-                self.outbox.on_credit(peer, got.received, got.epoch, got.drained, got.window)
+                self.outbox.on_credit(
+                    peer, got.received, got.epoch, got.drained, got.window, now=now
+                )
             elif (probe := probe_of(payload)) is not None:
                 assert job is not None
                 self.prober.on_probe(peer, job.spec.job, probe, now)
