@@ -726,7 +726,9 @@ def test_owner_sums_a_peers_packets_as_they_arrive(one_by_one: bool) -> None:
     second pass); packets that never came (droppable, within the bound) leave
     the owner's lanes there. Sums, contributor counts and lost lanes are those
     of the aggregator that stores first and sums at the end; a peer whose
-    packets came before the owner's own lanes is stored and summed as before."""
+    packets all came before the owner's own lanes is stored and summed as
+    before, and one whose first packets came before them has those summed
+    when the next arrives and the rest as they arrive."""
     from dlcp.core.aggregate import ShardAggregator
 
     lay = Layout(total=9000, codec=Codec.FP32, shards=2, payload=1408)
@@ -740,7 +742,8 @@ def test_owner_sums_a_peers_packets_as_they_arrive(one_by_one: bool) -> None:
     droppable[[1, 2, 4]] = True
     arrive = [k for k in range(len(pk)) if k not in (1, 2)]  # two droppable ones lost
 
-    def run(out: np.ndarray | None, local_first: bool) -> ShardAggregator:
+    def run(out: np.ndarray | None, before: int) -> ShardAggregator:
+        """`before`: the peer's parts that arrive before the owner's own lanes."""
         agg = ShardAggregator(layout=lay, shard=1, senders=[0, 1], now=0.0, timing=Timing())
         if out is not None:
             agg.sum_into(out)
@@ -750,14 +753,15 @@ def test_owner_sums_a_peers_packets_as_they_arrive(one_by_one: bool) -> None:
                          droppable=np.zeros(len(pk), bool), scale=0.0,
                          block_max=np.zeros(len(pk), np.float32), now=0.0)  # fmt: skip
 
-        if local_first:
-            local()
-        for part in [[k] for k in arrive] if one_by_one else [arrive[:3], arrive[3:]]:
+        parts = [[k] for k in arrive] if one_by_one else [arrive[:3], arrive[3:]]
+        for i, part in enumerate(parts):
+            if i == before:
+                local()
             p = [theirs[starts[k] - off : starts[k] - off + counts[k]].tobytes() for k in part]
             agg.on_data_many(sender=0, offsets=starts[part], counts=counts[part], payloads=p,
                              summed=False, weight=1, droppable=droppable[part], scale=0.0,
                              block_max=np.zeros(len(part), np.float32), now=0.0)  # fmt: skip
-        if not local_first:
+        if before >= len(parts):
             local()
         agg.on_manifest(sender=0, droppable=droppable, bound=0.1, now=0.0)
         agg.on_manifest(sender=1, droppable=np.zeros(len(pk), bool), bound=0.1, now=0.0)
@@ -770,14 +774,16 @@ def test_owner_sums_a_peers_packets_as_they_arrive(one_by_one: bool) -> None:
     for k in (1, 2):  # what never came counts as zero
         a = starts[k] - off
         want[a : a + counts[k]] = mine[a : a + counts[k]]
-    stored = run(None, True)
+    stored = run(None, 0)
     assert stored._summed_row is None
     out = np.full(n, np.nan, np.float32)  # every lane must be written
-    summed = run(out, True)
+    summed = run(out, 0)
     assert summed._summed_row == (0 if lanes_native() else None)
-    late = run(np.full(n, np.nan, np.float32), False)  # the peer before the owner's own lanes
+    late = run(np.full(n, np.nan, np.float32), 99)  # the peer before the owner's own lanes
     assert late._summed_row is None
-    for agg in (stored, summed, late):
+    halfway = run(np.full(n, np.nan, np.float32), 1)  # its first part before them
+    assert halfway._summed_row == (0 if lanes_native() else None)
+    for agg in (stored, summed, late, halfway):
         r = agg.result
         assert r is not None
         assert r.sums.tobytes() == want.tobytes()

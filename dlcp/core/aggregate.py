@@ -539,17 +539,21 @@ class ShardAggregator:
         arithmetic), except which NaN's payload a NaN sum carries.
         """
         if not self._sum_decided:
+            if len(self.senders) == 2 and not self._held and row not in self._held:
+                return False  # this node's lanes are not in yet: decided when they are
             self._sum_decided = True
             if (
                 len(self.senders) == 2
                 and len(self._held) == 1
                 and row not in self._held
                 and self.out is not None
-                and not self.received[row].any()
                 and lane_ops.can_add_runs(self.out, self.layout.codec, summed)
             ):
                 self._summed_row = row
-                self._summed_own = next(iter(self._held.values()))
+                own = self._summed_own = next(iter(self._held.values()))
+                # what came before this node's lanes, stored in `slots`: summed now
+                for a, b in self._received_spans(row):
+                    np.add(own[a:b], self.slots[row, a:b], out=self.out[a:b])
         if self._summed_row is None:
             return False
         if row != self._summed_row:  # cannot happen with two senders, one of them held
@@ -744,13 +748,21 @@ class ShardAggregator:
 
     def _missing_spans(self, row: int) -> list[tuple[int, int]]:
         """The lane ranges (shard-relative) of runs of packets `row` lacks."""
-        missing = np.flatnonzero(~self.received[row])
-        if missing.size == 0:
+        return self._spans(~self.received[row])
+
+    def _received_spans(self, row: int) -> list[tuple[int, int]]:
+        """The lane ranges (shard-relative) of runs of packets `row` holds."""
+        return self._spans(self.received[row])
+
+    def _spans(self, packets: np.ndarray) -> list[tuple[int, int]]:
+        """The lane ranges (shard-relative) of the runs of packets set in `packets`."""
+        idx = np.flatnonzero(packets)
+        if idx.size == 0:
             return []
         starts = np.concatenate(([0], np.cumsum(self.counts)))
-        cut = np.flatnonzero(np.diff(missing) != 1) + 1
-        firsts = missing[np.concatenate(([0], cut))]
-        lasts = missing[np.concatenate((cut - 1, [missing.size - 1]))]
+        cut = np.flatnonzero(np.diff(idx) != 1) + 1
+        firsts = idx[np.concatenate(([0], cut))]
+        lasts = idx[np.concatenate((cut - 1, [idx.size - 1]))]
         return list(zip(starts[firsts].tolist(), starts[lasts + 1].tolist(), strict=True))
 
     def _sum_rows(self, out: np.ndarray | None, sdt: np.dtype) -> np.ndarray:
