@@ -308,6 +308,7 @@ class _Peer:
         self.rate = _Rate(log, name)
         self.rx_bytes = 0  # flow control: bytes taken from the sockets, credited
         self.rx_credited = 0
+        self.health = None  # one path: not probed
 
 
 class _Spec:

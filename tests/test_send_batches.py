@@ -121,9 +121,16 @@ class _Outbox:
         return len(dgs)
 
 
+class _Peer:
+    health = None  # one path: not probed
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class _Job:
     def __init__(self, nodes: list[int]) -> None:
-        self.peers = {n: f"peer{n}" for n in nodes}
+        self.peers = {n: _Peer(f"peer{n}") for n in nodes}
 
 
 def _dg(job: int, tag: int) -> bytes:
@@ -148,7 +155,7 @@ def test_enqueue_pushes_each_peers_run_of_batches_at_once() -> None:
         SendBatch(2, [_dg(1, 8)], [2], [False], "data"),
     ]
     Daemon._enqueue(d, batches, 0.0)
-    got = [(peer, [dg[-1] for dg in dgs], prios) for peer, dgs, prios in d.outbox.calls]
+    got = [(peer.name, [dg[-1] for dg in dgs], prios) for peer, dgs, prios in d.outbox.calls]
     assert got == [
         ("peer1", [0, 1, 2], [3, 4, 0]),
         ("peer1", [3], [0]),
