@@ -167,3 +167,35 @@ def test_report_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     args = build_parser().parse_args(["bench", "report", str(junk)])
     with pytest.raises(BenchError, match="cannot read"):
         args.func(args)
+
+
+def test_path_failure_and_ddp_rows(tmp_path: Path) -> None:
+    """The worst round over dlcp's own median; a thc8 training's steps around
+    a cut (dlcp's codec matched, Gloo's fp32 record beside it), and the
+    longest one against 3 s; a DDP step against Gloo's."""
+    write(tmp_path / "a.json", [
+        rec("dlcp", "pathdown", 0.50, 0.80, max_s=1.40),
+        rec("gloo", "pathdown", 0.60, 7.0, max_s=7.2),
+    ])  # fmt: skip
+    write(tmp_path / "b.json", [
+        train("dlcp", "pathdown", 9.0, 0.95, codec="thc8", cut_median_before_s=0.20,
+              cut_median_after_s=0.28, cut_max_after_s=3.5),
+        train("gloo", "pathdown", 11.0, 0.95),
+    ])  # fmt: skip
+    ddp = {"hosts": 2, "rate_bps": None, "grad_bytes": 50_000_000}
+    write(tmp_path / "c.json", [
+        rec("dlcp", "clean", 0.150, 0.2, **ddp),
+        rec("gloo", "clean", 0.126, 0.16, **ddp),
+    ])  # fmt: skip
+    md = scorecard.markdown(scorecard.load([tmp_path]))
+    assert "worst/p50 2.80 (<= 3): met" in line(md, "path down, all-reduce")
+    cut = line(md, "path down, DDP thc8")
+    assert "steps after/before cut 1.40 (<= 1.3): **not met**" in cut
+    assert "longest step after cut, s 3.50 (<= 3): **not met**" in cut
+    assert "| 11.0 (0.950) |" in cut  # Gloo's record found beside dlcp's thc8 one
+    assert "p50 vs gloo 1.19 (<= 1.2): met" in line(md, "DDP step, 2 hosts unshaped, 50 MB")
+    # an fp32 training under a path cut is not the thc8 row's
+    write(tmp_path / "b.json", [train("dlcp", "pathdown", 9.0, 0.95)])
+    assert line(scorecard.markdown(scorecard.load([tmp_path])), "path down, DDP thc8").startswith(
+        "| path down, DDP thc8 | not run"
+    )

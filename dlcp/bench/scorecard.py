@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CPU_ROWS", "NET_ROWS", "Bar", "Row", "load", "markdown", "verdicts"]
+__all__ = ["CPU_ROWS", "NET_ROWS", "OTHER_ROWS", "Bar", "Row", "load", "markdown", "verdicts"]
 
 Rec = dict[str, Any]
 Invocation = list[Rec]
@@ -28,25 +28,28 @@ MBIT = 1_000_000
 
 @dataclass(frozen=True)
 class Bar:
-    """dlcp's `key` over `against`'s `key` (or over dlcp's own `over`) at most `limit`."""
+    """dlcp's `key` over `against`'s `key` (or over dlcp's own `over`; or,
+    `absolute`, itself) at most `limit`."""
 
     label: str
     key: str
     limit: float
     against: str = "gloo"
     over: str | None = None  # a key of dlcp's own record (a spread such as p99/p50)
+    absolute: bool = False
 
 
 @dataclass(frozen=True)
 class Row:
     label: str
-    kind: str  # "allreduce" or "train"
+    kind: str  # "allreduce", "train" or "ddp"
     rate_bps: int | None
     hosts: int
     scenario: str
     bars: tuple[Bar, ...]
     loss_pct: float = 0.0
     max_lost: float | None = None  # dlcp's loss_frac (lanes left out of the sums)
+    codec: str = "fp32"  # dlcp's
 
 
 _SPREAD = Bar("p99/p50", "p99_s", 1.25, over="p50_s")
@@ -92,6 +95,26 @@ CPU_ROWS: tuple[Row, ...] = (
     Row("1 Gbit/s congested, 3 hosts", "allreduce", 1000 * MBIT, 3, "congested", ()),
 )  # fmt: skip
 
+# "Path failure": `dlcp bench allreduce --hosts 3 --rate 200mbit --scenario
+# pathdown --size 10MB` (the worst round against dlcp's own median), and a
+# DDP training (thc8) whose host 0 loses a port for good (`dlcp bench train
+# --scenario pathdown --down-for 0 --codec thc8`): the median of the 20 steps
+# after the cut against the 20 before. "DDP step time": `dlcp bench ddp
+# --hosts 2 --rate none --grad-size 50MB`, the step's p50 against Gloo's.
+OTHER_ROWS: tuple[Row, ...] = (
+    Row(
+        "path down, all-reduce", "allreduce", 200 * MBIT, 3, "pathdown",
+        (Bar("worst/p50", "max_s", 3.0, over="p50_s"),),
+    ),
+    Row(
+        "path down, DDP thc8", "train", 200 * MBIT, 3, "pathdown",
+        (Bar("steps after/before cut", "cut_median_after_s", 1.3, over="cut_median_before_s"),
+         Bar("longest step after cut, s", "cut_max_after_s", 3.0, absolute=True)),
+        codec="thc8",
+    ),
+    Row("DDP step, 2 hosts unshaped, 50 MB", "ddp", None, 2, "clean", (Bar("p50", "p50_s", 1.2),)),
+)  # fmt: skip
+
 
 def load(paths: Iterable[Path]) -> list[Invocation]:
     """The invocations in these JSON files and directories (every *.json in
@@ -112,6 +135,8 @@ def load(paths: Iterable[Path]) -> list[Invocation]:
 
 
 def _kind(r: Rec) -> str:
+    if "grad_bytes" in r:
+        return "ddp"
     return "train" if "tta_s" in r or "target_acc" in r else "allreduce"
 
 
@@ -122,7 +147,7 @@ def _matches(row: Row, r: Rec) -> bool:
         and r.get("hosts") == row.hosts
         and r.get("scenario") == row.scenario
         and abs(float(r.get("loss_pct") or 0.0) - row.loss_pct) < 1e-9
-        and r.get("codec", "fp32") == "fp32"
+        and (r.get("codec", "fp32") == row.codec or not r["backend"].startswith("dlcp"))
     )
 
 
@@ -145,9 +170,11 @@ def verdicts(row: Row, by: dict[str, Rec]) -> list[str]:
     dl = by["dlcp"]
     out = []
     for bar in row.bars:
-        base = dl if bar.over else by.get(bar.against)
+        base = dl if bar.over or bar.absolute else by.get(bar.against)
         x, y = dl.get(bar.key), None if base is None else base.get(bar.over or bar.key)
-        name = bar.label if bar.over else f"{bar.label} vs {bar.against}"
+        if bar.absolute:
+            y = 1.0 if x is not None else None
+        name = bar.label if bar.over or bar.absolute else f"{bar.label} vs {bar.against}"
         if x is None or not y:
             why = "not run" if base is None else "failed" if base.get("error") else "no value"
             out.append(f"{name}: {why}")
@@ -251,5 +278,9 @@ def markdown(invocations: Sequence[Invocation]) -> str:
             "CPU on the testbed path (the CPU, not the link, is part of these results):",
             "",
             *_table(CPU_ROWS, invocations),
+            "",
+            "Path failure and DDP steps:",
+            "",
+            *_table(OTHER_ROWS, invocations),
         ]
     )

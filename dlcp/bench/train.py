@@ -279,7 +279,7 @@ def _run_workers(
     if opts.setup.scenario == "pathdown" and cut is not None and cut.down_at is not None:
         starts = r0.get("step_starts_s") or []
         if len(starts) == len(steps_t):
-            rec["path_cut"] = cut_steps(starts, steps_t, cut.down_at)
+            rec.update({f"cut_{k}": v for k, v in cut_steps(starts, steps_t, cut.down_at).items()})
     # the ranks' own, and for dlcp its daemons' as `dlcp bench allreduce` counts them
     rec["cpu_s"] = sum(float(r.get("cpu_s", 0.0)) for r in results) + daemon_cpu
     if backend.startswith("dlcp"):
