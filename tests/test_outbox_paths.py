@@ -36,9 +36,14 @@ class FakePath:
 
 
 def make(
-    n_paths: int, balance: str = "spray", *, rate: RateConfig | None = None
+    n_paths: int,
+    balance: str = "spray",
+    *,
+    rate: RateConfig | None = None,
+    health: HealthConfig | None = None,
 ) -> tuple[Outbox, Peer, list[FakePath]]:
-    """An outbox over fake paths; paced when `rate` is given."""
+    """An outbox over fake paths; paced when `rate` is given, its paths
+    probed (`Peer.health`) when `health` is."""
     paths = [FakePath(f"10.0.{p}.1") for p in range(n_paths)]
     ob = Outbox(
         paths,  # type: ignore[arg-type]
@@ -46,6 +51,7 @@ def make(
         rate=rate if rate is not None else RateConfig(),
         pacing=rate is not None,
         balancer_factory=lambda: from_config("balance", balance),
+        health=health,
     )
     peer = ob.peer(tuple(f"10.0.{p}.2" for p in range(n_paths)), 7400, 0.0)
     return ob, peer, paths
@@ -402,16 +408,7 @@ def test_a_path_out_of_use_carries_nothing_whatever_the_balancer(balance: str) -
 
 
 def test_a_path_found_down_has_its_urgent_datagrams_sent_again_on_the_live_one() -> None:
-    paths = [FakePath(f"10.0.{p}.1") for p in range(2)]
-    ob = Outbox(
-        paths,  # type: ignore[arg-type]
-        dscp=(48, 40, 34, 26, 18, 10, 0, 8),
-        rate=RateConfig(),
-        pacing=False,
-        balancer_factory=lambda: from_config("balance", "spray"),
-        health=HealthConfig(),
-    )
-    peer = ob.peer(("10.0.0.2", "10.0.1.2"), 7400, 0.0)
+    ob, peer, paths = make(2, health=HealthConfig())
     assert peer.health is not None and ob.multipath == [peer]
     lay = layout()
     for dg in data_packets(lay, 1):

@@ -290,7 +290,7 @@ class DaemonCollector(Collector):
                         {"peer": peer.name, "kind": kind},
                         n,
                     )
-        for sample in d.tc_samples():
+        for sample in d.tc.samples:
             name = sample["name"]
             if sample["type"] == "counter":
                 counter(name, sample["help"], sample["labels"], sample["value"])

@@ -34,6 +34,15 @@ import numpy as np
 from dlcp.core.layout import Layout
 from dlcp.core.pathhealth import HealthConfig, PathHealth
 from dlcp.core.rate import WIRE_OVERHEAD, Pacer, PathRates, RateConfig
+from dlcp.daemon.flow import (
+    CREDIT_STEP,
+    CREDIT_TIMEOUT,
+    PROBE_BACKOFF,
+    WINDOW_MIN,
+    probe_wait,
+    take_credit,
+    window_room,
+)
 from dlcp.daemon.packet_keys import (
     _BKEY,
     _DATA,
@@ -53,12 +62,13 @@ from dlcp.daemon.packet_keys import (
     _take,
     _unqueue,
 )
+from dlcp.daemon.reroute import RESEND_HORIZON, remember, reroute
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS, UdpPath
 from dlcp.errors import LocalError
 from dlcp.policies import LoadBalancer, PathState
 from dlcp.wire.header import HEADER_SIZE, Flags, Header
 
-__all__ = ["Outbox", "Peer"]
+__all__ = ["CREDIT_STEP", "CREDIT_TIMEOUT", "PROBE_BACKOFF", "WINDOW_MIN", "Outbox", "Peer"]
 
 N_CLASSES = 8
 # A peer's queues: one a class for first transmissions of DATA/RESULT packets
@@ -123,34 +133,6 @@ PACING_QUANTUM = 0.001
 # every token beyond the burst was lost, and pacing at a 10 Gbit/s rate held a
 # veth at 0.7x its unpaced throughput while sending a fraction of that rate.
 CATCH_UP_SECONDS = 0.02
-# Urgent datagrams (DONEs, NACKs, retransmissions) sent on a path of a peer
-# whose paths are probed are kept this long: a path found down had them
-# queued again on the live ones (`Outbox.path_down`). Longer than a dead
-# path goes unnoticed (three probe deadlines, about 75 ms at the defaults).
-RESEND_HORIZON = 0.25
-# Flow control (`Outbox(window_bytes=...)`): a peer is sent at most its window
-# of bytes that it has not yet credited (`on_credit`: it says how many bytes it
-# has taken from its socket). Without it a flush puts a whole leg of a bucket
-# into the peer's socket before the peer reads, and past the socket's buffer
-# the kernel drops the rest (a 400 MB bucket on two hosts lost 100,000
-# datagrams a round and ran at 0.14x Gloo). A sender at a full window that has
-# heard no credit for this long (a credit lost, bytes lost, or the peer
-# restarted) sends a probe of CREDIT_STEP bytes, whose arrival draws a credit.
-CREDIT_TIMEOUT = 0.05
-# Each probe more without a credit in between waits twice as long, up to
-# 2**PROBE_BACKOFF timeouts (0.8 s): a peer that does not read is not sent a
-# probe every 50 ms, each on top of what its socket holds
-PROBE_BACKOFF = 4
-# A receiver credits a peer each time this many more bytes from it have left
-# its sockets; a window is at least WINDOW_MIN (4 steps), so that credits
-# come back before it fills
-CREDIT_STEP = 2 << 20
-WINDOW_MIN = 4 * CREDIT_STEP
-
-
-def _probe_wait(peer: Peer) -> float:
-    """How long `peer`'s full window waits for a credit before a probe goes."""
-    return CREDIT_TIMEOUT * (1 << min(peer.probes, PROBE_BACKOFF))
 
 
 def _new_queue() -> deque[bytes]:
@@ -290,21 +272,6 @@ class Peer:
         """A path to send a single control packet on: the first usable one."""
         usable = self.usable
         return 0 if usable is None else usable.index(True)
-
-
-def _reroute(peer: Peer, assign: list[int], usable: list[bool]) -> None:
-    """Move what `assign` puts on paths that are not `usable` to the usable
-    ones, round robin (a path found down carries nothing but probes)."""
-    live = [p for p, u in enumerate(usable) if u]
-    k = peer.reroute_next
-    for i, p in enumerate(assign):
-        if not usable[p]:
-            assign[i] = live[k % len(live)]
-            k += 1
-    peer.reroute_next = k
-    for p, u in enumerate(usable):
-        if not u:
-            peer.paths[p].weight = 0.0
 
 
 def _least_lossy(paths: Sequence[PathState]) -> int:
@@ -925,10 +892,10 @@ class Outbox:
             run = FLUSH_COUNT if i >= FRONT else peer.steps[i][0][1]
             window = FLUSH_BYTES
             if peer.window:
-                window = self._window_room(peer, now, len(q[0]))
+                window = window_room(peer, now, len(q[0]))
                 if window <= 0:
                     assert peer.stalled_since is not None
-                    return peer.stalled_since + _probe_wait(peer)
+                    return peer.stalled_since + probe_wait(peer)
             waits: list[float] | None = None
             if pacer0 is not None:  # one path: its budget alone
                 wait = pacer0.delay(1.0, now)
@@ -1028,7 +995,7 @@ class Outbox:
                 if paths[safest].loss_rate < paths[assign[i]].loss_rate:
                     assign[i] = safest
         if peer.usable is not None:
-            _reroute(peer, assign, peer.usable)
+            reroute(peer, assign, peer.usable)
         # what `_track` remembers: (leg, job, round, bucket, shard) and offset
         kinds = b"".join(ids)[:: len(ids[0])]  # the type bytes (identities: same length)
         all_dr = kinds.translate(_NOT_DR_TABLE).count(0) == len(kinds)
@@ -1052,7 +1019,7 @@ class Outbox:
                 out = idx if n == len(idx) else idx[:n]
                 sent_idx += out
                 if peer.health is not None:
-                    self._remember(peer, p, cls, [batch[i] for i in out if _urgent(batch[i])], now)
+                    remember(peer, p, cls, [batch[i] for i in out if _urgent(batch[i])], now)
                 self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
                 if not one_shard:
                     out = [i for i in out if kinds[i] in _DR]
@@ -1087,16 +1054,6 @@ class Outbox:
                 peer.queued -= 1
         return prefix, held, full
 
-    @staticmethod
-    def _remember(peer: Peer, p: int, cls: int, urgent: list[bytes], now: float) -> None:
-        """Keep the urgent datagrams (DONEs, NACKs, retransmissions, ACKs) just
-        sent on path `p` for RESEND_HORIZON, for `path_down`."""
-        recent = peer.recent.setdefault(p, deque())
-        recent.extend((now, cls, dg) for dg in urgent)
-        horizon = now - RESEND_HORIZON
-        while recent and recent[0][0] < horizon:
-            recent.popleft()
-
     def path_down(self, peer: Peer, p: int, now: float) -> int:
         """Path `p` to `peer` was found down: queue again what urgent went on it
         within RESEND_HORIZON (they go on the live paths now), so that the
@@ -1111,35 +1068,6 @@ class Outbox:
         self.resent_on_down += n
         return n
 
-    def _window_room(self, peer: Peer, now: float, need: int) -> int:
-        """Bytes `peer`'s window lets go now: at least `need` (the next
-        datagram), or 0 (then `stalled_since` says since when). A window full
-        for CREDIT_TIMEOUT lets a probe of CREDIT_STEP go."""
-        limit = peer.limit
-        room = limit - peer.in_flight
-        if room >= need:
-            peer.stalled_since = None
-            return room
-        if peer.stalled_since is None:
-            peer.stalled_since = now
-            peer.window_stalls += 1
-            return 0
-        if now < peer.stalled_since + _probe_wait(peer):  # as the flush's wake-up time says
-            return 0
-        # No credit for that long: the credit was lost, or bytes were (a peer
-        # never counts what its socket dropped), or the peer restarted. Not
-        # the whole window (the peer may still hold it: sending it again
-        # overflowed the socket and lost more, which held the window shut
-        # again), only a probe of CREDIT_STEP, whose arrival draws a credit;
-        # the next credit sent when the peer's sockets were empty (`on_credit`)
-        # is matched to what was sent by then.
-        peer.credited = max(peer.credited, peer.sent_total - limit + max(CREDIT_STEP, need))
-        peer.credit_resync = True
-        peer.stalled_since = None
-        peer.window_resets += 1
-        peer.probes += 1
-        return limit - peer.in_flight
-
     def on_credit(
         self,
         peer: Peer,
@@ -1149,45 +1077,9 @@ class Outbox:
         window: int = 0,
         now: float | None = None,
     ) -> None:
-        """`peer` has taken `received` bytes from us off its sockets, in the
-        count it calls `epoch`; `drained`: its sockets held nothing then. A
-        count new to us (the first, or a restarted peer's), or the first
-        drained one after a probe, is matched to what we have sent at once:
-        everything sent until now counts as credited (except for the first
-        count, when it is no more than we sent: then it counts from our first
-        byte as ours does). After a probe a count from a peer whose sockets
-        still hold our bytes is matched as before: taking it for all we sent
-        wrote off what waited in its socket, the next window went on top of
-        it, and the socket overflowed (300-400 MB buckets lost up to 400,000
-        datagrams a round, after a daemon had not read for 50 ms).
-
-        `window` is what the peer grants: from now on at most that much,
-        never below WINDOW_MIN, is in flight to it, however large this
-        daemon's own share for it (`Peer.limit`); 0 (a peer without flow
-        control, or an older daemon): this daemon's own share alone.
-
-        With `now`, the bytes a count credits beyond the last (matched as
-        before, not a new count's) acknowledge as much to the peer's rate
-        control: its slow start grows during a leg, not only when the peer's
-        results come back. Without it a first round on an unshaped link went
-        its whole data leg at the initial 1 Gbit/s (0.71 s against 0.25 for
-        the next 100 MB rounds on two hosts)."""
+        """A credit from `peer` (`flow.take_credit`), counted."""
         self.credits += 1
-        peer.probes = 0
-        peer.granted = max(WINDOW_MIN, window) if window else 0
-        if epoch != peer.credit_epoch or (peer.credit_resync and drained):
-            first = peer.credit_epoch is None and not peer.credit_resync
-            peer.credit_epoch = epoch
-            peer.credit_resync = False
-            if not (first and received <= peer.sent_total):
-                peer.credit_offset = peer.sent_total - received
-                peer.credited = peer.sent_total
-                return
-            peer.credit_offset = 0
-        before = peer.credited
-        peer.credited = max(peer.credited, min(peer.sent_total, received + peer.credit_offset))
-        if now is not None and peer.credited > before:
-            peer.rate.on_ack(peer.credited - before, None, now)
+        take_credit(peer, received, epoch, drained, window, now)
 
     @staticmethod
     def _sent(peer: Peer, cls: int, p: int, n: int, nbytes: int, now: float) -> None:

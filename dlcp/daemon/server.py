@@ -30,8 +30,9 @@ from dlcp.core.layout import Layout
 from dlcp.core.pathhealth import health_config
 from dlcp.daemon import notify, status
 from dlcp.daemon.config import Config
+from dlcp.daemon.flow import CREDIT_STEP, size_windows
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, parse_hosts
-from dlcp.daemon.outbox import CREDIT_STEP, WINDOW_MIN, Outbox, Peer
+from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.daemon.probing import Prober
 from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
@@ -170,7 +171,7 @@ class Daemon:
         self._server: asyncio.AbstractServer | None = None
         self._metrics_server: Any = None
         self._round_hist: Any = None
-        self._tc_cache: list[dict[str, Any]] = []
+        self.tc = status.TcStats(config.tc_devices)  # tc class stats for /metrics
         self._tc_task: asyncio.Task[None] | None = None
         self.draining = False
         self.stopped = asyncio.Event()
@@ -233,7 +234,7 @@ class Daemon:
             self._metrics_server = await serve_metrics(
                 registry, cfg.metrics_address, cfg.metrics_port
             )
-            self._tc_task = loop.create_task(self._refresh_tc())
+            self._tc_task = loop.create_task(self.tc.refresh(self.stopped))
         sock_dir = os.path.dirname(cfg.socket)
         if sock_dir:
             os.makedirs(sock_dir, exist_ok=True)
@@ -952,36 +953,12 @@ class Daemon:
         return state
 
     def _size_windows(self) -> None:
-        """Each peer's pacing cap, the link's rate shared among the hosts that
-        send to it in the jobs here (`RateConfig.fan_in_rate`: incast fills
-        the peer's port at most to `rate.utilization`), and its flow-control
-        window: `window_bytes` shared among those hosts (itself included), at least
-        WINDOW_MIN: what they may all have in flight at once then fits the
-        peer's socket as one sender's window does (a transpose job of H hosts:
-        H-1 senders a host; "ps": the contributors to an aggregator, the
-        aggregators to a contributor). And the window this daemon grants in
-        its credits (`rx_grant`): `window_bytes` shared among all the hosts
-        that send to it in all its jobs, which a sender in only some of them
-        cannot know of (its `Peer.limit` takes the smaller)."""
-        senders: dict[Peer, set[HostAddr]] = {}
-        mine: set[HostAddr] = set()
-        for job in self.jobs.values():
-            spec = job.spec
-            mine.update(job.hosts[i] for i in spec.senders_to(spec.me))
-            for node, peer in job.peers.items():
-                senders.setdefault(peer, set()).update(job.hosts[i] for i in spec.senders_to(node))
-        for peer, hosts in senders.items():  # each peer's pacing cap (`RateConfig.fan_in_rate`)
-            cap = self.config.rate.fan_in_rate(len(hosts))
-            if cap is not None:
-                peer.rate.set_max_rate(cap)
-        total = self.config.window_bytes
-        if not total:
-            self.rx_grant = 0
-            return
-        for peer, hosts in senders.items():
-            peer.window = max(WINDOW_MIN, total // max(1, len(hosts)))
-        self.rx_grant = max(WINDOW_MIN, total // max(1, len(mine)))
-        self._announce_grant()
+        """Each peer's pacing cap and flow-control window, and the window this
+        daemon grants in its credits (`flow.size_windows`), told at once."""
+        cfg = self.config
+        self.rx_grant = size_windows(self.jobs.values(), cfg.window_bytes, cfg.rate)
+        if self.rx_grant:
+            self._announce_grant()
 
     def _announce_grant(self) -> None:
         """Credit at once each host that has sent here and was told another
@@ -1384,26 +1361,3 @@ class Daemon:
             part.client.pending -= 1
             self.requests[("submit", "round_failed")] += 1
             part.client.error(part.rid, "round_failed", why)
-
-    # -- status -------------------------------------------------------------
-    def tc_samples(self) -> list[dict[str, Any]]:
-        return self._tc_cache
-
-    async def _refresh_tc(self) -> None:
-        """Read tc class stats once a second (netlink in a thread: it blocks)."""
-        if not self.config.tc_devices:
-            return
-        from dlcp.tc import read_stats, stats_as_samples
-
-        def read() -> list[dict[str, Any]]:
-            out: list[dict[str, Any]] = []
-            for dev in self.config.tc_devices:
-                try:
-                    out += stats_as_samples(read_stats(dev), dev)
-                except (DlcpError, OSError) as exc:
-                    log.debug("tc stats of %s: %s", dev, exc)
-            return out
-
-        while not self.stopped.is_set():
-            self._tc_cache = await asyncio.to_thread(read)
-            await asyncio.sleep(1.0)

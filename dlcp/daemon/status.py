@@ -1,19 +1,24 @@
 """A daemon's state as `dlcp status` and /metrics read it (`snapshot` and
-the rejects and NACK answers they share)."""
+the rejects and NACK answers they share; the tc class stats /metrics shows)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from dlcp.errors import Reason
+from dlcp.errors import DlcpError, Reason
 from dlcp.wire import mac
 
 if TYPE_CHECKING:
     from dlcp.daemon.jobs import JobState
     from dlcp.daemon.server import Daemon
 
-__all__ = ["mac_description", "nack_answers", "reject_reasons", "rejected", "snapshot"]
+__all__ = ["TcStats", "mac_description", "nack_answers", "reject_reasons", "rejected", "snapshot"]
+
+log = logging.getLogger("dlcp.daemon")
 
 _STARTED = time.monotonic()
 
@@ -106,3 +111,30 @@ def rejected(d: Daemon, reason: str) -> int:
         if r.label == reason:
             n += c
     return n
+
+
+class TcStats:
+    """The tc class stats of `devices` (`[tc] devices`), read once a second
+    by `refresh` (netlink in a thread: it blocks) for /metrics to show."""
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        self.devices = tuple(devices)
+        self.samples: list[dict[str, Any]] = []
+
+    async def refresh(self, stopped: asyncio.Event) -> None:
+        if not self.devices:
+            return
+        from dlcp.tc import read_stats, stats_as_samples
+
+        def read() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            for dev in self.devices:
+                try:
+                    out += stats_as_samples(read_stats(dev), dev)
+                except (DlcpError, OSError) as exc:
+                    log.debug("tc stats of %s: %s", dev, exc)
+            return out
+
+        while not stopped.is_set():
+            self.samples = await asyncio.to_thread(read)
+            await asyncio.sleep(1.0)
