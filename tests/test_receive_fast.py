@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlcp.core import engine as engine_mod
-from dlcp.core.engine import Engine, JobSpec, RoundComplete, _sources
+from dlcp.core import runs as runs_mod
+from dlcp.core.engine import Engine, JobSpec, RoundComplete
+from dlcp.core.runs import sources as _sources
 from dlcp.daemon import server, transport
 from dlcp.daemon.server import Daemon
 from dlcp.daemon.transport import Split, UdpPath, split_gro
@@ -469,8 +470,8 @@ def _field_run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
             and int(a["type"]) in (PacketType.DATA, PacketType.RESULT)
             and int(b["type"]) in (PacketType.DATA, PacketType.RESULT)
             and src[i] == src[i - 1]
-            and all(a[k] == b[k] for k in engine_mod._RUN_FIELDS)
-            and (int(a["flags"]) ^ int(b["flags"])) & engine_mod._RUN_FLAGS == 0
+            and all(a[k] == b[k] for k in runs_mod._RUN_FIELDS)
+            and (int(a["flags"]) ^ int(b["flags"])) & runs_mod._RUN_FLAGS == 0
             and (
                 int(b["type"]) != PacketType.DATA
                 or (
@@ -486,7 +487,7 @@ def _field_run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_run_starts_in_c_and_numpy_are_the_fields_compared(seed: int) -> None:
-    """`_run_starts` (C where built) and `_py_run_starts` split a batch into runs
+    """`run_starts` (C where built) and `py_run_starts` split a batch into runs
     where a field-by-field comparison does: real data and result headers with
     one byte changed here and there (each field, the flags bits in and out of
     _RUN_FLAGS), other types, changing sources, -0.0 beside 0.0."""
@@ -505,17 +506,17 @@ def test_run_starts_in_c_and_numpy_are_the_fields_compared(seed: int) -> None:
     src = np.repeat(rng.integers(-1, 3, n // 100 + 1), 100)[:n].astype(np.int64)
     want = _field_run_starts(heads, src)
     assert 50 < len(want) < n  # runs, and breaks of many kinds
-    assert engine_mod._py_run_starts(heads, src) == want
-    assert engine_mod._run_starts(heads, src) == want
-    assert engine_mod._run_starts(heads[:0], src[:0]) == []
-    assert engine_mod._py_run_starts(heads[:1], src[:1]) == [0]
-    if engine_mod._bulk is None:
+    assert runs_mod.py_run_starts(heads, src) == want
+    assert runs_mod.run_starts(heads, src) == want
+    assert runs_mod.run_starts(heads[:0], src[:0]) == []
+    assert runs_mod.py_run_starts(heads[:1], src[:1]) == [0]
+    if runs_mod._bulk is None:
         assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.wire._bulk was not built"
         return
     with pytest.raises(ValueError, match="header bytes"):
-        engine_mod._bulk.run_starts(bytes(65), src[:1], bytes(64), bytes(64), bytes(256), 3, 1)
+        runs_mod._bulk.run_starts(bytes(65), src[:1], bytes(64), bytes(64), bytes(256), 3, 1)
     with pytest.raises(ValueError, match="masks"):
-        engine_mod._bulk.run_starts(bytes(64), src[:1], bytes(63), bytes(64), bytes(256), 3, 1)
+        runs_mod._bulk.run_starts(bytes(64), src[:1], bytes(63), bytes(64), bytes(256), 3, 1)
 
 
 @pytest.mark.parametrize("drain", [40, 1])
@@ -630,7 +631,7 @@ def test_sources_with_and_without_unknown_ones() -> None:
 def _first_fresh_by_unique(
     local: np.ndarray, bad: np.ndarray, received: np.ndarray
 ) -> tuple[np.ndarray, int]:
-    """`aggregate._first_fresh` as it was: every run through np.unique."""
+    """`runs.first_fresh` as it was: every run through np.unique."""
     good = np.flatnonzero(~bad)
     loc = local[good]
     _, first = np.unique(loc, return_index=True)
@@ -645,7 +646,7 @@ def test_first_fresh_skips_the_sort_only_where_no_position_repeats(seed: int) ->
     """A run of increasing positions (the usual one) takes no np.unique; the
     packets kept are those the sort keeps, for increasing runs, runs with
     repeats or out of order, bad packets and packets received before."""
-    from dlcp.core.aggregate import _first_fresh
+    from dlcp.core.runs import first_fresh as _first_fresh
 
     rng = np.random.default_rng(seed)
     for _ in range(50):

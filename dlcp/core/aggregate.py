@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.layout import Layout
+from dlcp.core.runs import first_fresh, run_slots, taken
 from dlcp.core.timing import NackClock, Timing, done_wait, repeat_wait, time_answer
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
@@ -87,50 +87,7 @@ def _uninitialised(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 _SPARE = SpareBuffers()
-T = TypeVar("T")
 MIN_SPARE_BYTES = 1 << 20  # smaller arrays come from the allocator as they are
-
-
-def _first_fresh(
-    local: np.ndarray, bad: np.ndarray, received: np.ndarray
-) -> tuple[np.ndarray, int]:
-    """Of a run of packets at positions `local` (`received` indexed the same way),
-    the indices of those to store: the first occurrence of each good one not
-    received before. Also how many were good (the rest of them are duplicates)."""
-    good = np.flatnonzero(~bad)
-    loc = local[good]
-    keep = ~received[loc]
-    if loc.size > 1 and not (loc[1:] > loc[:-1]).all():  # else no position repeats (the usual run)
-        _, first = np.unique(loc, return_index=True)
-        once = np.zeros(good.size, dtype=bool)
-        once[first] = True
-        keep &= once
-    return good[keep], good.size
-
-
-def _taken(items: Sequence[T], take: np.ndarray) -> Sequence[T]:
-    """`items` at the positions `take` (increasing), without a copy when it is all of them."""
-    if take.size == len(items):
-        return items
-    return [items[k] for k in take.tolist()]
-
-
-def _run_slots(
-    heads: np.ndarray,
-    per: int,
-    split: int,
-    total: int,
-    base: int,
-    slots: int,
-    start_sub: int,
-    received: np.ndarray,
-) -> tuple[np.ndarray, int, np.ndarray | None]:
-    """`_bulk.run_index` of a run's header records, as arrays: (take, local,
-    starts, counts) of the packets to store (rows of one int64 array), how
-    many were bad, and which (None: none)."""
-    raw, n_bad, bad = _bulk.run_index(heads, per, split, total, base, slots, start_sub, received)
-    index = np.frombuffer(raw, np.int64).reshape(4, -1)
-    return index, n_bad, None if bad is None else np.frombuffer(bad, dtype=bool)
 
 
 _DROPPABLE = int(Flags.DROPPABLE)
@@ -307,7 +264,7 @@ class ShardAggregator:
             self._adopt_scale(scale)
         except RemoteError as exc:
             raise RunRejected(exc.reason, exc.detail, bad) from None
-        take, n_good = _first_fresh(local, bad, self.received[row])
+        take, n_good = first_fresh(local, bad, self.received[row])
         fresh = np.zeros(n, dtype=bool)
         fresh[take] = True
         if take.size:
@@ -316,7 +273,7 @@ class ShardAggregator:
         if take.size == 0:
             return fresh, bad
         self._store_lanes(
-            row, summed, offsets[take] - self.offset, counts[take], _taken(payloads, take)
+            row, summed, offsets[take] - self.offset, counts[take], taken(payloads, take)
         )
         lt = local[take]
         self.received[row, lt] = True
@@ -372,7 +329,7 @@ class ShardAggregator:
         row = self._sender_row(sender)
         lay = self.layout
         n = len(heads)
-        (take, local, starts, counts), n_bad, bad = _run_slots(
+        (take, local, starts, counts), n_bad, bad = run_slots(
             heads,
             lay.per_packet,
             1,
@@ -394,7 +351,7 @@ class ShardAggregator:
         if take.size == 0:
             return 0, bad
         self.last_stored = int(take[-1])
-        self._store_lanes(row, summed, starts, counts, _taken(payloads, take))
+        self._store_lanes(row, summed, starts, counts, taken(payloads, take))
         _bulk.mark_data(
             heads,
             take,
@@ -977,7 +934,7 @@ class ResultCollector:
             | (offsets >= packet_end)
             | (counts != np.minimum(step, packet_end - offsets))
         )
-        take, n_good = _first_fresh(local, bad, w.received)
+        take, n_good = first_fresh(local, bad, w.received)
         fresh[take] = True
         if take.size:
             self.last_stored = int(take[-1])
@@ -985,7 +942,7 @@ class ResultCollector:
         if take.size == 0:
             return fresh, bad
         lane_ops.store_runs(
-            self.sums, lay.codec, True, offsets[take], counts[take], _taken(payloads, take)
+            self.sums, lay.codec, True, offsets[take], counts[take], taken(payloads, take)
         )
         it = i[take]
         self.contributors[it] = contributors[take]
@@ -1030,7 +987,7 @@ class ResultCollector:
         if sender != w.owner:
             raise RemoteError(Reason.BAD_SENDER, f"node {sender} does not own shard {shard}")
         lay = self.layout
-        (take, local, starts, counts), n_bad, bad = _run_slots(
+        (take, local, starts, counts), n_bad, bad = run_slots(
             heads,
             lay.per_packet,
             lay.result_split,
@@ -1044,7 +1001,7 @@ class ResultCollector:
         if take.size == 0:
             return 0, bad
         self.last_stored = int(take[-1])
-        lane_ops.store_runs(self.sums, lay.codec, True, starts, counts, _taken(payloads, take))
+        lane_ops.store_runs(self.sums, lay.codec, True, starts, counts, taken(payloads, take))
         _bulk.mark_results(
             heads, take, local, w.received, self.contributors, self.block_max, lay.per_packet
         )

@@ -28,9 +28,10 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.aggregate import Nack, ResultCollector, RunRejected, ShardAggregator, ShardResult
 from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
+from dlcp.core.runs import LANE_TYPES, run_starts, sources
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
-from dlcp.wire.batch import HEADER_DTYPE, _bulk, decode_batch, encode_batch
+from dlcp.wire.batch import HEADER_DTYPE, decode_batch, encode_batch
 from dlcp.wire.credit import Credit, credit_of, credit_payload
 from dlcp.wire.header import (
     HEADER_SIZE,
@@ -65,8 +66,6 @@ OpKey = tuple[int, int, int]  # job, round, bucket
 # oldest are freed first when more end without a call)
 _SETTLED_MAX = 4
 # header fields that packets of one run (`Engine.receive_many`) share
-_RUN_FIELDS = ("type", "job", "round", "bucket", "shard", "sender", "codec", "total")
-_RUN_FLAGS = int(Flags.SUMMED | Flags.RESULT_LEG)
 _U32 = struct.Struct("!I")
 _F32 = struct.Struct("!f")
 CONTROL_CLASS = 0
@@ -273,89 +272,6 @@ def _payload_of(datagram: Any) -> memoryview:
         return memoryview(datagram)[HEADER_SIZE:]
     payload: memoryview = datagram.payload
     return payload
-
-
-def _field_mask(names: Iterable[str], flags: int = 0) -> bytes:
-    """A HEADER_DTYPE record with every bit of the fields `names` set (and the
-    bits `flags` of its flags byte): what `_run_starts` compares."""
-    raw = np.zeros(HEADER_DTYPE.itemsize, np.uint8)
-    for name in names:
-        off = _field_at(name)
-        raw[off : off + HEADER_DTYPE[name].itemsize] = 0xFF
-    raw[_field_at("flags")] |= flags
-    return raw.tobytes()
-
-
-def _field_at(name: str) -> int:
-    """The byte offset of field `name` in a HEADER_DTYPE record."""
-    fields = HEADER_DTYPE.fields
-    assert fields is not None
-    return int(fields[name][1])
-
-
-# what the packets of one run (`Engine.receive_many`) share: the fields of
-# _RUN_FIELDS and the flags bits _RUN_FLAGS; data packets also their
-# contributors and param (compared as bytes: a -0.0 param beside 0.0 starts a
-# run, as it would one packet at a time)
-_RUN_MASK = _field_mask(_RUN_FIELDS, _RUN_FLAGS)
-_RUN_DATA_MASK = _field_mask(("contributors", "param"))
-_LANE_TYPES = np.zeros(256, dtype=bool)  # by type byte: DATA and RESULT carry lanes
-_LANE_TYPES[[PacketType.DATA, PacketType.RESULT]] = True
-_LANE_TYPE_BYTES = _LANE_TYPES.view(np.uint8).tobytes()  # the same, as `_bulk` takes it
-_TYPE_AT = _field_at("type")
-_DATA_TYPE = int(PacketType.DATA)
-
-
-def _run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
-    """Where the runs of a batch's accepted records `f` (sources `src`, -1:
-    unknown) start: a record starts one unless it and the one before it are
-    both DATA or RESULT packets from one source that agree on _RUN_MASK (and,
-    data packets, on _RUN_DATA_MASK). One C pass where `_bulk` is built."""
-    if _bulk is not None:
-        raw = _bulk.run_starts(
-            np.ascontiguousarray(f),
-            np.ascontiguousarray(src, dtype=np.int64),
-            _RUN_MASK,
-            _RUN_DATA_MASK,
-            _LANE_TYPE_BYTES,
-            _TYPE_AT,
-            _DATA_TYPE,
-        )
-        return np.frombuffer(raw, np.int64).tolist()
-    return _py_run_starts(f, src)
-
-
-def _py_run_starts(f: np.ndarray, src: np.ndarray) -> list[int]:
-    """`_run_starts` in numpy (the reference): the records as 64-bit words,
-    each compared with the one before under the masks."""
-    n = len(f)
-    if n == 0:
-        return []
-    words = np.ascontiguousarray(f).view(np.uint64).reshape(n, -1)
-    mask = np.frombuffer(_RUN_MASK, np.uint64)
-    data_mask = np.frombuffer(_RUN_DATA_MASK, np.uint64)
-    diff = words[1:] ^ words[:-1]
-    lanes = _LANE_TYPES[f["type"]]
-    same = lanes[1:] & lanes[:-1] & (src[1:] == src[:-1]) & ~(diff & mask).any(axis=1)
-    same &= (f["type"][1:] != PacketType.DATA) | ~(diff & data_mask).any(axis=1)
-    change = np.ones(n, dtype=bool)
-    change[1:] = ~same
-    return np.flatnonzero(change).tolist()
-
-
-def _sources(srcs: Sequence[int | None] | np.ndarray | None, index: np.ndarray) -> np.ndarray:
-    """The source node of each accepted datagram (`index`: its position), -1 if
-    unknown; `srcs` is a sequence (None: unknown) or an int array (-1: unknown)."""
-    if srcs is None:
-        return np.full(index.size, -1, dtype=np.int64)
-    if isinstance(srcs, np.ndarray):
-        return srcs.astype(np.int64, copy=False)[index]
-    try:  # the usual case, every source known: one conversion, no Python per datagram
-        return np.fromiter(srcs, np.int64, len(srcs))[index]
-    except TypeError:  # some None
-        return np.fromiter(
-            (-1 if (s := srcs[i]) is None else s for i in index.tolist()), np.int64, index.size
-        )
 
 
 class Engine:
@@ -909,14 +825,14 @@ class Engine:
             return np.zeros(0, dtype=np.int64)
         f = batch.fields
         index = batch.index
-        src = _sources(srcs, index)
-        starts = _run_starts(f, src)
+        src = sources(srcs, index)
+        starts = run_starts(f, src)
         ends = [*starts[1:], n]
         ok = np.zeros(n, dtype=bool)
         payloads = batch.payloads
         ptype = f["type"]
         for a, b in zip(starts, ends, strict=True):
-            if _LANE_TYPES[ptype[a]]:
+            if LANE_TYPES[ptype[a]]:
                 h = header_of_valid(datagrams[int(index[a])])
                 s_ = int(src[a])
                 bad = self._receive_run(h, f[a:b], payloads[a:b], now, None if s_ < 0 else s_)
