@@ -61,9 +61,9 @@ import torch.distributed as dist
 
 from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec, next_scale
 from dlcp.errors import DlcpError, LocalError
-from dlcp.shim import pg
+from dlcp.shim import auto_steps, pg
 from dlcp.shim.arena import MIN_SEGMENT, Arena
-from dlcp.shim.auto import AUTO, AutoCodec, available, host_calibration, link_from_status
+from dlcp.shim.auto import AUTO, AutoCodec
 from dlcp.shim.client import default_socket
 from dlcp.shim.exchange import RoundPlan, Submitted, decode_round, submit_round
 from dlcp.shim.layers import LayerMap, packet_layers, param_offsets
@@ -446,7 +446,7 @@ class DlcpState:
             result.membership.local_ranks,
         )
         if self._auto is not None:
-            self._prepare_auto()
+            auto_steps.prepare(self)
         return True
 
     def close(self) -> None:
@@ -491,7 +491,7 @@ class DlcpState:
         )
         p.future = torch.futures.Future()
         if auto is not None:
-            self._time_exchange(p)
+            auto_steps.time_exchange(p)
             auto.bucket_left(time.perf_counter())
         times.left = time.perf_counter()
         if last:
@@ -529,7 +529,7 @@ class DlcpState:
         ef_key: Key | None = ("all_reduce", name, key) if key is not None else None
         p = self._launch(flat, 0, name, ef_key, lambda plan: np.zeros(plan.packets, np.uint16))
         if auto is not None:
-            self._time_exchange(p)
+            auto_steps.time_exchange(p)
             auto.bucket_left(time.perf_counter())
         self._finish_step()
         if flat.data_ptr() != tensor.data_ptr():
@@ -672,7 +672,7 @@ class DlcpState:
                 self._step_done(maxima)
             if auto is not None and self._link is not None:
                 learned = True
-                self._auto_step(auto, wished, pending)
+                auto_steps.step(self, auto, wished, pending)
         finally:
             if auto is not None and not learned:
                 auto.discard_step()  # a failed step teaches nothing
@@ -784,113 +784,9 @@ class DlcpState:
             return None
         if self._auto is None:
             self._auto = self._new_auto()
-            self._prepare_auto()
+            auto_steps.prepare(self)
         self._auto_used = True
         return self._auto
-
-    def _prepare_auto(self) -> None:
-        """Once attached: this host's codec costs (cached per host, calibrated on
-        first use) and a first read of the daemon's rates. A rank without costs
-        predicts only its current codec, so the average keeps every rank on it."""
-        auto, link = self._auto, self._link
-        if auto is None or link is None:
-            return
-        if auto.calibration is None:
-            try:
-                auto.calibration = host_calibration(auto.candidates, len(link.membership.hosts))
-            except Exception as exc:
-                log.warning("dlcp: auto has no codec costs (%s); it stays on %s", exc, auto.current)
-        self._status = None
-        self._poll_link(auto, wait=False)
-
-    def _poll_link(self, auto: AutoCodec, *, wait: bool) -> None:
-        """Read the daemon's per-peer rates (`status`) without blocking the step:
-        a reply is taken at a later step's end (`wait`: now, for a decision)."""
-        link = self._link
-        if link is None or not auto.reads_link:
-            return
-        fut = self._status
-        if fut is not None and (wait or fut.done()):
-            self._status = None
-            try:
-                status = fut.result(timeout=2.0)["status"]
-                m = link.membership
-                peers = [
-                    f"{h['addresses'][0]}:{h['udp_port']}"
-                    for i, h in enumerate(m.hosts)
-                    if i != m.me
-                ]
-                auto.observe_link(link_from_status(status, peers))
-            except Exception as exc:
-                log.debug("dlcp: auto could not read the daemon's rates: %s", exc)
-        if self._status is None and (auto.poll_due() or auto.link_bps is None):
-            try:
-                self._status = link.client.request("status")
-            except Exception as exc:
-                log.debug("dlcp: auto could not ask the daemon's rates: %s", exc)
-
-    @staticmethod
-    def _time_exchange(p: _Pending) -> None:
-        """Note when `p` went to the daemon and when its reply comes (goodput)."""
-        if p.sub is None or p.error is not None:
-            return
-        p.sent_at = time.perf_counter()
-
-        def replied(_: Future[dict[str, Any]]) -> None:
-            if p.replied_at is None:
-                p.replied_at = time.perf_counter()
-
-        p.sub.reply.add_done_callback(replied)
-
-    def _auto_step(self, auto: AutoCodec, wished: bool, pending: list[_Pending]) -> None:
-        """End of a step through auto, every rank attached: learn from the step, and
-        at a decision (scheduled, or some rank's link moved) agree the codec of the
-        next steps: the argmin of the ranks' averaged predictions (two small
-        all-reduces)."""
-        assert self._link is not None
-        hosts = len(self._link.membership.hosts)
-        exchanges = [
-            (p.buffer.numel(), p.sent_at, p.replied_at)
-            for p in pending
-            if p.sent_at is not None and p.replied_at is not None
-        ]
-        auto.end_step(
-            exchanges if len(exchanges) == len(pending) else (),
-            hosts=hosts,
-            now=time.perf_counter(),
-        )
-        decide = auto.scheduled() or wished
-        self._poll_link(auto, wait=decide)
-        if not decide:
-            return
-        if wished:  # some rank's link moved: what was measured no longer holds
-            auto.forget()
-        times = auto.local_times(hosts)
-        mean = pg.average(torch.tensor(times, dtype=torch.float32), self._group).tolist()
-        mine = auto.proposal(mean)
-        agreed = int(pg.global_max(torch.tensor([float(mine)]), self._group)[0])
-        before = auto.adopt(agreed, mean)
-        summary = ", ".join(
-            f"{c} {1e3 * t:.1f}" if available(t) else f"{c} -" for c, t in auto.predicted.items()
-        )
-        rate = "unknown" if auto.link_bps is None else f"{auto.link_bps / 1e6:.0f} Mbit/s"
-        measured = ", ".join(f"{c} {g / 1e6:.0f}" for c, g in auto.goodput_bps.items())
-        if measured:
-            rate += f"; measured goodput Mbit/s: {measured}"
-        if before is None:
-            log.debug("dlcp: auto keeps %s (predicted ms: %s; link %s)", auto.codec, summary, rate)
-            return
-        log.info(
-            "dlcp: auto switches %s -> %s after step %d (predicted ms: %s; link %s)",
-            before,
-            auto.codec,
-            auto.steps,
-            summary,
-            rate,
-        )
-        for table in (self._ef, self._scales):  # the old codec's feedback and scales
-            for k in [k for k in table if len(k) > 2 and k[1] == before]:
-                del table[k]
 
     # -- helpers ----------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
