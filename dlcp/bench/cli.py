@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -430,20 +431,35 @@ def _finish(records: list[dict[str, Any]]) -> int:
     return 1 if failed else 0
 
 
+def _write(
+    args: argparse.Namespace,
+    records: list[dict[str, Any]],
+    table: str,
+    save: Callable[[list[dict[str, Any]], Path], object],
+    plot: Callable[[Path], object],
+) -> int:
+    """A bench's table printed, its records saved and plotted as asked; its exit code."""
+    print(table)
+    if args.json:
+        save(records, args.json)
+        print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(args.plot)
+        print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
+    return _finish(records)
+
+
 def _allreduce(args: argparse.Namespace) -> int:
     from dlcp.bench.allreduce import format_table, run_allreduce, save
     from dlcp.bench.plots import plot_latency_cdf
 
     opts = allreduce_options(args)
     records = run_allreduce(opts, log_dir=args.logs)
-    print(format_table(records))
-    if args.json:
-        save(records, args.json)
-        print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        plot_latency_cdf(records, args.plot, title=f"all-reduce, {opts.setup.describe()}")
-        print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
-    return _finish(records)
+    title = f"all-reduce, {opts.setup.describe()}"
+    return _write(
+        args, records, format_table(records), save,
+        lambda out: plot_latency_cdf(records, out, title=title),
+    )  # fmt: skip
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -452,35 +468,24 @@ def _train(args: argparse.Namespace) -> int:
 
     opts = train_options(args)
     records = run_train(opts, log_dir=args.logs)
-    print(format_table(records))
-    if args.json:
-        save(records, args.json)
-        print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        plot_tta(records, args.plot, title=f"time to accuracy, {opts.setup.describe()}")
-        print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
-    return _finish(records)
+    title = f"time to accuracy, {opts.setup.describe()}"
+    return _write(
+        args, records, format_table(records), save, lambda out: plot_tta(records, out, title=title)
+    )
 
 
 def _ddp(args: argparse.Namespace) -> int:
     from dlcp.bench.ddp import format_table, run_ddp, save
+    from dlcp.bench.plots import plot_latency_cdf
 
     opts = ddp_options(args)
     records = run_ddp(opts, log_dir=args.logs)
-    print(format_table(records))
-    if args.json:
-        save(records, args.json)
-        print(f"dlcp bench: wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        from dlcp.bench.plots import plot_latency_cdf
-
-        plot_latency_cdf(
-            [{**r, "times_s": r["step_times_s"]} for r in records],
-            args.plot,
-            title=f"DDP step, {opts.setup.describe()}",
-        )
-        print(f"dlcp bench: wrote {args.plot}", file=sys.stderr)
-    return _finish(records)
+    steps = [{**r, "times_s": r["step_times_s"]} for r in records]
+    title = f"DDP step, {opts.setup.describe()}"
+    return _write(
+        args, records, format_table(records), save,
+        lambda out: plot_latency_cdf(steps, out, title=title),
+    )  # fmt: skip
 
 
 def _all(args: argparse.Namespace) -> int:

@@ -21,7 +21,6 @@ the shim's counters, its timeline and the daemon's counters.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import resource
@@ -161,14 +160,9 @@ class _Trainer:
 def run(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{a.master}:{a.port}",
-        rank=a.rank,
-        world_size=a.world,
-        timeout=datetime.timedelta(seconds=max(a.timeout, 1800.0)),
-    )
+    from dlcp.bench.train_worker import init_group
+
+    init_group(a)
     width = mlp_width(a.params, a.layers)
     trainers = [_Trainer(a, b) for b in a.backend.split(",")]
     params = sum(p.numel() for p in trainers[0].model.parameters())

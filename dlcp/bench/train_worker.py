@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
-def run(a: argparse.Namespace) -> None:
+def init_group(a: argparse.Namespace) -> None:
+    """One thread for torch, and the Gloo process group of `a`'s rank (a
+    bench worker's --master, --port, --rank, --world, --timeout)."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -101,6 +102,13 @@ def run(a: argparse.Namespace) -> None:
         world_size=a.world,
         timeout=datetime.timedelta(seconds=max(a.timeout, 1800.0)),
     )
+
+
+def run(a: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_group(a)
     xtr, ytr, xte, yte = load_data()
     mine = torch.arange(a.rank, len(xtr), a.world)  # this rank's shard
     hidden = [int(h) for h in a.hidden.split(",") if h]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -30,6 +31,8 @@ __all__ = [
     "signal_process",
     "terminate",
     "wait_gone",
+    "wait_listening",
+    "wait_socket",
 ]
 
 NETNS_DIR = Path("/run/netns")
@@ -187,3 +190,42 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
     tail = text.strip().splitlines()[-lines:]
     return "\n".join(tail) if tail else "(log is empty)"
+
+
+def _listening(pid: int, address: str, port: int) -> bool:
+    """Whether process `pid`'s namespace has a TCP listener on address:port."""
+    want = f"{socket.inet_aton(address)[::-1].hex().upper()}:{port:04X}"
+    try:
+        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(f[1] == want and f[3] == "0A" for f in (line.split() for line in lines))
+
+
+def wait_listening(proc: Proc, address: str, port: int, log: Path) -> None:
+    """Until `proc` (an iperf3 server) listens on address:port; its log's end if it died."""
+    deadline = time.monotonic() + 10.0
+    while not _listening(proc[0], address, port):
+        if not is_alive(proc):
+            tail = log_tail(log, 3)
+            raise TestbedError(f"iperf3 server on {address}:{port} exited: {tail}")
+        if time.monotonic() > deadline:
+            raise TestbedError(f"iperf3 server on {address}:{port} did not start listening")
+        time.sleep(0.01)
+
+
+def wait_socket(
+    proc: Proc, path: Path, what: str, log: Path, deadline: float, timeout_s: float
+) -> None:
+    """Until `proc` (`what`, e.g. a host's daemon) creates the socket `path`."""
+    while not path.exists():
+        if not is_alive(proc):
+            raise TestbedError(
+                f"{what} exited before creating {path}; end of {log}:\n{log_tail(log)}"
+            )
+        if time.monotonic() > deadline:
+            raise TestbedError(
+                f"{what} did not create {path} within {timeout_s:g} s; "
+                f"end of {log}:\n{log_tail(log)}"
+            )
+        time.sleep(0.02)

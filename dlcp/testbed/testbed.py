@@ -14,7 +14,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -339,9 +338,7 @@ class Testbed:
         carrier on its interface; its datagrams and those toward it on that
         path are dropped). Recorded, so that `show` lists the ports down."""
         port = self.host(host).switch_ports[self._path(path)]
-        system.run(
-            ["ip", "-n", self.switch_netns, "link", "set", port, "up" if up else "down"]
-        )
+        system.run(["ip", "-n", self.switch_netns, "link", "set", port, "up" if up else "down"])
 
         def record(st: dict[str, Any]) -> None:
             down = set(st.get("ports_down", []))
@@ -511,7 +508,7 @@ class Testbed:
                 for flow in flows
             ]
             for flow, proc in servers:
-                _wait_listening(
+                system.wait_listening(
                     proc,
                     host_address(flow.dst, flow.path),
                     flow.port,
@@ -568,7 +565,9 @@ class Testbed:
                 started.append((h, self._spawn("daemon", h.index, argv, h.log, env)))
             deadline = time.monotonic() + timeout_s
             for h, proc in started:
-                _wait_socket(h, proc, deadline, timeout_s)
+                system.wait_socket(
+                    proc, h.socket, f"daemon of {h.name}", h.log, deadline, timeout_s
+                )
         except BaseException:
             self.stop_daemons()
             raise
@@ -752,42 +751,6 @@ def _pythonpath() -> str:
     root = str(Path(dlcp.__file__).resolve().parent.parent)
     existing = os.environ.get("PYTHONPATH")
     return f"{root}{os.pathsep}{existing}" if existing else root
-
-
-def _listening(pid: int, address: str, port: int) -> bool:
-    """Whether process `pid`'s namespace has a TCP listener on address:port."""
-    want = f"{socket.inet_aton(address)[::-1].hex().upper()}:{port:04X}"
-    try:
-        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
-    except OSError:
-        return False
-    return any(f[1] == want and f[3] == "0A" for f in (line.split() for line in lines))
-
-
-def _wait_listening(proc: system.Proc, address: str, port: int, log: Path) -> None:
-    deadline = time.monotonic() + 10.0
-    while not _listening(proc[0], address, port):
-        if not system.is_alive(proc):
-            tail = system.log_tail(log, 3)
-            raise TestbedError(f"iperf3 server on {address}:{port} exited: {tail}")
-        if time.monotonic() > deadline:
-            raise TestbedError(f"iperf3 server on {address}:{port} did not start listening")
-        time.sleep(0.01)
-
-
-def _wait_socket(h: Host, proc: system.Proc, deadline: float, timeout_s: float) -> None:
-    while not h.socket.exists():
-        if not system.is_alive(proc):
-            raise TestbedError(
-                f"daemon of {h.name} exited before creating {h.socket}; "
-                f"end of {h.log}:\n{system.log_tail(h.log)}"
-            )
-        if time.monotonic() > deadline:
-            raise TestbedError(
-                f"daemon of {h.name} did not create {h.socket} within {timeout_s:g} s; "
-                f"end of {h.log}:\n{system.log_tail(h.log)}"
-            )
-        time.sleep(0.02)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
