@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dlcp.daemon.outbox import CREDIT_STEP
+from dlcp.daemon.flow import CREDIT_STEP
 from dlcp.errors import Reason
 from dlcp.wire.batch import _DATA_BITS, _SUM_BITS, _VALID_CODEC, _VALID_TYPE, HEADER_DTYPE, Batch
 from dlcp.wire.header import (

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from dlcp.core.rate import RateConfig
-from dlcp.daemon.outbox import CREDIT_STEP, CREDIT_TIMEOUT, WINDOW_MIN, Outbox, Peer
+from dlcp.daemon.flow import CREDIT_STEP, CREDIT_TIMEOUT, WINDOW_MIN
+from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Header, PacketType, encode
 from tests.daemons import Daemon, Rank, hosts_of, loopback_daemons, submit

@@ -27,7 +27,6 @@ import resource
 import statistics
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -160,7 +159,7 @@ class _Trainer:
 def run(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from dlcp.bench.train_worker import init_group
+    from dlcp.bench.train_worker import init_group, leave_group
 
     init_group(a)
     width = mlp_width(a.params, a.layers)
@@ -216,9 +215,7 @@ def run(a: argparse.Namespace) -> None:
         if t.state is not None:
             t.state.close()
     emit("result", steps=a.steps, wall_s=time.perf_counter() - t0, params=params, runs=results)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -104,6 +104,15 @@ def init_group(a: argparse.Namespace) -> None:
     )
 
 
+def leave_group() -> None:
+    """The process group destroyed, its warnings unprinted (the rank's last words)."""
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.destroy_process_group()
+
+
 def run(a: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -185,9 +194,7 @@ def run(a: argparse.Namespace) -> None:
         "dlcp": stats,
     }
     emit("result", **result)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

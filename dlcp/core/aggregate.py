@@ -496,7 +496,7 @@ class ShardAggregator:
         arithmetic), except which NaN's payload a NaN sum carries.
         """
         if not self._sum_decided:
-            if len(self.senders) == 2 and not self._held and row not in self._held:
+            if len(self.senders) == 2 and not self._held:
                 return False  # this node's lanes are not in yet: decided when they are
             self._sum_decided = True
             if (

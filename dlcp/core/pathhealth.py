@@ -218,10 +218,17 @@ class PathHealth:
                 del p.outstanding[s]
                 self._miss(i, p, now)
 
-    def _miss(self, i: int, p: _Path, now: float) -> None:
-        if p.status in _IN_USE:  # the loss rate of a path in use (frozen while down)
-            p.loss += _LOSS_GAIN * (1.0 - p.loss)
+    def _probe_lost(self, i: int, p: _Path, lost: bool, now: float, judge: bool = True) -> None:
+        """One probe of path `i` lost or answered: its loss rate, and (`judge`)
+        whether it is degraded now; a path in use only (frozen while down)."""
+        if p.status not in _IN_USE:
+            return
+        p.loss += _LOSS_GAIN * ((1.0 if lost else 0.0) - p.loss)
+        if judge:
             self._judge(i, p, now)
+
+    def _miss(self, i: int, p: _Path, now: float) -> None:
+        self._probe_lost(i, p, True, now)
         p.misses += 1
         p.echoes = 0
         if p.status == PathStatus.UP:
@@ -251,11 +258,8 @@ class PathHealth:
             # rate; not misses, since the path answers
             for s in [s for s in p.outstanding if s < seq]:
                 del p.outstanding[s]
-                if p.status in _IN_USE:
-                    p.loss += _LOSS_GAIN * (1.0 - p.loss)
-            if p.status in _IN_USE:
-                p.loss -= _LOSS_GAIN * p.loss
-                self._judge(path, p, now)
+                self._probe_lost(path, p, True, now, judge=False)
+            self._probe_lost(path, p, False, now)
         p.misses = 0
         if p.status == PathStatus.SUSPECT:
             self._set(path, p, PathStatus.UP, now)
@@ -274,35 +278,29 @@ class PathHealth:
         against the best path's (with hysteresis: see the module)."""
         cfg = self.config
         best = min((q.srtt for q in self._paths if q.srtt is not None), default=None)
-        if p.degraded:
-            lags = (
-                p.srtt is not None
-                and best is not None
-                and (
-                    p.srtt > best * cfg.degraded_rtt / 2 and p.srtt - best > cfg.degraded_delay / 2
-                )
-            )
-            bad = p.loss > cfg.degraded_loss / 2 or lags
-        else:
-            lags = (
-                p.srtt is not None
-                and best is not None
-                and (p.srtt > best * cfg.degraded_rtt and p.srtt - best > cfg.degraded_delay)
-            )
-            bad = p.loss > cfg.degraded_loss or lags
+        k = 0.5 if p.degraded else 1.0  # back up only under half the limits
+        lags = (
+            p.srtt is not None
+            and best is not None
+            and p.srtt > best * cfg.degraded_rtt * k
+            and p.srtt - best > cfg.degraded_delay * k
+        )
+        bad = p.loss > cfg.degraded_loss * k or lags
         if bad == p.degraded:
             return
         was = self.status(i)
         p.degraded = bad
         if p.status == PathStatus.UP:  # a state change as seen from outside
-            now_is = self.status(i)
-            self.changes.append((i, was, now_is, now))
-            self.transitions[(i, now_is)] += 1
+            self._changed(i, was, now)
 
     def _set(self, i: int, p: _Path, status: PathStatus, now: float) -> None:
         was = self.status(i)
         p.status = status
         p.since = now
+        self._changed(i, was, now)
+
+    def _changed(self, i: int, was: PathStatus, now: float) -> None:
+        """Path `i`'s state went from `was` to what `status` says now: noted."""
         now_is = self.status(i)
         self.changes.append((i, was, now_is, now))
         self.transitions[(i, now_is)] += 1

@@ -14,7 +14,7 @@ from typing import Any
 from dlcp.core.layout import DEFAULT_PAYLOAD
 from dlcp.core.rate import RateConfig
 from dlcp.core.timing import Timing
-from dlcp.daemon.outbox import WINDOW_MIN
+from dlcp.daemon.flow import WINDOW_MIN
 from dlcp.errors import LocalError
 from dlcp.ipc import DEFAULT_SOCKET
 from dlcp.policies import DEFAULT_DSCP, check_dscp_table

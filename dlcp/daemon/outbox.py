@@ -34,15 +34,7 @@ import numpy as np
 from dlcp.core.layout import Layout
 from dlcp.core.pathhealth import HealthConfig, PathHealth
 from dlcp.core.rate import WIRE_OVERHEAD, Pacer, PathRates, RateConfig
-from dlcp.daemon.flow import (
-    CREDIT_STEP,
-    CREDIT_TIMEOUT,
-    PROBE_BACKOFF,
-    WINDOW_MIN,
-    probe_wait,
-    take_credit,
-    window_room,
-)
+from dlcp.daemon.flow import WINDOW_MIN, probe_wait, take_credit, window_room
 from dlcp.daemon.packet_keys import (
     _BKEY,
     _DATA,
@@ -68,7 +60,7 @@ from dlcp.errors import LocalError
 from dlcp.policies import LoadBalancer, PathState
 from dlcp.wire.header import HEADER_SIZE, Flags, Header
 
-__all__ = ["CREDIT_STEP", "CREDIT_TIMEOUT", "PROBE_BACKOFF", "WINDOW_MIN", "Outbox", "Peer"]
+__all__ = ["Outbox", "Peer"]
 
 N_CLASSES = 8
 # A peer's queues: one a class for first transmissions of DATA/RESULT packets
@@ -334,7 +326,7 @@ class Outbox:
         health: HealthConfig | None = None,
     ) -> None:
         """`window_bytes`: each peer's flow-control window (0: none; see
-        CREDIT_TIMEOUT); `health`: probe the paths of peers with two or more
+        flow.CREDIT_TIMEOUT); `health`: probe the paths of peers with two or more
         (None: never, every path stays in use)."""
         self.health = health
         self.paths = paths
@@ -1001,6 +993,12 @@ class Outbox:
         all_dr = kinds.translate(_NOT_DR_TABLE).count(0) == len(kinds)
         keys = [h + i[21:25] for h, i in zip(heads, ids, strict=True)]
         one_shard = all_dr and heads.count(heads[0]) == len(heads)
+        # the urgent ones (`_urgent`), kept per path for `path_down` where probed:
+        # DONEs and retransmissions (`special`), and every other type but DATA/RESULT
+        urgent: list[int] = []
+        if peer.health is not None:
+            others = [] if all_dr else [i for i, t in enumerate(kinds) if t not in _DR]
+            urgent = sorted({*special, *others})
         # send per path in order; a partial send on any path stops the batch there
         order = sorted(range(len(batch)), key=assign.__getitem__)  # stable: by path
         start = done = 0
@@ -1018,8 +1016,10 @@ class Outbox:
             if n:
                 out = idx if n == len(idx) else idx[:n]
                 sent_idx += out
-                if peer.health is not None:
-                    remember(peer, p, cls, [batch[i] for i in out if _urgent(batch[i])], now)
+                if urgent:  # those of them that went on this path
+                    sent = set(out) if n < len(idx) else None
+                    mine = [i for i in urgent if assign[i] == p and (sent is None or i in sent)]
+                    remember(peer, p, cls, [batch[i] for i in mine], now)
                 self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
                 if not one_shard:
                     out = [i for i in out if kinds[i] in _DR]

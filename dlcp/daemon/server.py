@@ -694,7 +694,7 @@ class Daemon:
         first path in use, which may have been this one)."""
         self.outbox.path_down(peer, path, now)
         job = self.jobs.get(peer.rx_job) if peer.rx_job is not None else None
-        if job is not None and peer.health is not None and peer.health.usable() is not None:
+        if job is not None and peer.usable is not None:
             self._credit(peer, job)
 
     def _wait_writable(self) -> None:
