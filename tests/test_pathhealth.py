@@ -254,3 +254,19 @@ def test_when_every_live_path_is_degraded_they_all_stay_in_use() -> None:
     lossy_step(h, 0.0, 1.0, {0: 2, 1: 2})
     assert h.statuses() == [PathStatus.DEGRADED, PathStatus.DEGRADED]
     assert h.usable() is None
+
+
+def test_a_late_echo_of_a_probe_from_before_the_path_went_down_is_no_recovery() -> None:
+    """A probe sent just before the path died whose echo comes back after it
+    was found down says nothing about the path now: it stays down (it went
+    down, came back probing and went down again before: two downs in a row)."""
+    h = PathHealth(2, CFG)
+    h.touch(0.0)
+    early = [s for p, s in h.probes_due(0.0) if p == 1]
+    step(h, 0.0, {0}, until=0.2)
+    assert h.status(1) == DOWN
+    h.on_echo(1, early[0], 0.2)  # late, from before the cut
+    assert h.status(1) == DOWN and h.transitions[(1, PROBING)] == 0
+    h.touch(0.2)
+    step(h, 0.2, {0, 1}, until=0.4)  # the probes sent while down are answered: back up
+    assert h.status(1) == UP and h.transitions[(1, DOWN)] == 1

@@ -20,7 +20,8 @@ A path's state, driven by its probes' deadlines and echoes:
 - down: `down_after` probes in a row unanswered. Nothing but probes goes on
   it (the daemon moves its traffic to the live paths); it is probed every
   `down_interval`.
-- probing: a down path's probe was answered; still unused until `up_after`
+- probing: a down path's probe was answered (one sent after it went down: a
+  late echo of an earlier one is not a recovery); still unused until `up_after`
   echoes in a row, then up (a miss sends it down again).
 - degraded: up, but losing more than `degraded_loss` of its probes (a smoothed
   rate, 1/16 a probe), or its smoothed probe round trip is over
@@ -115,6 +116,7 @@ class _Path:
     since: float = 0.0  # when it entered its status
     loss: float = 0.0  # smoothed probe loss rate
     degraded: bool = False
+    down_seq: int = 0  # the last probe sent before it went down
 
 
 class PathHealth:
@@ -248,6 +250,8 @@ class PathHealth:
         p = self._paths[path]
         if not 0 < seq <= p.seq:
             return None
+        if p.status in (PathStatus.DOWN, PathStatus.PROBING) and seq <= p.down_seq:
+            return None  # a late echo of a probe from before it went down: not a recovery
         self.echoes += 1
         sent = p.outstanding.pop(seq, None)
         rtt = None
@@ -297,6 +301,8 @@ class PathHealth:
         was = self.status(i)
         p.status = status
         p.since = now
+        if status == PathStatus.DOWN:
+            p.down_seq = p.seq
         self._changed(i, was, now)
 
     def _changed(self, i: int, was: PathStatus, now: float) -> None:
