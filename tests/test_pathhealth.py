@@ -115,12 +115,21 @@ def test_suspect_path_answered_again_is_up_without_leaving_use() -> None:
 
 
 def test_every_path_silent_keeps_every_path_in_use() -> None:
-    """A daemon or peer that stalls makes every path miss at once: not a path fault."""
+    """A daemon or peer that stalls makes every path miss at once: not a path
+    fault. None goes down (no alert, no log of a dead path), all stay in use,
+    and when the stall ends the answering ones are back (degraded for a while:
+    the stall's lost probes count); a path that stays silent then, beside
+    paths that answer, goes down."""
     h = PathHealth(3, CFG)
     h.touch(0.0)
-    step(h, 0.0, set(), until=0.3)
-    assert h.statuses() == [DOWN, DOWN, DOWN]
-    assert h.usable() is None
+    now = step(h, 0.0, set(), until=0.3)
+    assert h.statuses() == [SUSPECT, SUSPECT, SUSPECT]
+    assert h.usable() is None and h.transitions[(0, DOWN)] == 0
+    h.touch(now)
+    now = step(h, now, {0, 1}, until=now + 0.2)
+    assert h.statuses()[2] == DOWN and h.transitions[(2, DOWN)] == 1
+    assert h.usable(degraded=True) == [True, True, False]
+    assert h.transitions[(0, DOWN)] == h.transitions[(1, DOWN)] == 0
 
 
 def test_no_probes_without_traffic_and_old_probes_forgotten_after_idle() -> None:

@@ -32,9 +32,11 @@ A path's state, driven by its probes' deadlines and echoes:
   that factor. The loss rate counts only while the path is in use (up or
   suspect): a dead path comes back with the rate it went down with.
 
-When every path is down or probing at once the cause is more likely this
-daemon or the peer (a stall) than every path: all stay in use (`usable`
-returns None, as when all are up).
+A path goes down only while another path to the peer is up: when every
+path falls silent at once the cause is more likely this daemon or the peer
+(a stall, a busy CPU) than every path, and they stay suspect, in use. Should
+every path be out of use all the same, all are used (`usable` returns None,
+as when all are up).
 """
 
 from __future__ import annotations
@@ -237,9 +239,16 @@ class PathHealth:
             self._set(i, p, PathStatus.SUSPECT, now)
             p.next_probe = now  # ask again at once
         elif p.status == PathStatus.PROBING or (
-            p.status == PathStatus.SUSPECT and p.misses >= self.config.down_after
+            p.status == PathStatus.SUSPECT
+            and p.misses >= self.config.down_after
+            and self._others_answer(i)
         ):
             self._set(i, p, PathStatus.DOWN, now)
+
+    def _others_answer(self, i: int) -> bool:
+        """Whether some other path to the peer is up (its probes answered): the
+        peer and this daemon are alive, so path `i`'s silence is its own."""
+        return any(q.status == PathStatus.UP for j, q in enumerate(self._paths) if j != i)
 
     def on_echo(self, path: int, seq: int, now: float) -> float | None:
         """The peer echoed probe `seq` of `path` at `now` (late ones count as
