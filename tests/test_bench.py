@@ -484,6 +484,8 @@ def test_allreduce_worker_starts_each_timed_round_on_a_go() -> None:
         proc.kill()
         proc.wait()
     assert "iter" not in rest and "result" not in rest
+
+
 # --- plots and reports -------------------------------------------------------------------
 
 
