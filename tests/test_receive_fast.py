@@ -26,7 +26,7 @@ import pytest
 from dlcp.core import runs as runs_mod
 from dlcp.core.engine import Engine, JobSpec, RoundComplete
 from dlcp.core.runs import sources as _sources
-from dlcp.daemon import server, transport
+from dlcp.daemon import netin, server, transport
 from dlcp.daemon.server import Daemon
 from dlcp.daemon.transport import Split, UdpPath, split_gro
 from dlcp.wire import Codec, Flags, PacketType
@@ -533,7 +533,7 @@ def test_daemon_receive_matches_the_reference(
     if native and transport._udp is None:
         assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.daemon._udp was not built"
         pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
-    for module in (server, receive_reference):  # credits within this little traffic
+    for module in (netin, receive_reference):  # credits within this little traffic
         monkeypatch.setattr(module, "CREDIT_STEP", 4096)
     rng = np.random.default_rng(seed)
     buffers = _buffers(rng, 300, 0.7 if runs else 0.0)

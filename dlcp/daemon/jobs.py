@@ -12,7 +12,9 @@ from dlcp.core.engine import JobSpec
 from dlcp.daemon.outbox import Peer
 from dlcp.errors import LocalError
 
-__all__ = ["HostAddr", "JobState", "LocalPart", "LocalRound", "parse_hosts"]
+__all__ = ["HostAddr", "JobState", "LocalPart", "LocalRound", "OpKey", "parse_hosts"]
+
+OpKey = tuple[int, int, int]  # (job, round, bucket): a local round's key
 
 
 @dataclass(frozen=True)

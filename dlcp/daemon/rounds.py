@@ -1,0 +1,306 @@
+"""Round lifecycle in the daemon: a rank's submitted round started in the engine,
+completed or failed back to the ranks, and the jobs the rounds belong to
+(made from a join or the config, left when the last rank goes).
+
+A part of `dlcp.daemon.server.Daemon` (a mixin): it holds no state of its
+own; the attributes it reads are the daemon's, declared below for the type
+checker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dlcp.codecs import lanes as lane_ops
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
+from dlcp.core.layout import Layout
+from dlcp.daemon.config import Config
+from dlcp.daemon.flow import size_windows
+from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, OpKey
+from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.daemon.requests import RequestError, bad_request
+from dlcp.daemon.shimservice import Client
+from dlcp.daemon.shm import MappedSegment
+from dlcp.errors import LocalError
+from dlcp.policies import apply_droppable
+from dlcp.wire.header import Codec
+
+__all__ = ["RoundLifecycle"]
+
+log = logging.getLogger("dlcpd")
+
+
+class RoundLifecycle:
+    """Starting, completing and failing rounds; making and leaving jobs."""
+
+    if TYPE_CHECKING:
+        _round_hist: Any
+        config: Config
+        counters: Counter[str]
+        drop: Any
+        engine: Engine
+        jobs: dict[int, JobState]
+        outbox: Outbox
+        priority: Any
+        requests: Counter[tuple[str, str]]
+        rounds: dict[OpKey, LocalRound]
+        rx_grant: int
+
+        @property
+        def now(self) -> float: ...
+
+        def _credit(self, peer: Peer, job: JobState) -> None: ...
+
+        def _pump(self) -> None: ...
+
+    def _complete(self, ev: RoundComplete) -> None:
+        op = (ev.job, ev.round, ev.bucket)
+        job = self.jobs.get(ev.job)
+        if job is not None:
+            job.rounds_completed += 1
+        self.counters["rounds_completed"] += 1
+        if ev.lost_lanes:
+            self.counters["rounds_lossy"] += 1
+        lr = self.rounds.pop(op, None)
+        if lr is None:
+            return
+        elapsed = self.now - lr.started
+        if self._round_hist is not None:
+            self._round_hist.observe(elapsed)
+        lay = ev.layout
+        sum_dtype = lane_ops.wire_summed_dtype(lay.codec)  # the wire's summed lanes
+        contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
+        bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
+        counts = lay.packet_counts()
+        expected = len(job.spec.contributors) * job.local_ranks if job else 0
+        self.counters["result_lanes"] += lay.total * len(lr.parts)
+        self.counters["result_lanes_lost"] += int(counts[contrib < expected].sum()) * len(lr.parts)
+        sums = np.ascontiguousarray(ev.sums).astype(sum_dtype, casting="unsafe", copy=False)
+        for part in lr.parts:
+            c = part.client
+            if c.closed or c.segment is None:
+                continue
+            c.pending -= 1
+            try:  # pwritev to a named segment, a copy into a mapped one
+                if c.segment.holds(part.out[0], sums):  # the engine stored them there
+                    c.segment.write(part.out[0] + sums.nbytes, (contrib, bmax))
+                    self.counters["results_in_place"] += 1
+                else:
+                    c.segment.write(part.out[0], (sums, contrib, bmax))
+            except LocalError as exc:
+                self.requests[("submit", "bad_request")] += 1
+                c.error(part.rid, "bad_request", f"round completed, but {exc}")
+                continue
+            self.requests[("submit", "ok")] += 1
+            c.reply(
+                part.rid,
+                lost_lanes=int(ev.lost_lanes),
+                total_lanes=int(ev.total_lanes),
+                packets=lay.packets,
+                contributors_min=int(contrib.min()) if contrib.size else 0,
+                elapsed_s=round(elapsed, 6),
+            )
+
+    def _failed(self, ev: RoundFailed) -> None:
+        op = (ev.job, ev.round, ev.bucket)
+        job = self.jobs.get(ev.job)
+        if job is not None:
+            job.rounds_failed += 1
+        self.counters["rounds_failed"] += 1
+        log.warning("job %d round %d bucket %d failed: %s", *op, ev.reason)
+        lr = self.rounds.pop(op, None)
+        if lr is None:
+            return
+        for part in lr.parts:
+            part.client.pending -= 1
+            self.requests[("submit", "round_failed")] += 1
+            part.client.error(part.rid, "round_failed", ev.reason)
+
+    def _start_round(self, lr: LocalRound, job: JobState) -> None:
+        """All local ranks are in: sum them and hand the contribution to the engine."""
+        codec = Codec(lr.codec)
+        spec = job.spec
+        layout = Layout(total=lr.total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        parts = lr.parts
+        out = None
+        if len(parts) == 1:
+            lanes: Any = parts[0].data
+            summed = False
+            out = self._mapped_out(parts[0], codec, lr.total)
+        else:
+            acc = None
+            for p in parts:
+                v = lane_ops.unpack(codec, p.data.tobytes(), lr.total, False).astype(
+                    lane_ops.sum_dtype(codec)
+                )
+                acc = v if acc is None else acc + v
+            lanes = lane_ops.pack(codec, acc, True)  # type: ignore[arg-type]
+            summed = True
+        n = layout.packets
+        counts = layout.packet_counts()
+        layers = next((p.layers for p in parts if p.layers is not None), None)
+        norms_list = [p.norms for p in parts if p.norms is not None]
+        if layers is None:
+            layers = np.zeros(n, dtype=np.int64)
+        norms = np.sum(norms_list, axis=0) if norms_list else np.zeros(n)
+        bmaxes = [p.block_max for p in parts if p.block_max is not None]
+        block_max = np.max(bmaxes, axis=0) if bmaxes else None
+        classes = self.priority.classify(
+            layers=layers.astype(np.int64),
+            n_layers=int(layers.max()) + 1 if n else 1,
+            norms=norms,
+            counts=counts,
+        )
+        droppable = np.zeros(n, dtype=bool)
+        if lr.bound > 0:
+            for s in range(layout.shards):
+                r = layout.shard_packets(s)
+                if len(r):
+                    droppable[r.start : r.stop] = self.drop.droppable(
+                        norms=norms[r.start : r.stop],
+                        counts=counts[r.start : r.stop],
+                        bound=lr.bound,
+                    )
+        classes = apply_droppable(classes, droppable)
+        self.engine.submit(
+            job=lr.job,
+            round=lr.round,
+            bucket=lr.bucket,
+            codec=codec,
+            total=lr.total,
+            lanes=lanes,
+            now=self.now,
+            summed=summed,
+            weight=len(parts),
+            classes=classes,
+            droppable=droppable,
+            layers=layers,
+            bound=lr.bound,
+            scale=lr.scale,
+            block_max=block_max,
+            out=out,
+        )
+        lr.submitted = True
+        self._pump()
+
+    @staticmethod
+    def _mapped_out(part: LocalPart, codec: Codec, total: int) -> np.ndarray | None:
+        """The rank's result lanes in its mapped segment, where the engine may
+        store results as they arrive (no copy at the end), if the segment is
+        mapped and the codec sums in the wire's dtype (not fp16's fp32 sums)."""
+        seg = part.client.segment
+        dtype = lane_ops.sum_dtype(codec)
+        if not isinstance(seg, MappedSegment) or dtype != lane_ops.wire_summed_dtype(codec):
+            return None
+        return seg.lanes(part.out[0], dtype, total)
+
+    def _make_job(
+        self,
+        *,
+        job: int,
+        key: bytes,
+        hosts: tuple[HostAddr, ...],
+        me: int,
+        local_ranks: int,
+        mode: str,
+        payload: int,
+        aggregators: tuple[int, ...] = (),
+        contributors: tuple[int, ...] = (),
+        static: bool = False,
+    ) -> JobState:
+        H = len(hosts)
+        if not 0 <= me < H:
+            raise bad_request(f"me={me} is not an index of hosts")
+        mine = hosts[me]
+        if mine.udp_port != self.config.udp_port or not set(mine.addresses) & set(
+            self.config.addresses
+        ):
+            raise RequestError(
+                "conflict",
+                f"hosts[{me}] {list(mine.addresses)}:{mine.udp_port} is not this daemon "
+                f"({list(self.config.addresses)}:{self.config.udp_port})",
+            )
+        if mode == "transpose":
+            spec = JobSpec.transpose(job, key, me, H, payload=payload, mac=self.config.mac)
+        elif mode == "ps":
+            aggs = aggregators or (0,)
+            contr = contributors or tuple(i for i in range(H) if i not in aggs)
+            for i in (*aggs, *contr):
+                if not 0 <= i < H:
+                    raise bad_request(f"host index {i} out of range")
+            spec = JobSpec(
+                job=job,
+                key=key,
+                me=me,
+                contributors=contr,
+                owners=aggs,
+                payload=payload,
+                mac=self.config.mac,
+            )
+        else:
+            raise bad_request(f"mode must be transpose or ps, not {mode!r}")
+        state = JobState(spec=spec, hosts=hosts, local_ranks=local_ranks, mode=mode, static=static)
+        now = self.now
+        for node, h in enumerate(hosts):
+            if node == me:
+                continue
+            state.peers[node] = self.outbox.peer(h.addresses, h.udp_port, now)
+            for a in h.addresses:
+                state.node_of[a] = node
+        return state
+
+    def _size_windows(self) -> None:
+        """Each peer's pacing cap and flow-control window, and the window this
+        daemon grants in its credits (`flow.size_windows`), told at once."""
+        cfg = self.config
+        self.rx_grant = size_windows(self.jobs.values(), cfg.window_bytes, cfg.rate)
+        if self.rx_grant:
+            self._announce_grant()
+
+    def _announce_grant(self) -> None:
+        """Credit at once each host that has sent here and was told another
+        grant (a job joining or leaving changed it), rather than after its
+        next 2 MiB, in the job it last sent in (one its daemon has). A host
+        that has not sent yet starts at WINDOW_MIN (`Outbox.peer`) until its
+        first credit tells it the grant."""
+        for peer in self.outbox.peers.values():
+            job = self.jobs.get(peer.rx_job) if peer.rx_job is not None else None
+            if job is not None and peer.rx_granted != self.rx_grant:
+                self._credit(peer, job)
+
+    def _add_static_job(self, jc: Any) -> None:
+        hosts = tuple(HostAddr(h.addresses, h.udp_port) for h in jc.hosts)
+        state = self._make_job(
+            job=jc.job,
+            key=jc.key,
+            hosts=hosts,
+            me=jc.me,
+            local_ranks=1,
+            mode=jc.mode,
+            payload=self.config.payload,
+            aggregators=jc.aggregators,
+            contributors=jc.contributors,
+            static=True,
+        )
+        self.jobs[jc.job] = state
+        self.engine.add_job(state.spec)
+        self._size_windows()
+
+    def _leave(self, client: Client, job_id: int) -> None:
+        client.jobs.discard(job_id)
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        job.clients.discard(client)
+        if not job.clients and not job.static:
+            del self.jobs[job_id]
+            self.engine.remove_job(job_id, self.now)
+            self._size_windows()
+            for op in [op for op in self.rounds if op[0] == job_id]:
+                del self.rounds[op]
+            log.info("job %d left", job_id)
+            self._pump()

@@ -1,0 +1,456 @@
+"""The shim's side of the daemon: one connection per rank on the Unix socket,
+its requests (hello, segment, join, submit, leave, status) checked and
+answered, its shared-memory segment taken over, its submitted lanes copied
+and handed to the round lifecycle.
+
+`Client` is one rank's connection; `ShimService` is a part of
+`dlcp.daemon.server.Daemon` (a mixin) that holds no state of its own; the
+attributes it reads are the daemon's, declared below for the type checker.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dlcp import ipc
+from dlcp.core.buffers import SpareBuffers
+from dlcp.core.engine import Engine
+from dlcp.core.layout import Layout
+from dlcp.daemon.config import Config
+from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, OpKey, parse_hosts
+from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
+from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
+from dlcp.errors import LocalError
+from dlcp.wire.header import Codec, lane_bytes
+
+__all__ = ["INPUT_BUFFERS", "Client", "ShimService"]
+
+log = logging.getLogger("dlcpd")
+
+FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
+_INT_SIZE = array.array("i").itemsize
+INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
+
+
+class Client:
+    """One connection from a rank."""
+
+    def __init__(self, daemon: ShimService, writer: asyncio.StreamWriter) -> None:
+        self.daemon = daemon
+        self.writer = writer
+        self.segment: RankSegment | MappedSegment | None = None
+        self.jobs: set[int] = set()
+        self.pending = 0
+        self.closed = False
+        self.awaiting_fd: tuple[int, int] | None = None  # (request id, size) of a memfd segment
+        # this rank's submitted lanes, copied into buffers reused across rounds
+        self.inputs = SpareBuffers(INPUT_BUFFERS)
+
+    def reply(self, rid: Any, **fields: Any) -> None:
+        if self.closed:
+            return
+        try:
+            self.writer.write(ipc.encode({"id": rid, "ok": True, **fields}))
+        except (OSError, RuntimeError):
+            self.closed = True
+
+    def error(self, rid: Any, code: str, message: str) -> None:
+        if self.closed:
+            return
+        try:
+            self.writer.write(
+                ipc.encode({"id": rid, "ok": False, "code": code, "error": message[:2000]})
+            )
+        except (OSError, RuntimeError):
+            self.closed = True
+
+
+class ShimService:
+    """The shim protocol: requests from the ranks' connections."""
+
+    if TYPE_CHECKING:
+        _loop: asyncio.AbstractEventLoop | None
+        clients: set[Client]
+        config: Config
+        counters: Counter[str]
+        draining: bool
+        engine: Engine
+        id: str
+        jobs: dict[int, JobState]
+        requests: Counter[tuple[str, str]]
+        rounds: dict[OpKey, LocalRound]
+
+        @property
+        def now(self) -> float: ...
+
+        def _leave(self, client: Client, job_id: int) -> None: ...
+
+        def _make_job(self, *args: Any, **kwargs: Any) -> JobState: ...
+
+        def _size_windows(self) -> None: ...
+
+        def _start_round(self, lr: LocalRound, job: JobState) -> None: ...
+
+    # "status" is the daemon's own (`Daemon._op_status`, the status view)
+    _OPS = ("hello", "segment", "join", "submit", "leave", "status")
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        client = Client(self, writer)
+        self.clients.add(client)
+        try:
+            while True:
+                try:
+                    prefix = await reader.readexactly(4)
+                    body = await reader.readexactly(ipc.decode_length(prefix))
+                    req = ipc.decode_body(body)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                except ipc.ProtocolError as exc:
+                    client.error(None, "bad_request", str(exc))
+                    self.requests[("framing", "bad_request")] += 1
+                    break
+                self._handle(client, req)
+                if client.closed:
+                    break
+                await writer.drain()
+                if client.awaiting_fd is not None:
+                    await self._take_fd(client, reader, writer)
+                    if client.closed:
+                        break
+        finally:
+            self._drop_client(client)
+            client.closed = True
+            writer.close()
+
+    def _drop_client(self, client: Client) -> None:
+        if client not in self.clients:
+            return
+        self.clients.discard(client)
+        for lr in self.rounds.values():
+            lr.parts = [p for p in lr.parts if p.client is not client]
+        for job_id in list(client.jobs):
+            self._leave(client, job_id)
+        if client.segment is not None:
+            client.segment.close()
+            client.segment = None
+
+    def _handle(self, client: Client, req: dict[str, Any]) -> None:
+        rid = req.get("id")
+        op = req.get("op")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            client.error(rid, "bad_request", "id must be an integer")
+            self.requests[("unknown", "bad_request")] += 1
+            return
+        if op not in self._OPS:
+            client.error(rid, "unknown_op", f"unknown op {str(op)[:50]!r}")
+            self.requests[("unknown", "unknown_op")] += 1
+            return
+        handler: Callable[[Client, int, dict[str, Any]], None] = getattr(self, f"_op_{op}")
+        try:
+            handler(client, rid, req)
+        except RequestError as exc:
+            self.requests[(op, exc.code)] += 1
+            client.error(rid, exc.code, str(exc))
+        except LocalError as exc:
+            self.requests[(op, "bad_request")] += 1
+            client.error(rid, "bad_request", str(exc))
+        except Exception as exc:  # never let one request take the daemon down
+            log.exception("internal error serving %s", op)
+            self.requests[(op, "internal")] += 1
+            client.error(rid, "internal", f"{type(exc).__name__}: {exc}")
+        else:
+            if op != "submit":
+                self.requests[(op, "ok")] += 1
+
+    def _op_hello(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        version = req.get("version", ipc.PROTOCOL_VERSION)
+        if version != ipc.PROTOCOL_VERSION:
+            raise RequestError("bad_request", f"protocol version {version!r}; this daemon speaks 1")
+        fb = req.get("fallbacks", 0)
+        if isinstance(fb, int) and not isinstance(fb, bool) and 0 <= fb < 2**40:
+            self.counters["fallbacks"] += fb
+        client.reply(rid, version=ipc.PROTOCOL_VERSION, daemon=self.describe())
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "id": self.id,
+            "host_index": cfg.host_index,
+            "addresses": list(cfg.addresses),
+            "udp_port": cfg.udp_port,
+            "payload": cfg.payload,
+            "metrics_port": cfg.metrics_port,
+            "peers": [
+                {"index": p.index, "addresses": list(p.addresses), "udp_port": p.udp_port}
+                for p in cfg.peers
+            ],
+        }
+
+    def _op_segment(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        if client.pending:
+            raise RequestError("conflict", "cannot replace the segment with submits outstanding")
+        if req.get("memfd") is True:
+            # the descriptor follows as SCM_RIGHTS with one byte; nothing else is
+            # read from this connection until it has come (_take_fd)
+            size = int_field(req, "size", 1, MAX_SEGMENT)
+            client.awaiting_fd = (rid, size)
+            client.writer.transport.pause_reading()  # type: ignore[attr-defined]
+            client.reply(rid, send_fd=True)
+            return
+        seg = RankSegment(req.get("name"), req.get("size"))  # type: ignore[arg-type]
+        self._set_segment(client, seg)
+        client.reply(rid)
+
+    @staticmethod
+    def _set_segment(client: Client, seg: RankSegment | MappedSegment) -> None:
+        if client.segment is not None:
+            client.segment.close()
+        client.segment = seg
+
+    async def _take_fd(
+        self, client: Client, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Receive the memfd a `segment` request announced and map it; the
+        request's second reply says whether that worked. A connection that
+        sends anything else first, or nothing within FD_TIMEOUT, is closed."""
+        assert client.awaiting_fd is not None
+        rid, size = client.awaiting_fd
+        client.awaiting_fd = None
+        fds: list[int] = []
+        try:
+            if getattr(reader, "_buffer", b""):  # the stream read ahead: out of step
+                raise ipc.ProtocolError("data sent after a memfd segment request")
+            sock = writer.get_extra_info("socket")
+            raw = socket.socket(fileno=os.dup(sock.fileno()))
+            try:
+                raw.setblocking(False)
+                loop = asyncio.get_running_loop()
+                ready: asyncio.Future[None] = loop.create_future()
+
+                def wake() -> None:
+                    if not ready.done():
+                        ready.set_result(None)
+
+                loop.add_reader(raw.fileno(), wake)
+                try:
+                    await asyncio.wait_for(ready, FD_TIMEOUT)
+                finally:
+                    loop.remove_reader(raw.fileno())
+                msg, anc, flags, _ = raw.recvmsg(1, socket.CMSG_SPACE(_INT_SIZE))
+            finally:
+                raw.close()
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", data[: len(data) - len(data) % _INT_SIZE]))
+            if msg != b"F" or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                raise ipc.ProtocolError("expected one byte 'F' carrying one descriptor")
+        except (ipc.ProtocolError, OSError, TimeoutError) as exc:
+            for fd in fds:
+                os.close(fd)
+            self.requests[("segment", "bad_request")] += 1
+            client.error(rid, "bad_request", f"no segment descriptor: {exc or 'timed out'}")
+            client.closed = True  # the stream is out of step: drop the connection
+            return
+        try:
+            seg = MappedSegment(fds[0], size)
+        except LocalError as exc:
+            self.requests[("segment", "bad_request")] += 1
+            client.error(rid, "bad_request", str(exc))
+        else:
+            self._set_segment(client, seg)
+            client.reply(rid, mapped=True)
+        finally:
+            os.close(fds[0])
+            writer.transport.resume_reading()  # type: ignore[attr-defined]
+
+    def _op_join(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        if self.draining:
+            raise RequestError("shutting_down", "the daemon is stopping")
+        job_id = int_field(req, "job", 0, 2**32 - 1)
+        key_hex = req.get("key")
+        try:
+            key = bytes.fromhex(key_hex) if isinstance(key_hex, str) else b""
+        except ValueError:
+            key = b""
+        if not 16 <= len(key) <= 64:
+            raise bad_request("key must be 16..64 bytes in hex")
+        if "hosts" in req:
+            hosts = parse_hosts(req["hosts"])
+            me = int_field(req, "me", 0, len(hosts) - 1)
+        else:  # membership from the config's peers
+            cfg = self.config
+            table = {p.index: HostAddr(p.addresses, p.udp_port) for p in cfg.peers}
+            table[cfg.host_index] = HostAddr(cfg.addresses, cfg.udp_port)
+            if sorted(table) != list(range(len(table))):
+                raise bad_request("config peers do not form indices 0..H-1; pass hosts")
+            hosts = tuple(table[i] for i in range(len(table)))
+            me = cfg.host_index
+        local = int_field(req, "local_ranks", 1, 256) if "local_ranks" in req else 1
+        mode = req.get("mode", "transpose")
+        payload = int_field(req, "payload", 64, 65443) if "payload" in req else self.config.payload
+        aggs_raw, contr_raw = req.get("aggregators", ()), req.get("contributors", ())
+        if not isinstance(aggs_raw, list | tuple) or not isinstance(contr_raw, list | tuple):
+            raise bad_request("aggregators and contributors must list host indices")
+        aggs, contr = tuple(aggs_raw), tuple(contr_raw)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*aggs, *contr)):
+            raise bad_request("aggregators and contributors must list host indices")
+        state = self._make_job(
+            job=job_id,
+            key=key,
+            hosts=hosts,
+            me=me,
+            local_ranks=local,
+            mode=str(mode),
+            payload=payload,
+            aggregators=aggs,
+            contributors=contr,
+        )
+        existing = self.jobs.get(job_id)
+        if existing is not None:
+            if existing.signature() != state.signature():
+                raise RequestError(
+                    "conflict", f"job {job_id} is already here with other members, key or ranks"
+                )
+            state = existing
+        else:
+            self.jobs[job_id] = state
+            self.engine.add_job(state.spec)
+            self._size_windows()
+            log.info(
+                "job %d joined: %d hosts, me=%d, %d local ranks", job_id, len(hosts), me, local
+            )
+        state.clients.add(client)
+        client.jobs.add(job_id)
+        client.reply(rid)
+
+    def _op_leave(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        job_id = int_field(req, "job", 0, 2**32 - 1)
+        if job_id not in client.jobs:
+            raise RequestError("unknown_job", f"this client has not joined job {job_id}")
+        self._leave(client, job_id)
+        client.reply(rid)
+
+    def _op_submit(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        if self.draining:
+            raise RequestError("shutting_down", "the daemon is stopping")
+        job_id = int_field(req, "job", 0, 2**32 - 1)
+        job = self.jobs.get(job_id)
+        if job is None or job_id not in client.jobs:
+            raise RequestError("unknown_job", f"job {job_id} was not joined on this connection")
+        seg = client.segment
+        if seg is None:
+            raise bad_request("no segment: send 'segment' first")
+        rnd = int_field(req, "round", 0, 2**32 - 1)
+        bucket = int_field(req, "bucket", 0, 2**32 - 1)
+        codec_name = req.get("codec")
+        if not isinstance(codec_name, str) or codec_name not in ipc.CODEC_BY_NAME:
+            raise bad_request(f"codec must be one of {', '.join(ipc.CODEC_BY_NAME)}")
+        codec = Codec(ipc.CODEC_BY_NAME[codec_name])
+        total = int_field(req, "total", 1, 2**32 - 1)
+        bound = float_field(req, "bound", 0.0, 0.5, 0.0)
+        scale = float_field(req, "scale", -3.4e38, 3.4e38, 0.0)
+        spec = job.spec
+        layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        n = layout.packets
+        d_off, d_len = seg.region(req.get("data"), "data")
+        if d_len != lane_bytes(codec, total, False):
+            raise bad_request(
+                f"data holds {d_len} bytes; {total} {codec_name} lanes need "
+                f"{lane_bytes(codec, total, False)}"
+            )
+        o_off, o_len = seg.region(req.get("out"), "out")
+        need = lane_bytes(codec, total, True) + 6 * n
+        if o_len < need:
+            raise bad_request(f"out holds {o_len} bytes; the result needs {need}")
+        regions = [(d_off, d_len)]
+        layers = norms = bmax = None
+        if req.get("meta") is not None:
+            m_off, m_len = seg.region(req.get("meta"), "meta")
+            if m_len not in (6 * n, 10 * n):
+                raise bad_request(f"meta must hold {6 * n} or {10 * n} bytes for {n} packets")
+            regions.append((m_off, m_len))
+            mv = seg.read(m_off, m_len)
+            layers = np.frombuffer(mv, "<u2", n, 0).astype(np.int64)
+            norms = np.frombuffer(mv, "<f4", n, 2 * n).astype(np.float64)
+            if not np.isfinite(norms).all() or (norms < 0).any():
+                raise bad_request("norms must be finite and >= 0")
+            if m_len == 10 * n:
+                bmax = np.frombuffer(mv, "<f4", n, 6 * n).copy()
+        for off, ln in regions:
+            if off < o_off + o_len and o_off < off + ln:
+                raise bad_request("out overlaps data or meta")
+        op = (job_id, rnd, bucket)
+        lr = self.rounds.get(op)
+        if lr is None:
+            if self.engine.has_round(*op):
+                raise RequestError("conflict", f"round {rnd} bucket {bucket} was already run")
+        elif lr.submitted:
+            raise RequestError("conflict", f"round {rnd} bucket {bucket} already started")
+        elif not lr.same(int(codec), total, bound, scale):
+            raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
+        elif any(p.client is client for p in lr.parts):
+            raise RequestError("conflict", "this client already submitted the bucket")
+        # A named segment: a private copy by preadv, never a mapping (a rank that
+        # shrinks its file gets bad_request instead of killing the daemon with
+        # SIGBUS); the copy answers retransmissions until the round has its
+        # results. A sealed memfd cannot shrink: its lanes are read in place.
+        if isinstance(seg, MappedSegment):
+            data = seg.read(d_off, d_len)
+        else:
+            data = client.inputs.take(d_len)
+            seg.read_into(d_off, data)
+        if lr is None:
+            lr = LocalRound(
+                job_id,
+                rnd,
+                bucket,
+                int(codec),
+                total,
+                bound,
+                scale,
+                expected=job.local_ranks,
+                started=self.now,
+            )
+            self.rounds[op] = lr
+        lr.parts.append(LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax))
+        client.pending += 1
+        if len(lr.parts) >= lr.expected:
+            try:
+                self._start_round(lr, job)
+            except LocalError as exc:
+                self.rounds.pop(op, None)
+                for p in lr.parts:
+                    p.client.pending -= 1
+                    if p.client is not client:
+                        p.client.error(p.rid, "bad_request", str(exc))
+                raise
+        elif len(lr.parts) == 1:  # the other local ranks have until the timeout
+            assert self._loop is not None
+            self._loop.call_later(self.engine.timing.timeout, self._local_timeout, op, lr)
+
+    def _local_timeout(self, op: OpKey, lr: LocalRound) -> None:
+        """Not every local rank submitted (one died or hangs): fail the waiting ones."""
+        if self.rounds.get(op) is not lr or lr.submitted:
+            return
+        del self.rounds[op]
+        self.counters["rounds_failed"] += 1
+        why = (
+            f"only {len(lr.parts)} of {lr.expected} local ranks submitted round {op[1]} "
+            f"bucket {op[2]} within {self.engine.timing.timeout:g}s"
+        )
+        log.warning("job %d: %s", op[0], why)
+        for part in lr.parts:
+            part.client.pending -= 1
+            self.requests[("submit", "round_failed")] += 1
+            part.client.error(part.rid, "round_failed", why)
