@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,9 +16,7 @@ from prometheus_client.registry import Collector
 
 from dlcp.core.pathhealth import PathStatus
 from dlcp.daemon import status
-
-if TYPE_CHECKING:
-    from dlcp.daemon.server import Daemon
+from dlcp.daemon.status import DaemonView
 
 __all__ = ["DaemonCollector", "make_registry", "serve_metrics"]
 
@@ -55,7 +52,7 @@ _ENGINE: dict[str, tuple[str, str, dict[str, str]]] = {
 }
 
 
-def make_registry(daemon: Daemon) -> tuple[CollectorRegistry, Histogram]:
+def make_registry(daemon: DaemonView) -> tuple[CollectorRegistry, Histogram]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(daemon))
     hist = Histogram(
@@ -68,7 +65,7 @@ def make_registry(daemon: Daemon) -> tuple[CollectorRegistry, Histogram]:
 
 
 class DaemonCollector(Collector):
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.d = daemon
 
     def collect(self) -> Iterator[Metric]:

@@ -1,29 +1,63 @@
 """A daemon's state as `dlcp status` and /metrics read it (`snapshot` and
-the rejects and NACK answers they share; the tc class stats /metrics shows)."""
+the rejects and NACK answers they share; the tc class stats /metrics shows).
+
+Both read the daemon through `DaemonView`, the attributes they may read, so
+neither depends on the daemon's module (`dlcp.daemon.server.Daemon` is one).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dlcp.errors import DlcpError, Reason
 from dlcp.wire import mac
 
 if TYPE_CHECKING:
+    from dlcp.core.engine import Engine
+    from dlcp.daemon.config import Config
     from dlcp.daemon.jobs import JobState
-    from dlcp.daemon.server import Daemon
+    from dlcp.daemon.outbox import Outbox
+    from dlcp.daemon.transport import UdpPath
 
-__all__ = ["TcStats", "mac_description", "nack_answers", "reject_reasons", "rejected", "snapshot"]
+__all__ = [
+    "DaemonView",
+    "TcStats",
+    "mac_description",
+    "nack_answers",
+    "reject_reasons",
+    "rejected",
+    "snapshot",
+]
 
 log = logging.getLogger("dlcp.daemon")
 
 _STARTED = time.monotonic()
 
 
-def snapshot(d: Daemon) -> dict[str, Any]:
+class DaemonView(Protocol):
+    """What `dlcp status` and /metrics read of a daemon."""
+
+    config: Config
+    clients: set[Any]
+    counters: Counter[str]
+    daemon_rejects: Counter[str]
+    draining: bool
+    engine: Engine
+    jobs: dict[int, JobState]
+    outbox: Outbox
+    paths: list[UdpPath]
+    requests: Counter[tuple[str, str]]
+    tc: TcStats
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def snapshot(d: DaemonView) -> dict[str, Any]:
     """What `dlcp status` shows: the daemon, its jobs, paths, peers, counters and rejects."""
     return {
         "daemon": d.describe(),
@@ -83,7 +117,7 @@ def snapshot(d: Daemon) -> dict[str, Any]:
     }
 
 
-def nack_answers(d: Daemon, job: JobState) -> list[dict[str, Any]]:
+def nack_answers(d: DaemonView, job: JobState) -> list[dict[str, Any]]:
     """How soon each peer of `job` answers this daemon's NACKs (Engine.nack_answers)."""
     out = []
     for node, answer in d.engine.nack_answers(job.spec.job).items():
@@ -99,12 +133,12 @@ def mac_description(name: str) -> str:
     return f"ghash-aes ({mac.GhashAesKey(bytes(32)).backend})"
 
 
-def reject_reasons(d: Daemon) -> list[str]:
+def reject_reasons(d: DaemonView) -> list[str]:
     """Every reason a datagram can be rejected for (series start at 0 for alerts)."""
     return sorted({r.label for r in Reason} | set(d.daemon_rejects) | {"bad_address"})
 
 
-def rejected(d: Daemon, reason: str) -> int:
+def rejected(d: DaemonView, reason: str) -> int:
     """Datagrams rejected for `reason`, by the daemon and by its engine."""
     n = d.daemon_rejects.get(reason, 0)
     for r, c in d.engine.rejects.items():
