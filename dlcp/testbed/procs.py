@@ -1,0 +1,287 @@
+"""Processes in the testbed's hosts: commands run or started in a host's
+namespace with the testbed's environment, the background traffic (iperf3
+flows), and one dlcp daemon per host.
+
+`HostProcesses` is a part of `dlcp.testbed.testbed.Testbed` (a mixin) that
+holds no state of its own: it records what it starts in the testbed's state
+file, so that another process attached to the testbed can stop it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import dlcp
+from dlcp.testbed import system
+from dlcp.testbed.config import daemon_config, merge_config, to_toml
+from dlcp.testbed.plan import (
+    IperfFlow,
+    TestbedSpec,
+    background_flows,
+    host_address,
+    iperf_client_argv,
+    iperf_server_argv,
+)
+
+if TYPE_CHECKING:
+    from dlcp.testbed.testbed import Host
+
+__all__ = ["DEFAULT_DAEMON_COMMAND", "HostProcesses"]
+
+# "{config}", "{socket}" and "{host}" in these arguments are replaced per host.
+DEFAULT_DAEMON_COMMAND: tuple[str, ...] = (
+    sys.executable,
+    "-m",
+    "dlcp.daemon",
+    "--config",
+    "{config}",
+)
+
+
+class HostProcesses:
+    """Running, starting and stopping processes in the hosts."""
+
+    if TYPE_CHECKING:
+        _popens: list[subprocess.Popen[Any]]
+        hosts: tuple[Host, ...]
+        spec: TestbedSpec
+        state_dir: Path
+
+        def _path(self, path: int) -> int: ...
+
+        def _state(self) -> dict[str, Any]: ...
+
+        def _update(self, change: Callable[[dict[str, Any]], object]) -> None: ...
+
+        def host(self, host: str | int) -> Host: ...
+
+    # --- processes in hosts -------------------------------------------------------
+
+    def env(self, host: str | int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of commands in `host`: ours plus DLCP_SOCKET."""
+        env = dict(os.environ)
+        env["DLCP_SOCKET"] = str(self.host(host).socket)
+        env.update(extra or {})
+        return env
+
+    def exec(
+        self,
+        host: str | int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        check: bool = False,
+        capture: bool = False,
+        input: str | None = None,
+        timeout: float | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `argv` in `host`'s namespace (DLCP_SOCKET set) and wait for it."""
+        h = self.host(host)
+        return subprocess.run(
+            system.netns_argv(h.netns, argv),
+            env=self.env(h.index, env),
+            check=check,
+            capture_output=capture,
+            text=True,
+            input=input,
+            timeout=timeout,
+        )
+
+    def popen(
+        self,
+        host: str | int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start `argv` in `host`'s namespace; `down` stops it if it still runs."""
+        h = self.host(host)
+        proc = subprocess.Popen(
+            system.netns_argv(h.netns, argv), env=self.env(h.index, env), **kwargs
+        )
+        self._popens.append(proc)
+        return proc
+
+    def _spawn(
+        self,
+        role: str,
+        host: int,
+        argv: Sequence[str],
+        log: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> system.Proc:
+        """Start a detached process (own session, output to `log`) and record it."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                system.netns_argv(self.hosts[host].netns, argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env(host, env),
+            )
+        self._popens.append(proc)
+        start = system.proc_start_time(proc.pid)
+        record = {
+            "role": role,
+            "host": host,
+            "pid": proc.pid,
+            "start": start,
+            "argv": list(argv),
+            "log": str(log),
+        }
+        self._update(lambda st: st["processes"].append(record))
+        return (proc.pid, start)
+
+    def processes(self, role: str | None = None) -> list[dict[str, Any]]:
+        """Recorded processes (optionally of one role), each with "alive"."""
+        procs = [p for p in self._state().get("processes", []) if role in (None, p["role"])]
+        return [{**p, "alive": system.is_alive((p["pid"], p["start"]))} for p in procs]
+
+    def _stop(self, roles: Sequence[str], *, grace_s: float) -> None:
+        recorded = [p for p in self._state().get("processes", []) if p["role"] in roles]
+        system.terminate([(p["pid"], p["start"]) for p in recorded], grace_s=grace_s, group=True)
+        self._reap()
+        pids = {p["pid"] for p in recorded}
+        self._update(
+            lambda st: st.update(processes=[p for p in st["processes"] if p["pid"] not in pids])
+        )
+
+    def _reap(self) -> None:
+        for proc in list(self._popens):
+            if proc.poll() is not None:
+                self._popens.remove(proc)
+
+    # --- background traffic -------------------------------------------------------
+
+    def start_background(
+        self,
+        kind: str = "both",
+        *,
+        duration_s: float | None = None,
+        udp_rate_bps: int | None = None,
+        paths: Sequence[int] | None = None,
+        parallel: int = 1,
+        pattern: str = "all",
+    ) -> list[IperfFlow]:
+        """Unmarked (DSCP 0) iperf3 traffic from every host to every other host
+        (`pattern="all"`, or only to the next, "ring") on `paths` (default: all),
+        so every switch egress port is congested.
+
+        TCP flows use `parallel` streams each; UDP offers `udp_rate_bps` in total
+        to each destination port (default 60 % of the link). Runs `duration_s`
+        seconds, or until `stop_background`/`down`. Replaces running background.
+        Returns the flows; logs are in `<state_dir>/background/`.
+        """
+        system.require_tools(["iperf3"])
+        self.stop_background()
+        chosen = list(range(self.spec.paths)) if paths is None else [self._path(p) for p in paths]
+        flows = background_flows(
+            self.spec.hosts,
+            chosen,
+            kind,
+            link_bps=self.spec.rate_bps,
+            udp_rate_bps=udp_rate_bps,
+            pattern=pattern,
+        )
+        logs = self.state_dir / "background"
+        try:
+            servers = [
+                (
+                    flow,
+                    self._spawn(
+                        "background-server",
+                        flow.dst,
+                        iperf_server_argv(flow),
+                        logs / f"{flow.label}.server.log",
+                    ),
+                )
+                for flow in flows
+            ]
+            for flow, proc in servers:
+                system.wait_listening(
+                    proc,
+                    host_address(flow.dst, flow.path),
+                    flow.port,
+                    logs / f"{flow.label}.server.log",
+                )
+            for flow in flows:
+                argv = iperf_client_argv(flow, duration_s=duration_s, parallel=parallel)
+                self._spawn("background-client", flow.src, argv, logs / f"{flow.label}.log")
+        except BaseException:
+            self.stop_background()
+            raise
+        return flows
+
+    def stop_background(self) -> None:
+        self._stop(("background-client", "background-server"), grace_s=2.0)
+
+    # --- daemons ----------------------------------------------------------------------
+
+    def start_daemons(
+        self,
+        extra_config: Mapping[str, Any] | None = None,
+        *,
+        host_config: Mapping[int, Mapping[str, Any]] | None = None,
+        command: Sequence[str] = DEFAULT_DAEMON_COMMAND,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """Write each host's daemon config, start one daemon per host and wait
+        until every daemon has created its socket.
+
+        `extra_config` is merged into every config, `host_config[i]` into host
+        i's. In `command`, "{config}", "{socket}" and "{host}" are replaced per
+        host. Replaces running daemons; on failure stops them and raises an
+        error with the tail of the failing daemon's log.
+        """
+        self.stop_daemons()
+        env = {"PYTHONPATH": _pythonpath(), **(env or {})}
+        started: list[tuple[Host, system.Proc]] = []
+        try:
+            for h in self.hosts:
+                extra = merge_config(extra_config or {}, (host_config or {}).get(h.index, {}))
+                h.config.parent.mkdir(parents=True, exist_ok=True)
+                h.config.write_text(to_toml(daemon_config(self.spec, h.index, h.socket, extra)))
+                with contextlib.suppress(FileNotFoundError):
+                    h.socket.unlink()
+                with contextlib.suppress(FileNotFoundError):
+                    h.log.unlink()
+                argv = [
+                    a.replace("{config}", str(h.config))
+                    .replace("{socket}", str(h.socket))
+                    .replace("{host}", str(h.index))
+                    for a in command
+                ]
+                started.append((h, self._spawn("daemon", h.index, argv, h.log, env)))
+            deadline = time.monotonic() + timeout_s
+            for h, proc in started:
+                system.wait_socket(
+                    proc, h.socket, f"daemon of {h.name}", h.log, deadline, timeout_s
+                )
+        except BaseException:
+            self.stop_daemons()
+            raise
+
+    def stop_daemons(self, *, timeout_s: float = 10.0) -> None:
+        """SIGTERM the daemons (they drain), SIGKILL after `timeout_s`."""
+        self._stop(("daemon",), grace_s=timeout_s)
+        for h in self.hosts:
+            with contextlib.suppress(FileNotFoundError):
+                h.socket.unlink()
+
+
+def _pythonpath() -> str:
+    """PYTHONPATH that finds this dlcp even when it is not installed."""
+    root = str(Path(dlcp.__file__).resolve().parent.parent)
+    existing = os.environ.get("PYTHONPATH")
+    return f"{root}{os.pathsep}{existing}" if existing else root
