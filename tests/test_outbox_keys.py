@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pytest
 
-from dlcp.daemon import outbox, packet_keys
+from dlcp.daemon import packet_keys, peer
 
 if packet_keys._keys is None and os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1":
     pytest.skip("dlcp.daemon._keys is not built (DLCP_ALLOW_NO_NATIVE=1)", allow_module_level=True)
@@ -495,7 +495,7 @@ def test_a_fifo_is_the_deque_the_outbox_uses(keys: ModuleType, seed: int) -> Non
 def test_the_outbox_queues_are_fifos_where_built(keys: ModuleType) -> None:
     if os.environ.get("DLCP_NATIVE_KEYS") == "0":
         pytest.skip("DLCP_NATIVE_KEYS=0 turns the extension off")
-    assert type(outbox._new_queue()) is keys.Fifo
+    assert type(peer._new_queue()) is keys.Fifo
 
 
 def test_take_rejects_bad_input(keys: ModuleType) -> None:

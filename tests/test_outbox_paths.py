@@ -13,6 +13,7 @@ from dlcp.core.layout import Layout
 from dlcp.core.pathhealth import HealthConfig
 from dlcp.core.rate import WIRE_OVERHEAD, RateConfig
 from dlcp.daemon import outbox as outbox_mod
+from dlcp.daemon import reroute, sending
 from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Flags, Header, PacketType, decode, encode
@@ -242,7 +243,7 @@ def test_each_path_is_paced_and_cut_on_its_own(monkeypatch: Any) -> None:
     for nbytes, rate in zip(sent, peer.rate.rates(), strict=True):
         # the burst and the last batch (sent into debt) are all it runs ahead
         burst = max(3000, rate * outbox_mod.BURST_SECONDS / 8)  # the pacer's burst
-        assert rate * end / 8 <= nbytes <= rate * end / 8 + burst + outbox_mod.BATCH_BYTES
+        assert rate * end / 8 <= nbytes <= rate * end / 8 + burst + sending.BATCH_BYTES
     # once a path was cut the rates tell the balancer what the paths carry
     assert [ps.rate_bps for ps in peer.paths] == [8e6, 4e6]
     # random loss under the tolerance leaves a path's rate alone
@@ -261,7 +262,7 @@ def test_a_fast_path_is_woken_once_a_quantum_and_keeps_its_rate() -> None:
     wakes: list[float] = []
     now = run_paced(ob, waits=wakes)
     assert len(wakes) > 5  # the burst did not cover it all: it was paced
-    assert min(wakes) >= outbox_mod.PACING_QUANTUM
+    assert min(wakes) >= sending.PACING_QUANTUM
     # what the wire carries (pacers count each datagram's headers too)
     nbytes = sum(len(d) + WIRE_OVERHEAD for d in paths[0].sent)
     burst = max(outbox_mod.BURST_BYTES, 1e9 * outbox_mod.BURST_SECONDS / 8)
@@ -269,8 +270,8 @@ def test_a_fast_path_is_woken_once_a_quantum_and_keeps_its_rate() -> None:
     # at the wake-up (the burst holds a quantum's worth), none beyond them; a
     # new path starts with no tokens, and the last wake-up, a quantum after
     # the one before, may find fewer datagrams left than its tokens
-    last = 1e9 * outbox_mod.PACING_QUANTUM / 8 + len(paths[0].sent[-1]) + WIRE_OVERHEAD
-    assert 1e9 * now / 8 - last <= nbytes <= 1e9 * now / 8 + burst + outbox_mod.BATCH_BYTES
+    last = 1e9 * sending.PACING_QUANTUM / 8 + len(paths[0].sent[-1]) + WIRE_OVERHEAD
+    assert 1e9 * now / 8 - last <= nbytes <= 1e9 * now / 8 + burst + sending.BATCH_BYTES
 
 
 @pytest.mark.parametrize("late", [0.003, 0.009, 0.05])
@@ -287,10 +288,10 @@ def test_a_late_daemon_keeps_its_rate_within_the_catch_up(late: float) -> None:
     now = run_paced(ob, waits=wakes, late=late)
     nbytes = sum(len(d) for d in paths[0].sent)
     burst = max(outbox_mod.BURST_BYTES, rate * outbox_mod.BURST_SECONDS / 8)
-    catch_up = rate * outbox_mod.CATCH_UP_SECONDS / 8
-    kept = min(late, outbox_mod.CATCH_UP_SECONDS)  # per wake-up, of the lateness
+    catch_up = rate * sending.CATCH_UP_SECONDS / 8
+    kept = min(late, sending.CATCH_UP_SECONDS)  # per wake-up, of the lateness
     # never ahead of the rate by more than the burst, the catch-up and a batch
-    assert nbytes <= rate * now / 8 + burst + catch_up + outbox_mod.BATCH_BYTES
+    assert nbytes <= rate * now / 8 + burst + catch_up + sending.BATCH_BYTES
     # behind it by no more than the lateness beyond the catch-up
     lost = len(wakes) * (late - kept)
     assert nbytes >= rate * (now - lost) / 8 - burst - catch_up
@@ -432,7 +433,7 @@ def test_a_path_found_down_has_its_urgent_datagrams_sent_again_on_the_live_one()
     ob.push(peer, retransmitted(data_packets(lay, 0)[7]), 1)
     peer.usable = None
     ob.flush(0.2)
-    assert ob.path_down(peer, 1, 0.2 + outbox_mod.RESEND_HORIZON + 0.01) == 0
+    assert ob.path_down(peer, 1, 0.2 + reroute.RESEND_HORIZON + 0.01) == 0
 
 
 def test_a_paced_path_out_of_use_is_never_ready() -> None:

@@ -1,0 +1,401 @@
+"""The outbox's sending half: `flush` takes each backlogged peer's queues in
+their order (`peer._next_queue`), as far as its flow-control window and its
+pacers allow, and hands them to the path sockets in GSO-sized batches, one
+class a call, with the load balancer choosing a path per packet (and moving
+what it put on a path that is down to the live ones); NACKs' losses cut the
+rates (`_charge`), and a path found down has its recent urgent datagrams
+queued again (`path_down`).
+
+A part of `dlcp.daemon.outbox.Outbox` (a mixin) that holds no state of its
+own; what it reads of the outbox is declared below for the type checker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dlcp.core.rate import WIRE_OVERHEAD
+from dlcp.daemon.flow import probe_wait, take_credit, window_room
+from dlcp.daemon.packet_keys import (
+    _DONE,
+    _DR,
+    NATIVE_KEYS,
+    _barrier_key,
+    _identities_heads,
+    _identity,
+    _take,
+    _unqueue,
+)
+from dlcp.daemon.peer import (
+    _F_RETRANSMIT,
+    _NOT_DR_TABLE,
+    FRONT,
+    N_CLASSES,
+    Peer,
+    _next_queue,
+    _took,
+)
+from dlcp.daemon.reroute import RESEND_HORIZON, remember, reroute
+from dlcp.daemon.transport import MAX_GSO_SEGMENTS
+from dlcp.policies import PathState
+
+__all__ = ["SendingHalf"]
+
+BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
+
+# A peer with one path gets up to this much per send call when its pacer has
+# the tokens (or it is not paced): UdpPath.send cuts it into super-datagrams
+# and hands them to the kernel in batches of sendmmsg. The outbox's own work
+# (identities, barriers, counters, pacer) is then done once a flush instead of
+# once per super-datagram, which cost as much as the kernel's part of a send.
+# 4 MB rather than 1: the send calls took 17 ns a datagram less at MTU 1500
+# (bench/send_path.py, 360 against 377) and a daemon about 2 % less CPU a
+# round (BENCHMARKS.md, round 32). A flush sends all the window and pacers
+# allow either way; this only cuts it into fewer calls.
+FLUSH_BYTES = 4 << 20
+
+FLUSH_COUNT = 4096  # ... and at most this many datagrams
+
+PACING_SLACK = 1e-6  # seconds: a path due this soon has budget (rounding at wake-ups)
+
+# A pacer short of budget is woken no sooner than this: at high rates one batch
+# costs tens of microseconds of tokens, and waking for each (a loop iteration,
+# a receive poll and the engine's timers apiece) spends the CPU the sending
+# needs. Later wake-ups send what the tokens earned meanwhile at once, so the
+# rate over time is the same (the token bucket), in bursts of at most
+# rate x PACING_QUANTUM (within the BURST_SECONDS burst).
+PACING_QUANTUM = 0.001
+
+# A daemon that comes back later than its pacers asked (busy receiving and
+# summing, or waiting for a core) keeps the tokens its rates earned meanwhile,
+# up to this long at the rate, beyond the BURST_SECONDS burst (Pacer.catch_up):
+# with 4 busy processes on 2 cores the wake-ups came several milliseconds late,
+# every token beyond the burst was lost, and pacing at a 10 Gbit/s rate held a
+# veth at 0.7x its unpaced throughput while sending a fraction of that rate.
+CATCH_UP_SECONDS = 0.02
+
+
+def _batch(
+    q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
+) -> tuple[list[bytes], Sequence[int]]:
+    """`_take` with the defaults of one super-datagram."""
+    return _take(q, nbytes, count)
+
+
+def _pacing_wake(now: float, waits: list[float]) -> float:
+    """When to come back for the paths still short of budget (`waits` > 0;
+    inf: out of use): the first of them due, but no sooner than PACING_QUANTUM."""
+    return now + max(min(w for w in waits if w > 0), PACING_QUANTUM)
+
+
+def _least_lossy(paths: Sequence[PathState]) -> int:
+    """The path with the lowest recent loss rate among those with a traffic share."""
+    used = [p for p in range(len(paths)) if paths[p].weight > 0] or list(range(len(paths)))
+    return min(used, key=lambda p: paths[p].loss_rate)
+
+
+class SendingHalf:
+    """Flushing the queues to the sockets; rate cuts from losses; credits."""
+
+    if TYPE_CHECKING:
+        backlog: set[Peer]
+        blocked: bool
+        credits: int
+        next_wake: float | None
+        resent_on_down: int
+        tos: list[int]
+
+        def push(self, peer: Peer, datagram: bytes, priority: int) -> bool: ...
+
+        @staticmethod
+        def _left(peer: Peer, datagram: bytes) -> None: ...
+
+        @staticmethod
+        def _release(peer: Peer, bkey: bytes, n: int) -> None: ...
+
+        @staticmethod
+        def _track(
+            peer: Peer,
+            keys: Iterable[bytes],
+            per_shard: Iterable[tuple[bytes, int]],
+            path: int,
+        ) -> None: ...
+
+    @staticmethod
+    def _charge(peer: Peer, p: int, n: int, now: float) -> None:
+        """`n` packets sent on path `p` were lost: the balancer's path statistics,
+        then the path's rate, judged on the path's recent loss rate."""
+        ps = peer.paths[p]
+        peer.balancer.on_loss(ps, n, now)
+        peer.rate.on_loss(p, n, now, loss_rate=ps.loss_rate)
+        SendingHalf._show_rates(peer)
+
+    @staticmethod
+    def _show_rates(peer: Peer) -> None:
+        """Give the balancer each path's rate once some path of the peer found
+        congestion; before that every rate is still growing in slow start and
+        says nothing about what a path can carry (None)."""
+        known = peer.pacers is not None and not all(c.slow_start for c in peer.rate.paths)
+        for ps, c in zip(peer.paths, peer.rate.paths, strict=True):
+            ps.rate_bps = c.rate_bps if known else None
+
+    def on_loss(self, peer: Peer, n: int, now: float) -> None:
+        """A peer's NACK named `n` packets: counted. The rates are cut per path by
+        `on_nack`, which knows the path each of them took."""
+        peer.rate.on_nacked(n)
+
+    def flush(self, now: float) -> None:
+        """Send what pacing and the sockets allow; sets `next_wake` and `blocked`."""
+        self.next_wake = None
+        self.blocked = False
+        for peer in list(self.backlog):
+            wake = self._flush_peer(peer, now)
+            peer.wake_at = wake
+            if peer.queued == 0:
+                self.backlog.discard(peer)
+                if peer.pacers is not None:
+                    for pacer in peer.pacers:
+                        # an idle path's next burst: PACING_QUANTUM at its rate,
+                        # so that the H - 1 senders that start a round towards
+                        # one port at once do not each send a whole burst
+                        pacer.settle(now, pacer.rate_bps * PACING_QUANTUM / 8)
+            elif wake is not None and (self.next_wake is None or wake < self.next_wake):
+                self.next_wake = wake
+            if self.blocked:
+                return
+
+    def _flush_peer(self, peer: Peer, now: float) -> float | None:
+        pacers = peer.pacers
+        if pacers is not None:
+            late = 0.0 if peer.wake_at is None else min(now - peer.wake_at, CATCH_UP_SECONDS)
+            for pacer, rate in zip(pacers, peer.rate.rates(), strict=True):
+                if late > 0:
+                    pacer.catch_up(late, now)
+                pacer.set_rate(rate, now)
+            self._show_rates(peer)
+        one = len(peer.paths) == 1
+        pacer0 = pacers[0] if pacers is not None and one else None
+        pending, watched = peer.pending, peer.watched
+        release = self._release
+        while (i := _next_queue(peer)) >= 0:
+            q = peer.queues[i]
+            cls = i % N_CLASSES
+            # what `_unqueue` pops the sent with: a Fifo itself (at once), a
+            # deque's popleft (once a datagram)
+            popleft = q if NATIVE_KEYS else q.popleft
+            # at most the oldest step's packets of the class: then the order is looked at again
+            run = FLUSH_COUNT if i >= FRONT else peer.steps[i][0][1]
+            window = FLUSH_BYTES
+            if peer.window:
+                window = window_room(peer, now, len(q[0]))
+                if window <= 0:
+                    assert peer.stalled_since is not None
+                    return peer.stalled_since + probe_wait(peer)
+            waits: list[float] | None = None
+            if pacer0 is not None:  # one path: its budget alone
+                wait = pacer0.delay(1.0, now)
+                if wait >= PACING_SLACK:
+                    return _pacing_wake(now, [wait])
+            elif pacers is not None:
+                # a path with any budget may take its part of the batch (into
+                # debt that its later sends pay off: the rate holds over time)
+                waits = [pacer.delay(1.0, now) for pacer in pacers]
+                waits = [0.0 if w < PACING_SLACK else w for w in waits]
+                if peer.usable is not None:  # a path out of use is never ready
+                    waits = [w if u else math.inf for w, u in zip(waits, peer.usable, strict=True)]
+                if min(waits) > 0:
+                    return _pacing_wake(now, waits)
+            if one:  # as much as the tokens allow (at least a batch: into debt)
+                room = FLUSH_BYTES
+                if pacer0 is not None:
+                    # what the tokens allow, at least a datagram (into debt):
+                    # not a whole batch, whose 44 datagrams at a time from
+                    # each sender kept a queue at a port they fill to 97 %
+                    room = max(len(q[0]), min(room, int(pacer0.tokens(now))))
+                batch, sizes = _batch(q, min(room, window), min(FLUSH_COUNT, run))
+                sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
+                held, full = False, sent < len(batch)
+                if sent:
+                    self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
+                    if i < FRONT:
+                        _took(peer, i, sent)
+                    # identities out of `pending`, the batch off the queue, and
+                    # per shard the packets its held DONEs were waiting for
+                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                        release(peer, bkey, k)
+                    peer.queued -= sent
+            else:
+                batch, sizes = _batch(q, min(BATCH_BYTES, window), min(MAX_GSO_SEGMENTS, run))
+                ids, heads = _identities_heads(batch)
+                sent, held, full = self._send(peer, batch, ids, heads, i, waits, now)
+                if sent:  # the batch's first `sent` (`_send` took those sent behind)
+                    if i < FRONT:
+                        _took(peer, i, sent)
+                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                        release(peer, bkey, k)
+                    peer.queued -= sent
+            if full:
+                self.blocked = True
+                return None
+            if held:  # the balancer chose paths without budget: they wait for it
+                assert waits is not None
+                return _pacing_wake(now, waits)
+        return None
+
+    def _send(
+        self,
+        peer: Peer,
+        batch: list[bytes],
+        ids: list[bytes],
+        heads: list[bytes],
+        queue: int,
+        waits: list[float] | None,
+        now: float,
+    ) -> tuple[int, bool, bool]:
+        """Send what of `batch` (`ids`: their identities, `heads` the first `_BKEY`
+        bytes of those) the balancer puts on
+        paths with budget (`waits` 0, or no pacing), for a peer with several
+        paths; returns (sent from the head, some held for a path without budget,
+        socket full). Packets sent behind an unsent one leave the queue here;
+        the unsent stay at its head, to be assigned again."""
+        paths = peer.paths
+        cls = queue % N_CLASSES
+        tos = self.tos[cls]
+        ready = None if waits is None else [w == 0 for w in waits]
+        chosen = peer.balancer.assign(
+            n=len(batch), paths=paths, ready=None if ready is None else np.array(ready)
+        )
+        assign: list[int] = (
+            chosen.tolist() if isinstance(chosen, np.ndarray) else [int(p) for p in chosen]
+        )
+        special = [i for i, dg in enumerate(batch) if dg[3] == _DONE or dg[4] & _F_RETRANSMIT]
+        resent: set[int] = set()  # retransmissions: sent, counted, never charged
+        safest = -1
+        for i in special:
+            dg = batch[i]
+            t = dg[3]
+            if t == _DONE:
+                # The DONE takes the path that carried most of its shard, whose
+                # switch queue it should not overtake: a DONE that arrives first
+                # on an idle path makes the receiver NACK packets still queued.
+                counts = peer.shard_paths.get(_barrier_key(dg))
+                if counts is not None:
+                    assign[i] = counts.index(max(counts))
+            elif t in _DR:  # a retransmission
+                resent.add(i)
+                # A retransmission takes the path that loses least, among those
+                # the balancer uses: losing it again costs another NACK round.
+                if safest < 0:
+                    safest = _least_lossy(paths)
+                if paths[safest].loss_rate < paths[assign[i]].loss_rate:
+                    assign[i] = safest
+        if peer.usable is not None:
+            reroute(peer, assign, peer.usable)
+        # what `_track` remembers: (leg, job, round, bucket, shard) and offset
+        kinds = b"".join(ids)[:: len(ids[0])]  # the type bytes (identities: same length)
+        all_dr = kinds.translate(_NOT_DR_TABLE).count(0) == len(kinds)
+        keys = [h + i[21:25] for h, i in zip(heads, ids, strict=True)]
+        one_shard = all_dr and heads.count(heads[0]) == len(heads)
+        # the urgent ones (`_urgent`), kept per path for `path_down` where probed:
+        # DONEs and retransmissions (`special`), and every other type but DATA/RESULT
+        urgent: list[int] = []
+        if peer.health is not None:
+            others = [] if all_dr else [i for i, t in enumerate(kinds) if t not in _DR]
+            urgent = sorted({*special, *others})
+        # send per path in order; a partial send on any path stops the batch there
+        order = sorted(range(len(batch)), key=assign.__getitem__)  # stable: by path
+        start = done = 0
+        full = held = False
+        sent_idx: list[int] = []
+        for p in sorted(set(assign)):
+            end = start + assign.count(p)
+            idx = order[start:end]
+            start = end
+            if ready is not None and not ready[p]:
+                held = True  # no budget on this path: its packets wait
+                continue
+            dgs = list(map(batch.__getitem__, idx))
+            n = peer.local[p].send(dgs, peer.dest(p), tos)
+            if n:
+                out = idx if n == len(idx) else idx[:n]
+                sent_idx += out
+                if urgent:  # those of them that went on this path
+                    sent = set(out) if n < len(idx) else None
+                    mine = [i for i in urgent if assign[i] == p and (sent is None or i in sent)]
+                    remember(peer, p, cls, [batch[i] for i in mine], now)
+                self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
+                if not one_shard:
+                    out = [i for i in out if kinds[i] in _DR]
+                # (with none: the shards' counts are still kept within bounds)
+                per_shard = (
+                    ((heads[0], n),)
+                    if one_shard
+                    else Counter(map(heads.__getitem__, out)).items()  # first seen first
+                )
+                first = out if not resent else [i for i in out if i not in resent]
+                self._track(peer, map(keys.__getitem__, first), per_shard, p)
+            done += n
+            if n < len(dgs):
+                full = True
+                break
+        if done == len(batch):
+            return done, False, False
+        # keep the unsent ones at the head of the queue, in their order
+        sent_mask = [False] * len(batch)
+        for i in sent_idx:
+            sent_mask[i] = True
+        prefix = sent_mask.index(False)
+        q = peer.queues[queue]
+        for i in range(len(batch) - 1, prefix - 1, -1):
+            if sent_mask[i]:
+                dg = q[i]
+                peer.pending.discard(_identity(dg))
+                del q[i]  # sent out of order on another path
+                if queue < FRONT:
+                    _took(peer, queue, 1)
+                self._left(peer, dg)
+                peer.queued -= 1
+        return prefix, held, full
+
+    def path_down(self, peer: Peer, p: int, now: float) -> int:
+        """Path `p` to `peer` was found down: queue again what urgent went on it
+        within RESEND_HORIZON (they go on the live paths now), so that the
+        peer's aggregations do not wait for their timers to ask for the DONEs,
+        NACKs and retransmissions it lost; the data packets lost there are
+        NACKed once their DONEs arrive. Returns how many were queued."""
+        recent = peer.recent.pop(p, None)
+        n = 0
+        for t, cls, dg in recent or ():
+            if t >= now - RESEND_HORIZON and self.push(peer, dg, cls):
+                n += 1
+        self.resent_on_down += n
+        return n
+
+    def on_credit(
+        self,
+        peer: Peer,
+        received: int,
+        epoch: int,
+        drained: bool = False,
+        window: int = 0,
+        now: float | None = None,
+    ) -> None:
+        """A credit from `peer` (`flow.take_credit`), counted."""
+        self.credits += 1
+        take_credit(peer, received, epoch, drained, window, now)
+
+    @staticmethod
+    def _sent(peer: Peer, cls: int, p: int, n: int, nbytes: int, now: float) -> None:
+        """`n` packets (`nbytes`) of class `cls` went out on path `p`."""
+        peer.sent_total += nbytes
+        peer.balancer.on_sent(peer.paths[p], n)
+        peer.rate.on_sent(p, nbytes)
+        peer.sent_packets[(cls, p)] += n
+        peer.sent_bytes[(cls, p)] += nbytes
+        if peer.pacers is not None:  # the wire's bytes
+            peer.pacers[p].consume(nbytes + n * WIRE_OVERHEAD, now)
