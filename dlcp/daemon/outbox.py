@@ -18,6 +18,10 @@ whose pacer has budget; each (peer, path) has its own rate controller and
 pacer, cut by the losses NACKs charge to that path. What the pacers or a full
 socket hold back waits for the next `flush` (the daemon calls it again at
 `next_wake`, or when the socket is writable).
+
+This module queues (push, NACKs, DONE barriers, drops); the sending half
+(`flush` and what it needs) is `dlcp.daemon.sending`'s, and a peer's state
+and queue order `dlcp.daemon.peer`'s.
 """
 
 from __future__ import annotations
