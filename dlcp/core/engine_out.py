@@ -1,0 +1,306 @@
+"""The engine's way out: the datagrams a round makes. This node's data packets
+for each shard's owner and their DONE manifest, an owner's result packets and
+its result DONE, the NACKs that ask for what is missing and the ACKs of whole
+shards; each goes into the engine's outgoing `SendBatch`es with its class
+and droppable flag.
+
+A part of `dlcp.core.engine.Engine` (a mixin) that holds no state of its own;
+what it reads of the engine is declared below for the type checker.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dlcp.codecs import lanes as lane_ops
+from dlcp.core.aggregate import Nack, ResultCollector, ShardAggregator
+from dlcp.core.layout import Layout
+from dlcp.core.records import (
+    CONTROL_CLASS,
+    LOWEST_RELIABLE_CLASS,
+    RETRANSMIT_CLASS,
+    JobSpec,
+    OpKey,
+    SendBatch,
+    _batch,
+    _Contribution,
+    _control,
+    _Finished,
+    _int_list,
+    _payload_of,
+    manifest_capacity,
+    nack_capacity,
+)
+from dlcp.wire.batch import HEADER_DTYPE, encode_batch
+from dlcp.wire.header import LANE_BITS, Flags, Header, PacketType, encode, lane_bytes
+from dlcp.wire.mac import MacKey
+from dlcp.wire.slices import Slices
+
+__all__ = ["EngineOut"]
+
+
+class EngineOut:
+    """Making the datagrams of a round: data, DONE manifests, results, NACKs, ACKs."""
+
+    if TYPE_CHECKING:
+        _collectors: dict[OpKey, ResultCollector]
+        _gathered: dict[OpKey, list[list[bytes]]]
+        _out: list[SendBatch]
+        gather: bool
+        stats: Counter[str]
+
+        def _aggregator(
+            self, op: OpKey, shard: int, lay: Layout, now: float
+        ) -> ShardAggregator: ...
+
+        def _mac(self, spec: JobSpec) -> MacKey: ...
+
+        def _progress(self, op: OpKey, shard: int, now: float) -> None: ...
+
+    def _local_contribution(self, op: OpKey, shard: int, c: _Contribution, now: float) -> None:
+        agg = self._aggregator(op, shard, c.layout, now)
+        lay = c.layout
+        pk = lay.shard_packets(shard)
+        off, count = lay.shard_range(shard)
+        agg.on_local(
+            sender=c.spec.me,
+            lanes=self._slice(c, off, count),
+            summed=c.summed,
+            weight=c.weight,
+            droppable=c.droppable[pk.start : pk.stop],
+            scale=c.scale,
+            block_max=c.block_max[pk.start : pk.stop],
+            now=now,
+        )
+        agg.note_meta(c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
+        agg.on_manifest(sender=c.spec.me, droppable=np.zeros(len(pk), bool), bound=c.bound, now=now)
+        self._progress(op, shard, now)
+
+    @staticmethod
+    def _slice(c: _Contribution, off: int, count: int) -> memoryview:
+        start = lane_bytes(c.layout.codec, off, c.summed)
+        return c.lanes[start : start + lane_bytes(c.layout.codec, count, c.summed)]
+
+    # -- packet building ---------------------------------------------------
+    def _heads(self, n: int, **common: Any) -> np.ndarray:
+        """`n` header records, each with the `common` fields (the rest 0): the
+        fields all packets share are set in one record, which is copied into
+        each, instead of a pass over all records per field."""
+        one = np.zeros(1, dtype=HEADER_DTYPE)
+        for name, value in common.items():
+            one[name] = value
+        return np.repeat(one, n)
+
+    def _send_data(
+        self, c: _Contribution, shard: int, owner: int, only: Sequence[int] | None
+    ) -> None:
+        lay = c.layout
+        pk = lay.shard_packets(shard)
+        idx = np.arange(pk.start, pk.stop) if only is None else pk.start + np.asarray(only, int)
+        if idx.size == 0:
+            return
+        # the per-packet arrays of these packets: views of the shard's range on a
+        # first send, not copies made by indexing with `idx`
+        pick: slice | np.ndarray = slice(pk.start, pk.stop) if only is None else idx
+        h = self._heads(
+            idx.size,
+            type=PacketType.DATA,
+            codec=lay.codec,
+            job=c.spec.job,
+            round=c.round,
+            bucket=c.bucket,
+            shard=shard,
+            sender=c.spec.me,
+            contributors=c.weight,
+            total=lay.total,
+            param=c.scale,
+        )
+        offs = idx * lay.per_packet
+        counts = np.minimum(lay.per_packet, lay.total - offs)
+        drop = c.droppable[pick] if only is None else np.zeros(idx.size, bool)
+        flags = np.where(drop, int(Flags.DROPPABLE), 0) | (int(Flags.SUMMED) if c.summed else 0)
+        if only is None:
+            flags[-1] |= int(Flags.LAST)
+            prio = c.classes[pick]
+        else:
+            flags |= int(Flags.RETRANSMIT)
+            prio = np.minimum(c.classes[idx], RETRANSMIT_CLASS).astype(np.uint8)
+        h["flags"] = flags
+        h["priority"] = prio
+        h["layer"] = c.layers[pick]
+        h["offset"] = offs
+        h["count"] = counts
+        h["aux"] = c.block_max[pick].view(np.uint32)
+        bits = LANE_BITS[lay.codec][1 if c.summed else 0]
+        # lane_bytes, for every packet at once; no slice object per packet
+        payloads = Slices(c.lanes, (offs * bits + 7) // 8, (counts * bits + 7) // 8)
+        dgs = encode_batch(h, payloads, self._mac(c.spec), gather=self.gather)
+        if self.gather:
+            self._gathered.setdefault((c.spec.job, c.round, c.bucket), []).append(dgs)
+        self._out.append(
+            _batch(owner, dgs, _int_list(prio), drop.tolist() if drop.any() else None, "data")
+        )
+        self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
+
+    def _send_manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
+        """The shard's DONE: a bit a packet (droppable or not), in parts of
+        `manifest_capacity` packets, each within the job's payload budget
+        (one IP packet; one DONE for all of a large shard was IP-fragmented
+        past about 11,000 packets, and could not be encoded past 523,544).
+        A part's `offset` is its first packet, `count` its packets."""
+        pk = c.layout.shard_packets(shard)
+        bits = c.droppable[pk.start : pk.stop]
+        per = manifest_capacity(c.layout.payload)
+        key = self._mac(c.spec)
+        parts = []
+        for first in range(0, max(bits.size, 1), per):
+            part = bits[first : first + per]
+            header = Header(
+                type=PacketType.DONE,
+                job=c.spec.job,
+                round=c.round,
+                bucket=c.bucket,
+                flags=Flags.LAST,
+                priority=CONTROL_CLASS,
+                codec=c.layout.codec,
+                shard=shard,
+                sender=c.spec.me,
+                contributors=c.weight,
+                offset=first,
+                count=part.size,
+                total=c.layout.total,
+                param=c.bound,
+            )
+            parts.append(encode(header, np.packbits(part, bitorder="little").tobytes(), key))
+        for _ in range(copies):
+            for dg in parts:
+                self._out.append(_control(owner, dg))
+
+    def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
+        if only is None and f.datagrams is not None:  # the same datagrams to another receiver
+            assert f.classes_sent is not None
+            self._out.append(_batch(node, f.datagrams, f.classes_sent, None, "result"))
+            self.stats["result_packets_sent"] += len(f.datagrams)
+            return
+        lay = f.layout
+        shard = f.result.shard
+        ranges = lay.shard_result_arrays(shard)
+        pick = slice(None) if only is None else np.asarray(only, dtype=np.int64)
+        offs = ranges[0][pick]
+        counts = ranges[1][pick]
+        if offs.size == 0:
+            return
+        local = offs // lay.per_packet - lay.shard_packets(shard).start
+        payloads: Sequence[bytes | memoryview]
+        if only is None:  # the whole shard: packed once, sliced per packet
+            wire = np.ascontiguousarray(f.result.sums, lane_ops.wire_summed_dtype(lay.codec))
+            view = wire.data.cast("B")  # no copy where the sums are wire lanes already
+            width = lane_bytes(lay.codec, 1, True)  # summed lanes are whole bytes
+            rel = offs - lay.shard_range(shard)[0]
+            payloads = Slices(view, rel * width, counts * width)
+        else:  # the payloads first sent (the sums may have been overwritten since)
+            assert f.datagrams is not None
+            payloads = [_payload_of(f.datagrams[int(j)]) for j in only]
+        h = self._heads(
+            offs.size,
+            type=PacketType.RESULT,
+            flags=int(Flags.RETRANSMIT) if only is not None else 0,
+            codec=lay.codec,
+            job=f.spec.job,
+            round=f.round,
+            bucket=f.bucket,
+            shard=shard,
+            sender=f.spec.me,
+            total=lay.total,
+        )
+        h["offset"] = offs
+        h["count"] = counts
+        h["contributors"] = f.result.contributors[local]
+        h["param"] = f.result.block_max[local]
+        prio = np.minimum(f.classes[local], LOWEST_RELIABLE_CLASS)
+        h["priority"] = prio
+        h["layer"] = f.layers[local]
+        dgs = encode_batch(h, payloads, self._mac(f.spec), gather=self.gather and only is None)
+        classes = _int_list(prio)
+        if only is None:
+            f.datagrams, f.classes_sent = dgs, classes
+            op = (f.spec.job, f.round, f.bucket)
+            if self.gather and op in self._collectors:  # the sums may be the caller's `out`
+                self._gathered.setdefault(op, []).append(dgs)
+                f.gathered = True
+        self._out.append(_batch(node, dgs, classes, None, "result"))
+        self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
+
+    def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
+        header = Header(
+            type=PacketType.DONE,
+            job=f.spec.job,
+            round=f.round,
+            bucket=f.bucket,
+            flags=Flags.RESULT_LEG | Flags.LAST,
+            priority=CONTROL_CLASS,
+            codec=f.layout.codec,
+            shard=f.result.shard,
+            sender=f.spec.me,
+            total=f.layout.total,
+            aux=f.result.lost_lanes,
+        )
+        dg = encode(header, b"", self._mac(f.spec))
+        for _ in range(copies):
+            self._out.append(_control(node, dg))
+
+    def _send_nack(self, spec: JobSpec, op: OpKey, lay: Layout, nack: Nack, result: bool) -> None:
+        """Ask for `nack.packets` again in as many NACK datagrams as it takes
+        for each to fit the job's payload budget (`nack_capacity`: one IP
+        packet each, however many were lost; before, one NACK listed them all
+        and more than about 16,000 could not be encoded). A part's `offset` is
+        its place in the list, so the outbox does not take the parts for
+        repeats of one another; the first part carries NEED_MANIFEST when the
+        manifest is asked for too."""
+        flags = Flags.RESULT_LEG if result else Flags.NONE
+        if nack.need_manifest:
+            flags |= Flags.NEED_MANIFEST
+        wanted = np.asarray(nack.packets, dtype=">u4")
+        per = nack_capacity(lay.payload)
+        key = self._mac(spec)
+        datagrams = []
+        for first in range(0, max(wanted.size, 1), per):
+            part = wanted[first : first + per]
+            header = Header(
+                type=PacketType.NACK,
+                job=op[0],
+                round=op[1],
+                bucket=op[2],
+                flags=flags if first == 0 else flags & ~Flags.NEED_MANIFEST,
+                priority=CONTROL_CLASS,
+                codec=lay.codec,
+                shard=nack.shard,
+                sender=spec.me,
+                offset=first,  # the part's place in the list: each part a packet of its own
+                count=part.size,
+                total=lay.total,
+            )
+            datagrams.append(encode(header, part.tobytes(), key))
+        self._out.append(
+            _batch(nack.node, datagrams, [CONTROL_CLASS] * len(datagrams), None, "control")
+        )
+        self.stats["result_nacks_sent" if result else "data_nacks_sent"] += len(datagrams)
+
+    def _send_ack(self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int) -> None:
+        header = Header(
+            type=PacketType.ACK,
+            job=op[0],
+            round=op[1],
+            bucket=op[2],
+            flags=Flags.RESULT_LEG,
+            priority=CONTROL_CLASS,
+            codec=lay.codec,
+            shard=shard,
+            sender=spec.me,
+            total=lay.total,
+        )
+        self._out.append(_control(owner, encode(header, b"", self._mac(spec))))

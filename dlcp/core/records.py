@@ -1,0 +1,253 @@
+"""What the protocol engine (`dlcp.core.engine`) takes and gives, and what it
+keeps of a round: a job's membership (`JobSpec`), the datagrams it hands out
+(`Send`, `SendBatch`), the events it reports (`RoundComplete`,
+`RoundFailed`), and its records of this node's contribution and of the shards
+it finished (`_Contribution`, `_Finished`, kept to answer NACKs). The engine's
+parts (`engine_out`, `engine_in`, `bookkeeping`) share them from here.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from dlcp.codecs import lanes as lane_ops
+from dlcp.core.aggregate import ShardResult
+from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
+from dlcp.errors import LocalError
+from dlcp.wire.header import HEADER_SIZE, Flags
+from dlcp.wire.mac import MAC_ALGORITHMS
+
+__all__ = [
+    "CONTROL_CLASS",
+    "LOWEST_RELIABLE_CLASS",
+    "RETRANSMIT_CLASS",
+    "Event",
+    "JobSpec",
+    "OpKey",
+    "RoundComplete",
+    "RoundFailed",
+    "Send",
+    "SendBatch",
+    "manifest_capacity",
+    "nack_capacity",
+]
+
+OpKey = tuple[int, int, int]  # job, round, bucket
+
+# header fields that packets of one run (`Engine.receive_many`) share
+_U32 = struct.Struct("!I")
+
+_F32 = struct.Struct("!f")
+
+CONTROL_CLASS = 0
+
+RETRANSMIT_CLASS = 1  # recovered packets are needed now: top gradient class
+
+LOWEST_RELIABLE_CLASS = 5
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job's membership as this node sees it."""
+
+    job: int
+    key: bytes
+    me: int
+    contributors: tuple[int, ...]
+    owners: tuple[int, ...]  # owner node of shard s
+    payload: int = DEFAULT_PAYLOAD
+    window: int = 256  # rounds behind the newest that are still accepted
+    mac: str = "blake2b"  # the packet MAC function (dlcp/wire/mac.py), the same at every node
+
+    @classmethod
+    def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: Any) -> JobSpec:
+        nodes = tuple(range(hosts))
+        return cls(job=job, key=key, me=me, contributors=nodes, owners=nodes, **kw)
+
+    def __post_init__(self) -> None:
+        if not self.contributors or not self.owners:
+            raise LocalError(f"job {self.job}: no contributors or no owners")
+        if len(set(self.contributors)) != len(self.contributors):
+            raise LocalError(f"job {self.job}: duplicate contributors")
+        if self.me not in self.contributors and self.me not in self.owners:
+            raise LocalError(f"job {self.job}: node {self.me} is not a member")
+        if len(self.contributors) > lane_ops.MAX_CONTRIBUTORS:
+            raise LocalError(f"job {self.job}: more than {lane_ops.MAX_CONTRIBUTORS} contributors")
+        if len(self.key) < 16:
+            raise LocalError(f"job {self.job}: MAC key shorter than 16 bytes")
+        if self.mac not in MAC_ALGORITHMS:
+            raise LocalError(f"job {self.job}: MAC {self.mac!r} is not one of {MAC_ALGORITHMS}")
+
+    @property
+    def members(self) -> frozenset[int]:
+        return frozenset(self.contributors) | frozenset(self.owners)
+
+    def senders_to(self, node: int) -> frozenset[int]:
+        """The other nodes that send `node` a bucket's bytes: the contributors
+        when it owns shards (data), the owners when it contributes (results)."""
+        out: set[int] = set()
+        if node in self.owners:
+            out.update(self.contributors)
+        if node in self.contributors:
+            out.update(self.owners)
+        out.discard(node)
+        return frozenset(out)
+
+
+class Send(NamedTuple):
+    """A datagram for node `node`, in priority class `priority`."""
+
+    node: int
+    datagram: bytes
+    priority: int
+    droppable: bool = False
+    kind: str = "data"  # data | result | control: for metrics
+
+
+class SendBatch(NamedTuple):
+    """Datagrams of one job for node `node`, in order, with their priority
+    classes and droppable flags (`droppable` None: none is droppable). The
+    engine hands out its datagrams in these: one per shard's run of packets, so
+    nothing downstream makes or reads an object per datagram."""
+
+    node: int
+    datagrams: list[bytes]
+    priorities: list[int]
+    droppable: list[bool] | None = None
+    kind: str = "data"  # data | result | control: for metrics
+
+    def sends(self) -> list[Send]:
+        """The batch as one `Send` per datagram."""
+        drop: Iterable[bool] = repeat(False) if self.droppable is None else self.droppable
+        return [
+            Send(self.node, dg, p, d, self.kind)
+            for dg, p, d in zip(self.datagrams, self.priorities, drop, strict=False)
+        ]
+
+
+def _batch(
+    node: int,
+    datagrams: list[bytes],
+    priorities: list[int],
+    droppable: list[bool] | None,
+    kind: str,
+) -> SendBatch:
+    if len(priorities) != len(datagrams):
+        raise ValueError(f"{len(datagrams)} datagrams but {len(priorities)} priorities")
+    if droppable is not None and len(droppable) != len(datagrams):
+        raise ValueError(f"{len(datagrams)} datagrams but {len(droppable)} droppable flags")
+    return SendBatch(node, datagrams, priorities, droppable, kind)
+
+
+_RETRANSMIT = int(Flags.RETRANSMIT)
+
+
+def _retransmitted(heads: np.ndarray) -> bool:
+    """Whether any of a run's header records is a retransmission."""
+    return bool((heads["flags"] & _RETRANSMIT).any())
+
+
+def _int_list(a: np.ndarray) -> list[int]:
+    """`a.tolist()`; where every element is one value (a bucket's packets in
+    one class, the usual case) the list repeats one int, made once."""
+    if a.size and a.min() == a.max():
+        return [int(a[0])] * a.size
+    return a.tolist()
+
+
+def manifest_capacity(payload: int) -> int:
+    """How many packets one DONE part covers within a payload budget of
+    `payload` bytes (a bit each, whole bytes: a multiple of 8)."""
+    return max(1, payload) * 8
+
+
+def nack_capacity(payload: int) -> int:
+    """How many packets one NACK lists within a payload budget of `payload`
+    bytes (a u32 index each)."""
+    return max(1, payload // 4)
+
+
+def _control(node: int, datagram: bytes) -> SendBatch:
+    return SendBatch(node, [datagram], [CONTROL_CLASS], None, "control")
+
+
+@dataclass
+class RoundComplete:
+    job: int
+    round: int
+    bucket: int
+    layout: Layout
+    sums: np.ndarray  # summed lanes of the whole bucket
+    contributors: np.ndarray  # per data packet: contributions in its sums
+    block_max: np.ndarray  # per data packet: max block magnitude (next scale)
+    lost_lanes: int
+    total_lanes: int
+
+
+@dataclass
+class RoundFailed:
+    job: int
+    round: int
+    bucket: int
+    reason: str
+
+
+Event = RoundComplete | RoundFailed
+
+
+@dataclass
+class _Contribution:
+    """What this node sent for a round, kept to answer NACKs."""
+
+    spec: JobSpec
+    layout: Layout
+    round: int
+    bucket: int
+    lanes: memoryview  # data lanes (or summed lanes) of the whole bucket
+    summed: bool
+    weight: int
+    classes: np.ndarray
+    droppable: np.ndarray
+    layers: np.ndarray
+    bound: float
+    scale: float
+    block_max: np.ndarray
+    resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class _Finished:
+    """A completed shard that this node owns, kept for result NACKs."""
+
+    spec: JobSpec
+    layout: Layout
+    round: int
+    bucket: int
+    result: ShardResult
+    classes: np.ndarray
+    layers: np.ndarray
+    until: float
+    waiting: set[int] = field(default_factory=set)  # receivers yet to ACK
+    resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # the shard's result datagrams as first sent (one set serves every
+    # receiver: nothing in them names it) and their classes; retransmissions
+    # re-MAC their payloads, so `result.sums` is never read again and may be
+    # the caller's `out`, which it reuses once the round completes here
+    datagrams: list[bytes] | None = None
+    classes_sent: list[int] | None = None
+    gathered: bool = False  # `datagrams` read `result.sums` in place
+
+
+def _payload_of(datagram: Any) -> memoryview:
+    """A sent datagram's payload: bytes after the header, or a `Gathered`
+    datagram's payload in place."""
+    if isinstance(datagram, bytes | bytearray | memoryview):
+        return memoryview(datagram)[HEADER_SIZE:]
+    payload: memoryview = datagram.payload
+    return payload
