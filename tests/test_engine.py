@@ -585,7 +585,7 @@ def _owner_shard(out: np.ndarray | None, held: bool) -> tuple[np.ndarray, np.nda
 
 @pytest.mark.parametrize("held", [True, False])
 def test_owner_sums_a_shard_into_the_collector_without_a_copy(held: bool) -> None:
-    from dlcp.core.aggregate import ResultCollector
+    from dlcp.core.collector import ResultCollector
 
     lay = Layout(total=5000, codec=Codec.FP32, shards=2, payload=1408)
     alone, want, _ = _owner_shard(None, held)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from dlcp.core import aggregate as aggregate_mod
-from dlcp.core.aggregate import ResultCollector, RunRejected, ShardAggregator
+from dlcp.core.aggregate import RunRejected, ShardAggregator
+from dlcp.core.collector import ResultCollector
 from dlcp.core.layout import Layout
 from dlcp.core.timing import Timing
 from dlcp.errors import Reason, RemoteError

@@ -14,7 +14,8 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from dlcp.core.aggregate import Nack, ResultCollector, ShardAggregator
+from dlcp.core.aggregate import Nack, ShardAggregator
+from dlcp.core.collector import ResultCollector
 from dlcp.core.layout import Layout
 from dlcp.core.records import (
     Event,

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core.aggregate import ResultCollector, ShardAggregator
+from dlcp.core.aggregate import ShardAggregator
 from dlcp.core.bookkeeping import RoundBookkeeping
+from dlcp.core.collector import ResultCollector
 from dlcp.core.engine_in import EngineIn
 from dlcp.core.engine_out import EngineOut
 from dlcp.core.layout import Layout

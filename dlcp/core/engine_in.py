@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dlcp.core.aggregate import ResultCollector, RunRejected, ShardAggregator
+from dlcp.core.aggregate import RunRejected, ShardAggregator
+from dlcp.core.collector import ResultCollector
 from dlcp.core.layout import Layout
 from dlcp.core.records import (
     _F32,

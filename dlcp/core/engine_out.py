@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core.aggregate import Nack, ResultCollector, ShardAggregator
+from dlcp.core.aggregate import Nack, ShardAggregator
+from dlcp.core.collector import ResultCollector
 from dlcp.core.layout import Layout
 from dlcp.core.records import (
     CONTROL_CLASS,
