@@ -17,11 +17,8 @@ batches, choosing a path per packet with the load balancer among the paths
 whose pacer has budget; each (peer, path) has its own rate controller and
 pacer, cut by the losses NACKs charge to that path. What the pacers or a full
 socket hold back waits for the next `flush` (the daemon calls it again at
-`next_wake`, or when the socket is writable).
-
-This module queues (push, NACKs, DONE barriers, drops); the sending half
-(`flush` and what it needs) is `dlcp.daemon.sending`'s, and a peer's state
-and queue order `dlcp.daemon.peer`'s.
+`next_wake`, or when the socket is writable). This module queues; `flush` and
+the rest of sending are `dlcp.daemon.sending`'s, a peer `dlcp.daemon.peer`'s.
 """
 
 from __future__ import annotations
