@@ -39,6 +39,14 @@ def states(status: dict[str, Any]) -> dict[str, list[str]]:
     return {p["peer"].split(":")[0]: [q["state"] for q in p["paths"]] for p in status["peers"]}
 
 
+# a suspect path (a probe late: the two cores busy) is still in use, as an up one
+IN_USE = ("up", "suspect")
+
+
+def in_use(states: list[str]) -> bool:
+    return all(x in IN_USE for x in states)
+
+
 def sent_on(status: dict[str, Any], path: int) -> int:
     """Packets the outbox sent on `path` to all peers (probes and credits not counted)."""
     return sum(p["paths"][path]["sent"] for p in status["peers"])
@@ -52,7 +60,7 @@ def test_a_path_set_down_mid_round_leaves_use_and_comes_back() -> None:
         job = next(_jobs)
         with ranks(tb, job) as rs:
             allreduce(rs, job=job, rnd=0, total=total, seed=0)
-            assert all(s == ["up", "up"] for r in rs for s in states(r.status()).values())
+            assert all(in_use(s) for r in rs for s in states(r.status()).values())
             # the port goes down 0.1 s into round 1
             cut = threading.Timer(0.1, tb.set_port, (0, 0, False))
             cut.start()
@@ -64,11 +72,13 @@ def test_a_path_set_down_mid_round_leaves_use_and_comes_back() -> None:
             allreduce(rs, job=job, rnd=2, total=total, seed=2)
             st = [r.status() for r in rs]
             # host 0 sees path 0 down to both peers, the others see it down to host 0
-            assert all(s == ["down", "up"] for s in states(st[0]).values()), states(st[0])
+            assert all(s[0] == "down" and s[1] in IN_USE for s in states(st[0]).values()), states(
+                st[0]
+            )
             for other in (1, 2):
                 seen = states(st[other])
                 assert seen[addr0][0] == "down", seen
-                assert all(s == ["up", "up"] for a, s in seen.items() if a != addr0), seen
+                assert all(in_use(s) for a, s in seen.items() if a != addr0), seen
             text = metrics(tb, 0)
             peer1 = f"{tb.hosts[1].addresses[0]}:{tb.hosts[1].udp_port}"
             labels = f'path="0",peer="{peer1}"'
@@ -93,7 +103,7 @@ def test_a_path_set_down_mid_round_leaves_use_and_comes_back() -> None:
             for rnd in range(5, 12):
                 allreduce(rs, job=job, rnd=rnd, total=total, seed=rnd)
                 st = [r.status() for r in rs]
-                if all(s == ["up", "up"] for x in st for s in states(x).values()):
+                if all(in_use(s) for x in st for s in states(x).values()):
                     healed = True
                     break
             assert healed, [states(x) for x in st]
