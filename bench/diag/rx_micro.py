@@ -1,6 +1,6 @@
 """Per-datagram cost of the receive path's Python, without sockets or the MAC.
 
-    python bench/rx_micro.py [--payload 8908] [--calls 2000]
+    python bench/diag/rx_micro.py [--payload 8908] [--calls 2000]
 
 Datagrams of a real 25 MB fp32 round (one engine's data packets) are grouped
 as many to a 64 KiB buffer as fit, as GRO would (every other buffer relabelled
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if not os.environ.get("PYTHONPATH"):  # else the checkout PYTHONPATH names (to time another one)
     sys.path.insert(0, str(ROOT))
 

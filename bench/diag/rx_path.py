@@ -1,6 +1,6 @@
 """dlcpd's receive path in one process: what a daemon spends a datagram after the kernel.
 
-    python bench/rx_path.py [--size 100MB] [--rounds 8] [--budget N]
+    python bench/diag/rx_path.py [--size 100MB] [--rounds 8] [--budget N]
 
 A real `Daemon` (not started: no control socket, no event loop) is node 1 of a
 2-node transpose job with one `UdpPath` on loopback; its engine holds its own
@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parent.parent)))
+sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parents[2])))
 
-from bench.veth_busbw import parse_size
+from bench.diag.veth_busbw import parse_size
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core import aggregate as agg_mod
 from dlcp.core import engine as engine_mod
