@@ -35,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+# dlcp from TREE where given; bench.diag from this tree where TREE has none
 sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parents[2])))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from bench.diag.veth_busbw import parse_size
 from dlcp.core.engine import Engine, JobSpec
