@@ -1,4 +1,4 @@
-"""bench/daemon_trace.py: a traced dlcpd's trace read back, split into rounds
+"""bench/diag/daemon_trace.py: a traced dlcpd's trace read back, split into rounds
 and summed up; and the tracing itself on a real Daemon."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from io import StringIO
 
 import pytest
 
-from bench.daemon_trace import Event, install, parse, rounds, summary
+from bench.diag.daemon_trace import Event, install, parse, rounds, summary
 
 
 def _line(

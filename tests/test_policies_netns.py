@@ -14,7 +14,7 @@ What the tests show:
   (within rate.loss_tolerance) keeps its goodput share, and when its loss
   rises to 50 % the traffic moves off it within a few rounds.
 
-No test asserts a speed; bench/multipath.py measures the throughput ratios.
+No test asserts a speed; bench/diag/multipath.py measures the throughput ratios.
 The clients speak the shim protocol from the root namespace (Unix sockets
 and /dev/shm are shared across network namespaces).
 """
@@ -454,7 +454,7 @@ def run_rounds(rs: list[Rank], job: int, rounds: range, total: int) -> None:
 
 
 def test_spray_uses_both_paths_flow_one_adaptive_weighs_loss() -> None:
-    """Two paths at 50 Mbit/s. Functional facts only (speeds: bench/multipath.py):
+    """Two paths at 50 Mbit/s. Functional facts only (speeds: bench/diag/multipath.py):
     spray sends on both paths about equally, flow on exactly one; adaptive,
     with 10 % loss on one path, charges the NACKed losses to that path and
     gives it about its goodput share (random loss within rate.loss_tolerance);

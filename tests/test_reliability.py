@@ -1152,7 +1152,9 @@ def test_a_peer_that_disappears_mid_run_gives_clear_errors_not_hangs(tmp_path: P
 
 
 def _load_soak() -> Any:
-    spec = importlib.util.spec_from_file_location("dlcp_bench_soak", ROOT / "bench" / "soak.py")
+    spec = importlib.util.spec_from_file_location(
+        "dlcp_bench_soak", ROOT / "bench" / "diag" / "soak.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

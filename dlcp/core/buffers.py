@@ -6,14 +6,14 @@ still alive when the next round's are made (results wait for ACKs, a rank
 submits its next bucket as soon as the last one returns). New arrays were then
 fresh pages, faulted in and zeroed by the kernel 2 MB at a time as they were
 first written: a fifth of dlcpd's CPU with 100 MB buckets (perf,
-bench/veth_busbw.py). A buffer is handed out again only when the keeper holds
+bench/diag/veth_busbw.py). A buffer is handed out again only when the keeper holds
 its last reference, so no array, view or packet can still be using it.
 
 A buffer handed out starts on a cache line (ALIGN): a packet's payload is a
 whole number of lines past its shard's start at MTU 1500 and 9000 (1408 and
 8960 bytes), so every payload sent from it is aligned too. The kernel copies a
 payload that starts 16 or 48 bytes past a line into its socket buffer more
-slowly: about 45 ns a datagram more in one process (bench/send_path.py, with
+slowly: about 45 ns a datagram more in one process (bench/diag/send_path.py, with
 the lanes placed at each offset), where numpy's allocator gives 16-byte steps.
 """
 

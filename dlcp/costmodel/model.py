@@ -47,7 +47,7 @@ _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(?:/s)?\s*$", 
 _UNIT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 STEPS = ("encode", "push", "aggregate", "pull", "decode")
 _NETWORK_STEPS = frozenset({"push", "pull"})
-# Defaults measured with Gloo between the testbed's namespaces (bench/costmodel.py).
+# Defaults measured with Gloo between the testbed's namespaces (bench/diag/costmodel.py).
 DEFAULT_PUSH_S = 1e-3
 DEFAULT_PULL_S = 2e-3
 UNTHROTTLED_BPS = 2e9

@@ -6,7 +6,7 @@ glibc's defaults, memory freed at the end of a round goes back to the kernel
 (heap trimming, and mmap for blocks over the dynamic threshold), and the next
 round's buffers fault it in again, every page zeroed by the kernel first: on
 the project's machines (transparent huge pages always on) `clear_page` was 22 %
-of a daemon's samples at 1-2 Gbit/s (perf, bench/veth_busbw.py, MTU 9000).
+of a daemon's samples at 1-2 Gbit/s (perf, bench/diag/veth_busbw.py, MTU 9000).
 Keeping freed memory in the process turns those faults into reuse; the
 price is that the daemon's resident size stays at its peak (about two rounds'
 buffers).

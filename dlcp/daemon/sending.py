@@ -54,7 +54,7 @@ BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-da
 # (identities, barriers, counters, pacer) is then done once a flush instead of
 # once per super-datagram, which cost as much as the kernel's part of a send.
 # 4 MB rather than 1: the send calls took 17 ns a datagram less at MTU 1500
-# (bench/send_path.py, 360 against 377) and a daemon about 2 % less CPU a
+# (bench/diag/send_path.py, 360 against 377) and a daemon about 2 % less CPU a
 # round (BENCHMARKS.md, round 32). A flush sends all the window and pacers
 # allow either way; this only cuts it into fewer calls.
 FLUSH_BYTES = 4 << 20

@@ -79,7 +79,7 @@ _HEADER = _HEAD + _TAG  # a datagram's header: those bytes, then the tag
 # Packets per MAC call in the Python path's `encode`: about 570 KB of 9 KB
 # payloads, which stay in a core's L2 cache between the MAC reading them and
 # the copy into the datagrams (14 % less time per packet than MACing a whole
-# shard first: bench/encode_micro.py). The C path copies, then MACs the copy.
+# shard first: bench/diag/encode_micro.py). The C path copies, then MACs the copy.
 ENCODE_CHUNK = 64
 
 

@@ -1,6 +1,6 @@
 """dlcpd's send path in one process: what a daemon spends a datagram before the kernel.
 
-    python bench/send_path.py [--size 100MB] [--rounds 12] [--classes 1] [--queue]
+    python bench/diag/send_path.py [--size 100MB] [--rounds 12] [--classes 1] [--queue]
 
 Node 0 of a 2-node job submits one fp32 bucket a round (`Engine(gather=True)`,
 as dlcpd runs it); its data for node 1 (half the bucket: 35,500 datagrams of
@@ -35,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parent.parent)))
+# dlcp from TREE where given; bench.diag from this tree where TREE has none
+sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parents[2])))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from bench.veth_busbw import parse_size
+from bench.diag.veth_busbw import parse_size
 from dlcp.core.engine import Engine, JobSpec
 from dlcp.core.layout import Layout
 from dlcp.core.rate import RateConfig

@@ -1,6 +1,6 @@
 """How fast a bucket is handed from a training rank to the daemon through shared memory.
 
-    python bench/shm_handoff.py [--size 100MB] [--iters 10] [--json out.json]
+    python bench/diag/shm_handoff.py [--size 100MB] [--iters 10] [--json out.json]
 
 Measures, on one machine, medians over `iters`:
 - memcpy: one in-process copy of the bucket (torch `copy_`, the floor);
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dlcp.core.layout import Layout  # noqa: E402

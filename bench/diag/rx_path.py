@@ -1,6 +1,6 @@
 """dlcpd's receive path in one process: what a daemon spends a datagram after the kernel.
 
-    python bench/rx_path.py [--size 100MB] [--rounds 8] [--budget N]
+    python bench/diag/rx_path.py [--size 100MB] [--rounds 8] [--budget N]
 
 A real `Daemon` (not started: no control socket, no event loop) is node 1 of a
 2-node transpose job with one `UdpPath` on loopback; its engine holds its own
@@ -40,15 +40,17 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parent.parent)))
+# dlcp from TREE where given; bench.diag from this tree where TREE has none
+sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parents[2])))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from bench.veth_busbw import parse_size
+from bench.diag.veth_busbw import parse_size
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core import aggregate as agg_mod
-from dlcp.core import engine as engine_mod
+from dlcp.core import engine_in as engine_in_mod
 from dlcp.core.engine import Engine, JobSpec
 from dlcp.core.layout import Layout
-from dlcp.daemon import server
+from dlcp.daemon import netin
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr
 from dlcp.daemon.memory import tune_process
@@ -92,7 +94,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.budget is not None:
-        server._RX_BUDGET = a.budget
+        netin._RX_BUDGET = a.budget
     tune_process()
     total = parse_size(a.size) // 4
     port = 7600
@@ -121,9 +123,9 @@ def main() -> None:
     clock.wrap(mac_mod.GhashAesKey, "verify", "verify")
     clock.wrap(lane_ops, "add_runs", "add_runs")
     clock.wrap(Engine, "_shard_done", "shard_done")
-    clock.wrap(engine_mod, "decode_batch", "decode_batch")
+    clock.wrap(engine_in_mod, "decode_batch", "decode_batch")
     clock.wrap(agg_mod.ShardAggregator, "on_data_run", "on_data_run")
-    clock.wrap(agg_mod, "_run_slots", "_run_slots")
+    clock.wrap(agg_mod, "run_slots", "_run_slots")
     clock.wrap(Engine, "_receive_run", "_receive_run")
     clock.wrap(Daemon, "_credit", "credit")
     rows = []

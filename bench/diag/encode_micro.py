@@ -2,7 +2,7 @@
 one shard's packets: in C (dlcp.wire._ghash, where built), and in Python by how
 many packets each MAC call takes (mac.ENCODE_CHUNK).
 
-    python bench/encode_micro.py [--packets 5700] [--payload 8908] [--reps 8]
+    python bench/diag/encode_micro.py [--packets 5700] [--payload 8908] [--reps 8]
 
 The payloads are views of a source four shards long, a different shard each
 repetition, so they come from memory, not from the cache, as the lanes of a
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dlcp.daemon.memory import tune_process
 from dlcp.wire import batch, mac

@@ -1,6 +1,6 @@
 """How fast a bucket moves between a CUDA device and the shim's segment.
 
-    python bench/cuda_staging.py [--sizes 4MB,25MB,100MB] [--reps 20] [--json out.json]
+    python bench/diag/cuda_staging.py [--sizes 4MB,25MB,100MB] [--reps 20] [--json out.json]
 
 Per size, the median time of one bucket's trip each way (device to segment, as
 a submit writes its lanes; segment to device, as a round's result is read):
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

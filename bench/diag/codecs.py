@@ -1,7 +1,7 @@
 """Every codec on real gradients: compression ratio, error, encode/aggregate/decode
 throughput on this host.
 
-    python bench/codecs.py [--hosts 3] [--codecs "fp32;fp16;thc8;thc4;fft;sketch;..."]
+    python bench/diag/codecs.py [--hosts 3] [--codecs "fp32;fp16;thc8;thc4;fft;sketch;..."]
         [--repeats 5] [--json codecs.json]
 
 Gradients: one per simulated worker (own minibatch) of the digits MLP
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """All-reduce bus bandwidth of dlcp and Gloo between two namespaces on one veth.
 
-    sudo python bench/veth_busbw.py --size 100MB --iters 5 [--mtu 1500] [--pairs N]
+    sudo python bench/diag/veth_busbw.py --size 100MB --iters 5 [--mtu 1500] [--pairs N]
         [--json out.json]
 
 Both backends run in the same invocation on the same unthrottled veth pair
@@ -19,7 +19,7 @@ DIR/d<i>.perf; BW_PERF_HZ: its sampling rate, 499 by default; BW_PERF_EVENT: an
 event (e.g. page-faults) recorded at every occurrence instead of CPU time; BW_PERF=dwarf:
 user-space call chains from DWARF, for code built without frame pointers).
 BW_TRACE=DIR runs the daemons with their event loop traced
-(bench/daemon_trace.py; DIR/d<i>.trace, the last run's) and prints each one's
+(bench/diag/daemon_trace.py; DIR/d<i>.trace, the last run's) and prints each one's
 summary: per round, the time in receives, flushes and the round's start, per
 datagram, and the median round's timeline.
 `--floor` adds the UDP floor (`run_floor`) between the two.
@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -189,7 +189,7 @@ def run_gloo(elements: int, iters: int) -> dict:
             subprocess.Popen(
                 python_in(
                     r,
-                    str(ROOT / "bench/_gloo_worker.py"),
+                    str(ROOT / "bench/diag/_gloo_worker.py"),
                     "--rank",
                     str(r),
                     "--world",
@@ -222,7 +222,7 @@ def run_floor(nbytes: int, iters: int, segment: int) -> dict:
     `nbytes` (what one dlcp all-reduce of `nbytes` moves per host with 2 hosts:
     half the data out, half the results back), as fast as plain Python moves
     datagrams of `segment` bytes with UDP GSO and GRO, doing nothing else
-    (bench/_udp_floor_worker.py). A bound on any UDP transport in Python here."""
+    (bench/diag/_udp_floor_worker.py). A bound on any UDP transport in Python here."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     times, cpu, lost = [], 0.0, 0
     for it in range(iters + 1):
@@ -230,7 +230,7 @@ def run_floor(nbytes: int, iters: int, segment: int) -> dict:
             subprocess.Popen(
                 python_in(
                     i,
-                    str(ROOT / "bench/_udp_floor_worker.py"),
+                    str(ROOT / "bench/diag/_udp_floor_worker.py"),
                     "--me",
                     ADDR[i],
                     "--peer",
@@ -313,8 +313,12 @@ def run_dlcp(
                 + "\n"
             )
             argv: tuple[str, ...] = ("-m", "dlcp.daemon")
-            if trace:  # the daemon's loop traced (bench/daemon_trace.py)
-                argv = (str(ROOT / "bench" / "daemon_trace.py"), str(trace_of(trace, i)), "--")
+            if trace:  # the daemon's loop traced (bench/diag/daemon_trace.py)
+                argv = (
+                    str(ROOT / "bench" / "diag" / "daemon_trace.py"),
+                    str(trace_of(trace, i)),
+                    "--",
+                )
             with open(tmp / f"d{i}.log", "wb") as log:  # Popen keeps its own copy
                 daemons.append(
                     subprocess.Popen(
@@ -508,7 +512,7 @@ def main() -> int:
         "--floor",
         action="store_true",
         help="also run the UDP floor: the same bytes per host moved by plain Python "
-        "sockets (GSO/GRO, no header, MAC or sums; bench/_udp_floor_worker.py)",
+        "sockets (GSO/GRO, no header, MAC or sums; bench/diag/_udp_floor_worker.py)",
     )
     p.add_argument(
         "--mac",
@@ -608,7 +612,7 @@ def main() -> int:
         print(f"dlcp daemon {i}: {json.dumps(d)}")
     trace = os.environ.get("BW_TRACE")
     if trace:
-        from bench.daemon_trace import parse, summary
+        from bench.diag.daemon_trace import parse, summary
 
         for i in range(2):
             path = trace_of(trace, i)

@@ -1,7 +1,7 @@
 """The cost model's predicted iteration time against measured iterations, per codec
 and link rate.
 
-    sudo python bench/costmodel.py [--links 200mbit,1gbit,none] [--hosts 3]
+    sudo python bench/diag/costmodel.py [--links 200mbit,1gbit,none] [--hosts 3]
         [--codecs "fp32;fp16;thc8;thc4;fft;sketch;sketch:keep=0.05"]
         [--rounds 3] [--iters 8] [--costs insitu|host] [--json costmodel.json]
         [--loopback] [--nice -10]
@@ -56,7 +56,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dlcp.costmodel.calibrate import Calibration, CodecCost, Linear, calibrate  # noqa: E402
@@ -92,14 +92,14 @@ def _collect(procs: list[subprocess.Popen[str]], outs: list[Any], timeout: float
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise SystemExit("bench/costmodel: ranks timed out") from None
+            raise SystemExit("bench/diag/costmodel: ranks timed out") from None
     result: list[Rows] = []
     for p, (out, err) in zip(procs, outs, strict=True):
         out.seek(0)
         err.seek(0)
         if p.returncode != 0:
             raise SystemExit(
-                f"bench/costmodel: rank failed ({p.returncode}):\n{err.read()[-3000:]}"
+                f"bench/diag/costmodel: rank failed ({p.returncode}):\n{err.read()[-3000:]}"
             )
         result.append([json.loads(line) for line in out if line.startswith("{")])
     return result

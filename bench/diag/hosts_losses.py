@@ -1,6 +1,7 @@
 """Datagrams lost in the daemons' sockets: N daemons on loopback, one large bucket.
 
-    python bench/hosts_losses.py [--hosts 3] [--size 400MB] [--rounds 3] [--pairs] [--json out.json]
+    python bench/diag/hosts_losses.py [--hosts 3] [--size 400MB] [--rounds 3] [--pairs]
+        [--json out.json]
 
 No root: the daemons listen on 127.0.0.1..N (tests/daemons.py). Every round
 all-reduces the same bucket (transpose, one shard a host); the result is
@@ -32,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.veth_busbw import parse_size  # noqa: E402
+from bench.diag.veth_busbw import parse_size  # noqa: E402
 from tests.daemons import Rank, hosts_of, loopback_daemons, submit  # noqa: E402
 
 KEY = bytes(range(32))

@@ -1,6 +1,7 @@
 """DDP training steps on a GPU: Gloo's all-reduce hook against dlcp's hook.
 
-    python bench/cuda_ddp.py [--ranks 2] [--params-m 25] [--steps 10] [--rounds 2] [--json out.json]
+    python bench/diag/cuda_ddp.py [--ranks 2] [--params-m 25] [--steps 10] [--rounds 2]
+        [--json out.json]
 
 `--ranks` processes (one Gloo group on loopback) share the machine's GPUs
 (all on GPU 0 where there is one), each talking to its own dlcpd on
@@ -17,7 +18,7 @@ all-reduce, to the last synchronize):
 The backends run in turn, `--rounds` times, in one invocation. A loopback
 figure on one machine: it shows what the shim's copies cost beside Gloo's,
 not what a network would. `--ceiling` is the daemons' pacing ceiling, 100
-Gbit/s by default as in bench/veth_busbw.py (loopback has no link rate;
+Gbit/s by default as in bench/diag/veth_busbw.py (loopback has no link rate;
 dlcpd's default of 10 Gbit/s, a real link's, caps dlcp here).
 `--device cpu` runs the same steps on the CPU (a smoke test; the two dlcp
 backends are then one).
@@ -40,7 +41,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,6 +1,6 @@
 """Soak: many all-reduce rounds through the emulated cluster under loss and background traffic.
 
-    sudo python bench/soak.py --rounds 1000 --loss 5 --background both --json soak.json
+    sudo python bench/diag/soak.py --rounds 1000 --loss 5 --background both --json soak.json
 
 Builds a testbed (one namespace per host, 200 Mbit/s switch ports by default),
 starts one dlcpd per host, and runs `--rounds` fp32 all-reduce rounds of
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

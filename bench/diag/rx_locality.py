@@ -1,6 +1,6 @@
 """What a receive drain costs when its MACs and its sums are two passes over it.
 
-    python bench/rx_locality.py [--buffers 807] [--reps 7]
+    python bench/diag/rx_locality.py [--buffers 807] [--reps 7]
 
 35,500 datagrams of 1472 bytes (1408 payload bytes of fp32 lanes), in GRO
 buffers of 44 (as `_udp.recv_gro` splits them), are verified (ghash-aes, C)
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dlcp.daemon import _udp  # type: ignore[attr-defined]
 from dlcp.daemon.memory import tune_process

@@ -1,6 +1,6 @@
 """Multipath all-reduce throughput: flow vs spray, and adaptive around a lossy path.
 
-    sudo python bench/multipath.py [--rate 25mbit] [--size 2MB] [--iters 5]
+    sudo python bench/diag/multipath.py [--rate 25mbit] [--size 2MB] [--iters 5]
         [--loss 10] [--repeat 3] [--oracle-pacing] [--set rate.initial_rtt=0.02]
         [--json out.json]
 
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dlcp.core.layout import Layout  # noqa: E402

@@ -1,7 +1,7 @@
 """dlcpd with its event loop's work traced: where a round's time goes, phase by phase.
 
-    python bench/daemon_trace.py TRACE -- [dlcpd arguments]   (runs dlcpd)
-    python bench/daemon_trace.py --summary TRACE
+    python bench/diag/daemon_trace.py TRACE -- [dlcpd arguments]   (runs dlcpd)
+    python bench/diag/daemon_trace.py --summary TRACE
 
 As a daemon it is `dlcp.daemon`'s main with four methods wrapped; each call
 appends a line to TRACE: when it ended (perf_counter seconds), which method,
@@ -19,7 +19,7 @@ every round but the first (the warm-up), reports per round the time in each
 method, the drains (large ones of 1000 datagrams or more apart from the rest,
 DATA and RESULT apart) and the flushes (pumps that sent 1000 datagrams or
 more), each per datagram; then the timeline of the median round.
-`bench/veth_busbw.py` runs its daemons this way with BW_TRACE=DIR.
+`bench/diag/veth_busbw.py` runs its daemons this way with BW_TRACE=DIR.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One side of bench/udp_floor.py: send N bytes to the peer while receiving its N.
+"""One side of the UDP floor of bench/diag/veth_busbw.py (`--floor`): send N bytes
+to the peer while receiving its N.
 
 Prints one JSON line: bytes sent and received, seconds from the start signal
 to the last byte received, datagrams, and this process's CPU seconds (user,

@@ -1,9 +1,9 @@
 """CPU time of the sans-IO core for all-reduce rounds, without sockets or daemons.
 
-    python bench/core_round.py [--size 100MB] [--rounds 10] [--payload 8908] [--mac ghash-aes]
+    python bench/diag/core_round.py [--size 100MB] [--rounds 10] [--payload 8908] [--mac ghash-aes]
                                [--out] [--profile]
 
-Two `Engine`s in one process (the 2-host transpose of bench/veth_busbw.py)
+Two `Engine`s in one process (the 2-host transpose of bench/diag/veth_busbw.py)
 run rounds of an fp32 bucket: each submits, the datagrams of each go to the
 other in batches of up to 448 (`receive_many`, as dlcpd's receive loop hands
 them on), until both have their results. No loss, no pacing; with `--out` the
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.veth_busbw import parse_size  # noqa: E402
+from bench.diag.veth_busbw import parse_size  # noqa: E402
 from dlcp.core.engine import Engine, JobSpec, RoundComplete  # noqa: E402
 from dlcp.daemon.memory import tune_process  # noqa: E402
 from dlcp.wire import Codec  # noqa: E402

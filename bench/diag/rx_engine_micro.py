@@ -1,6 +1,6 @@
 """Wall time of `Engine.receive_many` for one run of data packets, in process.
 
-    python bench/rx_engine_micro.py [--batch 44] [--payload 1408] [--reps 3]
+    python bench/diag/rx_engine_micro.py [--batch 44] [--payload 1408] [--reps 3]
 
 Two engines of a 2-host transpose job submit a 100 MB fp32 bucket (results
 into caller arrays, as dlcpd's go into the ranks' segments); engine 0's data
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if not os.environ.get("PYTHONPATH"):  # else the checkout PYTHONPATH names
     sys.path.insert(0, str(ROOT))
 

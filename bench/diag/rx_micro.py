@@ -1,6 +1,6 @@
 """Per-datagram cost of the receive path's Python, without sockets or the MAC.
 
-    python bench/rx_micro.py [--payload 8908] [--calls 2000]
+    python bench/diag/rx_micro.py [--payload 8908] [--calls 2000]
 
 Datagrams of a real 25 MB fp32 round (one engine's data packets) are grouped
 as many to a 64 KiB buffer as fit, as GRO would (every other buffer relabelled
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if not os.environ.get("PYTHONPATH"):  # else the checkout PYTHONPATH names (to time another one)
     sys.path.insert(0, str(ROOT))
 
@@ -67,11 +67,21 @@ class _Rate:
 
 class _Peer:
     rate = _Rate()
+    health = None
+    rx_job = None
+
+    def __init__(self) -> None:
+        self.rx_bytes = self.rx_credited = 0  # credits: one each CREDIT_STEP taken
+
+
+class _Spec:
+    job = 1
 
 
 class _Job:
     node_of = {"10.0.0.1": 0}
     peers = {0: _Peer()}
+    spec = _Spec()
 
 
 class _Engine:
@@ -91,6 +101,7 @@ class _Loop:
 class _Path:
     def __init__(self, buffers: list[tuple[bytes, int, str]]) -> None:
         self.buffers = buffers
+        self.recvmsg_calls = 0  # buffers taken, as `UdpPath` counts them
 
     def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
         return self.buffers
@@ -99,6 +110,7 @@ class _Path:
         """What `UdpPath.receive_split` returns for the buffers (split in C
         where `_udp` is built, as the daemon's receive does)."""
         split = _udp.split_gro if _udp is not None else split_gro
+        self.recvmsg_calls += len(self.buffers)
         return [(*split(data, seg), src) for data, seg, src in self.buffers]
 
     def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
@@ -173,6 +185,7 @@ def main() -> int:
         counters=Counter(),
         outbox=_Outbox(),
         _loop=_Loop(),
+        _credit=lambda peer, job: None,  # no sockets: the credits a drain sends are not sent
     )
     path = _Path(buffers[:READS])
     m = sum(len(b) // seg for b, _, _ in path.buffers)
