@@ -51,6 +51,8 @@ from dlcp.wire.probe import probe_of
 
 __all__ = ["Daemon", "RequestError"]
 
+_UNION_BOUND = "the sketch's index union (codec union) is never droppable: its bound must be 0"
+
 log = logging.getLogger("dlcpd")
 
 _JOB = struct.Struct("!I")
@@ -770,14 +772,13 @@ class Daemon:
         if self._round_hist is not None:
             self._round_hist.observe(elapsed)
         lay = ev.layout
-        sum_dtype = lane_ops.wire_summed_dtype(lay.codec)  # the wire's summed lanes
         contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
         bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
         counts = lay.packet_counts()
         expected = len(job.spec.contributors) * job.local_ranks if job else 0
         self.counters["result_lanes"] += lay.total * len(lr.parts)
         self.counters["result_lanes_lost"] += int(counts[contrib < expected].sum()) * len(lr.parts)
-        sums = np.ascontiguousarray(ev.sums).astype(sum_dtype, casting="unsafe", copy=False)
+        sums = lane_ops.summed_wire(lay.codec, ev.sums)  # the wire's summed lanes
         for part in lr.parts:
             c = part.client
             if c.closed or c.segment is None:
@@ -1267,6 +1268,8 @@ class Daemon:
         total = int_field(req, "total", 1, 2**32 - 1)
         bound = float_field(req, "bound", 0.0, 0.5, 0.0)
         scale = float_field(req, "scale", -3.4e38, 3.4e38, 0.0)
+        if codec == Codec.UNION and bound > 0:
+            raise bad_request(_UNION_BOUND)
         spec = job.spec
         layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
         n = layout.packets
