@@ -102,7 +102,7 @@ class Codec(enum.IntEnum):
     FP16 = 1
     THC8 = 2
     THC4 = 3
-    # the sketch codec's two exchanges (dlcp/codecs/sketch.py, docs/codecs.md)
+    # the sketch codec's two exchanges (dlcp/codecs/sketch.py, docs/shim-protocol.md)
     UNION = 4  # 1-bit lanes: a worker's nonzero bitmap; summed lanes are the OR
     SKETCH = 5  # fp32 count-sketch cells, summed like FP32 lanes
 
