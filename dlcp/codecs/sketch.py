@@ -152,7 +152,8 @@ def cells_for(union: int, load: float = DEFAULT_LOAD) -> int:
     """Cells of the sketch of a union of `union` indices: HASHES equal tables.
 
     `load` cells an index plus 8 sqrt(union) spare, since small sketches stall
-    more often (about 2 % of decodes below 100 indices, under 0.1 % at 1000).
+    more often (measured over 200 seeds: 2.5 % of decodes at 100 indices, 1 %
+    at 1000, 0.5 % at 2240, none of 40 at 20,000; a stall leaves ~2 values).
     """
     per_table = max(_MIN_CELLS_PER_TABLE, math.ceil((load * union + 8 * math.sqrt(union)) / HASHES))
     return HASHES * per_table

@@ -144,4 +144,5 @@ def submit_sketch(
     )
     if times is not None:
         times.written = times.submitted = time.perf_counter()
+        reply.add_done_callback(lambda _: setattr(times, "replied", time.perf_counter()))
     return Submitted(cplan, region, reply, block_max, 0)
