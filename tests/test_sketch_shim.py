@@ -81,3 +81,24 @@ def test_sketch_hook_is_lossless_over_three_daemons(trio: list[Daemon], bound: f
     for res in results[1:]:
         for a, b in zip(res["grads"], first, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _sparse_worker(rank: int, world: int, sockets: list[str]) -> dict[str, Any]:
+    state = dlcp.init(codec="sketch", socket=sockets[rank], round_timeout_s=30.0, strict=True)
+    t = embedding_like(rank)
+    dlcp.all_reduce(t)
+    out = {"mean": t, "stats": state.stats()}
+    state.close()
+    return out
+
+
+def test_two_ranks_per_host_or_their_bitmaps_and_sum_their_cells(tmp_path: Path) -> None:
+    with loopback_daemons(tmp_path, 2, extra={"timing": {"timeout": 2.0}}) as ds:
+        sockets = [ds[0].socket, ds[1].socket, ds[0].socket, ds[1].socket]
+        results = spawn(_sparse_worker, 4, tmp_path, sockets=sockets)
+    want = torch.stack([embedding_like(r) for r in range(4)]).mean(dim=0)
+    for res in results:
+        assert res["stats"]["fallbacks"] == 0
+        wrong = ~torch.isclose(res["mean"], want, rtol=1e-5, atol=1e-6)
+        assert int(wrong.sum()) <= 4  # at most a stalled core's estimates
+        assert torch.equal(res["mean"], results[0]["mean"])
