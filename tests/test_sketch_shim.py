@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 import dlcp.shim as dlcp
+from dlcp.codecs import get_codec
 from dlcp.codecs.sketch import TOTALS
+from dlcp.errors import LocalError
+from dlcp.shim.exchange import RoundPlan
+from dlcp.shim.sketch_round import UNION_BUCKET, union_plan
+from dlcp.wire import Codec
 from tests.daemons import Daemon, loopback_daemons
 from tests.test_shim import make_model, reference_grads, spawn, train_steps
 
@@ -102,3 +107,16 @@ def test_two_ranks_per_host_or_their_bitmaps_and_sum_their_cells(tmp_path: Path)
         wrong = ~torch.isclose(res["mean"], want, rtol=1e-5, atol=1e-6)
         assert int(wrong.sum()) <= 4  # at most a stalled core's estimates
         assert torch.equal(res["mean"], results[0]["mean"])
+
+
+def test_the_union_round_is_the_buckets_id_with_bit_31() -> None:
+    plan = RoundPlan.make(get_codec("sketch"), 1000, shards=3, payload=1408, round_=4, bucket=2)
+    u = union_plan(plan)
+    assert (u.layout.codec, u.layout.total, u.bucket) == (Codec.UNION, 1000, 2 | UNION_BUCKET)
+    assert (u.round, u.seed) == (plan.round, plan.seed)
+    assert plan.layout.codec == Codec.SKETCH
+    clash = RoundPlan.make(
+        get_codec("sketch"), 10, shards=3, payload=1408, round_=4, bucket=1 << 31
+    )
+    with pytest.raises(LocalError, match="bit 31"):
+        union_plan(clash)
