@@ -3,6 +3,7 @@ rounds a bucket (index union, then cells), decoded at the step's end."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,36 @@ def test_the_union_round_is_the_buckets_id_with_bit_31() -> None:
     )
     with pytest.raises(LocalError, match="bit 31"):
         union_plan(clash)
+
+
+def _nan_worker(rank: int, world: int, sockets: list[str]) -> dict[str, Any]:
+    state = dlcp.init(codec="sketch", socket=sockets[rank], retry_steps=2, round_timeout_s=30.0)
+    model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
+    model.register_comm_hook(state, dlcp.hook)
+
+    def between(step: int) -> None:
+        if rank == 1 and step in (1, 2):  # one rank's gradients turn non-finite, then heal
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan") if step == 1 else 0.0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grads = train_steps(model, rank, 5, between=between)
+    return {"grads": grads, "stats": state.stats()}
+
+
+def test_a_rank_that_cannot_encode_takes_part_with_zeros(tmp_path: Path) -> None:
+    """Its union and cells go as zeros, so that no daemon round waits for it
+    until the round timeout (the others wait for each bucket's union in their
+    hooks); every rank falls back for that step and reattaches."""
+    with loopback_daemons(tmp_path, 3, extra={"timing": {"timeout": 2.0}}) as ds:
+        sockets = [d.socket for d in ds]
+        results = spawn(_nan_worker, 3, tmp_path, sockets=sockets)
+        failed = [d.client().status()["counters"].get("rounds_failed", 0) for d in ds]
+    assert failed == [0, 0, 0]
+    for res in results:
+        assert res["stats"]["failures"] == 1
+        assert res["stats"]["attached"]
+        assert any(torch.isnan(g).any() for g in res["grads"][1])  # Gloo's average
+        assert all(torch.isfinite(g).all() for g in res["grads"][4])
+    assert "took part with zeros" in results[1]["stats"]["last_error"]

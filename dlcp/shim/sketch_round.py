@@ -94,17 +94,31 @@ def submit_sketch(
     staging: Staging,
     timeout: float,
     times: BucketTimes | None = None,
+    stand_in: str | None = None,
 ) -> Submitted:
     """Both rounds of the sketch bucket `x` (left unchanged): the union, waited
     for, then the cells, submitted. `take` gives a region of the segment;
     `layers(plan)` the per-packet layers of a plan over the bucket's values
     (the union's packets have them; every packet of cells gets the bucket's
     front layer, since cells mix the whole bucket). Raises on any failure
-    (the caller records it for the step's agreement)."""
+    (the caller records it for the step's agreement).
+
+    A rank that cannot contribute (`x` not finite, or `stand_in`: why, e.g.
+    an earlier bucket of the step failed) still takes part in both rounds
+    with zeros, so that the other ranks, waiting for this bucket's union in
+    their hooks, are not held until the daemons' round timeout; it waits for
+    the cells' round to end too (its regions are free again) and raises
+    `LocalError` with the reason."""
     codec = plan.codec
     if not isinstance(codec, SketchCodec):
         raise LocalError(f"submit_sketch needs the sketch codec, not {codec.name}")
-    prep = codec.prepare(x, state)
+    if stand_in is None:
+        try:
+            prep = codec.prepare(x, state)
+        except LocalError as exc:  # non-finite values: nothing was sent or changed yet
+            stand_in = str(exc)
+    if stand_in is not None:
+        prep = codec.prepare(torch.zeros(x.numel(), device=x.device))
     uplan = union_plan(plan)
     lay_u = layers(uplan)
     uregion = take(region_sizes(uplan.layout))
@@ -142,6 +156,9 @@ def submit_sketch(
         bound=bound,
         staging=staging,
     )
+    if stand_in is not None:
+        reply.exception(timeout)  # its outcome does not matter: only that it ended
+        raise LocalError(f"took part with zeros: {stand_in}")
     if times is not None:
         times.written = times.submitted = time.perf_counter()
         reply.add_done_callback(lambda _: setattr(times, "replied", time.perf_counter()))

@@ -584,25 +584,14 @@ class DlcpState:
             p.error = p.error or "skipped after an earlier failure in this step"
             if not link.alive:
                 p.error = f"lost the daemon: {link.client.error}"
+            elif isinstance(codec, SketchCodec):  # the others wait for its union now
+                self._submit_sketch(p, plan, flat, None, layers, times, stand_in=p.error)
             return p
         try:
             if ef is not None:
                 p.snapshot = (ef.residual, ef.rounds, ef.saturated)
             if isinstance(codec, SketchCodec):  # two rounds: the union, then the cells
-                p.sub = submit_sketch(
-                    link.client,
-                    self._take_region,
-                    plan,
-                    flat,
-                    job=m.job,
-                    bound=self.loss_bound,
-                    layers=layers,
-                    state=ef,
-                    staging=self._staging,
-                    timeout=self.round_timeout_s,
-                    times=times,
-                )
-                p.plan = p.sub.plan
+                self._submit_sketch(p, plan, flat, ef, layers, times)
                 return p
             region = self._take_region(region_sizes(plan.layout))
             p.sub = submit_round(
@@ -621,6 +610,39 @@ class DlcpState:
         except Exception as exc:
             p.error = f"submit: {type(exc).__name__}: {exc}"
         return p
+
+    def _submit_sketch(
+        self,
+        p: _Pending,
+        plan: RoundPlan,
+        flat: torch.Tensor,
+        ef: CodecState | None,
+        layers: Callable[[RoundPlan], npt.NDArray[np.uint16]],
+        times: BucketTimes | None,
+        stand_in: str | None = None,
+    ) -> None:
+        """The sketch's two rounds (`sketch_round.submit_sketch`); a failure,
+        or taking part with zeros (`stand_in`), is recorded in `p.error`."""
+        link = self._link
+        assert link is not None
+        try:
+            p.sub = submit_sketch(
+                link.client,
+                self._take_region,
+                plan,
+                flat,
+                job=link.membership.job,
+                bound=self.loss_bound,
+                layers=layers,
+                state=ef,
+                staging=self._staging,
+                timeout=self.round_timeout_s,
+                times=times,
+                stand_in=stand_in,
+            )
+            p.plan = p.sub.plan
+        except Exception as exc:
+            p.error = stand_in or f"submit: {type(exc).__name__}: {exc}"
 
     def _take_region(self, sizes: RegionSizes) -> Region:
         """A region of the segment for one submit, growing the segment (after
