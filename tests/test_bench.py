@@ -443,6 +443,49 @@ def test_bucket_spans_cover_the_buffer() -> None:
     assert all(o == sum(n for _, n in spans[:i]) for i, (o, _) in enumerate(spans))
 
 
+def test_allreduce_worker_starts_each_timed_round_on_a_go() -> None:
+    """Every rank waits for the orchestrator before each timed round (so rank
+    0's check of a result never counts in another rank's round): a worker
+    whose orchestrator goes away after the first timed round runs no second."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "dlcp.bench.ar_worker", "--backend", "gloo", "--rank", "0"]
+    argv += ["--world", "1", "--elements", "1000", "--iters", "3", "--warmup", "0"]
+    argv += ["--master", "127.0.0.1", "--port", str(port), "--timeout", "30"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    import threading
+
+    watchdog = threading.Timer(120.0, proc.kill)  # a worker waiting forever fails the test
+    watchdog.start()
+
+    def event() -> dict[str, Any]:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, "the worker closed its output"
+        return dict(json.loads(line))
+
+    try:
+        assert event()["event"] == "joined"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert event()["event"] == "warm"
+        proc.stdin.write("go\n")  # the first timed round only
+        proc.stdin.flush()
+        first = event()
+        assert first["event"] == "iter" and first["i"] == 0
+        proc.stdin.close()  # no go for the second round
+        rest = [json.loads(line)["event"] for line in proc.stdout if line.startswith("{")]
+        proc.wait(timeout=30)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    assert "iter" not in rest and "result" not in rest
+
+
 # --- plots and reports -------------------------------------------------------------------
 
 

@@ -230,16 +230,13 @@ def _run_workers(
             dynamic_ncols=True,
         )
 
-        def on_event(rank: int, msg: dict[str, Any]) -> None:
-            if msg.get("event") == "iter":
-                bar.update(1)
-                bar.set_postfix_str(f"{msg.get('t', 0.0):.3f}s")
-
         try:
-            g.send("go")
-            results = g.expect_any(
-                "result", 60.0 + opts.iters * opts.round_timeout_s, on_other=on_event
-            )
+            for _ in range(opts.iters):  # each round: go to all, "iter" from all
+                g.send("go")
+                done = g.expect("iter", 60.0 + opts.round_timeout_s)
+                bar.update(1)
+                bar.set_postfix_str(f"{max(float(m.get('t', 0.0)) for m in done):.3f}s")
+            results = g.expect("result", 60.0)
         finally:
             bar.close()
         daemon_cpu = cpuload.processes_cpu_s(pids) - d0
