@@ -93,7 +93,9 @@ def _sparse_worker(rank: int, world: int, sockets: list[str]) -> dict[str, Any]:
     state = dlcp.init(codec="sketch", socket=sockets[rank], round_timeout_s=30.0, strict=True)
     t = embedding_like(rank)
     dlcp.all_reduce(t)
-    out = {"mean": t, "stats": state.stats()}
+    zeros = torch.zeros(1000)  # an empty union: a sketch of 12 cells, all 0
+    dlcp.all_reduce(zeros)
+    out = {"mean": t, "zeros": zeros, "stats": state.stats()}
     state.close()
     return out
 
@@ -108,6 +110,7 @@ def test_two_ranks_per_host_or_their_bitmaps_and_sum_their_cells(tmp_path: Path)
         wrong = ~torch.isclose(res["mean"], want, rtol=1e-5, atol=1e-6)
         assert int(wrong.sum()) <= 4  # at most a stalled core's estimates
         assert torch.equal(res["mean"], results[0]["mean"])
+        assert torch.equal(res["zeros"], torch.zeros(1000))
 
 
 def test_the_union_round_is_the_buckets_id_with_bit_31() -> None:
