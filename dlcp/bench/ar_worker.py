@@ -160,11 +160,17 @@ def run_dlcp(a: argparse.Namespace) -> None:
     gen.manual_seed(a.seed * 1009 + a.rank)
 
     # synthetic layers: the whole buffer cut into N_LAYERS equal layers
-    def synthetic_layers(o: int, p: RoundPlan) -> np.ndarray:
+    layers = [
+        ((o + np.arange(p.packets, dtype=np.int64) * p.per_packet) * N_LAYERS // a.elements)
+        .clip(0, N_LAYERS - 1)
+        .astype(np.uint16)
+        for (o, _), p in zip(spans, plans0, strict=True)
+    ]
+
+    def sketch_layers(o: int, p: RoundPlan) -> np.ndarray:  # the same, for the union round
         first = o + np.arange(p.packets, dtype=np.int64) * p.per_packet
         return (first * N_LAYERS // a.elements).clip(0, N_LAYERS - 1).astype(np.uint16)
 
-    layers = [synthetic_layers(o, p) for (o, _), p in zip(spans, plans0, strict=True)]
     out = torch.empty(a.elements, dtype=torch.float32)
     scale: list[torch.Tensor | None] = [None] * len(spans)
     if plans0[0].scaled:
@@ -194,7 +200,7 @@ def run_dlcp(a: argparse.Namespace) -> None:
                     x[o : o + n],
                     job=a.job,
                     bound=a.bound,
-                    layers=functools.partial(synthetic_layers, o),
+                    layers=functools.partial(sketch_layers, o),
                     state=None,
                     staging=staging,
                     timeout=a.timeout,
