@@ -9,8 +9,9 @@ over U, so a bucket takes two all-reduce rounds of the same (round, bucket):
    with loss bound 0 (a lost bit would lose that index for every worker). The
    caller waits for it here: phase 2's size depends on |U|.
 2. the cells: `cells_for(|U|)` fp32 lanes as wire codec SKETCH under the
-   bucket's own id and the caller's loss bound (the drop policy may mark the
-   smallest-norm packets of cells droppable; decode peels around them).
+   bucket's own id and the caller's loss bound (the drop policy marks the
+   same packets of cells droppable on every rank, `cell_norms`; decode peels
+   around the cells of those that are lost).
 
 `submit_sketch` returns the phase-2 `Submitted`, whose plan carries U, so the
 step's end decodes it like any other round (`exchange.decode_round`).
@@ -41,7 +42,7 @@ from dlcp.shim.staging import Staging
 from dlcp.shim.timeline import BucketTimes
 from dlcp.wire.header import Codec as WireCodec
 
-__all__ = ["UNION_BUCKET", "submit_sketch", "union_plan"]
+__all__ = ["UNION_BUCKET", "cell_norms", "submit_sketch", "union_plan"]
 
 UNION_BUCKET = 1 << 31  # bit of the bucket id that marks a bucket's union round
 
@@ -53,6 +54,16 @@ def union_plan(plan: RoundPlan) -> RoundPlan:
     lay = plan.layout
     layout = Layout(plan.numel, WireCodec.UNION, lay.shards, lay.payload)
     return dataclasses.replace(plan, layout=layout, bucket=plan.bucket | UNION_BUCKET)
+
+
+def cell_norms(seed: int, packets: int) -> npt.NDArray[np.float32]:
+    """The per-packet norms every rank gives its daemon for the cells: the same
+    on every rank (drawn from the round's seed), so the drop policy marks the
+    same packets droppable on every rank, and a round's erased cells stay
+    within the bound's share (each rank choosing its own smallest packets
+    would erase up to H times that). No cell matters more than another: decode
+    peels around any erased one."""
+    return (1.0 + np.random.default_rng(seed).random(packets)).astype(np.float32)
 
 
 def _submit(
@@ -145,13 +156,16 @@ def submit_sketch(
     region = take(region_sizes(cells))
     block_max = enc.block_max.detach().to("cpu", torch.float32)
     front = int(lay_u.min()) if lay_u.size else 0
-    cell_norms = per_packet_norms(enc.lanes.view(torch.float32), cplan.per_packet).cpu().numpy()
     reply = _submit(
         client,
         region,
         cplan,
         enc.lanes,
-        (np.full(cplan.packets, front, np.uint16), cell_norms, block_max.numpy()),
+        (
+            np.full(cplan.packets, front, np.uint16),
+            cell_norms(plan.seed, cplan.packets),
+            block_max.numpy(),
+        ),
         job=job,
         bound=bound,
         staging=staging,
