@@ -707,3 +707,12 @@ def test_cli_interrupt_handlers_are_restored_and_skip_forked_children() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize("command", ["allreduce", "train"])
+def test_sketch_is_a_bench_codec(command: str) -> None:
+    args = parser().parse_args(["bench", command, "--codec", "sketch"])
+    opts = (bench_cli.allreduce_options if command == "allreduce" else bench_cli.train_options)(
+        args
+    )
+    assert opts.codec == "sketch"

@@ -245,6 +245,8 @@ def test_bad_requests_get_error_replies_and_the_daemon_keeps_serving(
             assert rerr(data=[0, 40], out=[100, 100], bound=0.9) == "bad_request"
             assert rerr(data=[0, 40], out=[100, 100], meta=[200, 3]) == "bad_request"
             assert rerr(data=[0, 40], out=[100, 100], round="x") == "bad_request"
+            # the sketch's index union is never droppable (2 bytes: 10 bits)
+            assert rerr(data=[0, 2], out=[100, 100], codec="union", bound=0.05) == "bad_request"
         finally:
             r.close()
         # broken framing closes only that connection

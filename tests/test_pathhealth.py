@@ -16,9 +16,7 @@ UP, SUSPECT, DOWN, PROBING = PathStatus.UP, PathStatus.SUSPECT, PathStatus.DOWN,
 CFG = HealthConfig(interval=0.01, down_interval=0.05, timeout=0.025, down_after=3, up_after=3)
 
 
-def step(
-    h: PathHealth, now: float, answer: set[int], *, until: float, dt: float = 0.001
-) -> float:
+def step(h: PathHealth, now: float, answer: set[int], *, until: float, dt: float = 0.001) -> float:
     """Run probes from `now` to `until` in `dt` steps; paths in `answer` echo
     each probe 1 ms after it left."""
     inflight: list[tuple[float, int, int]] = []

@@ -717,7 +717,10 @@ def test_state_accepts_auto_and_pickles_its_decisions() -> None:
 
 def test_auto_settings_are_checked_when_the_state_is_made() -> None:
     with pytest.raises(LocalError):
-        dlcp.DlcpState(codec="auto", auto_options={"candidates": ["sketch"]})
+        dlcp.DlcpState(codec="auto", auto_options={"candidates": ["zip"]})
+    state = dlcp.DlcpState(codec="auto", auto_options={"candidates": ["sketch", "fp32"]})
+    assert state.auto is not None and state.auto.candidates == ("fp32", "sketch")
+    assert "sketch" not in dlcp.DlcpState(codec="auto").auto.candidates  # type: ignore[union-attr]
     with pytest.raises(LocalError):
         dlcp.DlcpState(codec="automatic")
 

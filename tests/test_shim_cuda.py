@@ -34,6 +34,7 @@ DDP = {"bucket_cap_mb": 0.01}
 DAEMON_TIMING = {"timing": {"timeout": 5.0}}
 # relative error of a whole step's gradient against the default hook's
 TOLERANCE = {"fp32": 1e-6, "fp16": 2e-3, "thc8": 0.05}
+TOLERANCE["sketch"] = 0.05  # peeled exactly, but for a stalled core's few estimates
 # a tensor larger than the staging buffer's first 1 MiB, so it must grow
 BIG = (1 << 22) + 3
 

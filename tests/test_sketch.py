@@ -184,3 +184,68 @@ def test_digits_converges_close_to_fp32() -> None:
     top5 = train_simulated(SketchCodec(keep=0.05), epochs=6).accuracy
     assert base > 0.9
     assert top5 >= base - 0.025
+
+
+# -- loss on the wire: cell packets dropped within the bound ----------------------
+
+
+def _summed_cells(
+    grads: list[torch.Tensor], codec: SketchCodec, seed: int, per_packet: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    preps = [codec.prepare(g) for g in grads]
+    counts = sum(
+        bitmap_to_counts(p.bitmap.numpy().tobytes(), g.numel())
+        for p, g in zip(preps, grads, strict=True)
+    )
+    union = union_from_bitmap(counts_to_bitmap(counts), grads[0].numel())
+    cells = [
+        torch.from_numpy(
+            np.frombuffer(
+                codec.encode_prepared(p, union, seed=seed, per_packet=per_packet)
+                .lanes.numpy()
+                .tobytes(),
+                np.float32,
+            ).copy()
+        )
+        for p in preps
+    ]
+    return union, torch.stack(cells).sum(dim=0), cells
+
+
+def test_a_dropped_packet_of_cells_is_peeled_around() -> None:
+    dim, rows, per = 16, 1000, 352
+    numel = dim * rows
+    grads = [embedding_grad(numel, list(range(w * 40, w * 40 + 60)), dim, w) for w in range(3)]
+    codec = SketchCodec()
+    union, sums, cells = _summed_cells(grads, codec, seed=5, per_packet=per)
+    packets = -(-sums.numel() // per)
+    counts = torch.full((packets,), 3)
+    lost = slice(2 * per, 3 * per)  # worker 1's packet 2 never came (droppable)
+    sums[lost] -= cells[1][lost]
+    counts[2] = 2
+    want = torch.stack(grads).mean(dim=0)
+    got = codec.decode(sums, counts, numel=numel, per_packet=per, seed=5, union=union)
+    exact = (got - want).abs()[union] < 1e-5
+    assert float(exact.float().mean()) > 0.99  # peeled around the erased cells
+    # read as if intact, the partial cells spoil the values peeled through them
+    naive = codec.decode(sums, 3, numel=numel, per_packet=per, seed=5, union=union)
+    assert float(((naive - want).abs()[union] < 1e-5).float().mean()) < float(exact.float().mean())
+
+
+def test_an_index_with_every_cell_erased_decodes_to_zero_and_is_counted() -> None:
+    union = torch.arange(50)
+    hashes = sketch_hashes(union, cells_for(50), seed=3)
+    values = torch.arange(1.0, 51.0)
+    cells = sketch_cells(values, hashes).numpy()
+    erased = np.zeros(hashes.n_cells, bool)
+    erased[hashes.cells[:, 7]] = True  # index 7's three cells
+    res = peel(cells, hashes, erased=erased)
+    assert res.values[7] == 0.0 and res.unreached >= 1 and res.fallback >= res.unreached
+    others = np.delete(np.arange(50), 7)
+    assert (np.abs(res.values[others] - values.numpy()[others]) < 1e-4).mean() > 0.9
+    with pytest.raises(LocalError):
+        peel(cells, hashes, erased=erased[:-1])
+    with pytest.raises(LocalError, match="contributor counts"):
+        SketchCodec().decode(
+            torch.from_numpy(cells), torch.ones(5), numel=50, per_packet=4, union=union
+        )

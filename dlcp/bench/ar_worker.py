@@ -31,6 +31,7 @@ mean; 0 for lossless fp32).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import resource
@@ -126,6 +127,7 @@ def run_dlcp(a: argparse.Namespace) -> None:
     from dlcp.shim.client import DaemonClient, default_socket
     from dlcp.shim.exchange import RoundPlan, decode_round, submit_round
     from dlcp.shim.regions import region_sizes
+    from dlcp.shim.sketch_round import submit_sketch, union_plan
     from dlcp.shim.staging import Staging
 
     hosts = json.loads(a.hosts)
@@ -149,10 +151,14 @@ def run_dlcp(a: argparse.Namespace) -> None:
         for b, (_, n) in enumerate(spans)
     ]
     sizes = [region_sizes(p.layout) for p in plans0]
-    arena = Arena(client, f"dlcp-bench-{a.job:x}-{a.rank}", sum(z.total for z in sizes))
+    # sketch: its union's regions too (the cells' are sized for a union of all)
+    sketch = codec.name == "sketch"
+    extra = sum(region_sizes(union_plan(p).layout).total for p in plans0) if sketch else 0
+    arena = Arena(client, f"dlcp-bench-{a.job:x}-{a.rank}", sum(z.total for z in sizes) + extra)
     staging = Staging()
     gen = torch.Generator()
     gen.manual_seed(a.seed * 1009 + a.rank)
+
     # synthetic layers: the whole buffer cut into N_LAYERS equal layers
     layers = [
         ((o + np.arange(p.packets, dtype=np.int64) * p.per_packet) * N_LAYERS // a.elements)
@@ -160,6 +166,11 @@ def run_dlcp(a: argparse.Namespace) -> None:
         .astype(np.uint16)
         for (o, _), p in zip(spans, plans0, strict=True)
     ]
+
+    def sketch_layers(o: int, p: RoundPlan) -> np.ndarray:  # the same, for the union round
+        first = o + np.arange(p.packets, dtype=np.int64) * p.per_packet
+        return (first * N_LAYERS // a.elements).clip(0, N_LAYERS - 1).astype(np.uint16)
+
     out = torch.empty(a.elements, dtype=torch.float32)
     scale: list[torch.Tensor | None] = [None] * len(spans)
     if plans0[0].scaled:
@@ -181,6 +192,21 @@ def run_dlcp(a: argparse.Namespace) -> None:
             plan = RoundPlan.make(
                 codec, n, shards=H, payload=payload, round_=r, bucket=b, scale=scale[b]
             )
+            if sketch:  # the union round (waited for), then the cells
+                sub = submit_sketch(
+                    client,
+                    arena.take,
+                    plan,
+                    x[o : o + n],
+                    job=a.job,
+                    bound=a.bound,
+                    layers=functools.partial(sketch_layers, o),
+                    state=None,
+                    staging=staging,
+                    timeout=a.timeout,
+                )
+                subs.append(sub)
+                continue
             region = arena.take(sizes[b])
             sub = submit_round(
                 client,

@@ -43,17 +43,20 @@ _REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "thc8": ("dlcp.codecs.thc", "ThcCodec", {"bits": 8}),
     "thc4": ("dlcp.codecs.thc", "ThcCodec", {"bits": 4}),
 }
+# sketch: two exchanges, the index union (wire UNION) then the cells (SKETCH)
+_REGISTRY["sketch"] = ("dlcp.codecs.sketch", "SketchCodec", {})
 CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 # Worker-side codecs without a wire codec yet (the daemon cannot carry them):
 # get_codec builds them for simulation, benchmarks and the cost model.
 _REGISTRY["fft"] = ("dlcp.codecs.fft", "FftCodec", {})
-_REGISTRY["sketch"] = ("dlcp.codecs.sketch", "SketchCodec", {})
 WORKER_CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 _WIRE_NAMES: dict[int, str] = {
     WireCodec.FP32: "fp32",
     WireCodec.FP16: "fp16",
     WireCodec.THC8: "thc8",
     WireCodec.THC4: "thc4",
+    WireCodec.UNION: "sketch",
+    WireCodec.SKETCH: "sketch",
 }
 _BASE_NAMES = frozenset({"Codec", "CodecState", "Encoded", "Scale", "block_norms", "next_scale"})
 

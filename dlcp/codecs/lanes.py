@@ -5,6 +5,12 @@ data lanes (fp32, fp16, 8-bit or packed 4-bit integers); sums travel in summed
 lanes (fp32, fp16, uint16). Aggregators unpack both into the accumulator dtype,
 add, and pack sums for result packets. The integer sums of THC are exact and
 independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
+
+The sketch codec's index union (`Codec.UNION`) has 1-bit lanes, packed LSB
+first, in both directions: aggregators add the bits as uint16 counts and pack
+the sums as count > 0, so that summing a union is an OR of bitmaps (summed
+lanes of several local ranks are bits too, so their OR composes). Its count
+sketch (`Codec.SKETCH`) travels and sums exactly as FP32 lanes.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ __all__ = [
     "store_many",
     "store_runs",
     "sum_dtype",
+    "summed_wire",
     "unpack",
 ]
 
@@ -40,18 +47,29 @@ _SUM_DTYPE: dict[int, np.dtype] = {
     Codec.FP16: np.dtype(np.float32),
     Codec.THC8: np.dtype(np.uint16),
     Codec.THC4: np.dtype(np.uint16),
+    Codec.UNION: np.dtype(np.uint16),  # counts of the bits set; sent as count > 0
+    Codec.SKETCH: np.dtype(np.float32),
 }
+# whole-byte lanes only: UNION's 1-bit lanes are packed and unpacked by `_bits`
 _WIRE_SUMMED: dict[int, np.dtype] = {
     Codec.FP32: np.dtype("<f4"),
     Codec.FP16: np.dtype("<f2"),
     Codec.THC8: np.dtype("<u2"),
     Codec.THC4: np.dtype("<u2"),
+    Codec.SKETCH: np.dtype("<f4"),
 }
 _WIRE_DATA: dict[int, np.dtype] = {
     Codec.FP32: np.dtype("<f4"),
     Codec.FP16: np.dtype("<f2"),
     Codec.THC8: np.dtype("u1"),
+    Codec.SKETCH: np.dtype("<f4"),
 }
+_BIT_LANES = frozenset({Codec.UNION})
+
+
+def _bits(payload: bytes | memoryview, count: int) -> np.ndarray:
+    """1-bit lanes (LSB first) as 0/1 uint8."""
+    return np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little", count=count)
 
 
 def sum_dtype(codec: int) -> np.dtype:
@@ -66,6 +84,8 @@ def unpack(codec: int, payload: bytes | memoryview, count: int, summed: bool) ->
     """
     if len(payload) != lane_bytes(codec, count, summed):
         raise RemoteError(Reason.BAD_LENGTH, f"{len(payload)} bytes for {count} lanes")
+    if codec in _BIT_LANES:
+        return _bits(payload, count)
     if summed:
         return np.frombuffer(payload, dtype=_WIRE_SUMMED[codec], count=count)
     if codec == Codec.THC4:
@@ -91,7 +111,7 @@ def store_many(
     (a memoryview assignment: about half the per-packet cost of making an
     array of each payload and assigning it).
     """
-    wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
+    wire = (_WIRE_SUMMED if summed else _WIRE_DATA).get(codec)
     if wire is not None and wire == dest.dtype and dest.flags.c_contiguous:
         raw = dest.data.cast("B")
         size = dest.itemsize
@@ -171,7 +191,7 @@ def _checked_runs(starts: np.ndarray, counts: np.ndarray, size: int) -> tuple[li
 def _wire_in_place(dest: np.ndarray, codec: int, summed: bool) -> bool:
     """Whether `_bulk` can write `codec`'s wire lanes into `dest` as they are:
     the extension built, the wire dtype `dest`'s, `dest` contiguous and writable."""
-    wire = _WIRE_SUMMED[codec] if summed else _WIRE_DATA.get(codec)
+    wire = (_WIRE_SUMMED if summed else _WIRE_DATA).get(codec)
     return (
         _bulk is not None
         and wire is not None
@@ -215,12 +235,26 @@ def add_runs(
 
 
 def wire_summed_dtype(codec: int) -> np.dtype:
-    """The little-endian dtype of summed (result) lanes on the wire and in the shim's out."""
+    """The little-endian dtype of summed (result) lanes on the wire and in the
+    shim's out; uint8 (bytes of packed bits) for UNION, see `summed_wire`."""
+    if codec in _BIT_LANES:
+        return np.dtype(np.uint8)
     return np.dtype(_WIRE_SUMMED[codec])
+
+
+def summed_wire(codec: int, sums: np.ndarray) -> np.ndarray:
+    """Summed lanes as result packets and the shim's out region hold them:
+    `sums` in `wire_summed_dtype` (no copy where they are so already), or, for
+    1-bit lanes, the packed bits of sums > 0 as uint8."""
+    if codec in _BIT_LANES:
+        return np.frombuffer(pack(codec, sums, True), dtype=np.uint8)
+    return np.ascontiguousarray(sums, dtype=_WIRE_SUMMED[codec])
 
 
 def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
     """Serialise lanes (summed lanes for results, data lanes for contributions)."""
+    if codec in _BIT_LANES:  # a bit per lane: set where the value (a count) is not 0
+        return np.packbits(np.asarray(values).reshape(-1) != 0, bitorder="little").tobytes()
     if summed:
         return np.ascontiguousarray(values, dtype=_WIRE_SUMMED[codec]).tobytes()
     if codec == Codec.THC4:

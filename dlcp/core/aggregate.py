@@ -31,7 +31,7 @@ from dlcp.core.shard_clock import ShardClock
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
-from dlcp.wire.header import MAX_PRIORITY, Flags
+from dlcp.wire.header import MAX_PRIORITY, Codec, Flags
 
 __all__ = ["Nack", "RunRejected", "ShardAggregator", "ShardResult"]
 
@@ -405,6 +405,9 @@ class ShardAggregator(ShardClock):
             )
         if not 0.0 <= bound <= 1.0:
             raise RemoteError(Reason.BAD_RANGE, f"loss bound {bound}")
+        if self.layout.codec == Codec.UNION and (bound > 0 or droppable.any()):
+            # a lost bit of the union loses that index for every worker
+            raise RemoteError(Reason.BAD_FLAGS, "the sketch's index union is never droppable")
         if self.manifest[row]:
             return
         parts = self.manifest_parts.setdefault(row, set())

@@ -268,6 +268,8 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
             raise LocalError(f"round {round} bucket {bucket} of job {job} was already submitted")
         if not 0.0 <= bound <= 0.5:
             raise LocalError(f"loss bound {bound} outside 0..0.5")
+        if codec == Codec.UNION and bound > 0:
+            raise LocalError("the sketch's index union (codec UNION) is never droppable: bound 0")
         if not 1 <= weight <= lane_ops.MAX_CONTRIBUTORS:
             raise LocalError(f"weight {weight} outside 1..{lane_ops.MAX_CONTRIBUTORS}")
         if not math.isfinite(scale):

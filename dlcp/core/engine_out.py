@@ -198,11 +198,11 @@ class EngineOut:
         local = offs // lay.per_packet - lay.shard_packets(shard).start
         payloads: Sequence[bytes | memoryview]
         if only is None:  # the whole shard: packed once, sliced per packet
-            wire = np.ascontiguousarray(f.result.sums, lane_ops.wire_summed_dtype(lay.codec))
+            wire = lane_ops.summed_wire(lay.codec, f.result.sums)
             view = wire.data.cast("B")  # no copy where the sums are wire lanes already
-            width = lane_bytes(lay.codec, 1, True)  # summed lanes are whole bytes
+            bits = LANE_BITS[lay.codec][1]  # 1-bit lanes (UNION) start on packet bytes
             rel = offs - lay.shard_range(shard)[0]
-            payloads = Slices(view, rel * width, counts * width)
+            payloads = Slices(view, rel * bits // 8, (counts * bits + 7) // 8)
         else:  # the payloads first sent (the sums may have been overwritten since)
             assert f.datagrams is not None
             payloads = [_payload_of(f.datagrams[int(j)]) for j in only]

@@ -72,14 +72,13 @@ class RoundLifecycle:
         if self._round_hist is not None:
             self._round_hist.observe(elapsed)
         lay = ev.layout
-        sum_dtype = lane_ops.wire_summed_dtype(lay.codec)  # the wire's summed lanes
         contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
         bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
         counts = lay.packet_counts()
         expected = len(job.spec.contributors) * job.local_ranks if job else 0
         self.counters["result_lanes"] += lay.total * len(lr.parts)
         self.counters["result_lanes_lost"] += int(counts[contrib < expected].sum()) * len(lr.parts)
-        sums = np.ascontiguousarray(ev.sums).astype(sum_dtype, casting="unsafe", copy=False)
+        sums = lane_ops.summed_wire(lay.codec, ev.sums)  # the wire's summed lanes
         for part in lr.parts:
             c = part.client
             if c.closed or c.segment is None:

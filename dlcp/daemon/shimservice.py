@@ -36,6 +36,8 @@ __all__ = ["INPUT_BUFFERS", "Client", "ShimService"]
 
 log = logging.getLogger("dlcpd")
 
+_UNION_BOUND = "the sketch's index union (codec union) is never droppable: its bound must be 0"
+
 FD_TIMEOUT = 5.0  # seconds a rank has to send the memfd it announced
 _INT_SIZE = array.array("i").itemsize
 INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
@@ -360,6 +362,8 @@ class ShimService:
         total = int_field(req, "total", 1, 2**32 - 1)
         bound = float_field(req, "bound", 0.0, 0.5, 0.0)
         scale = float_field(req, "scale", -3.4e38, 3.4e38, 0.0)
+        if codec == Codec.UNION and bound > 0:
+            raise bad_request(_UNION_BOUND)
         spec = job.spec
         layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
         n = layout.packets

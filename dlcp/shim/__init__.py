@@ -62,12 +62,16 @@ def init(
 ) -> DlcpState:
     """Attach every rank to its daemon (collective: call it on all ranks).
 
-    codec: fp32, fp16, thc8, thc4, or auto: the codec the cost model predicts
+    codec: fp32, fp16, thc8, thc4, sketch, or auto: the codec the cost model predicts
     fastest for the measured bucket sizes and backward timing, this host's
     calibrated codec costs and the link rate, the same on every rank
     (`dlcp.shim.auto`; `link_bps=` or DLCP_LINK_BPS fixes the link rate, else
     it is read from the daemon's rate controller; `auto_options=` tunes it;
-    `state.auto_codec` is the codec in use). loss_bound: the fraction of a
+    `state.auto_codec` is the codec in use; sketch only when named in
+    `auto_options={"candidates": [...]}`); sketch: lossless for sparse
+    gradients, two daemon rounds a bucket (`dlcp.shim.sketch_round`;
+    `codec_options={"keep": 0.05}` first keeps the top 5 % of values, error
+    feedback carrying the rest). loss_bound: the fraction of a
     bucket that may be lost (0..0.5). socket: the daemon's Unix socket (default
     `DLCP_SOCKET`, else /run/dlcp/dlcpd.sock). store: the rendezvous store
     (default: the default process group's). model: gives exact layer indices

@@ -108,6 +108,7 @@ from dlcp.errors import LocalError
 
 __all__ = [
     "AUTO",
+    "DEFAULT_CANDIDATES",
     "UNAVAILABLE_S",
     "AutoCodec",
     "available",
@@ -121,6 +122,10 @@ __all__ = [
 ]
 
 AUTO = "auto"
+# Candidates unless `candidates` names others: the codecs of one exchange a
+# bucket. sketch may be named (its two exchanges make the hook wait for the
+# index union, and its calibration is costly), not tried unasked.
+DEFAULT_CANDIDATES = tuple(c for c in CODEC_NAMES if c != "sketch")
 # The predicted time of a codec auto must not choose (not calibrated, too lossy):
 # finite, so that averaging over ranks stays finite and comparable.
 UNAVAILABLE_S = 1e30
@@ -356,7 +361,7 @@ class AutoCodec:
         link_bps: float | str | None = None,
         measure: bool = True,
     ) -> None:
-        names = tuple(candidates) if candidates is not None else CODEC_NAMES
+        names = tuple(candidates) if candidates is not None else DEFAULT_CANDIDATES
         bad = [c for c in names if c not in CODEC_NAMES]
         if bad or not names or len(set(names)) != len(names):
             raise LocalError(

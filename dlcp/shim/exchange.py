@@ -50,6 +50,7 @@ class RoundPlan:
     bucket: int
     seed: int
     scale: torch.Tensor | None  # THC: per-packet quantisation range (float32, CPU)
+    union: torch.Tensor | None = None  # sketch: the index union (dlcp.shim.sketch_round)
 
     @classmethod
     def make(
@@ -206,6 +207,7 @@ def decode_round(
             sums, counts, numel=plan.numel, per_packet=plan.per_packet, out=into.view(-1)
         )
         return Decoded(mean=into, counts=out.counts, maxima=out.maxima)
+    extra = {} if plan.union is None else {"union": plan.union}  # sketch
     mean = plan.codec.decode(
         sums,
         counts,
@@ -213,6 +215,7 @@ def decode_round(
         per_packet=plan.per_packet,
         seed=plan.seed,
         scale=plan.scale,
+        **extra,
     )
     if mean.data_ptr() == sums.data_ptr():  # never hand out memory of the segment
         mean = mean.clone()

@@ -39,6 +39,8 @@ SUM_DTYPES: dict[Codec, np.dtype] = {
     Codec.FP16: np.dtype("<f2"),
     Codec.THC8: np.dtype("<u2"),
     Codec.THC4: np.dtype("<u2"),
+    Codec.UNION: np.dtype("u1"),  # bytes of 1-bit lanes (LSB first): `sums` holds the bytes
+    Codec.SKETCH: np.dtype("<f4"),
 }
 _LAYER = np.dtype("<u2")
 _NORM = np.dtype("<f4")
@@ -120,7 +122,7 @@ def read_out(src: memoryview, layout: Layout, *, copy_sums: bool = False) -> Out
         raise DlcpError(f"out region of {len(src)} bytes, the round needs {sizes.out}")
     p = layout.packets
     dtype = SUM_DTYPES[layout.codec]
-    sums = np.frombuffer(src, dtype=dtype, count=layout.total)
+    sums = np.frombuffer(src, dtype=dtype, count=sizes.sums // dtype.itemsize)
     if copy_sums:
         sums = sums.copy()
     counts = np.frombuffer(src, dtype=_COUNT, count=p, offset=sizes.sums).astype(np.uint16)

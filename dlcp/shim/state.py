@@ -29,6 +29,10 @@ exceeds them (error feedback resends it). A bucket's first round always
 agrees exactly. The decision to run these collectives depends only on state
 every rank shares, so every rank issues them, failed or not.
 
+The sketch codec takes two daemon rounds a bucket (`dlcp.shim.sketch_round`):
+its index union, waited for in the hook (the cells' count depends on it),
+then its cells, which end with the step like any bucket.
+
 `codec="auto"` (`dlcp.shim.auto`): the first steps run in fp16 while the
 state learns bucket sizes, backward timing, the goodput of its exchanges and
 its iteration times; then, at decisions on a schedule every rank shares or
@@ -60,16 +64,18 @@ import torch
 import torch.distributed as dist
 
 from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec, next_scale
+from dlcp.codecs.sketch import SketchCodec
 from dlcp.errors import DlcpError, LocalError
 from dlcp.shim import auto_steps, pg
-from dlcp.shim.arena import MIN_SEGMENT, Arena
+from dlcp.shim.arena import MIN_SEGMENT, Arena, Region
 from dlcp.shim.auto import AUTO, AutoCodec
 from dlcp.shim.client import default_socket
 from dlcp.shim.exchange import RoundPlan, Submitted, decode_round, submit_round
 from dlcp.shim.layers import LayerMap, packet_layers, param_offsets
 from dlcp.shim.link import AttachFailed, Link, attach
-from dlcp.shim.regions import region_sizes
+from dlcp.shim.regions import RegionSizes, region_sizes
 from dlcp.shim.rendezvous import Store
+from dlcp.shim.sketch_round import submit_sketch
 from dlcp.shim.staging import Staging
 from dlcp.shim.timeline import BucketTimes, Timeline
 
@@ -578,15 +584,16 @@ class DlcpState:
             p.error = p.error or "skipped after an earlier failure in this step"
             if not link.alive:
                 p.error = f"lost the daemon: {link.client.error}"
+            elif isinstance(codec, SketchCodec):  # the others wait for its union now
+                self._submit_sketch(p, plan, flat, None, layers, times, stand_in=p.error)
             return p
         try:
-            sizes = region_sizes(plan.layout)
-            if not link.arena.fits(sizes):
-                self._wait_replies(time.monotonic() + self.round_timeout_s)
-                link.arena.grow(with_headroom(sizes.total))
-            region = link.arena.take(sizes)
             if ef is not None:
                 p.snapshot = (ef.residual, ef.rounds, ef.saturated)
+            if isinstance(codec, SketchCodec):  # two rounds: the union, then the cells
+                self._submit_sketch(p, plan, flat, ef, layers, times)
+                return p
+            region = self._take_region(region_sizes(plan.layout))
             p.sub = submit_round(
                 link.client,
                 region,
@@ -603,6 +610,49 @@ class DlcpState:
         except Exception as exc:
             p.error = f"submit: {type(exc).__name__}: {exc}"
         return p
+
+    def _submit_sketch(
+        self,
+        p: _Pending,
+        plan: RoundPlan,
+        flat: torch.Tensor,
+        ef: CodecState | None,
+        layers: Callable[[RoundPlan], npt.NDArray[np.uint16]],
+        times: BucketTimes | None,
+        stand_in: str | None = None,
+    ) -> None:
+        """The sketch's two rounds (`sketch_round.submit_sketch`); a failure,
+        or taking part with zeros (`stand_in`), is recorded in `p.error`."""
+        link = self._link
+        assert link is not None
+        try:
+            p.sub = submit_sketch(
+                link.client,
+                self._take_region,
+                plan,
+                flat,
+                job=link.membership.job,
+                bound=self.loss_bound,
+                layers=layers,
+                state=ef,
+                staging=self._staging,
+                timeout=self.round_timeout_s,
+                times=times,
+                stand_in=stand_in,
+            )
+            p.plan = p.sub.plan
+        except Exception as exc:
+            p.error = stand_in or f"submit: {type(exc).__name__}: {exc}"
+
+    def _take_region(self, sizes: RegionSizes) -> Region:
+        """A region of the segment for one submit, growing the segment (after
+        the step's buckets in flight are in) when it is full."""
+        link = self._link
+        assert link is not None
+        if not link.arena.fits(sizes):
+            self._wait_replies(time.monotonic() + self.round_timeout_s)
+            link.arena.grow(with_headroom(sizes.total))
+        return link.arena.take(sizes)
 
     def _first_scale(
         self, codec: Codec, flat: torch.Tensor, plan: RoundPlan, p: _Pending

@@ -102,6 +102,9 @@ class Codec(enum.IntEnum):
     FP16 = 1
     THC8 = 2
     THC4 = 3
+    # the sketch codec's two exchanges (dlcp/codecs/sketch.py, docs/shim-protocol.md)
+    UNION = 4  # 1-bit lanes: a worker's nonzero bitmap; summed lanes are the OR
+    SKETCH = 5  # fp32 count-sketch cells, summed like FP32 lanes
 
 
 # Bits per element on the wire: (single contribution, summed lanes).
@@ -110,6 +113,8 @@ LANE_BITS: dict[int, tuple[int, int]] = {
     Codec.FP16: (16, 16),
     Codec.THC8: (8, 16),
     Codec.THC4: (4, 16),
+    Codec.UNION: (1, 1),
+    Codec.SKETCH: (32, 32),
 }
 
 
