@@ -39,6 +39,7 @@ SUM_DTYPES: dict[Codec, np.dtype] = {
     Codec.FP16: np.dtype("<f2"),
     Codec.THC8: np.dtype("<u2"),
     Codec.THC4: np.dtype("<u2"),
+    Codec.FFT8: np.dtype("<f4"),
 }
 _LAYER = np.dtype("<u2")
 _NORM = np.dtype("<f4")

@@ -102,6 +102,8 @@ class Codec(enum.IntEnum):
     FP16 = 1
     THC8 = 2
     THC4 = 3
+    # 4, 5: sketch; 7: reserved for another fft lane format
+    FFT8 = 6  # fft coefficients on an agreed set: 8-bit range floats (dlcp/codecs/rangefloat.py)
 
 
 # Bits per element on the wire: (single contribution, summed lanes).
@@ -110,6 +112,7 @@ LANE_BITS: dict[int, tuple[int, int]] = {
     Codec.FP16: (16, 16),
     Codec.THC8: (8, 16),
     Codec.THC4: (4, 16),
+    Codec.FFT8: (8, 32),
 }
 
 
