@@ -68,7 +68,7 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   new link: the model alone decides, at once, as before.
 * Agreeing: at a decision every rank averages its vector of times (measured,
   or corrected predictions; float32 all-reduce), takes `pick` of the average
-  (the first candidate, in the fixed order fp32, fp16, thc8, thc4, within
+  (the first candidate, in the fixed order fp32, fp16, thc8, thc4, fft, within
   `min_gain` of the fastest), then all ranks take the MAX of their picks, so
   even a rank that rounded differently follows. The new codec applies from
   the next step on.
@@ -108,6 +108,7 @@ from dlcp.errors import LocalError
 
 __all__ = [
     "AUTO",
+    "DEFAULT_CANDIDATES",
     "UNAVAILABLE_S",
     "AutoCodec",
     "available",
@@ -124,6 +125,9 @@ AUTO = "auto"
 # The predicted time of a codec auto must not choose (not calibrated, too lossy):
 # finite, so that averaging over ranks stays finite and comparable.
 UNAVAILABLE_S = 1e30
+# The candidates without `candidates=`: fft (lossy beyond a round, its first
+# round dense) is a candidate only when named.
+DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "fp16", "thc8", "thc4")
 
 
 def available(t: float) -> bool:
@@ -356,7 +360,7 @@ class AutoCodec:
         link_bps: float | str | None = None,
         measure: bool = True,
     ) -> None:
-        names = tuple(candidates) if candidates is not None else CODEC_NAMES
+        names = tuple(candidates) if candidates is not None else DEFAULT_CANDIDATES
         bad = [c for c in names if c not in CODEC_NAMES]
         if bad or not names or len(set(names)) != len(names):
             raise LocalError(
