@@ -7,11 +7,13 @@ Per phase (sketch has two: the index union, then the cells; the others one):
     worker:  absorb(ctx, phase, result)              (sketch: learns the union)
 
 and finally `decode(ctx, result, contributors)` gives the mean. Payloads and
-results are bytes as they would travel (lanes of `dlcp.codecs.lanes`, fft
-block payloads, bitmaps). THC appends its block maximum (f32) to the payload,
-and the owner the maximum of those to the result, so the next round's shared
-scale comes back with the result (`next_scale`); the first round needs the
-workers' maxima agreed another way (`ShardContext.scale`).
+results are bytes as they would travel (lanes of `dlcp.codecs.lanes`, fft-sim
+block payloads, bitmaps; fft's rounds follow from each worker's state, which
+`decode`, and `learn` for the workers that do not decode, update). THC appends
+its block maximum (f32) to the payload, and the owner the maximum of those to
+the result, so the next round's shared scale comes back with the result
+(`next_scale`); the first round needs the workers' maxima agreed another way
+(`ShardContext.scale`).
 
 Used in-process (`dlcp.costmodel.exchange`, calibration) and over Gloo
 (`dlcp.costmodel.emulate`), so both run the same codec steps.
@@ -30,6 +32,7 @@ import torch
 from dlcp.codecs import lanes
 from dlcp.codecs.base import Codec, CodecState, next_scale
 from dlcp.codecs.fft import FftCodec, fft_payloads_to_float
+from dlcp.codecs.fft_wire import FftWireCodec
 from dlcp.codecs.sketch import (
     SketchCodec,
     SketchInput,
@@ -38,6 +41,7 @@ from dlcp.codecs.sketch import (
     union_from_bitmap,
 )
 from dlcp.codecs.thc import ThcCodec
+from dlcp.wire.header import Codec as WireCodec
 from dlcp.wire.header import lane_bytes
 
 __all__ = ["Pipeline", "ShardContext", "pipeline_for"]
@@ -88,6 +92,11 @@ class Pipeline(ABC):
 
     def absorb(self, ctx: ShardContext, phase: int, result: Buffer) -> None:
         """A worker reads a non-final phase's result (none by default)."""
+        return None
+
+    def learn(self, ctx: ShardContext, result: Buffer, contributors: int) -> None:
+        """A worker that does not decode takes what the final result says about
+        the next round (fft: the agreed set; `decode` does it too; none by default)."""
         return None
 
     @abstractmethod
@@ -187,6 +196,49 @@ class FftPipeline(Pipeline):
         return self.codec.decode(sums, contributors, numel=ctx.numel, per_packet=self.per_packet)
 
 
+class FftWirePipeline(Pipeline):
+    """fft on the wire: each worker's round from its state (a dense fp32 round
+    first, then the agreed coefficients), lanes summed like any codec's; the
+    result (float32 sums either way) tells every worker the next set."""
+
+    codec: FftWireCodec
+
+    def _round(self, ctx: ShardContext) -> tuple[Codec, int, int]:
+        """The round's codec, its lanes per packet and its lanes."""
+        rc = self.codec.for_round(ctx.state)
+        pp = rc.per_packet()
+        return rc, pp, rc.n_lanes(ctx.numel, pp)
+
+    def encode(self, ctx: ShardContext, phase: int) -> bytes:
+        assert ctx.values is not None
+        rc, pp, _ = self._round(ctx)
+        return _bytes(rc.encode(ctx.values, per_packet=pp, state=self._state(ctx)).lanes)
+
+    def aggregate(self, phase: int, payloads: Sequence[Buffer], numel: int) -> bytes:
+        dense = len(payloads[0]) == 4 * numel  # sparse rounds have at most ~numel lanes
+        wire = WireCodec.FP32 if dense else WireCodec.FFT8
+        n = numel if dense else len(payloads[0])
+        total = np.zeros(n, dtype=np.float32)
+        for p in payloads:
+            total += lanes.unpack(wire, p, n, summed=False)
+        return total.tobytes()
+
+    def result_bytes(self, ctx: ShardContext, phase: int) -> int:
+        return 4 * self._round(ctx)[2]
+
+    def decode(self, ctx: ShardContext, result: Buffer, contributors: int) -> torch.Tensor:
+        rc, pp, n = self._round(ctx)
+        sums = np.frombuffer(result, dtype=np.float32, count=n).copy()
+        mean = rc.decode(torch.from_numpy(sums), contributors, numel=ctx.numel, per_packet=pp)
+        rc.learn(ctx.state, sums, np.full(-(-n // pp), contributors), per_packet=pp)
+        return mean
+
+    def learn(self, ctx: ShardContext, result: Buffer, contributors: int) -> None:
+        rc, pp, n = self._round(ctx)
+        sums = np.frombuffer(result, dtype=np.float32, count=n)
+        rc.learn(ctx.state, sums, np.full(-(-n // pp), contributors), per_packet=pp)
+
+
 class SketchPipeline(Pipeline):
     """sketch: phase 0 the bitmap union (counts summed), phase 1 the fp32 cells."""
 
@@ -247,4 +299,6 @@ def pipeline_for(codec: Codec, *, error_feedback: bool = True) -> Pipeline:
         return SketchPipeline(codec, error_feedback=error_feedback)
     if isinstance(codec, FftCodec):
         return FftPipeline(codec, error_feedback=error_feedback)
+    if isinstance(codec, FftWireCodec):
+        return FftWirePipeline(codec, error_feedback=error_feedback)
     return LanePipeline(codec, error_feedback=error_feedback)
