@@ -38,6 +38,7 @@ def run_round(
     states: list[CodecState],
     xs: list[torch.Tensor],
     drop: set[tuple[int, int]] = frozenset(),  # type: ignore[assignment]
+    use_maxima: bool = True,
 ) -> tuple[torch.Tensor, Any]:
     """One round of every worker as the daemon sums it: lanes unpacked and
     added per packet; (worker, packet) in `drop` is lost. Returns the mean
@@ -50,6 +51,7 @@ def run_round(
     packets = -(-n // per)
     sums = np.zeros(n, lane_ops.sum_dtype(rc.wire))
     counts = np.zeros(packets, np.uint16)
+    maxima = np.zeros(packets, np.float32)  # what the owner carries back per packet
     width = 1 if rc.wire == Codec.FFT8 else 4  # bytes a data lane
     for w, e in enumerate(encs):
         raw = e.lanes.numpy().tobytes()
@@ -60,10 +62,11 @@ def run_round(
             payload = raw[lo * width : hi * width]
             sums[lo:hi] += lane_ops.unpack(rc.wire, payload, hi - lo, False)
             counts[i] += 1
+            maxima[i] = max(maxima[i], float(e.block_max[i]))
     contributors = torch.from_numpy(counts.astype(np.int32))
     mean = rc.decode(torch.from_numpy(sums), contributors, numel=xs[0].numel(), per_packet=per)
     for c, s in zip(rcs, states, strict=True):
-        c.learn(s, sums, counts, per_packet=per)
+        c.learn(s, sums, counts, per_packet=per, maxima=maxima if use_maxima else None)
     return mean, rc
 
 
@@ -262,6 +265,34 @@ def test_a_lost_packet_takes_its_coefficients_only() -> None:
     assert float(diff[last * a.block :].norm()) == 0
     # the agreement learnt from the same lossy result is the same on every rank
     np.testing.assert_array_equal(states[0].shared.index, states[2].shared.index)
+
+
+def test_ranges_come_from_the_largest_part_any_worker_sent() -> None:
+    """The block exponents of the next round: the top exponent of the result's
+    per-packet maxima over the block's packets plus `headroom`; without
+    maxima, of the mean's largest part plus headroom + 1."""
+    xs = [smooth(6000, s) * (1 + 3 * s) for s in range(3)]  # worker 2 the largest
+    for headroom in (0, 1, 2):
+        codec = FftWireCodec(block=256, headroom=headroom)
+        states = [CodecState() for _ in xs]
+        run_round(codec, states, xs)
+        rcs = [codec.for_round(s) for s in states]
+        per = rcs[0].per_packet()
+        encs = [c.encode(x, per_packet=per) for c, x in zip(rcs, xs, strict=True)]
+        worst = torch.stack([e.block_max for e in encs]).amax(0).numpy()
+        a = rcs[0].agreement
+        lane_max = np.repeat(worst, per)[: a.n_lanes].reshape(a.blocks, 2 * a.k).max(axis=1)
+        st = CodecState(shared=a)
+        sums = np.ones(a.n_lanes, np.float32)
+        counts = np.full(worst.size, 3)
+        rcs[0].learn(st, sums, counts, per_packet=per, maxima=worst)
+        want = np.frexp(lane_max)[1] - 1 + headroom
+        np.testing.assert_array_equal(st.shared.exponent, want)
+        blind = CodecState(shared=a)
+        rcs[0].learn(blind, sums, counts, per_packet=per)  # no maxima: the mean's
+        mean_top = np.abs(np.ldexp(1.0 / 3, a.exponent))
+        _, mean_exp = np.frexp(mean_top)
+        assert (blind.shared.exponent == mean_exp - 1 + headroom + 1).all()
 
 
 def test_theta_schedule_grows_the_set() -> None:

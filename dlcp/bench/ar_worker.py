@@ -212,7 +212,8 @@ def run_dlcp(a: argparse.Namespace) -> None:
                 scale[b] = next_scale(torch.from_numpy(dec.maxima), a.scale_margin)
             st = states[b]
             if st is not None and dec.sums is not None:
-                sub.plan.codec.learn(st, dec.sums, dec.counts, per_packet=sub.plan.per_packet)
+                pp = sub.plan.per_packet
+                sub.plan.codec.learn(st, dec.sums, dec.counts, per_packet=pp, maxima=dec.maxima)
         return out
 
     emit("joined", buckets=len(spans))

@@ -139,11 +139,18 @@ class Codec(ABC):
         return self
 
     def learn(
-        self, state: CodecState, sums: np.ndarray, counts: np.ndarray, *, per_packet: int
+        self,
+        state: CodecState,
+        sums: np.ndarray,
+        counts: np.ndarray,
+        *,
+        per_packet: int,
+        maxima: np.ndarray | None = None,
     ) -> None:
         """Take what the bucket's result says about the next round: `sums` the
-        summed lanes and `counts` the contributor counts of each packet of
-        `per_packet` lanes, the bytes every rank received (nothing for most codecs)."""
+        summed lanes, `counts` the contributor counts of each packet of
+        `per_packet` lanes and `maxima` its largest `Encoded.block_max` over
+        the contributions, the bytes every rank received (nothing for most codecs)."""
         return None
 
     def packet_span(self, per_packet: int) -> int:

@@ -24,13 +24,15 @@ same deterministic rule (`FftWireCodec.agree_dense`, `agree_sparse`):
 
 Range floats: lanes are `dlcp.codecs.rangefloat` codes (8 bits, E3M4) in
 units of 2**e_b, with one exponent per block that every rank derives from the
-same result: the top exponent of the block's largest previous mean part plus
-`headroom` binades (the mean of H workers is smaller than each worker's
-value). Sharing the exponent makes the codes' values exact dyadic numbers in
-one range, so the owner adds them as float32 through a 256-entry table
-(`dlcp.codecs.lanes.unpack`), exactly and in any order, and results are fp32
-sums. Values beyond the range are clamped (counted in `saturated`) and the
-rest carried by error feedback, as is everything outside the set.
+same result: the top exponent of the largest part any contribution held in
+the block's packets last round (`Encoded.block_max` per packet; data packets
+carry it and results carry its maximum back, as for THC's scale) plus
+`headroom` binades; after the dense round, of the mean's largest part plus
+one binade more. Sharing the exponent makes the codes' values exact dyadic
+numbers in one range, so the owner adds them as float32 through a 256-entry
+table (`dlcp.codecs.lanes.unpack`), exactly and in any order, and results are
+fp32 sums. Values beyond the range are clamped (counted in `saturated`) and
+the rest carried by error feedback, as is everything outside the set.
 
 Loss: a lost droppable packet takes some coefficients of some blocks out of
 the sum; its per-packet contributor count divides what arrived, and a packet
@@ -110,14 +112,30 @@ def _weights(block: int) -> np.ndarray:
     return w
 
 
-def _exponents(parts: np.ndarray, headroom: int) -> np.ndarray:
-    """Per row: the top exponent of max |part| plus `headroom`; rows of zeros
-    take the largest other row's (0 when the whole bucket is zero)."""
-    top = np.abs(parts).max(axis=1) if parts.shape[1] else np.zeros(parts.shape[0])
+def _top_exponent(top: np.ndarray) -> np.ndarray:
+    """floor(log2(top)) per value (int64); the int64 minimum where top is 0."""
     _, e = np.frexp(top)
-    ex = np.where(top > 0, e.astype(np.int64) - 1 + headroom, np.iinfo(np.int64).min)
-    best = int(ex.max()) if ex.size and (top > 0).any() else 0
-    return np.clip(np.where(top > 0, ex, best), -_EXP_LIMIT, _EXP_LIMIT)
+    return np.where(top > 0, e.astype(np.int64) - 1, np.iinfo(np.int64).min)
+
+
+def _exponents(worst: np.ndarray | None, mean_top: np.ndarray, headroom: int) -> np.ndarray:
+    """Block exponents: the top exponent of `worst` (each block's largest part
+    over all contributions) plus `headroom`, or where that is unknown or 0, of
+    `mean_top` (the mean's largest part) plus one binade more (the mean of H
+    workers understates each one's coefficients); blocks with neither take
+    the largest other block's (0 when the whole bucket is zero)."""
+    ex = _top_exponent(mean_top)
+    ex = np.where(ex > np.iinfo(np.int64).min, ex + headroom + 1, ex)
+    if worst is not None:
+        ew = _top_exponent(worst)
+        ex = np.where(ew > np.iinfo(np.int64).min, ew + headroom, ex)
+    known = ex > np.iinfo(np.int64).min
+    fill = int(ex[known].max()) if known.any() else 0
+    return np.clip(np.where(known, ex, fill), -_EXP_LIMIT, _EXP_LIMIT)
+
+
+def _row_top(parts: np.ndarray) -> np.ndarray:
+    return np.abs(parts).max(axis=1) if parts.shape[1] else np.zeros(parts.shape[0])
 
 
 def _quantize(unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +173,8 @@ class FftWireCodec(Codec):
     block: values per FFT block, a power of two in 16..32768 (default 1024).
     explore: the share of each block's set swept through the coefficients the
         last result did not hold (0..0.9, default 0.25).
-    headroom: binades between the previous mean's largest part and the top of
-        a block's range (0..4, default 1).
+    headroom: binades between last round's largest part in a block's packets
+        and the top of the block's range (0..4, default 1).
 
     Use `for_round(state)` for each round and `learn` with its result; the
     codec itself does not encode (which lanes it sends depends on the state).
@@ -214,12 +232,15 @@ class FftWireCodec(Codec):
         top = np.sort(np.argsort(-energy, axis=1, kind="stable")[:, :k], axis=1)
         kept = np.take_along_axis(spec, top, axis=1)
         parts = np.stack([kept.real, kept.imag], axis=2).reshape(blocks, 2 * k)
-        return Agreement(numel, self.block, top, _exponents(parts, self.headroom))
+        return Agreement(numel, self.block, top, _exponents(None, _row_top(parts), self.headroom))
 
-    def agree_sparse(self, prev: Agreement, values: np.ndarray, round_: int) -> Agreement:
+    def agree_sparse(
+        self, prev: Agreement, values: np.ndarray, round_: int, worst: np.ndarray | None = None
+    ) -> Agreement:
         """The set of round `round_` from the previous round's mean coefficients
         `values` ((blocks, k) complex, in `prev.index` order): its top ones by
-        energy and a sweep through the others."""
+        energy and a sweep through the others. `worst`: per block, the largest
+        part any contribution held in the previous round (the ranges' base)."""
         c = self.block // 2 + 1
         k = self.keep(round_)
         explore = min(c - min(k, prev.k), math.ceil(self.explore * k)) if k < c else 0
@@ -239,8 +260,8 @@ class FftWireCodec(Codec):
             swept = np.argpartition(key, explore - 1, axis=1)[:, :explore]
             kept = np.concatenate([kept, swept], axis=1)
         index = np.sort(kept, axis=1)
-        exps = _exponents(parts, self.headroom)
-        if not exploit:  # nothing known about the new set: keep the ranges
+        exps = _exponents(worst, _row_top(parts), self.headroom)
+        if not exploit and worst is None:  # nothing known about the new set: keep the ranges
             exps = prev.exponent
         return Agreement(prev.numel, self.block, index, exps)
 
@@ -272,7 +293,13 @@ class FftDenseRound(Fp32Codec):
         self.parent = parent
 
     def learn(
-        self, state: CodecState, sums: np.ndarray, counts: np.ndarray, *, per_packet: int
+        self,
+        state: CodecState,
+        sums: np.ndarray,
+        counts: np.ndarray,
+        *,
+        per_packet: int,
+        maxima: np.ndarray | None = None,
     ) -> None:
         s = np.asarray(sums, dtype=np.float64)
         per_lane = np.repeat(np.asarray(counts, dtype=np.float64), per_packet)[: s.size]
@@ -390,12 +417,26 @@ class FftSparseRound(Codec):
         return self._spectrum(parts, idx).reshape(-1)[:numel]
 
     def learn(
-        self, state: CodecState, sums: np.ndarray, counts: np.ndarray, *, per_packet: int
+        self,
+        state: CodecState,
+        sums: np.ndarray,
+        counts: np.ndarray,
+        *,
+        per_packet: int,
+        maxima: np.ndarray | None = None,
     ) -> None:
+        """The next set from the mean coefficients, the ranges from `maxima`
+        (per packet, the largest |part| of any contribution: what the result
+        carries back) where given."""
         a = self.agreement
-        s = np.asarray(sums, dtype=np.float64)[: a.n_lanes]
-        per_lane = np.repeat(np.asarray(counts, dtype=np.float64), per_packet)[: a.n_lanes]
+        n = a.n_lanes
+        s = np.asarray(sums, dtype=np.float64)[:n]
+        per_lane = np.repeat(np.asarray(counts, dtype=np.float64), per_packet)[:n]
         mean = np.where(per_lane > 0, s / np.maximum(per_lane, 1.0), 0.0)
         parts = mean.reshape(a.blocks, a.k, 2) * np.ldexp(1.0, a.exponent)[:, None, None]
         values = parts[..., 0] + 1j * parts[..., 1]
-        state.shared = self.parent.agree_sparse(a, values, state.rounds)
+        worst = None
+        if maxima is not None:  # each block's lanes lie in one or two packets
+            lane_max = np.repeat(np.asarray(maxima, dtype=np.float64), per_packet)[:n]
+            worst = lane_max.reshape(a.blocks, 2 * a.k).max(axis=1)
+        state.shared = self.parent.agree_sparse(a, values, state.rounds, worst)

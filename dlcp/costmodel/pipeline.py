@@ -47,6 +47,7 @@ from dlcp.wire.header import lane_bytes
 __all__ = ["Pipeline", "ShardContext", "pipeline_for"]
 
 _F32 = struct.Struct("<f")
+_U32 = struct.Struct("<I")
 Buffer = bytes | memoryview
 
 
@@ -198,8 +199,11 @@ class FftPipeline(Pipeline):
 
 class FftWirePipeline(Pipeline):
     """fft on the wire: each worker's round from its state (a dense fp32 round
-    first, then the agreed coefficients), lanes summed like any codec's; the
-    result (float32 sums either way) tells every worker the next set."""
+    first, then the agreed coefficients), lanes summed like any codec's. As in
+    the daemon, a payload carries its packets' maxima (f32 each, after a u32
+    lane count, the wire codec byte and the lanes: what the headers carry) and
+    the result their maximum over the workers, after the float32 sums; the
+    result tells every worker the next set and ranges."""
 
     codec: FftWireCodec
 
@@ -211,32 +215,43 @@ class FftWirePipeline(Pipeline):
 
     def encode(self, ctx: ShardContext, phase: int) -> bytes:
         assert ctx.values is not None
-        rc, pp, _ = self._round(ctx)
-        return _bytes(rc.encode(ctx.values, per_packet=pp, state=self._state(ctx)).lanes)
+        rc, pp, n = self._round(ctx)
+        enc = rc.encode(ctx.values, per_packet=pp, state=self._state(ctx))
+        head = _U32.pack(n) + bytes([rc.wire])
+        return head + _bytes(enc.lanes) + _bytes(enc.block_max.to(torch.float32))
 
     def aggregate(self, phase: int, payloads: Sequence[Buffer], numel: int) -> bytes:
-        dense = len(payloads[0]) == 4 * numel  # sparse rounds have at most ~numel lanes
-        wire = WireCodec.FP32 if dense else WireCodec.FFT8
-        n = numel if dense else len(payloads[0])
+        (n,) = _U32.unpack_from(payloads[0])
+        wire = WireCodec(payloads[0][4])
+        at = _U32.size + 1
+        data = lane_bytes(wire, n, False)
         total = np.zeros(n, dtype=np.float32)
+        top = np.zeros((len(payloads[0]) - at - data) // 4, dtype=np.float32)
         for p in payloads:
-            total += lanes.unpack(wire, p, n, summed=False)
-        return total.tobytes()
+            total += lanes.unpack(wire, p[at : at + data], n, summed=False)
+            np.maximum(top, np.frombuffer(p, dtype="<f4", offset=at + data), out=top)
+        return total.tobytes() + top.tobytes()
 
     def result_bytes(self, ctx: ShardContext, phase: int) -> int:
-        return 4 * self._round(ctx)[2]
+        _, pp, n = self._round(ctx)
+        return 4 * n + 4 * -(-n // pp)
+
+    def _learn(self, ctx: ShardContext, rc: Codec, pp: int, n: int, result: Buffer, c: int) -> None:
+        sums = np.frombuffer(result, dtype=np.float32, count=n)
+        maxima = np.frombuffer(result, dtype="<f4", offset=4 * n)
+        counts = np.full(maxima.size, c)
+        rc.learn(ctx.state, sums, counts, per_packet=pp, maxima=maxima)
 
     def decode(self, ctx: ShardContext, result: Buffer, contributors: int) -> torch.Tensor:
         rc, pp, n = self._round(ctx)
         sums = np.frombuffer(result, dtype=np.float32, count=n).copy()
         mean = rc.decode(torch.from_numpy(sums), contributors, numel=ctx.numel, per_packet=pp)
-        rc.learn(ctx.state, sums, np.full(-(-n // pp), contributors), per_packet=pp)
+        self._learn(ctx, rc, pp, n, result, contributors)
         return mean
 
     def learn(self, ctx: ShardContext, result: Buffer, contributors: int) -> None:
         rc, pp, n = self._round(ctx)
-        sums = np.frombuffer(result, dtype=np.float32, count=n)
-        rc.learn(ctx.state, sums, np.full(-(-n // pp), contributors), per_packet=pp)
+        self._learn(ctx, rc, pp, n, result, contributors)
 
 
 class SketchPipeline(Pipeline):

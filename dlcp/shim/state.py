@@ -724,7 +724,9 @@ class DlcpState:
                 p.times.decoding = time.perf_counter()
             dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
             if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
-                plan.codec.learn(p.ef, dec.sums, dec.counts, per_packet=plan.per_packet)
+                plan.codec.learn(
+                    p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
+                )
             if dec.mean is not p.buffer:
                 p.buffer.copy_(dec.mean.to(p.buffer.dtype))
             if p.times is not None:
