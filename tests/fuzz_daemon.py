@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from dlcp.core.layout import lanes_per_packet
 from dlcp.errors import WireError
 from dlcp.wire.header import (
     HEADER_SIZE,
@@ -109,7 +110,7 @@ def templates(job: int, key: MacKey, rnd: int = 1_000_000) -> list[bytes]:
     out: list[bytes] = []
     rng = random.Random(job ^ rnd)
     for codec in Codec:
-        per = {Codec.FP32: 352, Codec.FP16: 704, Codec.THC8: 1024, Codec.THC4: 2048}[codec]
+        per = lanes_per_packet(codec)  # fp32 352, fp16 704, thc8 1024, thc4 2048, fft 1408
         for ptype, flags in (
             (PacketType.DATA, Flags.NONE),
             (PacketType.DATA, Flags.DROPPABLE | Flags.LAST),
