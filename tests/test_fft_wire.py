@@ -323,10 +323,14 @@ def _fft_worker(rank: int, world: int, sockets: list[str], steps: int) -> dict[s
     return {"grads": grads, "ref": ref, "stats": stats, "kinds": kinds, "counters": counters}
 
 
-def test_fft_ddp_over_three_daemons(tmp_path: Path) -> None:
-    with loopback_daemons(tmp_path, 3, extra={"timing": {"timeout": 2.0}}) as ds:
-        sockets = [d.socket for d in ds]
-        results = spawn(_fft_worker, 3, tmp_path, sockets=sockets, steps=4)
+@pytest.mark.parametrize("ranks_per_host", [1, 2])
+def test_fft_ddp_over_daemons(tmp_path: Path, ranks_per_host: int) -> None:
+    """Three hosts of one rank, or two hosts of two ranks (their daemon sums
+    their range-float lanes into float32 before the network)."""
+    hosts = 3 if ranks_per_host == 1 else 2
+    with loopback_daemons(tmp_path, hosts, extra={"timing": {"timeout": 2.0}}) as ds:
+        sockets = [d.socket for d in ds] * ranks_per_host
+        results = spawn(_fft_worker, len(sockets), tmp_path, sockets=sockets, steps=4)
     for res in results:
         assert res["stats"]["fallbacks"] == 0 and res["stats"]["failures"] == 0
         assert res["kinds"] == ["Agreement"]
