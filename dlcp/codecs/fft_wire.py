@@ -13,7 +13,7 @@ same result bytes, so each derives the next round's set from them with the
 same deterministic rule (`FftWireCodec.agree_dense`, `agree_sparse`):
 
 * The bucket's first round (or any round without an agreement: a new state,
-  a restored checkpoint) goes dense: plain fp32 lanes (`FftDenseRound`). Its
+  one loaded with `load_state_dict`) goes dense: plain fp32 lanes (`FftDenseRound`). Its
   mean's spectrum, block by block, gives the top k coefficients by energy.
 * Later rounds (`FftSparseRound`) keep k = `keep_count(block, theta_t)` per
   block: the top k - x of the previous result's coefficients by energy (ties
@@ -256,7 +256,7 @@ class FftWireCodec(Codec):
             # from an offset that moves on every round
             start = (round_ * explore) % c
             key = np.broadcast_to((np.arange(c) - start) % c, (prev.blocks, c)).copy()
-            np.put_along_axis(key, kept, c + key.take(kept), axis=1)
+            np.put_along_axis(key, kept, c + np.take_along_axis(key, kept, axis=1), axis=1)
             swept = np.argpartition(key, explore - 1, axis=1)[:, :explore]
             kept = np.concatenate([kept, swept], axis=1)
         index = np.sort(kept, axis=1)
