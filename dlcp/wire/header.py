@@ -102,7 +102,7 @@ class Codec(enum.IntEnum):
     FP16 = 1
     THC8 = 2
     THC4 = 3
-    # 4, 5: sketch; 7: reserved for another fft lane format
+    # 4, 5: sketch; 7: kept for fft-sim's block payloads (dlcp/codecs/fft.py)
     FFT8 = 6  # fft coefficients on an agreed set: 8-bit range floats (dlcp/codecs/rangefloat.py)
 
 
