@@ -33,7 +33,7 @@ MAX_MESSAGE = 1 << 20
 SEGMENT_NAME = re.compile(r"dlcp-[A-Za-z0-9_.-]{1,200}")
 _LEN = struct.Struct("!I")
 
-CODEC_BY_NAME = {"fp32": 0, "fp16": 1, "thc8": 2, "thc4": 3}
+CODEC_BY_NAME = {"fp32": 0, "fp16": 1, "thc8": 2, "thc4": 3, "fft": 6}
 CODEC_BY_NAME.update({"union": 4, "sketch": 5})  # the sketch codec's two exchanges
 
 

@@ -110,8 +110,7 @@ def templates(job: int, key: MacKey, rnd: int = 1_000_000) -> list[bytes]:
     out: list[bytes] = []
     rng = random.Random(job ^ rnd)
     for codec in Codec:
-        per = {Codec.FP32: 352, Codec.FP16: 704, Codec.THC8: 1024, Codec.THC4: 2048}.get(codec)
-        per = per or lanes_per_packet(codec)  # the sketch's union and cells
+        per = lanes_per_packet(codec)  # fp32 352, fp16 704, thc8 1024, thc4 2048, fft 1408, ...
         for ptype, flags in (
             (PacketType.DATA, Flags.NONE),
             (PacketType.DATA, Flags.DROPPABLE | Flags.LAST),

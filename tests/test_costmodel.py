@@ -76,7 +76,8 @@ def test_codec_specs() -> None:
         {"keep": 0.05, "load": 1.5},
     )
     assert parse_codec_spec("thc4:rotate=false") == ("thc4", {"rotate": False})
-    assert make_codec("fft:theta=0.8,man_bits=6").man_bits == 6
+    assert make_codec("fft-sim:theta=0.8,man_bits=6").man_bits == 6
+    assert make_codec("fft:theta=0.8,explore=0.5").explore == 0.5
     with pytest.raises(LocalError):
         parse_codec_spec("fft:theta")
     with pytest.raises(LocalError):
@@ -323,15 +324,22 @@ def test_calibration_measures_bytes_and_round_trips(tmp_path: Path) -> None:
     grads = [torch.randn(1 << 14, generator=gen) for _ in range(3)]
     grads[0][::2] = 0
     cal = calibrate(
-        ["fp32", "thc8", "fft:theta=0.9", "sketch"], grads, hosts=3, small=2048, repeats=1
+        ["fp32", "thc8", "fft-sim:theta=0.9", "fft", "sketch"],
+        grads,
+        hosts=3,
+        small=2048,
+        repeats=1,
     )
     assert cal.codecs["fp32"].push == (4.0,) and cal.codecs["fp32"].rel_error == 0.0
     thc = cal.codecs["thc8"]
     assert thc.push[0] == pytest.approx(1.0, abs=0.01) and thc.pull[0] == pytest.approx(
         2.0, abs=0.01
     )
-    fft = cal.codecs["fft:theta=0.9"]
+    fft = cal.codecs["fft-sim:theta=0.9"]
     assert fft.push[0] < 0.5 and fft.pull[0] == 4.0 and 0 < fft.rel_error < 1
+    # on the wire both legs carry the agreed coefficients only (steady rounds)
+    wire = cal.codecs["fft"]
+    assert wire.push[0] < 0.15 and wire.pull[0] < 0.5 and 0 < wire.rel_error < 1
     assert cal.codecs["sketch"].phases == 2 and cal.codecs["sketch"].rel_error < 1e-5
     for c in cal.codecs.values():
         for lin in (c.encode, c.aggregate, c.decode):
@@ -454,7 +462,7 @@ def test_bucket_exchanger_with_one_rank(tmp_path: Path) -> None:
     )
     try:
         x = torch.randn(3000, generator=torch.Generator().manual_seed(2))
-        for spec in ("fp32", "thc8", "fft:theta=0", "sketch"):
+        for spec in ("fp32", "thc8", "fft-sim:theta=0", "fft:theta=0", "sketch"):
             ex = BucketExchanger(pipeline_for(make_codec(spec)), 0, 1)
             for r in range(2):
                 out = ex.exchange(0, x, seed=r)

@@ -185,9 +185,9 @@ def test_bad_options_and_inputs_are_local_errors() -> None:
         FftCodec(block=1000)
     with pytest.raises(LocalError):
         FftCodec().encode(torch.tensor([1.0, float("nan")]), per_packet=2)
-    assert isinstance(get_codec("fft", theta=0.8), FftCodec)
+    assert isinstance(get_codec("fft-sim", theta=0.8), FftCodec)
     with pytest.raises(LocalError):
-        get_codec("fft", bits=4)
+        get_codec("fft-sim", bits=4)
 
 
 def test_malformed_payloads_are_remote_errors() -> None:
@@ -221,7 +221,7 @@ def test_malformed_payloads_are_remote_errors() -> None:
 def test_digits_converges_close_to_fp32() -> None:
     torch.set_num_threads(1)
     base = train_simulated(None, epochs=6).accuracy
-    fft = train_simulated("fft", epochs=6).accuracy
+    fft = train_simulated("fft-sim", epochs=6).accuracy
     aggressive = train_simulated(FftCodec(theta=ThetaSchedule(0.95, 0.8, 50)), epochs=6).accuracy
     assert base > 0.9
     assert fft >= base - 0.025

@@ -159,7 +159,7 @@ def test_link_rate_from_env_or_argument(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize(
     "kw",
     [
-        {"candidates": ["fp32", "fft"]},  # not a wire codec
+        {"candidates": ["fp32", "fft-sim"]},  # not a wire codec
         {"candidates": []},
         {"every": 0},
         {"warmup": 0},
@@ -728,7 +728,7 @@ def test_auto_settings_are_checked_when_the_state_is_made() -> None:
 def test_make_hook_takes_auto() -> None:
     assert dlcp.make_hook("auto").__name__ == "dlcp_auto_hook"
     with pytest.raises(LocalError):
-        dlcp.make_hook("fft")
+        dlcp.make_hook("fft-sim")
 
 
 def test_bench_train_takes_codec_auto() -> None:

@@ -31,6 +31,7 @@ from dlcp.wire import (
 )
 from dlcp.wire.header import (
     ALL_FLAGS,
+    LANE_BITS,
     MAC_OFFSET,
     MAC_SIZE,
     MAGIC,
@@ -193,8 +194,7 @@ def test_round_trip_extremes(t: PacketType, hi: bool) -> None:
 @pytest.mark.parametrize("codec", list(Codec))
 def test_full_payload_budget(codec: Codec) -> None:
     # the largest data packet that fits, and CONTROL at exactly MAX_PAYLOAD
-    bits = {Codec.FP32: 32, Codec.FP16: 16, Codec.THC8: 8, Codec.THC4: 4}.get(codec)
-    bits = bits or {Codec.UNION: 1, Codec.SKETCH: 32}[codec]  # the sketch's two exchanges
+    bits = LANE_BITS[codec][0]  # fp32 32, fp16 16, thc8 8, thc4 4, fft 8, union 1, sketch 32
     count = MAX_PAYLOAD * 8 // bits
     h = Header(PacketType.DATA, JOB, 1, 2, codec=codec, count=count, total=count)
     payload = b"\x01" * lane_bytes(codec, count, False)

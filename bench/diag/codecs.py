@@ -10,12 +10,13 @@ codec, an embedding-style gradient (a 50 000 x 16 table of which each worker's
 batch touched 1 % of the rows), the sparse case it is made for.
 
 Columns: push ratio = fp32 bytes / bytes a worker pushes; total ratio = fp32
-bytes both ways / bytes pushed + pulled (results of fft are fp32, of THC 16-bit
-sums); error = relative L2 error of the averaged gradient of one round (no
-error-feedback history); throughput in fp32 MB/s of the bucket, one thread,
-best of `--repeats` rounds (other load on a shared machine only slows a round
-down): encode per worker, aggregate per contribution at the shard owner,
-decode of the result per worker.
+bytes both ways / bytes pushed + pulled (results of fft-sim are fp32, of fft
+fp32 sums of the agreed coefficients, of THC 16-bit sums); error = relative L2
+error of the averaged gradient of one round (no error-feedback history; fft:
+on the set that a dense round of the same gradients agreed); throughput in
+fp32 MB/s of the bucket, one thread, best of `--repeats` rounds (other load on
+a shared machine only slows a round down): encode per worker, aggregate per
+contribution at the shard owner, decode of the result per worker.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from dlcp.codecs import CodecState  # noqa: E402
 from dlcp.costmodel.calibrate import make_codec, measure_steps  # noqa: E402
 from dlcp.costmodel.digits import sample_gradients  # noqa: E402
 from dlcp.costmodel.exchange import average  # noqa: E402
 
-DEFAULT = "fp32;fp16;thc8;thc4;fft;fft:theta=0.5;fft:theta=0.95;sketch;sketch:keep=0.05"
+DEFAULT = (
+    "fp32;fp16;thc8;thc4;fft;fft:theta=0.5;fft-sim;fft-sim:theta=0.5;fft-sim:theta=0.95;"
+    "sketch;sketch:keep=0.05"
+)
 
 
 def embedding_gradients(
@@ -56,7 +61,11 @@ def embedding_gradients(
 def measure(spec: str, grads: list[torch.Tensor], repeats: int, data: str) -> dict[str, Any]:
     n = grads[0].numel()
     truth = torch.stack(grads).mean(dim=0)
-    ex = average(make_codec(spec), grads, error_feedback=False)
+    codec = make_codec(spec)
+    states = [CodecState() for _ in grads]
+    if codec.agreed:  # fft: a round on the set a dense round agreed (bytes of that round)
+        average(codec, grads, states, error_feedback=False)
+    ex = average(codec, grads, states, error_feedback=False)
     err = float((ex.mean - truth).norm() / truth.norm())
     enc, agg, dec = measure_steps(spec, grads, repeats, best=True)
     mb = 4 * n / 1e6

@@ -10,9 +10,9 @@ What is measured: `dlcp.costmodel.emulate` ranks (one per emulated host, in
 the namespaces of `dlcp.testbed`, HTB-shaped switch ports) train the digits
 MLP; their DDP-style buckets go through each codec's steps and a transpose
 all-reduce over Gloo (all-to-all push, all-gather pull). That is an emulation
-of dlcp's data path over TCP, not the dlcp daemon (which has no fft or sketch
-wire codec yet). `--loopback` runs the ranks on 127.0.0.1 without a testbed
-(unthrottled only).
+of dlcp's data path over TCP, not the dlcp daemon (so it can also run codecs
+that have no wire codec, such as fft-sim). `--loopback` runs the ranks on
+127.0.0.1 without a testbed (unthrottled only).
 
 What is predicted, from inputs timed apart from the measured iterations, per
 round (rounds interleave all runs, so load from other programs hits every

@@ -18,7 +18,9 @@ slowest rank's) for dlcp alone (0.24 against 0.17 s a 100 MB round unshaped).
 Gloo: `torch.distributed.all_reduce` of a float32 buffer. dlcp: the shim's own
 round functions (`dlcp.shim.exchange`: encode, write to shared memory, submit
 to the local daemon, decode) without a process group, so the measurement is
-the transport alone. THC scales come from the previous round's maxima, which
+the transport alone. fft keeps a state per bucket: a dense first (warm-up)
+round, then the coefficient set agreed from each result, with error feedback.
+THC scales come from the previous round's maxima, which
 the result carries back (the shim's "packet" scale mode); the first warm-up
 round uses a bound every host can compute from the data's known range.
 
@@ -122,7 +124,7 @@ def bucket_spans(elements: int, bucket_elements: int) -> list[tuple[int, int]]:
 
 
 def run_dlcp(a: argparse.Namespace) -> None:
-    from dlcp.codecs import get_codec, next_scale
+    from dlcp.codecs import CodecState, get_codec, next_scale
     from dlcp.shim.arena import Arena
     from dlcp.shim.client import DaemonClient, default_socket
     from dlcp.shim.exchange import RoundPlan, decode_round, submit_round
@@ -146,9 +148,12 @@ def run_dlcp(a: argparse.Namespace) -> None:
             total += make_data(a.elements, a.seed, h, scales)
         ref = torch.from_numpy(total / np.float32(H))
     spans = bucket_spans(a.elements, a.bucket_elements or a.elements)
+    # fft: each bucket's rounds follow from its results (a dense first round,
+    # then the agreed coefficients, with error feedback): a state per bucket
+    states = [CodecState() if codec.agreed else None for _ in spans]
     plans0 = [
-        RoundPlan.make(codec, n, shards=H, payload=payload, round_=0, bucket=b)
-        for b, (_, n) in enumerate(spans)
+        RoundPlan.make(codec.for_round(st), n, shards=H, payload=payload, round_=0, bucket=b)
+        for b, ((_, n), st) in enumerate(zip(spans, states, strict=True))
     ]
     sizes = [region_sizes(p.layout) for p in plans0]
     # sketch: its union's regions too (the cells' are sized for a union of all)
@@ -160,17 +165,13 @@ def run_dlcp(a: argparse.Namespace) -> None:
     gen.manual_seed(a.seed * 1009 + a.rank)
 
     # synthetic layers: the whole buffer cut into N_LAYERS equal layers
-    layers = [
-        ((o + np.arange(p.packets, dtype=np.int64) * p.per_packet) * N_LAYERS // a.elements)
-        .clip(0, N_LAYERS - 1)
-        .astype(np.uint16)
-        for (o, _), p in zip(spans, plans0, strict=True)
-    ]
 
-    def sketch_layers(o: int, p: RoundPlan) -> np.ndarray:  # the same, for the union round
-        first = o + np.arange(p.packets, dtype=np.int64) * p.per_packet
-        return (first * N_LAYERS // a.elements).clip(0, N_LAYERS - 1).astype(np.uint16)
+    def layers_of(o: int, p: RoundPlan) -> np.ndarray:
+        span = p.codec.packet_span(p.per_packet)
+        at = o + np.arange(p.packets, dtype=np.int64) * span
+        return (at * N_LAYERS // a.elements).clip(0, N_LAYERS - 1).astype(np.uint16)
 
+    layers = [layers_of(o, p) for (o, _), p in zip(spans, plans0, strict=True)]
     out = torch.empty(a.elements, dtype=torch.float32)
     scale: list[torch.Tensor | None] = [None] * len(spans)
     if plans0[0].scaled:
@@ -189,8 +190,9 @@ def run_dlcp(a: argparse.Namespace) -> None:
         arena.reset()
         subs = []
         for b, (o, n) in enumerate(spans):
+            rc = codec.for_round(states[b])
             plan = RoundPlan.make(
-                codec, n, shards=H, payload=payload, round_=r, bucket=b, scale=scale[b]
+                rc, n, shards=H, payload=payload, round_=r, bucket=b, scale=scale[b]
             )
             if sketch:  # the union round (waited for), then the cells
                 sub = submit_sketch(
@@ -200,14 +202,15 @@ def run_dlcp(a: argparse.Namespace) -> None:
                     x[o : o + n],
                     job=a.job,
                     bound=a.bound,
-                    layers=functools.partial(sketch_layers, o),
+                    layers=functools.partial(layers_of, o),
                     state=None,
                     staging=staging,
                     timeout=a.timeout,
                 )
                 subs.append(sub)
                 continue
-            region = arena.take(sizes[b])
+            same = rc is codec
+            region = arena.take(sizes[b] if same else region_sizes(plan.layout))
             sub = submit_round(
                 client,
                 region,
@@ -215,8 +218,8 @@ def run_dlcp(a: argparse.Namespace) -> None:
                 x[o : o + n],
                 job=a.job,
                 bound=a.bound,
-                layers=layers[b],
-                state=None,
+                layers=layers[b] if same else layers_of(o, plan),
+                state=states[b],
                 generator=gen,
                 staging=staging,
             )
@@ -234,6 +237,10 @@ def run_dlcp(a: argparse.Namespace) -> None:
             state["saturated"] += int(sub.saturated)
             if sub.plan.scaled:
                 scale[b] = next_scale(torch.from_numpy(dec.maxima), a.scale_margin)
+            st = states[b]
+            if st is not None and dec.sums is not None:
+                pp = sub.plan.per_packet
+                sub.plan.codec.learn(st, dec.sums, dec.counts, per_packet=pp, maxima=dec.maxima)
         return out
 
     emit("joined", buckets=len(spans))

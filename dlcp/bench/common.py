@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 SCENARIOS: tuple[str, ...] = ("clean", "loss", "burst", "congested", "multipath", "pathdown")
-CODECS: tuple[str, ...] = ("fp32", "fp16", "thc8", "thc4")
+CODECS: tuple[str, ...] = ("fp32", "fp16", "thc8", "thc4", "fft")
 CODECS += ("sketch",)  # two rounds a bucket: the index union, then the cells
 # Backends of `--backends`: the three of DESIGN.md, then dlcp's ablations.
 BACKENDS: tuple[str, ...] = (

@@ -42,13 +42,15 @@ _REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "fp16": ("dlcp.codecs.fp", "Fp16Codec", {}),
     "thc8": ("dlcp.codecs.thc", "ThcCodec", {"bits": 8}),
     "thc4": ("dlcp.codecs.thc", "ThcCodec", {"bits": 4}),
+    "fft": ("dlcp.codecs.fft_wire", "FftWireCodec", {}),
 }
 # sketch: two exchanges, the index union (wire UNION) then the cells (SKETCH)
 _REGISTRY["sketch"] = ("dlcp.codecs.sketch", "SketchCodec", {})
 CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 # Worker-side codecs without a wire codec yet (the daemon cannot carry them):
 # get_codec builds them for simulation, benchmarks and the cost model.
-_REGISTRY["fft"] = ("dlcp.codecs.fft", "FftCodec", {})
+# fft-sim: HPDC 2020's own format (each worker its own coefficients, owner decodes).
+_REGISTRY["fft-sim"] = ("dlcp.codecs.fft", "FftCodec", {})
 WORKER_CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 _WIRE_NAMES: dict[int, str] = {
     WireCodec.FP32: "fp32",
@@ -57,15 +59,17 @@ _WIRE_NAMES: dict[int, str] = {
     WireCodec.THC4: "thc4",
     WireCodec.UNION: "sketch",
     WireCodec.SKETCH: "sketch",
+    WireCodec.FFT8: "fft",
 }
 _BASE_NAMES = frozenset({"Codec", "CodecState", "Encoded", "Scale", "block_norms", "next_scale"})
 
 
 def get_codec(name: str, **params: Any) -> Codec:
-    """The worker-side codec called `name` (fp32, fp16, thc8, thc4, fft, sketch).
+    """The worker-side codec called `name` (fp32, fp16, thc8, thc4, fft, fft-sim, sketch).
 
     `params` are the codec's options (thc: `rotate=False` to skip the rotation;
-    fft: `theta`, `exp_bits`, `man_bits`, `block`; sketch: `keep`, `load`).
+    fft: `theta`, `block`, `explore`, `headroom`; fft-sim: `theta`, `exp_bits`,
+    `man_bits`, `block`; sketch: `keep`, `load`).
     Raises `LocalError` for an unknown name or option.
     """
     entry = _REGISTRY.get(name)

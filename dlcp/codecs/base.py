@@ -59,6 +59,9 @@ class Encoded:
         the rotated domain, error feedback included); what the next round's
         scale is agreed from (see `next_scale`).
     saturated: values clamped to the scale (THC) or overflowed to inf (fp16).
+    norms: float32, per packet, the L2 norm of what the packet carries, for
+        codecs whose packets are not slices of the bucket (fft: coefficients);
+        None: the priority policies rank packets by `block_norms` of the input.
     """
 
     lanes: torch.Tensor
@@ -66,6 +69,7 @@ class Encoded:
     scale: Scale
     block_max: torch.Tensor
     saturated: int
+    norms: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +84,9 @@ class CodecState:
     residual: torch.Tensor | None = None
     rounds: int = 0
     saturated: int = 0  # values clamped over all rounds
+    # what every rank derived alike from the bucket's last result (fft: the
+    # agreed coefficient set); not checkpointed: a restored state starts over
+    shared: object | None = None
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """x plus the residual (x itself on the first round)."""
@@ -96,6 +103,7 @@ class CodecState:
         self.residual = None
         self.rounds = 0
         self.saturated = 0
+        self.shared = None
 
     def state_dict(self) -> dict[str, object]:
         return {"residual": self.residual, "rounds": self.rounds, "saturated": self.saturated}
@@ -107,6 +115,7 @@ class CodecState:
         self.residual = residual
         self.rounds = int(d["rounds"])  # type: ignore[call-overload]
         self.saturated = int(d["saturated"])  # type: ignore[call-overload]
+        self.shared = None
 
 
 class Codec(ABC):
@@ -119,6 +128,35 @@ class Codec(ABC):
 
     name: str
     wire: WireCodec
+    # Rounds depend on what every rank learns from the bucket's results (fft):
+    # the caller keeps a CodecState per bucket, encodes each round with
+    # `for_round(state)` and hands that codec the result with `learn`.
+    agreed: bool = False
+
+    def for_round(self, state: CodecState | None) -> Codec:
+        """The codec that encodes and decodes the bucket's next round (self,
+        but for agreed codecs)."""
+        return self
+
+    def learn(
+        self,
+        state: CodecState,
+        sums: np.ndarray,
+        counts: np.ndarray,
+        *,
+        per_packet: int,
+        maxima: np.ndarray | None = None,
+    ) -> None:
+        """Take what the bucket's result says about the next round: `sums` the
+        summed lanes, `counts` the contributor counts of each packet of
+        `per_packet` lanes and `maxima` its largest `Encoded.block_max` over
+        the contributions, the bytes every rank received (nothing for most codecs)."""
+        return None
+
+    def packet_span(self, per_packet: int) -> int:
+        """Bucket values that a data packet of `per_packet` lanes stands for
+        (where priorities look up its layer): `per_packet`, but for fft."""
+        return per_packet
 
     def per_packet(self, payload: int = DEFAULT_PAYLOAD) -> int:
         """Lanes in a full data packet of `payload` bytes (`Layout.per_packet`)."""

@@ -30,8 +30,11 @@ With field e = mag >> M and m = mag & (2^M - 1), emin = emax - (2^E - 2):
 |value| = (2^M + m) * 2^(emin + e - 1 - M) for e >= 1, m * 2^(emin - M) for
 e = 0. Blocks are self-describing: decoding needs neither theta nor the bucket.
 
-Daemon integration (what the wire needs): a codec id for FFT data packets
-(`PROPOSED_WIRE_CODE`); a data packet carries one block, header `offset` and
+Registered as `fft-sim`: the daemon does not carry this format. `fft` on
+the wire (`dlcp.codecs.fft_wire`) has every worker send one agreed
+coefficient set instead, so that both legs are compressed. What carrying this
+format would need: a codec id for FFT data packets (`PROPOSED_WIRE_CODE`, the
+id kept free for it); a data packet carries one block, header `offset` and
 `count` in values (`count` = n, all packets but the last `per_packet()`
 values) and a payload of variable length, checked by `fft_lanes_to_float`
 (not by `lane_bytes`). The shard owner adds `fft_lanes_to_float(payload,
@@ -78,7 +81,7 @@ __all__ = [
 ]
 
 FFT_HEADER = struct.Struct("<HHBBbB")  # n, k, exp_bits, man_bits, emax, flags
-PROPOSED_WIRE_CODE = 4  # the `dlcp.wire.header.Codec` value asked for FFT data packets
+PROPOSED_WIRE_CODE = 7  # the `dlcp.wire.header.Codec` value kept for FFT block payloads
 MAX_BLOCK = 1 << 15  # n is a u16; blocks are powers of two up to this
 _EMAX_MIN, _EMAX_MAX = -126, 127  # i8 header field; blocks below 2**-126 decode to 0
 _EXP_BITS = range(1, 7)

@@ -65,6 +65,8 @@ class FloatCodec(Codec):
                 r = v - wire.to(torch.float32)
                 state.residual = torch.where(torch.isfinite(r), r, 0.0)
         if state is not None:
+            if self.dtype == torch.float32:
+                state.residual = None  # exact: the residual just taken has gone out
             state.rounds += 1
             state.saturated += saturated
         return Encoded(

@@ -1,8 +1,9 @@
 """Lane arithmetic: what an aggregator does with payloads without decoding them.
 
 Payload lanes are little-endian. A single contribution travels in the codec's
-data lanes (fp32, fp16, 8-bit or packed 4-bit integers); sums travel in summed
-lanes (fp32, fp16, uint16). Aggregators unpack both into the accumulator dtype,
+data lanes (fp32, fp16, 8-bit or packed 4-bit integers, fft's 8-bit range
+floats, unpacked through a table to float32); sums travel in summed lanes
+(fp32, fp16, uint16). Aggregators unpack both into the accumulator dtype,
 add, and pack sums for result packets. The integer sums of THC are exact and
 independent of arrival order; 64 contributors of 8 bits fit in 16 bits.
 
@@ -20,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from dlcp.errors import Reason, RemoteError
-
 # the copies of `store_runs` in C: the extension as dlcp.wire.batch imported it
 # (None where it is not built or DLCP_NATIVE_BULK=0; a Python loop then)
+from dlcp.codecs.rangefloat import UNIT_VALUES, quantize_unit
+from dlcp.errors import Reason, RemoteError
 from dlcp.wire.batch import Payloads, _bulk
 from dlcp.wire.header import Codec, lane_bytes
 
@@ -49,6 +50,7 @@ _SUM_DTYPE: dict[int, np.dtype] = {
     Codec.THC4: np.dtype(np.uint16),
     Codec.UNION: np.dtype(np.uint16),  # counts of the bits set; sent as count > 0
     Codec.SKETCH: np.dtype(np.float32),
+    Codec.FFT8: np.dtype(np.float32),
 }
 # whole-byte lanes only: UNION's 1-bit lanes are packed and unpacked by `_bits`
 _WIRE_SUMMED: dict[int, np.dtype] = {
@@ -57,6 +59,7 @@ _WIRE_SUMMED: dict[int, np.dtype] = {
     Codec.THC8: np.dtype("<u2"),
     Codec.THC4: np.dtype("<u2"),
     Codec.SKETCH: np.dtype("<f4"),
+    Codec.FFT8: np.dtype("<f4"),
 }
 _WIRE_DATA: dict[int, np.dtype] = {
     Codec.FP32: np.dtype("<f4"),
@@ -94,6 +97,8 @@ def unpack(codec: int, payload: bytes | memoryview, count: int, summed: bool) ->
         out[0::2] = packed & 0x0F
         out[1::2] = packed >> 4
         return out[:count]
+    if codec == Codec.FFT8:  # range-float codes: their values in units of the block's range
+        return UNIT_VALUES[np.frombuffer(payload, dtype=np.uint8, count=count)]
     return np.frombuffer(payload, dtype=_WIRE_DATA[codec], count=count)
 
 
@@ -262,4 +267,6 @@ def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
         if v.size % 2:
             v = np.append(v, np.uint8(0))
         return ((v[0::2] & 0x0F) | (v[1::2] << 4)).astype(np.uint8).tobytes()
+    if codec == Codec.FFT8:  # unit-scaled values to their nearest codes
+        return quantize_unit(np.asarray(values))[0].tobytes()
     return np.ascontiguousarray(values, dtype=_WIRE_DATA[codec]).tobytes()

@@ -83,4 +83,6 @@ def average(
             for c in ctxs:
                 pipe.absorb(c, phase, result)
     mean = pipe.decode(ctxs[0], result, len(grads))  # every worker gets the same
+    for c in ctxs[1:]:
+        pipe.learn(c, result, len(grads))
     return Exchange(mean, push, pull)

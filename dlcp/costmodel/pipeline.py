@@ -7,11 +7,13 @@ Per phase (sketch has two: the index union, then the cells; the others one):
     worker:  absorb(ctx, phase, result)              (sketch: learns the union)
 
 and finally `decode(ctx, result, contributors)` gives the mean. Payloads and
-results are bytes as they would travel (lanes of `dlcp.codecs.lanes`, fft
-block payloads, bitmaps). THC appends its block maximum (f32) to the payload,
-and the owner the maximum of those to the result, so the next round's shared
-scale comes back with the result (`next_scale`); the first round needs the
-workers' maxima agreed another way (`ShardContext.scale`).
+results are bytes as they would travel (lanes of `dlcp.codecs.lanes`, fft-sim
+block payloads, bitmaps; fft's rounds follow from each worker's state, which
+`decode`, and `learn` for the workers that do not decode, update). THC appends
+its block maximum (f32) to the payload, and the owner the maximum of those to
+the result, so the next round's shared scale comes back with the result
+(`next_scale`); the first round needs the workers' maxima agreed another way
+(`ShardContext.scale`).
 
 Used in-process (`dlcp.costmodel.exchange`, calibration) and over Gloo
 (`dlcp.costmodel.emulate`), so both run the same codec steps.
@@ -30,6 +32,7 @@ import torch
 from dlcp.codecs import lanes
 from dlcp.codecs.base import Codec, CodecState, next_scale
 from dlcp.codecs.fft import FftCodec, fft_payloads_to_float
+from dlcp.codecs.fft_wire import FftWireCodec
 from dlcp.codecs.sketch import (
     SketchCodec,
     SketchInput,
@@ -38,11 +41,13 @@ from dlcp.codecs.sketch import (
     union_from_bitmap,
 )
 from dlcp.codecs.thc import ThcCodec
+from dlcp.wire.header import Codec as WireCodec
 from dlcp.wire.header import lane_bytes
 
 __all__ = ["Pipeline", "ShardContext", "pipeline_for"]
 
 _F32 = struct.Struct("<f")
+_U32 = struct.Struct("<I")
 Buffer = bytes | memoryview
 
 
@@ -88,6 +93,11 @@ class Pipeline(ABC):
 
     def absorb(self, ctx: ShardContext, phase: int, result: Buffer) -> None:
         """A worker reads a non-final phase's result (none by default)."""
+        return None
+
+    def learn(self, ctx: ShardContext, result: Buffer, contributors: int) -> None:
+        """A worker that does not decode takes what the final result says about
+        the next round (fft: the agreed set; `decode` does it too; none by default)."""
         return None
 
     @abstractmethod
@@ -187,6 +197,63 @@ class FftPipeline(Pipeline):
         return self.codec.decode(sums, contributors, numel=ctx.numel, per_packet=self.per_packet)
 
 
+class FftWirePipeline(Pipeline):
+    """fft on the wire: each worker's round from its state (a dense fp32 round
+    first, then the agreed coefficients), lanes summed like any codec's. As in
+    the daemon, a payload carries its packets' maxima (f32 each, after a u32
+    lane count, the wire codec byte and the lanes: what the headers carry) and
+    the result their maximum over the workers, after the float32 sums; the
+    result tells every worker the next set and ranges."""
+
+    codec: FftWireCodec
+
+    def _round(self, ctx: ShardContext) -> tuple[Codec, int, int]:
+        """The round's codec, its lanes per packet and its lanes."""
+        rc = self.codec.for_round(ctx.state)
+        pp = rc.per_packet()
+        return rc, pp, rc.n_lanes(ctx.numel, pp)
+
+    def encode(self, ctx: ShardContext, phase: int) -> bytes:
+        assert ctx.values is not None
+        rc, pp, n = self._round(ctx)
+        enc = rc.encode(ctx.values, per_packet=pp, state=self._state(ctx))
+        head = _U32.pack(n) + bytes([rc.wire])
+        return head + _bytes(enc.lanes) + _bytes(enc.block_max.to(torch.float32))
+
+    def aggregate(self, phase: int, payloads: Sequence[Buffer], numel: int) -> bytes:
+        (n,) = _U32.unpack_from(payloads[0])
+        wire = WireCodec(payloads[0][4])
+        at = _U32.size + 1
+        data = lane_bytes(wire, n, False)
+        total = np.zeros(n, dtype=np.float32)
+        top = np.zeros((len(payloads[0]) - at - data) // 4, dtype=np.float32)
+        for p in payloads:
+            total += lanes.unpack(wire, p[at : at + data], n, summed=False)
+            np.maximum(top, np.frombuffer(p, dtype="<f4", offset=at + data), out=top)
+        return total.tobytes() + top.tobytes()
+
+    def result_bytes(self, ctx: ShardContext, phase: int) -> int:
+        _, pp, n = self._round(ctx)
+        return 4 * n + 4 * -(-n // pp)
+
+    def _learn(self, ctx: ShardContext, rc: Codec, pp: int, n: int, result: Buffer, c: int) -> None:
+        sums = np.frombuffer(result, dtype=np.float32, count=n)
+        maxima = np.frombuffer(result, dtype="<f4", offset=4 * n)
+        counts = np.full(maxima.size, c)
+        rc.learn(ctx.state, sums, counts, per_packet=pp, maxima=maxima)
+
+    def decode(self, ctx: ShardContext, result: Buffer, contributors: int) -> torch.Tensor:
+        rc, pp, n = self._round(ctx)
+        sums = np.frombuffer(result, dtype=np.float32, count=n).copy()
+        mean = rc.decode(torch.from_numpy(sums), contributors, numel=ctx.numel, per_packet=pp)
+        self._learn(ctx, rc, pp, n, result, contributors)
+        return mean
+
+    def learn(self, ctx: ShardContext, result: Buffer, contributors: int) -> None:
+        rc, pp, n = self._round(ctx)
+        self._learn(ctx, rc, pp, n, result, contributors)
+
+
 class SketchPipeline(Pipeline):
     """sketch: phase 0 the bitmap union (counts summed), phase 1 the fp32 cells."""
 
@@ -247,4 +314,6 @@ def pipeline_for(codec: Codec, *, error_feedback: bool = True) -> Pipeline:
         return SketchPipeline(codec, error_feedback=error_feedback)
     if isinstance(codec, FftCodec):
         return FftPipeline(codec, error_feedback=error_feedback)
+    if isinstance(codec, FftWireCodec):
+        return FftWirePipeline(codec, error_feedback=error_feedback)
     return LanePipeline(codec, error_feedback=error_feedback)

@@ -62,7 +62,8 @@ def init(
 ) -> DlcpState:
     """Attach every rank to its daemon (collective: call it on all ranks).
 
-    codec: fp32, fp16, thc8, thc4, sketch, or auto: the codec the cost model predicts
+    codec: fp32, fp16, thc8, thc4, fft (`codec_options=` e.g. {"theta":
+    "diminishing"}: `dlcp.codecs.fft_wire`), sketch, or auto: the codec the cost model predicts
     fastest for the measured bucket sizes and backward timing, this host's
     calibrated codec costs and the link rate, the same on every rank
     (`dlcp.shim.auto`; `link_bps=` or DLCP_LINK_BPS fixes the link rate, else

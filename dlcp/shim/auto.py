@@ -68,7 +68,7 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   new link: the model alone decides, at once, as before.
 * Agreeing: at a decision every rank averages its vector of times (measured,
   or corrected predictions; float32 all-reduce), takes `pick` of the average
-  (the first candidate, in the fixed order fp32, fp16, thc8, thc4, within
+  (the first candidate, in the fixed order fp32, fp16, thc8, thc4, fft, within
   `min_gain` of the fastest), then all ranks take the MAX of their picks, so
   even a rank that rounded differently follows. The new codec applies from
   the next step on.
@@ -122,13 +122,13 @@ __all__ = [
 ]
 
 AUTO = "auto"
-# Candidates unless `candidates` names others: the codecs of one exchange a
-# bucket. sketch may be named (its two exchanges make the hook wait for the
-# index union, and its calibration is costly), not tried unasked.
-DEFAULT_CANDIDATES = tuple(c for c in CODEC_NAMES if c != "sketch")
 # The predicted time of a codec auto must not choose (not calibrated, too lossy):
 # finite, so that averaging over ranks stays finite and comparable.
 UNAVAILABLE_S = 1e30
+# The candidates without `candidates=`. fft (lossy beyond a round, its first
+# round dense) and sketch (its two exchanges make the hook wait for the index
+# union, and its calibration is costly) are candidates only when named.
+DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "fp16", "thc8", "thc4")
 
 
 def available(t: float) -> bool:

@@ -127,7 +127,6 @@ def submit_round(
         raise ValueError("region was cut for another layout")
     if plan.scaled and plan.scale is None:
         raise ValueError(f"{plan.codec.name} needs the agreed per-packet scale")
-    norms = block_norms(x, plan.per_packet).cpu().numpy()
     enc = plan.codec.encode(
         x,
         per_packet=plan.per_packet,
@@ -137,6 +136,7 @@ def submit_round(
         generator=generator,
     )
     block_max = enc.block_max.detach().to("cpu", torch.float32)
+    norms = (enc.norms if enc.norms is not None else block_norms(x, plan.per_packet)).cpu().numpy()
     if times is not None:
         times.encoded = time.perf_counter()
     direct = enc.lanes.is_cuda and region.segment.pin_for_cuda()
@@ -172,6 +172,7 @@ class Decoded:
     mean: torch.Tensor
     counts: npt.NDArray[np.uint16]
     maxima: npt.NDArray[np.float32]
+    sums: npt.NDArray[Any] | None = None  # the summed lanes, in the segment (codec.learn)
 
 
 def decode_round(
@@ -206,7 +207,7 @@ def decode_round(
         mean_of_float_sums(
             sums, counts, numel=plan.numel, per_packet=plan.per_packet, out=into.view(-1)
         )
-        return Decoded(mean=into, counts=out.counts, maxima=out.maxima)
+        return Decoded(mean=into, counts=out.counts, maxima=out.maxima, sums=out.sums)
     extra = {} if plan.union is None else {"union": plan.union}  # sketch
     mean = plan.codec.decode(
         sums,
@@ -219,4 +220,4 @@ def decode_round(
     )
     if mean.data_ptr() == sums.data_ptr():  # never hand out memory of the segment
         mean = mean.clone()
-    return Decoded(mean=mean, counts=out.counts, maxima=out.maxima)
+    return Decoded(mean=mean, counts=out.counts, maxima=out.maxima, sums=out.sums)

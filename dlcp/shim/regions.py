@@ -41,6 +41,7 @@ SUM_DTYPES: dict[Codec, np.dtype] = {
     Codec.THC4: np.dtype("<u2"),
     Codec.UNION: np.dtype("u1"),  # bytes of 1-bit lanes (LSB first): `sums` holds the bytes
     Codec.SKETCH: np.dtype("<f4"),
+    Codec.FFT8: np.dtype("<f4"),
 }
 _LAYER = np.dtype("<u2")
 _NORM = np.dtype("<f4")

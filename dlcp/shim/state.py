@@ -559,19 +559,20 @@ class DlcpState:
         """
         link = self._link
         assert link is not None
-        codec = self._codec(name)
         numel = flat.numel()
         state_key: Key = (*(key or ("once", name, bucket)), numel)
         m = link.membership
+        ef = self._ef.get(state_key) if key is not None else None
+        if ef is None and key is not None and name != "fp32":
+            ef = self._ef.setdefault(state_key, CodecState())
+        # fft: this round's codec from what every rank learnt from the last result
+        codec = self._codec(name).for_round(ef)
         # the same inputs on every rank: an error here is raised on every rank
         plan = RoundPlan.make(
             codec, numel, shards=len(m.hosts), payload=m.payload, round_=self.round, bucket=bucket
         )
         p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None, times=times)
         self._pending.append(p)
-        ef = self._ef.get(state_key) if key is not None else None
-        if ef is None and key is not None and name != "fp32":
-            ef = self._ef.setdefault(state_key, CodecState())
         p.ef = ef
         if plan.scaled:
             scale = self._scales.get(state_key) if key is not None else None
@@ -772,6 +773,10 @@ class DlcpState:
             if p.times is not None:
                 p.times.decoding = time.perf_counter()
             dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
+            if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
+                plan.codec.learn(
+                    p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
+                )
             if dec.mean is not p.buffer:
                 p.buffer.copy_(dec.mean.to(p.buffer.dtype))
             if p.times is not None:
@@ -897,10 +902,12 @@ class DlcpState:
         self, bucket: dist.GradBucket, buf: torch.Tensor, plan: RoundPlan
     ) -> npt.NDArray[np.uint16]:
         params = bucket.parameters()
+        span = plan.codec.packet_span(plan.per_packet)  # bucket values a packet stands for
         key: Key = (
             bucket.index(),
             buf.numel(),
             plan.per_packet,
+            span,
             self._layers.version,
             tuple(id(p) for p in params),
         )
@@ -910,7 +917,7 @@ class DlcpState:
             offsets = param_offsets(buf, grads)
             layers = self._layers.layers_of(params)
             spans = [(o, g.numel(), lay) for o, g, lay in zip(offsets, grads, layers, strict=True)]
-            cached = packet_layers(spans, buf.numel(), plan.per_packet, plan.packets)
+            cached = packet_layers(spans, buf.numel(), span, plan.packets)
             if len(self._layer_cache) > 1024:
                 self._layer_cache.clear()
             self._layer_cache[key] = cached

@@ -105,6 +105,8 @@ class Codec(enum.IntEnum):
     # the sketch codec's two exchanges (dlcp/codecs/sketch.py, docs/shim-protocol.md)
     UNION = 4  # 1-bit lanes: a worker's nonzero bitmap; summed lanes are the OR
     SKETCH = 5  # fp32 count-sketch cells, summed like FP32 lanes
+    # 7: kept for fft-sim's block payloads (dlcp/codecs/fft.py)
+    FFT8 = 6  # fft coefficients on an agreed set: 8-bit range floats (dlcp/codecs/rangefloat.py)
 
 
 # Bits per element on the wire: (single contribution, summed lanes).
@@ -115,6 +117,7 @@ LANE_BITS: dict[int, tuple[int, int]] = {
     Codec.THC4: (4, 16),
     Codec.UNION: (1, 1),
     Codec.SKETCH: (32, 32),
+    Codec.FFT8: (8, 32),
 }
 
 
