@@ -21,7 +21,8 @@ from dlcp.shim import pg
 from dlcp.shim.auto import AutoCodec, available, host_calibration, link_from_status
 
 if TYPE_CHECKING:
-    from dlcp.shim.state import DlcpState, _Pending
+    from dlcp.shim.state import DlcpState
+    from dlcp.shim.stepstate import _Pending
 
 __all__ = ["poll_link", "prepare", "step", "time_exchange"]
 

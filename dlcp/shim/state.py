@@ -40,22 +40,23 @@ when some rank's link rate moved (a flag in the step's agreement), all ranks
 average their time per codec (measured where the codec has run, else the
 model's prediction corrected by the measured ones) and switch together at
 the step boundary.
+
+`DlcpState` is made of parts: this module holds the state, attaching,
+pickling and the hook's entry (`run_bucket`, `all_reduce`);
+`dlcp.shim.launch` plans and submits a bucket's round, `dlcp.shim.stepend`
+ends a step (replies, the agreement, decode or fallback), and
+`dlcp.shim.stepstate` holds what a step keeps of its buckets.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
 import os
-import secrets
 import time
-import warnings
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,21 +64,19 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec, next_scale
-from dlcp.codecs.sketch import SketchCodec
-from dlcp.errors import DlcpError, LocalError
+from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec
+from dlcp.errors import LocalError
 from dlcp.shim import auto_steps, pg
-from dlcp.shim.arena import MIN_SEGMENT, Arena, Region
 from dlcp.shim.auto import AUTO, AutoCodec
 from dlcp.shim.client import default_socket
-from dlcp.shim.exchange import RoundPlan, Submitted, decode_round, submit_round
-from dlcp.shim.layers import LayerMap, packet_layers, param_offsets
+from dlcp.shim.launch import BucketLaunch
+from dlcp.shim.layers import LayerMap
 from dlcp.shim.link import AttachFailed, Link, attach
-from dlcp.shim.regions import RegionSizes, region_sizes
 from dlcp.shim.rendezvous import Store
-from dlcp.shim.sketch_round import submit_sketch
 from dlcp.shim.staging import Staging
-from dlcp.shim.timeline import BucketTimes, Timeline
+from dlcp.shim.stepend import StepEnd
+from dlcp.shim.stepstate import Key, ShimError, _Pending, segment_for
+from dlcp.shim.timeline import Timeline
 
 __all__ = ["DlcpState", "ShimError", "segment_for"]
 
@@ -146,48 +145,6 @@ _RUNTIME = (
     "__weakref__",
 )
 
-Key = tuple[Any, ...]
-
-
-def segment_for(model: torch.nn.Module) -> int:
-    """Bytes of segment one step of `model`'s gradients takes in the largest
-    codec (fp32): each value's lanes and sums (8 bytes), the packets' metadata
-    and counts (16 bytes a packet of at least 64 values: 0.25 a value), and
-    each bucket's alignment (1 MiB covers thousands of buckets)."""
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return int(numel * 8.5) + (1 << 20)
-
-
-def with_headroom(size: int) -> int:
-    """`size` and some room: DDP rebuilds its buckets after the first step, and
-    the same gradients in other buckets take a little more (each bucket's
-    metadata and alignment); a segment sized from one step fits the next."""
-    return size + size // 32 + MIN_SEGMENT
-
-
-class ShimError(DlcpError):
-    """The daemon could not all-reduce and `strict=True` forbids the fallback."""
-
-
-@dataclass
-class _Pending:
-    """One bucket of the current step."""
-
-    bucket: int
-    buffer: torch.Tensor  # flat; left untouched until the step is agreed
-    key: Key
-    keep: bool  # key names the bucket across steps: keep its scale
-    plan: RoundPlan | None = None
-    future: torch.futures.Future[torch.Tensor] | None = None
-    sub: Submitted | None = None
-    error: str | None = None
-    ef: CodecState | None = None
-    snapshot: tuple[torch.Tensor | None, int, int] | None = None
-    reply: dict[str, Any] | None = None
-    sent_at: float | None = None  # when submitted, and when the reply came (auto)
-    replied_at: float | None = None
-    times: BucketTimes | None = None  # the bucket's timeline (DDP buckets)
-
 
 def _check_fraction(name: str, value: float, hi: float) -> float:
     v = float(value)
@@ -196,7 +153,7 @@ def _check_fraction(name: str, value: float, hi: float) -> float:
     return v
 
 
-class DlcpState:
+class DlcpState(BucketLaunch, StepEnd):
     """The state a DDP communication hook gets (`register_comm_hook(state, hook)`).
 
     Hyperparameters: codec, codec_options, loss_bound, socket, strict,
@@ -542,293 +499,6 @@ class DlcpState:
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    # -- one bucket -------------------------------------------------------------
-    def _launch(
-        self,
-        flat: torch.Tensor,
-        bucket: int,
-        name: str,
-        key: Key | None,
-        layers: Callable[[RoundPlan], npt.NDArray[np.uint16]],
-        times: BucketTimes | None = None,
-    ) -> _Pending:
-        """Plan, encode and submit one bucket; failures are recorded, not raised.
-
-        `key` names the bucket across steps (error feedback, THC scale); None
-        for a one-off tensor.
-        """
-        link = self._link
-        assert link is not None
-        numel = flat.numel()
-        state_key: Key = (*(key or ("once", name, bucket)), numel)
-        m = link.membership
-        ef = self._ef.get(state_key) if key is not None else None
-        if ef is None and key is not None and name != "fp32":
-            ef = self._ef.setdefault(state_key, CodecState())
-        # fft: this round's codec from what every rank learnt from the last result
-        codec = self._codec(name).for_round(ef)
-        # the same inputs on every rank: an error here is raised on every rank
-        plan = RoundPlan.make(
-            codec, numel, shards=len(m.hosts), payload=m.payload, round_=self.round, bucket=bucket
-        )
-        p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None, times=times)
-        self._pending.append(p)
-        p.ef = ef
-        if plan.scaled:
-            scale = self._scales.get(state_key) if key is not None else None
-            if scale is None or scale.numel() != plan.packets or self.scale_mode == "exact":
-                # first round of this bucket (or exact mode): agree a scale (collective)
-                scale = self._first_scale(codec, flat, plan, p)
-            plan = dataclasses.replace(plan, scale=scale)
-        p.plan = plan
-        if any(q.error for q in self._pending) or not link.alive:
-            p.error = p.error or "skipped after an earlier failure in this step"
-            if not link.alive:
-                p.error = f"lost the daemon: {link.client.error}"
-            elif isinstance(codec, SketchCodec):  # the others wait for its union now
-                self._submit_sketch(p, plan, flat, None, layers, times, stand_in=p.error)
-            return p
-        try:
-            if ef is not None:
-                p.snapshot = (ef.residual, ef.rounds, ef.saturated)
-            if isinstance(codec, SketchCodec):  # two rounds: the union, then the cells
-                self._submit_sketch(p, plan, flat, ef, layers, times)
-                return p
-            region = self._take_region(region_sizes(plan.layout))
-            p.sub = submit_round(
-                link.client,
-                region,
-                plan,
-                flat,
-                job=m.job,
-                bound=self.loss_bound,
-                layers=layers(plan),
-                state=ef,
-                generator=self._generator(flat.device),
-                staging=self._staging,
-                times=times,
-            )
-        except Exception as exc:
-            p.error = f"submit: {type(exc).__name__}: {exc}"
-        return p
-
-    def _submit_sketch(
-        self,
-        p: _Pending,
-        plan: RoundPlan,
-        flat: torch.Tensor,
-        ef: CodecState | None,
-        layers: Callable[[RoundPlan], npt.NDArray[np.uint16]],
-        times: BucketTimes | None,
-        stand_in: str | None = None,
-    ) -> None:
-        """The sketch's two rounds (`sketch_round.submit_sketch`); a failure,
-        or taking part with zeros (`stand_in`), is recorded in `p.error`."""
-        link = self._link
-        assert link is not None
-        try:
-            p.sub = submit_sketch(
-                link.client,
-                self._take_region,
-                plan,
-                flat,
-                job=link.membership.job,
-                bound=self.loss_bound,
-                layers=layers,
-                state=ef,
-                staging=self._staging,
-                timeout=self.round_timeout_s,
-                times=times,
-                stand_in=stand_in,
-            )
-            p.plan = p.sub.plan
-        except Exception as exc:
-            p.error = stand_in or f"submit: {type(exc).__name__}: {exc}"
-
-    def _take_region(self, sizes: RegionSizes) -> Region:
-        """A region of the segment for one submit, growing the segment (after
-        the step's buckets in flight are in) when it is full."""
-        link = self._link
-        assert link is not None
-        if not link.arena.fits(sizes):
-            self._wait_replies(time.monotonic() + self.round_timeout_s)
-            link.arena.grow(with_headroom(sizes.total))
-        return link.arena.take(sizes)
-
-    def _first_scale(
-        self, codec: Codec, flat: torch.Tensor, plan: RoundPlan, p: _Pending
-    ) -> torch.Tensor:
-        """Per-packet scales from every rank's encoded maxima (one all-reduce).
-
-        A rank whose probe fails (non-finite gradients) still takes part in the
-        all-reduce, with zeros, and records the failure for the step's agreement.
-        """
-        try:
-            probe = codec.encode(
-                p.ef.take(flat) if p.ef is not None else flat,
-                per_packet=plan.per_packet,
-                seed=plan.seed,
-                scale=None,
-            )
-            local = probe.block_max.detach().to("cpu", torch.float32)
-        except Exception as exc:
-            p.error = f"encode: {type(exc).__name__}: {exc}"
-            local = torch.zeros(plan.packets)
-        local = torch.nan_to_num(local, nan=0.0, posinf=0.0)
-        return self._scale_from(pg.global_max(local, self._group))
-
-    def _scale_from(self, maxima: torch.Tensor) -> torch.Tensor:
-        clean = torch.nan_to_num(maxima.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        clean = clean.clamp(min=0.0)
-        if self.scale_mode == "bucket" and clean.numel():
-            clean = clean.max().expand(clean.numel())
-        margin = 1.0 if self.scale_mode == "exact" else self.scale_margin
-        return next_scale(clean, margin)
-
-    # -- the end of a step -----------------------------------------------------------
-    def _wait_replies(self, deadline: float) -> None:
-        for p in self._pending:
-            if p.sub is None or p.error is not None or p.reply is not None:
-                continue
-            try:
-                p.reply = p.sub.reply.result(timeout=max(0.0, deadline - time.monotonic()))
-                if p.times is not None:
-                    p.times.seen = time.perf_counter()
-                    p.times.daemon_s = float(p.reply.get("elapsed_s", math.nan))
-                if p.sent_at is not None and p.replied_at is None:  # (callbacks run late)
-                    p.replied_at = time.perf_counter()
-            except TimeoutError:
-                p.error = f"no reply within {self.round_timeout_s:g} s"
-            except Exception as exc:
-                p.error = f"{type(exc).__name__}: {exc}"
-
-    def _finish_step(self) -> None:
-        pending = self._pending
-        auto = self._auto if self._auto_used else None
-        learned = False
-        began = time.perf_counter()
-        try:
-            self._wait_replies(time.monotonic() + self.round_timeout_s)
-            local = next((p.error for p in pending if p.error), None)
-            maxima = self._maxima(pending)
-            if auto is not None:  # this rank's wish for an auto decision rides along
-                wish = torch.tensor([1.0 if auto.link_changed() else 0.0])
-                maxima = wish if maxima is None else torch.cat([maxima.reshape(-1), wish])
-            failed, maxima = pg.agree(local is not None, maxima, self._group)
-            if auto is not None:
-                maxima, wished = maxima[:-1], bool(maxima[-1] > 0.0)
-            if failed:
-                self._step_failed(local or "another rank could not use dlcp in this step")
-            else:
-                self._step_done(maxima)
-            if auto is not None and self._link is not None:
-                learned = True
-                auto_steps.step(self, auto, wished, pending)
-        finally:
-            if auto is not None and not learned:
-                auto.discard_step()  # a failed step teaches nothing
-            self._pending = []
-            self._auto_used = False
-            if self._link is not None:
-                self._reserve_for_next_step(self._link.arena)
-            self._timeline.end_step(time.perf_counter() - began)
-            self._end_step()
-
-    def _reserve_for_next_step(self, arena: Arena) -> None:
-        """Free the step's regions; if the step outgrew the segment, size it for
-        the whole step now, between steps, so the next one does not grow it
-        bucket by bucket (each growth waits for the buckets in flight)."""
-        taken = arena.step_bytes
-        arena.reset()
-        try:
-            if taken > arena.segment.size and arena.reserve(with_headroom(taken)):
-                self.segment_bytes = max(self.segment_bytes or 0, arena.segment.size)
-        except Exception as exc:  # the next step grows it, or fails over
-            log.debug("dlcp: could not grow the segment between steps: %s", exc)
-
-    def _maxima(self, pending: list[_Pending]) -> torch.Tensor | None:
-        """What the agreement carries for the next THC scales: per bucket its max
-        ("bucket") or its per-packet maxima ("packet"); nothing for "exact".
-        Zeros where this rank has none: the length is the same on every rank."""
-        if self.scale_mode == "exact":
-            return None
-        parts = []
-        for p in pending:
-            if p.plan is None or not p.plan.scaled:
-                continue
-            n = p.plan.packets if self.scale_mode == "packet" else 1
-            if p.sub is None:
-                parts.append(torch.zeros(n))
-            elif n == 1:
-                parts.append(p.sub.block_max.max().reshape(1))
-            else:
-                parts.append(p.sub.block_max)
-        return torch.cat(parts) if parts else None
-
-    def _step_done(self, maxima: torch.Tensor) -> None:
-        at = 0
-        for p in self._pending:
-            assert p.sub is not None and p.reply is not None
-            plan = p.sub.plan
-            if p.times is not None:
-                p.times.decoding = time.perf_counter()
-            dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
-            if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
-                plan.codec.learn(
-                    p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
-                )
-            if dec.mean is not p.buffer:
-                p.buffer.copy_(dec.mean.to(p.buffer.dtype))
-            if p.times is not None:
-                p.times.decoded = time.perf_counter()
-            self.rounds += 1
-            self.lost_lanes += int(p.reply.get("lost_lanes", 0))
-            self.total_lanes += int(p.reply.get("total_lanes", 0))
-            self.saturated += p.sub.saturated
-            if plan.scaled and self.scale_mode != "exact":
-                n = plan.packets if self.scale_mode == "packet" else 1
-                if p.keep:
-                    seen = maxima[at : at + n].expand(plan.packets)
-                    self._scales[p.key] = self._scale_from(seen)
-                at += n
-            if p.future is not None:
-                p.future.set_result(p.buffer)
-            if p.times is not None:
-                p.times.completed = time.perf_counter()
-
-    def _step_failed(self, reason: str) -> None:
-        for p in self._pending:
-            if p.ef is not None and p.snapshot is not None:
-                p.ef.residual, p.ef.rounds, p.ef.saturated = p.snapshot
-        self._fail(reason)
-        if self.strict:
-            err = ShimError(f"dlcp all-reduce failed: {reason}")
-            for p in self._pending:
-                if p.future is not None:
-                    p.future.set_exception(err)  # type: ignore[arg-type]
-            if not any(p.future is not None for p in self._pending):
-                raise err
-            return
-        for p in self._pending:
-            pg.fallback_all_reduce(p.buffer, self._group)
-            self._count_fallbacks(1)
-            if p.future is not None:
-                p.future.set_result(p.buffer)
-
-    def _end_step(self) -> None:
-        self.round += 1
-        self._layers.end_step()
-        if self._link is not None or self._detached_round is None:
-            return
-        since = self.round - self._detached_round
-        due = self.retry_steps is not None and since % self.retry_steps == 0
-        if self.retry_s is not None:
-            mine = time.monotonic() - self._last_attempt >= self.retry_s
-            any_due, _ = pg.agree(mine, None, self._group)
-            due = due or any_due
-        if due:
-            self._attach_due = True
-
     # -- codec="auto" ------------------------------------------------------------------
     def _new_auto(self) -> AutoCodec:
         return AutoCodec(link_bps=self.link_bps, **self.auto_options)
@@ -843,82 +513,7 @@ class DlcpState:
         self._auto_used = True
         return self._auto
 
-    # -- helpers ----------------------------------------------------------------------
-    def _fail(self, reason: str) -> None:
-        """Every rank decided to leave the daemon: detach, warn once, or raise."""
-        self._close_link()
-        self.failures += 1
-        self.last_error = reason
-        self._detached_round = self.round
-        if self.strict:
-            self._attach_due = True
-            raise_now = not self._pending
-            if raise_now:
-                raise ShimError(f"dlcp is unavailable: {reason}")
-            return
-        message = f"dlcp: {reason}; using the process group's all-reduce until it is back"
-        if not self._warned:  # warn once; later failures (e.g. reattach attempts) only log
-            self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-        else:
-            log.info(message)
-
-    def _require_fallback(self) -> None:
-        if self.strict:
-            raise ShimError(f"dlcp is unavailable: {self.last_error or 'not attached'}")
-
-    def _count_fallbacks(self, n: int) -> None:
-        self.fallbacks += n
-        self._unreported += n
-
-    def _close_link(self) -> None:
-        link, self._link = self._link, None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if link is not None:
-            link.close()
-
     def _get_store(self) -> Store:
         if self._store is None:
             self._store = dist.distributed_c10d._get_default_store()
         return self._store
-
-    def _codec(self, name: str) -> Codec:
-        codec = self._codecs.get(name)
-        if codec is None:
-            codec = self._codecs[name] = get_codec(name, **self.codec_options)
-        return codec
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(secrets.randbits(63))
-            self._generators[device] = gen
-        return gen
-
-    def _packet_layers(
-        self, bucket: dist.GradBucket, buf: torch.Tensor, plan: RoundPlan
-    ) -> npt.NDArray[np.uint16]:
-        params = bucket.parameters()
-        span = plan.codec.packet_span(plan.per_packet)  # bucket values a packet stands for
-        key: Key = (
-            bucket.index(),
-            buf.numel(),
-            plan.per_packet,
-            span,
-            self._layers.version,
-            tuple(id(p) for p in params),
-        )
-        cached = self._layer_cache.get(key)
-        if cached is None:
-            grads = bucket.gradients()
-            offsets = param_offsets(buf, grads)
-            layers = self._layers.layers_of(params)
-            spans = [(o, g.numel(), lay) for o, g, lay in zip(offsets, grads, layers, strict=True)]
-            cached = packet_layers(spans, buf.numel(), span, plan.packets)
-            if len(self._layer_cache) > 1024:
-                self._layer_cache.clear()
-            self._layer_cache[key] = cached
-        return cached
