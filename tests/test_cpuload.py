@@ -113,3 +113,18 @@ def test_this_machine_can_be_read() -> None:
     snap = cpuload.snapshot([os.getpid()])
     assert snap.busy_s > 0 and snap.idle_s >= 0
     assert any(pid == os.getpid() for pid, _ in snap.tasks)
+
+
+def test_processes_cpu_s_sees_a_few_milliseconds() -> None:
+    """A process's CPU time is read to better than the 10 ms clock tick: a
+    short run of a daemon is not 0 (`dlcp bench ddp`'s smoke run read 0.0)."""
+    import os
+    import time
+
+    before = cpuload.processes_cpu_s([os.getpid()])
+    start = time.process_time()
+    while time.process_time() - start < 0.003:  # 3 ms of this process's CPU
+        pass
+    took = cpuload.processes_cpu_s([os.getpid()]) - before
+    assert 0 < took < 1.0
+    assert cpuload.processes_cpu_s([2**22 + 12345]) == 0.0  # no such process
