@@ -55,12 +55,11 @@ from dlcp.codecs.base import (
     Encoded,
     Scale,
     check_per_packet,
-    contributors_per_lane,
     flat_float,
     per_packet_norms,
 )
 from dlcp.codecs.fft import ThetaSchedule, keep_count
-from dlcp.codecs.fp import Fp32Codec
+from dlcp.codecs.fp import Fp32Codec, mean_of_float_sums
 from dlcp.codecs.rangefloat import EXP_BITS, MAN_BITS, MAX_UNIT, UNIT_VALUES
 from dlcp.errors import LocalError
 from dlcp.wire.header import Codec as WireCodec
@@ -405,14 +404,8 @@ class FftSparseRound(Codec):
         n = self.n_lanes(numel, per_packet)
         if sums.numel() != n:
             raise LocalError(f"{sums.numel()} summed lanes; the fft round has {n}")
-        s = sums.reshape(-1).to(torch.float32)
-        c = contributors_per_lane(contributors, n, per_packet, s.device)
-        if c.dim() == 0:
-            mean = s / c.clamp(min=1) if float(c) > 0 else torch.zeros_like(s)
-        else:
-            per_lane = c.expand(-1, per_packet).reshape(-1)[:n]
-            mean = torch.where(per_lane > 0, s / per_lane.clamp(min=1), 0.0)
-        idx, unit = self._device_tables(s.device)
+        mean = mean_of_float_sums(sums, contributors, numel=n, per_packet=per_packet)
+        idx, unit = self._device_tables(mean.device)
         parts = mean.view(a.blocks, 2 * a.k) * unit
         return self._spectrum(parts, idx).reshape(-1)[:numel]
 
