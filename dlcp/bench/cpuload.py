@@ -51,26 +51,12 @@ __all__ = [
 ]
 
 
-def processes_cpu_s(pids: Iterable[int]) -> float:
-    """CPU seconds of these processes so far (0 for one that is gone): their
-    time on a CPU in nanoseconds (/proc/PID/schedstat), else user + system
-    time in clock ticks (/proc/PID/stat). Ticks are 10 ms: a daemon's few
-    milliseconds over a short run read as 0 or 10 ms."""
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/schedstat") as f:
-                total += int(f.read().split()[0]) / 1e9
-            continue
-        except (OSError, ValueError, IndexError):
-            pass
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+def processes_cpu_s(pids: Iterable[int], *, proc: Path = Path("/proc")) -> float:
+    """CPU seconds of these processes so far: their threads' time on a CPU, in
+    nanoseconds (`_tasks`, the schedstat that `snapshot` reads too; /proc/PID/stat's
+    clock ticks are 10 ms, and a daemon's few milliseconds over a short run read
+    as 0 or 10 ms). A process that is gone counts 0."""
+    return sum(run for run, _ in _tasks(pids, proc).values())
 
 
 IDLE_BOUND = 0.10  # the machine idle below this share of all CPU time: CPU-bound
