@@ -1,7 +1,9 @@
 """The batched receive path (`Engine.receive_many`) against the per-packet one.
 
 Two identical clusters run the same rounds; one takes every datagram with
-`receive`, the other in shuffled batches with `receive_batch`. Sums must be
+`receive`, the other in shuffled batches with `receive_batch` (which takes a
+batch source by source, each source's datagrams in their order: the
+per-packet side takes each batch in that order too). Sums must be
 bit-identical and rejects counted per reason the same, with duplicates,
 replays, forged MACs, spoofed senders and bad ranges mixed into the batches.
 """
@@ -109,12 +111,13 @@ def _run(codec: Codec, hosts: int, payload: int, seed: int, mac: str = "blake2b"
                     stream.extend((src, f) for f in _forge(dg, rng, dst, mac))
                 if dg[3] in (PacketType.DATA, PacketType.RESULT) and rng.random() < 0.02:
                     seen.append(dg)
-            for src, dg in stream:
-                per[0][dst].receive(dg, now, src=src)
             cut = 0
             while cut < len(stream):
                 k = int(rng.integers(1, 80))
                 part = stream[cut : cut + k]
+                # a batch is taken source by source, each in its order
+                for src, dg in sorted(part, key=lambda item: item[0]):
+                    per[0][dst].receive(dg, now, src=src)
                 per[1][dst].receive_batch([d for _, d in part], now, [s for s, _ in part])
                 cut += k
             now += 0.001

@@ -15,7 +15,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from dlcp.bench.common import (
 )
 from dlcp.bench.common import say as default_say
 from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
+from dlcp.errors import DlcpError
 
 __all__ = ["AllreduceOptions", "format_table", "run_allreduce", "run_backend"]
 
@@ -110,7 +111,10 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
     if is_dlcp:
         rec["loss_bound"] = bound
         rec["bucket_bytes"] = opts.bucket_bytes
+    if is_dlcp:
+        rec["mode"] = s.mode
     started = time.monotonic()
+    held = contextlib.ExitStack()
     try:
         if is_dlcp:
             cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
@@ -127,6 +131,8 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
             key = secrets.token_hex(32)
             job = secrets.randbits(31)
             hosts = cluster.join_hosts(backend)
+            if s.mode == "switch":  # the job in the switch, as its controller would put it
+                held.enter_context(_switch_job(cluster, job, key, hosts))
             argvs = [
                 worker_argv(
                     "dlcp.bench.ar_worker",
@@ -146,6 +152,8 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
                         key,
                         "--codec",
                         codec,
+                        "--mode",
+                        s.mode,
                         "--bound",
                         str(bound),
                         *(["--check"] if opts.check else []),
@@ -185,6 +193,7 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
                 rec["error"] += f"\ndaemon logs: {tail}"
         say(f"{backend}: FAILED: {rec['error']}")
     finally:
+        held.close()
         if is_dlcp:
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
@@ -193,6 +202,32 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
             cluster.mark_tcp(None)
     rec["wall_s"] = time.monotonic() - started
     return rec
+
+
+@contextlib.contextmanager
+def _switch_job(
+    cluster: Cluster, job: int, key: str, hosts: list[dict[str, Any]]
+) -> Iterator[None]:
+    """Job `job` joined at the switch aggregator (its last host) while the
+    block runs: the aggregator sums only the jobs it was given."""
+    from dlcp.shim.client import DaemonClient
+
+    socket = cluster.tb.switch_socket
+    if socket is None:
+        raise BenchError("--mode switch needs the testbed's switch aggregator")
+    try:
+        client = DaemonClient(str(socket), timeout=10.0)
+    except (OSError, DlcpError) as exc:
+        raise BenchError(f"the switch aggregator: {exc}") from exc
+    try:
+        try:
+            client.hello()
+            client.join(job=job, key=key, hosts=hosts, me=len(hosts) - 1, mode="switch")
+        except (OSError, DlcpError) as exc:
+            raise BenchError(f"the switch aggregator: {exc}") from exc
+        yield
+    finally:
+        client.close()
 
 
 def _run_workers(

@@ -125,6 +125,7 @@ def bucket_spans(elements: int, bucket_elements: int) -> list[tuple[int, int]]:
 
 def run_dlcp(a: argparse.Namespace) -> None:
     from dlcp.codecs import CodecState, get_codec, next_scale
+    from dlcp.core.records import SWITCH_SHARDS
     from dlcp.shim.arena import Arena
     from dlcp.shim.client import DaemonClient, default_socket
     from dlcp.shim.exchange import RoundPlan, decode_round, submit_round
@@ -135,10 +136,13 @@ def run_dlcp(a: argparse.Namespace) -> None:
     hosts = json.loads(a.hosts)
     client = DaemonClient(a.socket or default_socket(), timeout=10.0)
     info = client.hello()
-    client.join(job=a.job, key=bytes.fromhex(a.key), hosts=hosts, me=a.rank, local_ranks=1)
+    client.join(
+        job=a.job, key=bytes.fromhex(a.key), hosts=hosts, me=a.rank, local_ranks=1, mode=a.mode
+    )
     codec = get_codec(a.codec)
     payload = int(info["payload"])
-    H = len(hosts)
+    H = a.world  # the contributors (in "switch" mode `hosts` also has the aggregator, last)
+    shards = SWITCH_SHARDS if a.mode == "switch" else len(hosts)  # JobSpec's: the layout's
     scales = position_scales(a.elements, a.seed)
     x = torch.from_numpy(make_data(a.elements, a.seed, a.rank, scales))
     ref: torch.Tensor | None = None
@@ -152,7 +156,7 @@ def run_dlcp(a: argparse.Namespace) -> None:
     # then the agreed coefficients, with error feedback): a state per bucket
     states = [CodecState() if codec.agreed else None for _ in spans]
     plans0 = [
-        RoundPlan.make(codec.for_round(st), n, shards=H, payload=payload, round_=0, bucket=b)
+        RoundPlan.make(codec.for_round(st), n, shards=shards, payload=payload, round_=0, bucket=b)
         for b, ((_, n), st) in enumerate(zip(spans, states, strict=True))
     ]
     sizes = [region_sizes(p.layout) for p in plans0]
@@ -192,7 +196,7 @@ def run_dlcp(a: argparse.Namespace) -> None:
         for b, (o, n) in enumerate(spans):
             rc = codec.for_round(states[b])
             plan = RoundPlan.make(
-                rc, n, shards=H, payload=payload, round_=r, bucket=b, scale=scale[b]
+                rc, n, shards=shards, payload=payload, round_=r, bucket=b, scale=scale[b]
             )
             if sketch:  # the union round (waited for), then the cells
                 sub = submit_sketch(
@@ -304,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--job", type=int, default=1)
     p.add_argument("--key", default="00" * 32)
     p.add_argument("--codec", default="fp32")
+    p.add_argument("--mode", choices=("transpose", "switch"), default="transpose")
     p.add_argument("--bound", type=float, default=0.0)
     p.add_argument("--scale-margin", type=float, default=1.25)
     p.add_argument(

@@ -303,6 +303,15 @@ def _cluster_args(
     )
     p.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
     _pacing_arg(p)
+    p.add_argument(
+        "--mode",
+        choices=("transpose", "switch"),
+        default="transpose",
+        help="dlcp's all-reduce: transpose = host to host (each host sums a shard); "
+        "switch = summed in the switch (the testbed gets an aggregator daemon there, "
+        "`dlcp testbed up --switch-aggregator`): each host sends its buckets once up "
+        "and receives the sums once down (default: transpose)",
+    )
     p.add_argument("--name", default=None, help="testbed name (default: bench-<pid>)")
 
 
@@ -344,6 +353,7 @@ def setup_from_args(args: argparse.Namespace) -> Any:
         loss_pct=args.loss,
         mtu=args.mtu,
         pacing=args.pacing,
+        mode=args.mode,
         name=args.name,
     )
 

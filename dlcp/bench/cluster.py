@@ -36,6 +36,7 @@ from dlcp.bench.common import SCENARIOS, BenchError, format_rate
 from dlcp.testbed import Testbed, TestbedSpec
 from dlcp.testbed.config import merge_config
 from dlcp.testbed.plan import IPERF_BASE_PORT
+from dlcp.testbed.switchagg import SWITCH_ROLE
 from dlcp.testbed.system import require_root, require_tools
 
 __all__ = [
@@ -58,6 +59,7 @@ GLOO_PRIO_DSCP = "cs5"  # the top gradient class of the default DSCP table (clas
 CONTROL_DSCP = "cs6"  # class 0: dlcp's control traffic
 MARK_TABLE = "dlcp_bench"
 PACING: tuple[str, ...] = ("link", "share")
+MODES: tuple[str, ...] = ("transpose", "switch")  # dlcp's: host to host, or summed in the switch
 
 Progress = Callable[[str], None]
 
@@ -114,6 +116,8 @@ class Setup:
     # configured (AIMD per peer up to the link over the hosts that send to
     # it); "share" (diagnosis) also makes that share the floor and start.
     pacing: str = "link"
+    # dlcp's mode; "switch" also gives the testbed its aggregator (--switch-aggregator)
+    mode: str = "transpose"
     name: str | None = None  # testbed name; default "bench-<pid>"
     burst: Burst = BURST
     congestion: Congestion = CONGESTION
@@ -136,6 +140,8 @@ class Setup:
             )
         if self.pacing not in PACING:
             raise BenchError(f"pacing must be one of {', '.join(PACING)}, not {self.pacing!r}")
+        if self.mode not in MODES:
+            raise BenchError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
 
     @property
     def n_paths(self) -> int:
@@ -251,6 +257,7 @@ class Cluster:
             "paths": s.n_paths,
             "rate_bps": s.rate_bps,
             "name": s.testbed_name,
+            **({"switch_aggregator": True} if s.mode == "switch" else {}),
         }
         if s.mtu != 1500:
             if "mtu" not in {f.name for f in dataclasses.fields(TestbedSpec)}:
@@ -332,17 +339,24 @@ class Cluster:
             self.variant = None
 
     def daemon_pids(self) -> list[int]:
-        return [int(p["pid"]) for p in self.tb.processes("daemon") if p["alive"]]
+        """The daemons' (the switch aggregator's too: it shares these cores)."""
+        procs = [*self.tb.processes("daemon"), *self.tb.processes(SWITCH_ROLE)]
+        return [int(p["pid"]) for p in procs if p["alive"]]
 
     def join_hosts(self, variant: str) -> list[dict[str, Any]]:
-        """The `hosts` of a shim-protocol join for the daemons of `variant`."""
-        return [
-            {
-                "addresses": [h.addresses[0]] if variant == "dlcp-1path" else list(h.addresses),
-                "udp_port": h.udp_port,
-            }
+        """The `hosts` of a shim-protocol join for the daemons of `variant`
+        (in "switch" mode the aggregator last)."""
+        one = variant == "dlcp-1path"
+        hosts = [
+            {"addresses": [h.addresses[0]] if one else list(h.addresses), "udp_port": h.udp_port}
             for h in self.tb.hosts
         ]
+        if self.setup.mode == "switch":
+            addresses = list(self.tb.switch_addresses)
+            hosts.append(
+                {"addresses": addresses[:1] if one else addresses, "udp_port": hosts[0]["udp_port"]}
+            )
+        return hosts
 
     def run_label(self, backend: str) -> str:
         """'loss5-dlcp', 'congested-gloo': names the logs of one backend run."""
@@ -356,9 +370,12 @@ class Cluster:
         dest.mkdir(parents=True, exist_ok=True)
         label = self.run_label(backend)
         if backend.startswith("dlcp"):
-            for h in self.tb.hosts:
+            logs = [(h.name, h.log) for h in self.tb.hosts]
+            if self.tb.switch_socket is not None:
+                logs.append(("switch", self.tb.switch_socket.parent / "dlcpd.log"))
+            for name, log in logs:
                 with contextlib.suppress(OSError):
-                    shutil.copyfile(h.log, dest / f"{label}-{h.name}-dlcpd.log")
+                    shutil.copyfile(log, dest / f"{label}-{name}-dlcpd.log")
         for f in self.work_dir.glob(f"*{label}-rank*.log"):
             with contextlib.suppress(OSError):
                 shutil.copyfile(f, dest / f.name)
@@ -372,13 +389,14 @@ class Cluster:
             "import sys, urllib.request\n"
             "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
         )
-        for h in self.tb.hosts:
+        urls = [(h.name, h.metrics_url) for h in self.tb.hosts]
+        for a in self.tb.switch_addresses[:1]:  # from host 0, as the hosts' own
+            urls.append(("switch", f"http://{a}:{self.tb.spec.metrics_port}/metrics"))
+        for name, url in urls:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                got = self.tb.exec(
-                    h.name, [sys.executable, "-c", fetch, h.metrics_url], capture=True, timeout=15
-                )
+                got = self.tb.exec(0, [sys.executable, "-c", fetch, url], capture=True, timeout=15)
                 if got.returncode == 0:
-                    (dest / f"{label}-{h.name}-metrics.txt").write_text(got.stdout)
+                    (dest / f"{label}-{name}-metrics.txt").write_text(got.stdout)
 
     def daemon_log_tail(self, lines: int = 5) -> str:
         out = []

@@ -118,6 +118,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
     bound = 0.0 if backend == "dlcp-nobound" else opts.bound
     if is_dlcp:
         rec["loss_bound"] = bound
+        rec["mode"] = opts.setup.mode
         rec["control_dscp"] = opts.control_dscp
     tb = cluster.tb
     started = time.monotonic()
@@ -157,6 +158,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     str(opts.eval_every),
                     "--codec",
                     codec,
+                    *(["--mode", opts.setup.mode] if backend.startswith("dlcp") else []),
                     "--bound",
                     str(bound),
                     "--timeout",

@@ -33,7 +33,7 @@ from dlcp.core.records import (
 from dlcp.core.runs import LANE_TYPES, run_starts, sources
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
-from dlcp.wire.batch import decode_batch
+from dlcp.wire.batch import Payloads, decode_batch
 from dlcp.wire.header import Flags, Header, PacketType, decode, header_of_valid
 from dlcp.wire.mac import MacKey
 
@@ -124,7 +124,11 @@ class EngineIn:
         or result packets of one sender for one shard are taken as a run: the
         per-packet checks once, the aggregator's or collector's bookkeeping with
         array operations. The outcome (state, sums, stats, rejects per reason)
-        is that of `receive` called per datagram in order.
+        is that of `receive` called per datagram, each source's in their order
+        and the sources one after another (a stable sort by source: an
+        aggregator that takes several hosts' packets interleaved still gets
+        long runs). Sources are independent but for fp32 sums' rounding,
+        which depends on arrival order anyway.
         """
         batch = decode_batch(datagrams, self._keys)
         if batch.rejects:
@@ -135,10 +139,17 @@ class EngineIn:
         f = batch.fields
         index = batch.index
         src = sources(srcs, index)
+        payloads = batch.payloads
+        if n > 1 and (src != src[0]).any():
+            # several sources' packets interleaved (an aggregator in the switch
+            # takes every host's at once): each source's together, in its own
+            # order, so that they make long runs, not runs of one or two
+            order = np.argsort(src, kind="stable")
+            f, index, src = f[order], index[order], src[order]
+            payloads = _reordered(payloads, order)
         starts = run_starts(f, src)
         ends = [*starts[1:], n]
         ok = np.zeros(n, dtype=bool)
-        payloads = batch.payloads
         ptype = f["type"]
         for a, b in zip(starts, ends, strict=True):
             if LANE_TYPES[ptype[a]]:
@@ -151,7 +162,7 @@ class EngineIn:
                 s_ = int(src[k])
                 h = header_of_valid(datagrams[int(index[k])])
                 ok[k] = self.receive_packet(h, payloads[k], now, None if s_ < 0 else s_)
-        return index[ok]
+        return np.sort(index[ok])
 
     def _receive_run(
         self,
@@ -532,3 +543,11 @@ class EngineIn:
                 self._send_data(c, h.shard, h.sender, todo)
         if h.flags & Flags.NEED_MANIFEST:
             self._send_manifest(c, h.shard, h.sender, copies=1)
+
+
+def _reordered(payloads: Sequence[memoryview], order: np.ndarray) -> Sequence[memoryview]:
+    """`payloads` in `order` (a `Payloads` stays one: views made when asked for)."""
+    if isinstance(payloads, Payloads):
+        dgs = payloads.datagrams
+        return Payloads([dgs[i] for i in order.tolist()], payloads.skip)
+    return [payloads[i] for i in order.tolist()]

@@ -52,6 +52,10 @@ RETRANSMIT_CLASS = 1  # recovered packets are needed now: top gradient class
 LOWEST_RELIABLE_CLASS = 5
 
 
+# shards of a bucket in a "switch" job (`JobSpec.switch`): the pipeline's depth
+SWITCH_SHARDS = 8
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """One job's membership as this node sees it."""
@@ -69,6 +73,20 @@ class JobSpec:
     def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: Any) -> JobSpec:
         nodes = tuple(range(hosts))
         return cls(job=job, key=key, me=me, contributors=nodes, owners=nodes, **kw)
+
+    @classmethod
+    def switch(
+        cls, job: int, key: bytes, me: int, hosts: int, shards: int = SWITCH_SHARDS, **kw: Any
+    ) -> JobSpec:
+        """Hosts 0..hosts-2 contribute; the last, an aggregator in the switch,
+        owns every shard. The bucket is still cut into `shards`, so that the
+        aggregator sums and sends back each shard as soon as it is whole, while
+        the contributors are still sending the next: up and down overlap as in
+        a switch that sums packet by packet."""
+        agg = hosts - 1
+        return cls(
+            job=job, key=key, me=me, contributors=tuple(range(agg)), owners=(agg,) * shards, **kw
+        )
 
     def __post_init__(self) -> None:
         if not self.contributors or not self.owners:

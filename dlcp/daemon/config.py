@@ -212,7 +212,7 @@ def _job(v: Any, i: int, default_port: int) -> JobConfig:
     hosts = v.get("hosts")
     _need(isinstance(hosts, list) and bool(hosts), f"{name}.hosts must be a non-empty list")
     mode = v.get("mode", "transpose")
-    _need(mode in ("transpose", "ps"), f"{name}.mode must be transpose or ps")
+    _need(mode in ("transpose", "ps", "switch"), f"{name}.mode must be transpose, ps or switch")
     return JobConfig(
         job=_int(v.get("job"), f"{name}.job", 0, 2**32 - 1),
         key=key,

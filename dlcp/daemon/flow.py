@@ -132,26 +132,30 @@ def take_credit(
 
 
 def size_windows(jobs: Iterable[Any], window_bytes: int, rate: RateConfig) -> int:
-    """Each peer's pacing cap, the link's rate shared among the hosts that
-    send to it in `jobs` (`RateConfig.fan_in_rate`: incast fills the peer's
-    port at most to `rate.utilization`), and its flow-control window:
-    `window_bytes` shared among those hosts (itself included), at least
-    WINDOW_MIN: what they may all have in flight at once then fits the
-    peer's socket as one sender's window does (a transpose job of H hosts:
-    H-1 senders a host; "ps": the contributors to an aggregator, the
-    aggregators to a contributor). Returns the window this daemon grants in
-    its credits: `window_bytes` shared among all the hosts that send to it
-    in all its jobs, which a sender in only some of them cannot know of (its
-    `Peer.limit` takes the smaller); 0 without flow control."""
+    """Each peer's pacing cap, the link's rate shared among the hosts that send to it in
+    `jobs` (`RateConfig.fan_in_rate`: incast fills the peer's port at most to
+    `rate.utilization`), and its flow-control window: `window_bytes` shared among those
+    hosts (itself included), at least WINDOW_MIN: what they may all have in flight at once
+    then fits the peer's socket as one sender's window does (a transpose job of H hosts: H-1
+    senders a host; "ps": the contributors to an aggregator, the aggregators to a
+    contributor; "switch": as "ps", but each contributor reaches the aggregator in the
+    switch on its own port, paced at its link). Returns the window this daemon grants in its
+    credits: `window_bytes` shared among all the hosts that send to it in all its jobs,
+    which a sender in only some of them cannot know of (its `Peer.limit` takes the smaller);
+    0 without flow control."""
     senders: dict[Peer, set[Any]] = {}
+    switches: set[Peer] = set()
     mine: set[Any] = set()
     for job in jobs:
         spec = job.spec
         mine.update(job.hosts[i] for i in spec.senders_to(spec.me))
         for node, peer in job.peers.items():
             senders.setdefault(peer, set()).update(job.hosts[i] for i in spec.senders_to(node))
+            if job.mode == "switch" and node in spec.owners:
+                switches.add(peer)
     for peer, hosts in senders.items():  # each peer's pacing cap
-        cap = rate.fan_in_rate(len(hosts))
+        # an aggregator in the switch takes each sender on its own port: no incast
+        cap = rate.fan_in_rate(1 if peer in switches else len(hosts))
         if cap is not None:
             peer.rate.set_max_rate(cap)
     if not window_bytes:

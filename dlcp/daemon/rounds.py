@@ -225,7 +225,13 @@ class RoundLifecycle:
             )
         if mode == "transpose":
             spec = JobSpec.transpose(job, key, me, H, payload=payload, mac=self.config.mac)
-        elif mode == "ps":
+        elif mode == "switch" and not aggregators and not contributors:
+            # the last host is an aggregator in the switch (e.g. the testbed's
+            # --switch-aggregator), not a host with a port of its own
+            if H < 2:
+                raise bad_request("a switch job needs hosts and the switch's aggregator last")
+            spec = JobSpec.switch(job, key, me, H, payload=payload, mac=self.config.mac)
+        elif mode in ("ps", "switch"):
             aggs = aggregators or (0,)
             contr = contributors or tuple(i for i in range(H) if i not in aggs)
             for i in (*aggs, *contr):
@@ -241,7 +247,7 @@ class RoundLifecycle:
                 mac=self.config.mac,
             )
         else:
-            raise bad_request(f"mode must be transpose or ps, not {mode!r}")
+            raise bad_request(f"mode must be transpose, ps or switch, not {mode!r}")
         state = JobState(spec=spec, hosts=hosts, local_ranks=local_ranks, mode=mode, static=static)
         now = self.now
         for node, h in enumerate(hosts):

@@ -90,7 +90,7 @@ class BucketLaunch:
         codec = self._codec(name).for_round(ef)
         # the same inputs on every rank: an error here is raised on every rank
         plan = RoundPlan.make(
-            codec, numel, shards=len(m.hosts), payload=m.payload, round_=self.round, bucket=bucket
+            codec, numel, shards=m.shards, payload=m.payload, round_=self.round, bucket=bucket
         )
         p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None, times=times)
         self._pending.append(p)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
+from dlcp.core.records import SWITCH_SHARDS
 from dlcp.errors import DlcpError
 
 __all__ = ["Membership", "Store", "all_gather", "job_secret", "plan_membership"]
@@ -41,14 +42,25 @@ class Membership:
     local_ranks: int
     payload: int
     host_of_rank: list[int]
+    # mode "switch": the aggregator in the switch ({"addresses", "udp_port"}),
+    # the job's last host after the training hosts
+    switch: dict[str, Any] | None = None
 
-    def join_fields(self, mode: str) -> dict[str, Any]:
+    @property
+    def shards(self) -> int:
+        """How the job's buckets are cut (the daemons' `JobSpec` owners)."""
+        return SWITCH_SHARDS if self.switch is not None else len(self.hosts)
+
+    def join_fields(self, mode: str, *, at_switch: bool = False) -> dict[str, Any]:
+        """The `join` of this rank at its daemon, or (`at_switch`) the job's
+        join at the switch's aggregator."""
+        hosts = self.hosts if self.switch is None else [*self.hosts, self.switch]
         return {
             "job": self.job,
             "key": self.key,
-            "hosts": self.hosts,
-            "me": self.me,
-            "local_ranks": self.local_ranks,
+            "hosts": hosts,
+            "me": len(self.hosts) if at_switch else self.me,
+            "local_ranks": 1 if at_switch else self.local_ranks,
             "mode": mode,
             "payload": self.payload,
         }
@@ -88,7 +100,10 @@ def first_failure(entries: Sequence[dict[str, Any]]) -> str | None:
 
 
 def plan_membership(
-    daemons: Sequence[dict[str, Any]], rank: int, secret: dict[str, Any]
+    daemons: Sequence[dict[str, Any]],
+    rank: int,
+    secret: dict[str, Any],
+    switch: dict[str, Any] | None = None,
 ) -> Membership:
     """Hosts, this rank's host index and its host's rank count, from every rank's
     daemon descriptor (rank order). Pure: the same inputs give every rank the
@@ -110,6 +125,10 @@ def plan_membership(
     index = {did: i for i, did in enumerate(host_ids)}
     mine = str(daemons[rank]["id"])
     payloads = [int(d["payload"]) for d in daemons]
+    at_switch = None
+    if switch is not None:
+        at_switch = {"addresses": list(switch["addresses"]), "udp_port": int(switch["udp_port"])}
+        payloads.append(int(switch["payload"]))
     return Membership(
         job=int(secret["job"]),
         key=str(secret["key"]),
@@ -118,4 +137,5 @@ def plan_membership(
         local_ranks=len(members[mine]),
         payload=min(payloads),
         host_of_rank=[index[str(d["id"])] for d in daemons],
+        switch=at_switch,
     )

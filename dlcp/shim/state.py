@@ -83,7 +83,7 @@ __all__ = ["DlcpState", "ShimError", "segment_for"]
 log = logging.getLogger("dlcp.shim")
 
 _INSTANCES = itertools.count()
-_MODES = ("transpose", "ps")
+_MODES = ("transpose", "ps", "switch")
 # THC scale: this round's exact per-packet maxima, or the previous round's
 # bucket max / per-packet maxima times the margin (see the module docstring).
 _SCALE_MODES = ("exact", "bucket", "packet")
@@ -103,6 +103,7 @@ _CONFIG = (
     "scale_margin",
     "scale_mode",
     "mode",
+    "switch_socket",
     "segment_bytes",
     "link_bps",
     "auto_options",
@@ -158,7 +159,9 @@ class DlcpState(BucketLaunch, StepEnd):
 
     Hyperparameters: codec, codec_options, loss_bound, socket, strict,
     retry_steps, retry_s, round_timeout_s, connect_timeout_s,
-    rendezvous_timeout_s, scale_margin, scale_mode, mode, segment_bytes,
+    rendezvous_timeout_s, scale_margin, scale_mode, mode (transpose: host to
+    host; switch: summed by the aggregator in the switch, whose socket is
+    switch_socket, default DLCP_SWITCH_SOCKET; ps), segment_bytes,
     link_bps and auto_options (for codec="auto": `dlcp.shim.auto.AutoCodec`).
     Stats: round (all-reduce steps so far), rounds (bucket rounds the daemon
     completed), fallbacks (buckets sent over the process group), attaches,
@@ -188,6 +191,7 @@ class DlcpState(BucketLaunch, StepEnd):
         scale_margin: float = 1.25,
         scale_mode: str = "exact",
         mode: str = "transpose",
+        switch_socket: str | None = None,
         segment_bytes: int | None = None,
         codec_options: dict[str, Any] | None = None,
         link_bps: float | str | None = None,
@@ -233,6 +237,8 @@ class DlcpState(BucketLaunch, StepEnd):
         self.scale_margin = float(scale_margin)
         self.scale_mode = scale_mode
         self.mode = mode
+        # mode "switch": the switch aggregator's socket (rank 0 puts the job there)
+        self.switch_socket = switch_socket or os.environ.get("DLCP_SWITCH_SOCKET")
         self.segment_bytes = segment_bytes
         if segment_bytes is None and model is not None:
             self.segment_bytes = segment_for(model)
@@ -288,7 +294,13 @@ class DlcpState(BucketLaunch, StepEnd):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # settings newer than a checkpoint take their defaults
-        state = {"link_bps": None, "auto_options": {}, "_auto": None, **state}
+        state = {
+            "link_bps": None,
+            "auto_options": {},
+            "_auto": None,
+            "switch_socket": None,
+            **state,
+        }
         for name in _CONFIG + _PERSISTENT:
             setattr(self, name, state[name])
         self._init_runtime(None, None, None)
@@ -390,6 +402,7 @@ class DlcpState(BucketLaunch, StepEnd):
             segment_bytes=self.segment_bytes or 0,
             fallbacks=self._unreported,
             mode=self.mode,
+            switch_socket=self.switch_socket,
             timeout=self.connect_timeout_s,
             store_timeout=self.rendezvous_timeout_s,
         )

@@ -101,6 +101,14 @@ def register(subparsers: Any) -> None:
         help="link MTU; 9000 for jumbo frames (the daemons' payload follows) (default: 1500)",
     )
     up.add_argument("--daemons", action="store_true", help="start one dlcp daemon per host")
+    up.add_argument(
+        "--switch-aggregator",
+        action="store_true",
+        help="an aggregator in the switch: each bridge gets the address 10.77.P.254, "
+        "each host's traffic to it is shaped to the port's rate on its way in, and "
+        "with --daemons a dlcp daemon runs there (jobs in mode 'switch' sum through "
+        "it; its socket is DLCP_SWITCH_SOCKET in `exec`)",
+    )
     _common(up)
     up.set_defaults(func=_up)
 
@@ -190,6 +198,7 @@ def spec_from_args(args: argparse.Namespace) -> TestbedSpec:
         name=args.name,
         segmentation={"auto": None, "on": True, "off": False}[args.segmentation],
         mtu=args.mtu,
+        switch_aggregator=args.switch_aggregator,
     )
 
 
@@ -275,6 +284,14 @@ def format_show(info: dict[str, Any]) -> str:
         )
     for sw in info["switches"]:
         lines += ["", f"switch {sw['netns']}: bridges {', '.join(sw['bridges'])}"]
+        agg = sw.get("aggregator")
+        if agg is not None:
+            daemon = "-" if agg["daemon_pid"] is None else str(agg["daemon_pid"])
+            if agg["daemon_pid"] is not None and not agg["daemon_alive"]:
+                daemon += " (dead)"
+            lines.append(
+                f"  aggregator {', '.join(agg['addresses'])} daemon {daemon} {agg['socket']}"
+            )
         for port in sw["ports"]:
             loss = sw["loss_pct"].get(port, {})
             state = " (down)" if port in sw.get("ports_down", ()) else ""

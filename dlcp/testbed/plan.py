@@ -52,8 +52,11 @@ __all__ = [
     "loss_script",
     "owned_netns",
     "parse_host",
+    "switch_address",
+    "switch_mac",
     "switch_netns",
     "switch_port",
+    "uplink_ifb",
     "validate_name",
 ]
 
@@ -123,6 +126,8 @@ class TestbedSpec:
     metrics_port: int = METRICS_PORT
     segmentation: bool | None = None
     mtu: int = 1500  # link MTU (9000: jumbo frames; the daemons' payload follows)
+    # an aggregator daemon in the switch namespace (`dlcp.testbed.switchagg`)
+    switch_aggregator: bool = False
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -205,6 +210,25 @@ def bridge_name(path: int) -> str:
 def host_mac(index: int, path: int) -> str:
     """The fixed, locally administered MAC of host `index`'s interface on `path`."""
     return f"02:77:{path:02x}:00:{index >> 8:02x}:{index & 0xFF:02x}"
+
+
+def switch_address(path: int) -> str:
+    """The switch aggregator's address on `path` (its bridge's): .254, which
+    no host has (hosts are .1 to .253)."""
+    if not 0 <= path < MAX_PATHS:
+        raise TestbedError(f"no switch address on path {path}")
+    return f"10.77.{path}.254"
+
+
+def switch_mac(path: int) -> str:
+    """The fixed MAC of the bridge of `path` (where the switch aggregator listens)."""
+    return f"02:77:{path:02x}:ff:ff:fe"
+
+
+def uplink_ifb(index: int, path: int) -> str:
+    """The ifb device that shapes host `index`'s traffic into the switch
+    aggregator on `path` (its uplink, at the port's rate)."""
+    return f"up{index}p{path}"
 
 
 def host_address(index: int, path: int) -> str:

@@ -29,6 +29,7 @@ from dlcp.testbed.plan import (
     iperf_client_argv,
     iperf_server_argv,
 )
+from dlcp.testbed.switchagg import SWITCH_ROLE
 
 if TYPE_CHECKING:
     from dlcp.testbed.testbed import Host
@@ -62,12 +63,27 @@ class HostProcesses:
 
         def host(self, host: str | int) -> Host: ...
 
+        @property
+        def switch_socket(self) -> Path | None: ...
+
+        def start_switch_daemon(
+            self,
+            extra_config: Mapping[str, Any],
+            argv: list[str],
+            env: Mapping[str, str],
+            deadline: float,
+            timeout_s: float,
+        ) -> None: ...
+
     # --- processes in hosts -------------------------------------------------------
 
     def env(self, host: str | int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment of commands in `host`: ours plus DLCP_SOCKET."""
+        """The environment of commands in `host`: ours plus DLCP_SOCKET (and
+        DLCP_SWITCH_SOCKET where the testbed has a switch aggregator)."""
         env = dict(os.environ)
         env["DLCP_SOCKET"] = str(self.host(host).socket)
+        if self.switch_socket is not None:
+            env["DLCP_SWITCH_SOCKET"] = str(self.switch_socket)
         env.update(extra or {})
         return env
 
@@ -117,17 +133,20 @@ class HostProcesses:
         argv: Sequence[str],
         log: Path,
         env: Mapping[str, str] | None = None,
+        netns: str | None = None,
     ) -> system.Proc:
-        """Start a detached process (own session, output to `log`) and record it."""
+        """Start a detached process (own session, output to `log`) and record it;
+        in host `host`'s namespace, or in `netns` (e.g. the switch's)."""
         log.parent.mkdir(parents=True, exist_ok=True)
+        environ = self.env(host, env) if netns is None else {**os.environ, **(env or {})}
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                system.netns_argv(self.hosts[host].netns, argv),
+                system.netns_argv(netns or self.hosts[host].netns, argv),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=self.env(host, env),
+                env=environ,
             )
         self._popens.append(proc)
         start = system.proc_start_time(proc.pid)
@@ -264,6 +283,10 @@ class HostProcesses:
                 ]
                 started.append((h, self._spawn("daemon", h.index, argv, h.log, env)))
             deadline = time.monotonic() + timeout_s
+            if self.spec.switch_aggregator:
+                self.start_switch_daemon(
+                    extra_config or {}, list(command), env, deadline, timeout_s
+                )
             for h, proc in started:
                 system.wait_socket(
                     proc, h.socket, f"daemon of {h.name}", h.log, deadline, timeout_s
@@ -274,10 +297,11 @@ class HostProcesses:
 
     def stop_daemons(self, *, timeout_s: float = 10.0) -> None:
         """SIGTERM the daemons (they drain), SIGKILL after `timeout_s`."""
-        self._stop(("daemon",), grace_s=timeout_s)
-        for h in self.hosts:
-            with contextlib.suppress(FileNotFoundError):
-                h.socket.unlink()
+        self._stop(("daemon", SWITCH_ROLE), grace_s=timeout_s)
+        for socket in (*(h.socket for h in self.hosts), self.switch_socket):
+            if socket is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    socket.unlink()
 
 
 def _pythonpath() -> str:

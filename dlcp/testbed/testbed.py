@@ -49,6 +49,7 @@ from dlcp.testbed.plan import (
 )
 from dlcp.testbed.procs import DEFAULT_DAEMON_COMMAND, HostProcesses
 from dlcp.testbed.state import load_state, locked, save_state, state_dir
+from dlcp.testbed.switchagg import SWITCH_ROLE, SwitchAggregator
 
 __all__ = ["DEFAULT_DAEMON_COMMAND", "Host", "Testbed", "down"]
 
@@ -76,7 +77,7 @@ class Host:
     metrics_url: str
 
 
-class Testbed(HostProcesses):
+class Testbed(HostProcesses, SwitchAggregator):
     """A built (or attached) testbed. Create it with `up` or `attach`."""
 
     __test__ = False  # not a pytest test class
@@ -190,6 +191,9 @@ class Testbed(HostProcesses):
         self._create_namespaces()
         self._say(f"wiring {self.spec.hosts} hosts x {self.spec.paths} path(s) to the switch")
         self._create_links()
+        if self.spec.switch_aggregator:
+            self._say("giving the switch an aggregator's addresses")
+            self._wire_switch_aggregator()
         kernel.tune_offloads(
             [(h.netns, h.interfaces) for h in self.hosts], segments=self.spec.segments
         )
@@ -283,6 +287,8 @@ class Testbed(HostProcesses):
         for port in self.switch_ports:
             plan = tc_plan.build_plan(tc_plan.TcConfig(dev=port, rate_bps=rate, **tc_options))
             tc_apply.apply_plan(plan, netns=self.switch_netns, force=force)
+        if self.spec.switch_aggregator:
+            self._shape_uplinks(tc_plan, tc_apply, rate, **tc_options)
 
     # --- runtime controls ------------------------------------------------------
 
@@ -392,10 +398,23 @@ class Testbed(HostProcesses):
                     "bridges": [bridge_name(p) for p in range(self.spec.paths)],
                     "loss_pct": loss,
                     "ports_down": self.ports_down(),
+                    "aggregator": self._show_aggregator(procs),
                 }
             ],
             "background": [p for p in procs if p["role"].startswith("background")],
             "processes": procs,
+        }
+
+    def _show_aggregator(self, procs: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if self.switch_socket is None:
+            return None
+        daemon = next((p for p in procs if p["role"] == SWITCH_ROLE), None)
+        return {
+            "addresses": list(self.switch_addresses),
+            "udp_port": self.spec.udp_port,
+            "socket": str(self.switch_socket),
+            "daemon_pid": None if daemon is None else daemon["pid"],
+            "daemon_alive": False if daemon is None else daemon["alive"],
         }
 
     def down(self, *, keep_logs: bool = False) -> None:
@@ -477,7 +496,7 @@ def down(
     namespaces = sorted(set(data.get("netns", [])) | set(owned_netns(name, system.list_netns())))
 
     # Processes first: a namespace with processes in it outlives `ip netns del`.
-    grace = 10.0 if any(p.get("role") == "daemon" for p in recorded) else 3.0
+    grace = 10.0 if any(p.get("role") in ("daemon", SWITCH_ROLE) for p in recorded) else 3.0
     groups = [(int(p["pid"]), p.get("start")) for p in recorded]
     for proc in groups:
         system.signal_process(proc, signal.SIGTERM, group=True)

@@ -1,0 +1,218 @@
+"""The testbed's switch aggregator: a dlcp daemon inside the switch namespace.
+
+THC's in-network aggregation sums gradients in a programmable switch at line
+rate: each host sends its bucket once up and receives the sum once down,
+where host-to-host all-reduce sends and receives it about twice. The testbed
+emulates that switch with `--switch-aggregator`: a daemon in the switch
+namespace listens on each bridge's own address (10.77.P.254, `switch_address`),
+so it sits behind the switch at the switch's speed, as the switch's own
+pipeline would. Jobs in "switch" mode name it as their last host and their
+only aggregator (`dlcp.shim` `mode="switch"`, `dlcp bench ... --mode switch`).
+
+What stays honest about the links:
+- the sums go down to each host through that host's shaped switch port,
+  with the same priorities, queues and loss as any traffic toward it;
+- each host's traffic into the aggregator is shaped to the port's rate on
+  its way in (an ifb device per host and path, `uplink_ifb`, with the same
+  dlcp.tc plan as the ports): a host's uplink is a link like its downlink.
+  Host-to-host traffic is not redirected: it meets its bottleneck at the
+  receiver's port, as before;
+- random loss on a port's "in" direction drops traffic into the aggregator
+  too (the nft ingress hook runs again when the ifb hands a packet back).
+
+`SwitchAggregator` is a part of `dlcp.testbed.testbed.Testbed` (a mixin)
+holding no state of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlcp.testbed import system
+from dlcp.testbed.config import merge_config, to_toml
+from dlcp.testbed.plan import (
+    PREFIX_LEN,
+    TestbedError,
+    TestbedSpec,
+    bridge_name,
+    host_address,
+    host_mac,
+    switch_address,
+    switch_mac,
+    uplink_ifb,
+)
+
+if TYPE_CHECKING:
+    from dlcp.testbed.testbed import Host
+
+__all__ = ["SWITCH_ROLE", "SwitchAggregator", "switch_config"]
+
+SWITCH_ROLE = "switch-daemon"
+SWITCH_LABEL = "switch"
+SWITCH_INDEX = -1  # the "host" index its process is recorded under
+
+
+def switch_config(
+    spec: TestbedSpec, socket: Path | str, extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The switch aggregator's daemon config: its socket, its addresses (the
+    bridges'), the hosts as its peers. `extra` as for the hosts' daemons (the
+    link rate there is each host port's: the aggregator paces each host
+    on its own port)."""
+    config: dict[str, Any] = {
+        "daemon": {
+            "socket": str(socket),
+            "metrics_port": spec.metrics_port,
+            "host_index": spec.hosts,
+        },
+        "network": {
+            "addresses": [switch_address(p) for p in range(spec.paths)],
+            "udp_port": spec.udp_port,
+            **({"payload": spec.mtu - 92} if spec.mtu != 1500 else {}),
+            "peers": [
+                {"index": i, "addresses": [host_address(i, p) for p in range(spec.paths)]}
+                for i in range(spec.hosts)
+            ],
+        },
+    }
+    return merge_config(config, extra)
+
+
+def switch_link_commands(spec: TestbedSpec) -> list[str]:
+    """`ip -b` lines in the switch namespace: each bridge gets the aggregator's
+    address and static neighbours for the hosts."""
+    out: list[str] = []
+    for p in range(spec.paths):
+        br = bridge_name(p)
+        out += [
+            f"link set {br} address {switch_mac(p)}",
+            f"addr add {switch_address(p)}/{PREFIX_LEN} dev {br}",
+        ]
+        out += [
+            f"neigh replace {host_address(i, p)} lladdr {host_mac(i, p)} dev {br} nud permanent"
+            for i in range(spec.hosts)
+        ]
+    return out
+
+
+def host_neigh_commands(spec: TestbedSpec, ifname: Callable[[int], str]) -> list[str]:
+    """`ip -b` lines in a host: the aggregator's static neighbour on each path."""
+    return [
+        f"neigh replace {switch_address(p)} lladdr {switch_mac(p)} dev {ifname(p)} nud permanent"
+        for p in range(spec.paths)
+    ]
+
+
+def uplink_commands(
+    spec: TestbedSpec, host: int, path: int, port: str
+) -> tuple[list[str], list[str]]:
+    """(`ip -b` lines, `tc -b` lines) in the switch namespace that send host
+    `host`'s traffic for the aggregator on `path` through its ifb, whose
+    root qdisc (the dlcp.tc plan at the port's rate) the caller applies."""
+    ifb = uplink_ifb(host, path)
+    ip = [f"link add {ifb} mtu {spec.mtu} type ifb", f"link set {ifb} up"]
+    tc = [
+        f"qdisc add dev {port} handle ffff: ingress",
+        f"filter add dev {port} parent ffff: protocol ip prio 1 u32 "
+        f"match ip dst {switch_address(path)}/32 action mirred egress redirect dev {ifb}",
+    ]
+    return ip, tc
+
+
+class SwitchAggregator:
+    """Wiring, shaping and running the switch aggregator of a testbed."""
+
+    if TYPE_CHECKING:
+        hosts: tuple[Host, ...]
+        spec: TestbedSpec
+        state_dir: Path
+        switch_netns: str
+
+        def _say(self, message: str) -> None: ...
+
+        def _update(self, change: Callable[[dict[str, Any]], object]) -> None: ...
+
+        def _state(self) -> dict[str, Any]: ...
+
+        def _spawn(
+            self,
+            role: str,
+            host: int,
+            argv: list[str],
+            log: Path,
+            env: Mapping[str, str] | None = None,
+            netns: str | None = None,
+        ) -> system.Proc: ...
+
+    @property
+    def switch_socket(self) -> Path | None:
+        """The switch aggregator daemon's socket (None: the testbed has none)."""
+        if not self.spec.switch_aggregator:
+            return None
+        return self.state_dir / SWITCH_LABEL / "dlcpd.sock"
+
+    @property
+    def switch_addresses(self) -> tuple[str, ...]:
+        if not self.spec.switch_aggregator:
+            return ()
+        return tuple(switch_address(p) for p in range(self.spec.paths))
+
+    def _wire_switch_aggregator(self) -> None:
+        from dlcp.testbed.plan import host_ifname
+
+        system.batch("ip", self.switch_netns, switch_link_commands(self.spec))
+        for h in self.hosts:
+            system.batch("ip", h.netns, host_neigh_commands(self.spec, host_ifname))
+
+    def _shape_uplinks(self, tc_plan: Any, tc_apply: Any, rate: int, **tc_options: Any) -> None:
+        """Each host's traffic into the aggregator, through an ifb shaped as its port."""
+        made = set(self._state().get("uplinks", []))
+        for h in self.hosts:
+            for p, port in enumerate(h.switch_ports):
+                ifb = uplink_ifb(h.index, p)
+                if ifb not in made:
+                    ip, tc = uplink_commands(self.spec, h.index, p, port)
+                    system.batch("ip", self.switch_netns, ip)
+                    system.batch("tc", self.switch_netns, tc)
+                    self._update(_recorder(ifb))
+                plan = tc_plan.build_plan(tc_plan.TcConfig(dev=ifb, rate_bps=rate, **tc_options))
+                tc_apply.apply_plan(plan, netns=self.switch_netns, force=True)
+
+    def start_switch_daemon(
+        self,
+        extra_config: Mapping[str, Any],
+        argv: list[str],
+        env: Mapping[str, str],
+        deadline: float,
+        timeout_s: float,
+    ) -> None:
+        """Start the aggregator daemon (`argv` with "{config}" and "{socket}"
+        replaced) and wait for its socket."""
+        socket = self.switch_socket
+        if socket is None:
+            raise TestbedError("this testbed has no switch aggregator (up --switch-aggregator)")
+        directory = socket.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        config, log = directory / "dlcpd.toml", directory / "dlcpd.log"
+        config.write_text(to_toml(switch_config(self.spec, socket, extra_config)))
+        for path in (socket, log):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        argv = [
+            a.replace("{config}", str(config))
+            .replace("{socket}", str(socket))
+            .replace("{host}", SWITCH_LABEL)
+            for a in argv
+        ]
+        proc = self._spawn(SWITCH_ROLE, SWITCH_INDEX, argv, log, env, netns=self.switch_netns)
+        system.wait_socket(proc, socket, "the switch aggregator", log, deadline, timeout_s)
+
+
+def _recorder(ifb: str) -> Callable[[dict[str, Any]], None]:
+    def record(st: dict[str, Any]) -> None:
+        st.setdefault("uplinks", []).append(ifb)
+
+    return record
