@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from dlcp.codecs.lanes import WIDE
 from dlcp.core.layout import lanes_per_packet
 from dlcp.errors import WireError
 from dlcp.wire.header import (
@@ -110,7 +111,9 @@ def templates(job: int, key: MacKey, rnd: int = 1_000_000) -> list[bytes]:
     out: list[bytes] = []
     rng = random.Random(job ^ rnd)
     for codec in Codec:
-        per = lanes_per_packet(codec)  # fp32 352, fp16 704, thc8 1024, thc4 2048, fft 1408, ...
+        # fp32 352, fp16 704, thc8 1024, thc4 2048, fft 1408, ...; THC's narrow
+        # sums (result packets only: data ones must be refused) as THC's
+        per = lanes_per_packet(WIDE.get(codec, codec))
         for ptype, flags in (
             (PacketType.DATA, Flags.NONE),
             (PacketType.DATA, Flags.DROPPABLE | Flags.LAST),

@@ -60,6 +60,8 @@ _WIRE_NAMES: dict[int, str] = {
     WireCodec.UNION: "sketch",
     WireCodec.SKETCH: "sketch",
     WireCodec.FFT8: "fft",
+    WireCodec.THC8_SUM10: "thc8",
+    WireCodec.THC4_SUM8: "thc4",
 }
 _BASE_NAMES = frozenset({"Codec", "CodecState", "Encoded", "Scale", "block_norms", "next_scale"})
 

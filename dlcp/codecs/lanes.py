@@ -26,12 +26,15 @@ import numpy as np
 from dlcp.codecs.rangefloat import UNIT_VALUES, quantize_unit
 from dlcp.errors import Reason, RemoteError
 from dlcp.wire.batch import Payloads, _bulk
-from dlcp.wire.header import Codec, lane_bytes
+from dlcp.wire.header import LANE_BITS, Codec, lane_bytes
 
 __all__ = [
     "MAX_CONTRIBUTORS",
+    "NARROW",
+    "WIDE",
     "add_runs",
     "can_add_runs",
+    "narrow_sums",
     "pack",
     "store_many",
     "store_runs",
@@ -51,6 +54,8 @@ _SUM_DTYPE: dict[int, np.dtype] = {
     Codec.UNION: np.dtype(np.uint16),  # counts of the bits set; sent as count > 0
     Codec.SKETCH: np.dtype(np.float32),
     Codec.FFT8: np.dtype(np.float32),
+    Codec.THC8_SUM10: np.dtype(np.uint16),
+    Codec.THC4_SUM8: np.dtype(np.uint16),
 }
 # whole-byte lanes only: UNION's 1-bit lanes are packed and unpacked by `_bits`
 _WIRE_SUMMED: dict[int, np.dtype] = {
@@ -65,8 +70,16 @@ _WIRE_DATA: dict[int, np.dtype] = {
     Codec.FP32: np.dtype("<f4"),
     Codec.FP16: np.dtype("<f2"),
     Codec.THC8: np.dtype("u1"),
+    Codec.THC8_SUM10: np.dtype("u1"),
     Codec.SKETCH: np.dtype("<f4"),
 }
+# THC's sums in the bits they need: result packets of a shard whose sums all
+# fit (`narrow_sums`) carry the narrow codec, its lanes packed LSB first;
+# everywhere else (aggregators' slots, collectors' sums, the shim's out) they
+# are uint16 as THC8's and THC4's summed lanes
+NARROW: dict[int, int] = {Codec.THC8: Codec.THC8_SUM10, Codec.THC4: Codec.THC4_SUM8}
+WIDE: dict[int, int] = {v: k for k, v in NARROW.items()}
+_THC4_DATA = frozenset({Codec.THC4, Codec.THC4_SUM8})
 _BIT_LANES = frozenset({Codec.UNION})
 
 
@@ -89,9 +102,11 @@ def unpack(codec: int, payload: bytes | memoryview, count: int, summed: bool) ->
         raise RemoteError(Reason.BAD_LENGTH, f"{len(payload)} bytes for {count} lanes")
     if codec in _BIT_LANES:
         return _bits(payload, count)
+    if summed and codec in WIDE:
+        return _unpack_narrow(codec, payload, count)
     if summed:
         return np.frombuffer(payload, dtype=_WIRE_SUMMED[codec], count=count)
-    if codec == Codec.THC4:
+    if codec in _THC4_DATA:
         packed = np.frombuffer(payload, dtype=np.uint8)
         out = np.empty(packed.size * 2, dtype=np.uint8)
         out[0::2] = packed & 0x0F
@@ -160,6 +175,8 @@ def store_runs(
         _native_runs(_bulk.copy_runs, (dest, dest.itemsize), starts, counts, payloads)
         return
     s, c = _checked_runs(starts, counts, dest.size)
+    if summed and codec in WIDE and _store_narrow(dest, codec, s, c, payloads):
+        return
     store_many(dest, codec, summed, zip(s, c, payloads, strict=True))
 
 
@@ -241,9 +258,12 @@ def add_runs(
 
 def wire_summed_dtype(codec: int) -> np.dtype:
     """The little-endian dtype of summed (result) lanes on the wire and in the
-    shim's out; uint8 (bytes of packed bits) for UNION, see `summed_wire`."""
+    shim's out; uint8 (bytes of packed bits) for UNION, see `summed_wire`;
+    the wide dtype (the shim's out) for THC's narrow sums."""
     if codec in _BIT_LANES:
         return np.dtype(np.uint8)
+    if codec in WIDE:
+        return np.dtype(_WIRE_SUMMED[WIDE[codec]])
     return np.dtype(_WIRE_SUMMED[codec])
 
 
@@ -260,9 +280,11 @@ def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
     """Serialise lanes (summed lanes for results, data lanes for contributions)."""
     if codec in _BIT_LANES:  # a bit per lane: set where the value (a count) is not 0
         return np.packbits(np.asarray(values).reshape(-1) != 0, bitorder="little").tobytes()
+    if summed and codec in WIDE:
+        return _pack_narrow(codec, np.asarray(values)).tobytes()
     if summed:
         return np.ascontiguousarray(values, dtype=_WIRE_SUMMED[codec]).tobytes()
-    if codec == Codec.THC4:
+    if codec in _THC4_DATA:
         v = np.ascontiguousarray(values, dtype=np.uint8)
         if v.size % 2:
             v = np.append(v, np.uint8(0))
@@ -270,3 +292,80 @@ def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
     if codec == Codec.FFT8:  # unit-scaled values to their nearest codes
         return quantize_unit(np.asarray(values))[0].tobytes()
     return np.ascontiguousarray(values, dtype=_WIRE_DATA[codec]).tobytes()
+
+
+# --- THC's narrow sums ----------------------------------------------------------
+
+
+def narrow_sums(
+    codec: int, sums: np.ndarray, offsets: np.ndarray, counts: np.ndarray
+) -> tuple[int, np.ndarray] | None:
+    """A shard's result lanes in the bits they need: (the narrow codec, the
+    packed sums as uint8, each packet's lanes starting on a byte) when `codec`
+    has a narrow form, every sum fits it and every packet (`offsets` relative
+    to the shard, `counts`) starts and ends on whole bytes; else None (the
+    wide lanes go). Three hosts' thc8 sums need 10 bits, not 16: the result
+    packets of a bucket carry 0.625 of the bytes."""
+    narrow = NARROW.get(codec)
+    if narrow is None or not sums.size:
+        return None
+    bits = LANE_BITS[narrow][1]
+    if int(sums.max()) >> bits or ((offsets * bits) % 8).any() or ((counts * bits) % 8).any():
+        return None
+    return narrow, _pack_narrow(narrow, sums)
+
+
+def _pack_narrow(codec: int, values: np.ndarray) -> np.ndarray:
+    """uint16 sums as `codec`'s narrow lanes (uint8 bytes, LSB first)."""
+    v = np.asarray(values).reshape(-1)
+    if codec == Codec.THC4_SUM8:
+        if v.size and int(v.max()) > 0xFF:
+            raise ValueError("a sum does not fit 8 bits")
+        return v.astype(np.uint8)
+    if v.size and int(v.max()) > 0x3FF:
+        raise ValueError("a sum does not fit 10 bits")
+    n = v.size
+    pad = -n % 4
+    w = np.concatenate([v, np.zeros(pad, v.dtype)]) if pad else v
+    q = w.astype(np.uint64).reshape(-1, 4)
+    word = q[:, 0] | (q[:, 1] << 10) | (q[:, 2] << 20) | (q[:, 3] << 30)  # 40 bits
+    out = np.empty((q.shape[0], 5), np.uint8)
+    for k in range(5):
+        out[:, k] = (word >> (8 * k)) & 0xFF
+    return out.reshape(-1)[: (n * 10 + 7) // 8]
+
+
+def _unpack_narrow(codec: int, payload: bytes | memoryview, count: int) -> np.ndarray:
+    """`count` lanes of `codec`'s narrow sums as uint16 (`lane_bytes` checked)."""
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    if codec == Codec.THC4_SUM8:
+        return raw[:count].astype(np.uint16)
+    pad = -raw.size % 5
+    b = np.concatenate([raw, np.zeros(pad, np.uint8)]) if pad else raw
+    q = b.reshape(-1, 5).astype(np.uint64)
+    word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24) | (q[:, 4] << 32)
+    out = np.empty((q.shape[0], 4), np.uint16)
+    for k in range(4):
+        out[:, k] = (word >> (10 * k)) & 0x3FF
+    return out.reshape(-1)[:count]
+
+
+def _store_narrow(
+    dest: np.ndarray, codec: int, starts: list[int], counts: list[int], payloads: Any
+) -> bool:
+    """A run of narrow result packets into `dest`, unpacked in one pass when
+    every packet holds whole bytes (as `narrow_sums` sends them); False (store
+    them one by one) otherwise."""
+    bits = LANE_BITS[codec][1]
+    if any(c * bits % 8 for c in counts):
+        return False
+    joined = b"".join(payloads)
+    want = sum(c * bits // 8 for c in counts)
+    if len(joined) != want:
+        return False  # one of them has the wrong length: store_many says which
+    lanes = _unpack_narrow(codec, joined, sum(counts))
+    at = 0
+    for start, count in zip(starts, counts, strict=True):
+        dest[start : start + count] = lanes[at : at + count]
+        at += count
+    return True

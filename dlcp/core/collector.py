@@ -136,8 +136,10 @@ class ResultCollector:
         contributors: int,
         block_max: float,
         now: float,
+        codec: int | None = None,
     ) -> bool:
-        """Store one result packet; False if it was a duplicate or late."""
+        """Store one result packet (its lanes of `codec`: the layout's, or its
+        narrow sums, `lanes.NARROW`); False if it was a duplicate or late."""
         w = self.waiting.get(shard)
         if w is None:
             self.duplicates += 1
@@ -153,7 +155,8 @@ class ResultCollector:
         if w.received[local]:
             self.duplicates += 1
             return False
-        self.sums[offset : offset + count] = lane_ops.unpack(lay.codec, payload, count, True)
+        wire = lay.codec if codec is None else codec
+        self.sums[offset : offset + count] = lane_ops.unpack(wire, payload, count, True)
         self.contributors[i] = contributors
         self.block_max[i] = block_max
         w.received[local] = True
@@ -173,6 +176,7 @@ class ResultCollector:
         contributors: np.ndarray,
         block_max: np.ndarray,
         now: float,
+        codec: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Store a run of one owner's result packets of one shard, in order; the
         batch form of `on_result`. Returns (fresh, bad) masks as
@@ -211,8 +215,9 @@ class ResultCollector:
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
+        wire = lay.codec if codec is None else codec
         lane_ops.store_runs(
-            self.sums, lay.codec, True, offsets[take], counts[take], taken(payloads, take)
+            self.sums, wire, True, offsets[take], counts[take], taken(payloads, take)
         )
         it = i[take]
         self.contributors[it] = contributors[take]
@@ -231,6 +236,7 @@ class ResultCollector:
         heads: np.ndarray,
         payloads: Sequence[memoryview | bytes],
         now: float,
+        codec: int | None = None,
     ) -> tuple[int, np.ndarray | None]:
         """`on_results_many` for a run given as its header records (HEADER_DTYPE:
         offset, count, contributors and param (the block max) each packet's
@@ -246,6 +252,7 @@ class ResultCollector:
                 contributors=heads["contributors"].astype(np.int64),
                 block_max=heads["param"].astype(np.float32),
                 now=now,
+                codec=codec,
             )
             return int(fresh.sum()), (rejected if rejected.any() else None)
         self.last_stored = -1
@@ -271,7 +278,8 @@ class ResultCollector:
         if take.size == 0:
             return 0, bad
         self.last_stored = int(take[-1])
-        lane_ops.store_runs(self.sums, lay.codec, True, starts, counts, taken(payloads, take))
+        wire = lay.codec if codec is None else codec
+        lane_ops.store_runs(self.sums, wire, True, starts, counts, taken(payloads, take))
         _bulk.mark_results(
             heads, take, local, w.received, self.contributors, self.block_max, lay.per_packet
         )

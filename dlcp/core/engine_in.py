@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dlcp.codecs import lanes as lane_ops
 from dlcp.core.aggregate import RunRejected, ShardAggregator
 from dlcp.core.collector import ResultCollector
 from dlcp.core.layout import Layout
@@ -242,12 +243,12 @@ class EngineIn:
             self.stats["late_packets"] += len(payloads)
             return None
         self._check_owner(spec, h)
-        if col.layout.total != h.total or col.layout.codec != h.codec:
+        if col.layout.total != h.total or col.layout.codec != lane_ops.WIDE.get(h.codec, h.codec):
             raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
         if col.awaits_answer(h.shard) and _retransmitted(heads):
             col.answered(h.shard, now)
         stored, bad = col.on_result_run(
-            shard=h.shard, sender=h.sender, heads=heads, payloads=payloads, now=now
+            shard=h.shard, sender=h.sender, heads=heads, payloads=payloads, now=now, codec=h.codec
         )
         self._count_run(len(payloads), stored, bad, "result_packets_received")
         self._check_complete(op, now)
@@ -325,6 +326,8 @@ class EngineIn:
             raise RemoteError(Reason.STALE_ROUND, f"round {h.round}")
         if h.shard >= len(spec.owners):
             raise RemoteError(Reason.BAD_RANGE, f"shard {h.shard} of {len(spec.owners)}")
+        if h.codec in lane_ops.WIDE and h.type != PacketType.RESULT:
+            raise RemoteError(Reason.BAD_CODEC, f"{h.codec.name}: sums of result packets only")
         return spec
 
     def _route(self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float) -> None:
@@ -456,7 +459,7 @@ class EngineIn:
             self.stats["late_packets"] += 1
             return
         self._check_owner(spec, h)
-        if col.layout.total != h.total or col.layout.codec != h.codec:
+        if col.layout.total != h.total or col.layout.codec != lane_ops.WIDE.get(h.codec, h.codec):
             raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
         if h.flags & Flags.RETRANSMIT:
             col.answered(h.shard, now)
@@ -469,6 +472,7 @@ class EngineIn:
             contributors=h.contributors,
             block_max=h.param,
             now=now,
+            codec=h.codec,
         )
         self.stats["result_packets_received" if fresh else "duplicate_packets"] += 1
         self._check_complete(op, now)

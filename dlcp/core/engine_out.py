@@ -198,19 +198,25 @@ class EngineOut:
         local = offs // lay.per_packet - lay.shard_packets(shard).start
         payloads: Sequence[bytes | memoryview]
         if only is None:  # the whole shard: packed once, sliced per packet
-            wire = lane_ops.summed_wire(lay.codec, f.result.sums)
-            view = wire.data.cast("B")  # no copy where the sums are wire lanes already
-            bits = LANE_BITS[lay.codec][1]  # 1-bit lanes (UNION) start on packet bytes
             rel = offs - lay.shard_range(shard)[0]
+            codec: int = lay.codec
+            narrow = lane_ops.narrow_sums(codec, f.result.sums, rel, counts)
+            if narrow is not None:  # THC's sums in the bits they need
+                codec, wire = narrow
+            else:
+                wire = lane_ops.summed_wire(codec, f.result.sums)
+            view = wire.data.cast("B")  # no copy where the sums are wire lanes already
+            bits = LANE_BITS[codec][1]  # 1-bit and 10-bit lanes start on packet bytes
             payloads = Slices(view, rel * bits // 8, (counts * bits + 7) // 8)
         else:  # the payloads first sent (the sums may have been overwritten since)
             assert f.datagrams is not None
+            codec = lay.codec if f.codec_sent is None else f.codec_sent
             payloads = [_payload_of(f.datagrams[int(j)]) for j in only]
         h = self._heads(
             offs.size,
             type=PacketType.RESULT,
             flags=int(Flags.RETRANSMIT) if only is not None else 0,
-            codec=lay.codec,
+            codec=codec,
             job=f.spec.job,
             round=f.round,
             bucket=f.bucket,
@@ -228,7 +234,7 @@ class EngineOut:
         dgs = encode_batch(h, payloads, self._mac(f.spec), gather=self.gather and only is None)
         classes = _int_list(prio)
         if only is None:
-            f.datagrams, f.classes_sent = dgs, classes
+            f.datagrams, f.classes_sent, f.codec_sent = dgs, classes, codec
             op = (f.spec.job, f.round, f.bucket)
             if self.gather and op in self._collectors:  # the sums may be the caller's `out`
                 self._gathered.setdefault(op, []).append(dgs)

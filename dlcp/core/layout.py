@@ -17,7 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from dlcp.errors import LocalError
-from dlcp.wire.header import LANE_BITS, MAX_PAYLOAD, Codec
+from dlcp.wire.header import LANE_BITS, MAX_PAYLOAD, RESULT_ONLY_CODECS, Codec
 
 __all__ = ["DEFAULT_PAYLOAD", "Layout", "lanes_per_packet"]
 
@@ -37,7 +37,7 @@ def lanes_per_packet(codec: int, payload: int = DEFAULT_PAYLOAD) -> int:
     """
     if not 8 <= payload <= MAX_PAYLOAD:
         raise LocalError(f"payload budget {payload} outside 8..{MAX_PAYLOAD} bytes")
-    if codec not in LANE_BITS:
+    if codec not in LANE_BITS or codec in RESULT_ONLY_CODECS:
         raise LocalError(f"unknown codec {codec}")
     bits = LANE_BITS[codec][0]
     n = payload * 8 // bits

@@ -259,6 +259,7 @@ class _Finished:
     # the caller's `out`, which it reuses once the round completes here
     datagrams: list[bytes] | None = None
     classes_sent: list[int] | None = None
+    codec_sent: int | None = None  # their codec: the layout's, or its narrow sums
     gathered: bool = False  # `datagrams` read `result.sums` in place
 
 

@@ -42,6 +42,8 @@ SUM_DTYPES: dict[Codec, np.dtype] = {
     Codec.UNION: np.dtype("u1"),  # bytes of 1-bit lanes (LSB first): `sums` holds the bytes
     Codec.SKETCH: np.dtype("<f4"),
     Codec.FFT8: np.dtype("<f4"),
+    Codec.THC8_SUM10: np.dtype("<u2"),  # result packets' narrow sums: out holds them wide
+    Codec.THC4_SUM8: np.dtype("<u2"),
 }
 _LAYER = np.dtype("<u2")
 _NORM = np.dtype("<f4")

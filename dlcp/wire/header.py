@@ -107,7 +107,15 @@ class Codec(enum.IntEnum):
     SKETCH = 5  # fp32 count-sketch cells, summed like FP32 lanes
     # 7: kept for fft-sim's block payloads (dlcp/codecs/fft.py)
     FFT8 = 6  # fft coefficients on an agreed set: 8-bit range floats (dlcp/codecs/rangefloat.py)
+    # THC's sums in the bits they need, in RESULT packets only: an owner sends a
+    # shard's sums so when every sum fits (dlcp/codecs/lanes.py, narrow_sums)
+    THC8_SUM10 = 8  # THC8 sums up to 1023 (4 contributions) in 10-bit lanes
+    THC4_SUM8 = 9  # THC4 sums up to 255 (17 contributions) in 8-bit lanes
 
+
+# Codecs of result packets only (THC's narrow sums): no bucket, layout or data
+# packet has them
+RESULT_ONLY_CODECS = frozenset({Codec.THC8_SUM10, Codec.THC4_SUM8})
 
 # Bits per element on the wire: (single contribution, summed lanes).
 LANE_BITS: dict[int, tuple[int, int]] = {
@@ -118,6 +126,8 @@ LANE_BITS: dict[int, tuple[int, int]] = {
     Codec.UNION: (1, 1),
     Codec.SKETCH: (32, 32),
     Codec.FFT8: (8, 32),
+    Codec.THC8_SUM10: (8, 10),
+    Codec.THC4_SUM8: (4, 8),
 }
 
 
