@@ -1,0 +1,115 @@
+"""THC's sums in the bits they need (`lanes.narrow_sums`, codecs THC8_SUM10 and
+THC4_SUM8): result packets of a shard whose sums fit carry them narrow; the
+collector stores them into its uint16 sums exactly as the wide ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dlcp.codecs import lanes
+from dlcp.core.engine import Engine, JobSpec, RoundComplete
+from dlcp.errors import Reason
+from dlcp.wire import Codec, Flags, PacketType
+from dlcp.wire.header import Header, encode, header_of_valid, lane_bytes
+from dlcp.wire.mac import mac_state
+
+KEY = b"n" * 32
+JOB = 5
+
+
+@pytest.mark.parametrize(("codec", "top"), [(Codec.THC8_SUM10, 1023), (Codec.THC4_SUM8, 255)])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 512, 683, 1027])
+def test_pack_and_unpack_are_inverse(codec: Codec, top: int, n: int) -> None:
+    v = np.random.default_rng(n).integers(0, top + 1, n).astype(np.uint16)
+    v[0] = top
+    raw = lanes.pack(codec, v, True)
+    assert len(raw) == lane_bytes(codec, n, True)
+    np.testing.assert_array_equal(lanes.unpack(codec, raw, n, True), v)
+    with pytest.raises(ValueError):
+        lanes.pack(codec, np.array([top + 1], np.uint16), True)
+
+
+def test_a_run_of_narrow_packets_is_stored_at_once_and_one_by_one_alike() -> None:
+    v = np.random.default_rng(1).integers(0, 1024, 4096).astype(np.uint16)
+    starts, counts = np.arange(0, 4096, 512), np.full(8, 512)
+    raw = [lanes.pack(Codec.THC8_SUM10, v[s : s + 512], True) for s in starts]
+    run, single = np.zeros(4096, np.uint16), np.zeros(4096, np.uint16)
+    lanes.store_runs(run, Codec.THC8_SUM10, True, starts, counts, raw)
+    lanes.store_many(single, Codec.THC8_SUM10, True, zip(starts, counts, raw, strict=True))
+    np.testing.assert_array_equal(run, v)
+    np.testing.assert_array_equal(single, v)
+    with pytest.raises(Exception, match="bytes"):  # a short packet: BAD_LENGTH
+        lanes.store_runs(run, Codec.THC8_SUM10, True, starts, counts, [*raw[:-1], raw[-1][:-1]])
+
+
+def test_narrow_only_where_every_sum_fits_and_packets_hold_whole_bytes() -> None:
+    offs, counts = np.arange(0, 2048, 512), np.full(4, 512)
+    fits = np.full(2048, 1020, np.uint16)
+    got = lanes.narrow_sums(Codec.THC8, fits, offs, counts)
+    assert got is not None and got[0] == Codec.THC8_SUM10 and got[1].size == 2048 * 10 // 8
+    over = fits.copy()
+    over[7] = 1024  # five hosts' 8-bit values can sum past 10 bits: the wide lanes go
+    assert lanes.narrow_sums(Codec.THC8, over, offs, counts) is None
+    odd = np.array([0, 511, 1024]), np.array([511, 513, 1024])  # 511 lanes: not whole bytes
+    assert lanes.narrow_sums(Codec.THC8, fits, *odd) is None
+    assert lanes.narrow_sums(Codec.FP32, fits.astype(np.float32), offs, counts) is None
+    assert lanes.narrow_sums(Codec.THC4, np.full(2048, 255, np.uint16), offs, counts)
+
+
+def _round(hosts: int, xs: list[bytes]) -> tuple[list[Engine], list[set[int]]]:
+    """A transpose round of thc8 `xs` among `hosts` engines; the codecs of the
+    result packets each engine received."""
+    engines = []
+    for me in range(hosts):
+        e = Engine()
+        e.add_job(JobSpec.transpose(JOB, KEY, me, hosts))
+        e.submit(job=JOB, round=0, bucket=0, codec=Codec.THC8, total=8192, lanes=xs[me], now=0.0)
+        engines.append(e)
+    seen: list[set[int]] = [set() for _ in range(hosts)]
+    for _ in range(50):
+        out = [(me, s) for me, e in enumerate(engines) for s in e.datagrams_to_send()]
+        if not out:
+            break
+        for src, s in out:
+            h = header_of_valid(s.datagram)
+            if h.type == PacketType.RESULT:
+                seen[s.node].add(int(h.codec))
+            engines[s.node].receive(s.datagram, 0.0, src=src)
+    return engines, seen
+
+
+@pytest.mark.parametrize(("hosts", "narrow"), [(3, True), (4, True), (5, False)])
+def test_results_go_narrow_while_the_sums_fit_and_sum_exactly(hosts: int, narrow: bool) -> None:
+    rng = np.random.default_rng(hosts)
+    values = [np.full(8192, 255, np.uint8) for _ in range(hosts)]  # the largest sums
+    values[0][:100] = rng.integers(0, 256, 100)
+    engines, seen = _round(hosts, [v.tobytes() for v in values])
+    want = np.sum([v.astype(np.uint16) for v in values], axis=0)
+    for me, e in enumerate(engines):
+        ev = e.next_event()
+        assert isinstance(ev, RoundComplete), ev
+        np.testing.assert_array_equal(ev.sums, want)
+        assert seen[me] == {Codec.THC8_SUM10 if narrow else Codec.THC8}
+
+
+def test_a_data_packet_with_a_narrow_codec_is_refused() -> None:
+    e = Engine()
+    e.add_job(JobSpec.transpose(JOB, KEY, 0, 2))
+    h = Header(
+        type=PacketType.DATA,
+        job=JOB,
+        round=0,
+        bucket=0,
+        flags=Flags.NONE,
+        codec=Codec.THC8_SUM10,
+        shard=0,
+        sender=1,
+        contributors=1,
+        offset=0,
+        count=1024,
+        total=2048,
+    )
+    dg = encode(h, bytes(1024), mac_state(KEY, "blake2b"))
+    assert e.receive(dg, 0.0, src=1) is None
+    assert e.rejects[Reason.BAD_CODEC] == 1
