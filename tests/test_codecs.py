@@ -207,7 +207,14 @@ def test_fp32_lanes_are_the_values() -> None:
     x = torch.randn(33, dtype=torch.float64)
     enc = get_codec("fp32").encode(x, per_packet=8)
     assert wire_bytes(enc.lanes) == x.numpy().astype("<f4").tobytes()
-    expected = torch.nn.functional.pad(x.float().abs(), (0, 7)).view(5, 8).amax(1)
+    # one per packet, and zeros: nothing reads an fp32 round's maxima
+    assert torch.equal(enc.block_max, torch.zeros(5))
+
+
+def test_fp16_block_maxima_are_each_packets_largest_magnitude() -> None:
+    x = torch.randn(33)
+    enc = get_codec("fp16").encode(x, per_packet=8)
+    expected = torch.nn.functional.pad(x.abs(), (0, 7)).view(5, 8).amax(1)
     assert torch.equal(enc.block_max, expected)
 
 

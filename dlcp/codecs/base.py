@@ -57,7 +57,8 @@ class Encoded:
         float32-representable float, or the per-packet tensor the caller gave.
     block_max: float32, per packet, max |value| before quantisation (THC: in
         the rotated domain, error feedback included); what the next round's
-        scale is agreed from (see `next_scale`).
+        scale is agreed from (see `next_scale`). fp32: zeros, which nothing
+        reads (no scale to agree, no overflow to detect).
     saturated: values clamped to the scale (THC) or overflowed to inf (fp16).
     norms: float32, per packet, the L2 norm of what the packet carries, for
         codecs whose packets are not slices of the bucket (fft: coefficients);
