@@ -332,8 +332,9 @@ def test_calibration_measures_bytes_and_round_trips(tmp_path: Path) -> None:
     )
     assert cal.codecs["fp32"].push == (4.0,) and cal.codecs["fp32"].rel_error == 0.0
     thc = cal.codecs["thc8"]
+    # three hosts' thc8 sums fit 10 bits: they come back in them (lanes.narrow_sums)
     assert thc.push[0] == pytest.approx(1.0, abs=0.01) and thc.pull[0] == pytest.approx(
-        2.0, abs=0.01
+        1.25, abs=0.01
     )
     fft = cal.codecs["fft-sim:theta=0.9"]
     assert fft.push[0] < 0.5 and fft.pull[0] == 4.0 and 0 < fft.rel_error < 1

@@ -114,7 +114,7 @@ class BucketExchanger:
             mine = pipe.aggregate(
                 phase, [raw[i * step : (i + 1) * step] for i in range(w)], ctxs[me].numel
             )
-            sizes = [pipe.result_bytes(c, phase) for c in ctxs]
+            sizes = [pipe.result_bytes(c, phase, w) for c in ctxs]
             width = max(sizes)
             padded = torch.zeros(width, dtype=torch.uint8)
             padded[: len(mine)] = _u8(mine)

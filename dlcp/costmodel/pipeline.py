@@ -41,8 +41,8 @@ from dlcp.codecs.sketch import (
     union_from_bitmap,
 )
 from dlcp.codecs.thc import ThcCodec
+from dlcp.wire.header import LANE_BITS, lane_bytes
 from dlcp.wire.header import Codec as WireCodec
-from dlcp.wire.header import lane_bytes
 
 __all__ = ["Pipeline", "ShardContext", "pipeline_for"]
 
@@ -101,7 +101,7 @@ class Pipeline(ABC):
         return None
 
     @abstractmethod
-    def result_bytes(self, ctx: ShardContext, phase: int) -> int:
+    def result_bytes(self, ctx: ShardContext, phase: int, contributors: int = 0) -> int:
         """Length of the owner's result of `phase` (any worker can compute it)."""
 
     @abstractmethod
@@ -141,6 +141,17 @@ class LanePipeline(Pipeline):
             data += _F32.pack(top)
         return data
 
+    def _sums_codec(self, contributors: int) -> int:
+        """How the sums of `contributors` go back: THC's in the bits they need
+        where every possible sum fits (the daemons send a shard's sums so when
+        they all fit: `lanes.narrow_sums`), else the codec's summed lanes."""
+        wire = self.codec.wire
+        narrow = lanes.NARROW.get(wire)
+        if narrow is None or contributors < 1:
+            return wire
+        top = (1 << LANE_BITS[wire][0]) - 1
+        return narrow if contributors * top < 1 << LANE_BITS[narrow][1] else wire
+
     def aggregate(self, phase: int, payloads: Sequence[Buffer], numel: int) -> bytes:
         wire = self.codec.wire
         n = self._n_lanes(numel)
@@ -148,17 +159,18 @@ class LanePipeline(Pipeline):
         total = np.zeros(n, dtype=lanes.sum_dtype(wire))
         for p in payloads:
             total += lanes.unpack(wire, p[:size], n, summed=False)
-        out = lanes.pack(wire, total, summed=True)
+        out = lanes.pack(self._sums_codec(len(payloads)), total, summed=True)
         if isinstance(self.codec, ThcCodec):
             out += _F32.pack(max(_F32.unpack_from(p, size)[0] for p in payloads))
         return out
 
-    def result_bytes(self, ctx: ShardContext, phase: int) -> int:
+    def result_bytes(self, ctx: ShardContext, phase: int, contributors: int = 0) -> int:
         extra = _F32.size if isinstance(self.codec, ThcCodec) else 0
-        return lane_bytes(self.codec.wire, self._n_lanes(ctx.numel), summed=True) + extra
+        sums = self._sums_codec(contributors)
+        return lane_bytes(sums, self._n_lanes(ctx.numel), summed=True) + extra
 
     def decode(self, ctx: ShardContext, result: Buffer, contributors: int) -> torch.Tensor:
-        wire = self.codec.wire
+        wire = self._sums_codec(contributors)
         n = self._n_lanes(ctx.numel)
         size = lane_bytes(wire, n, summed=True)
         sums = lanes.unpack(wire, result[:size], n, summed=True)
@@ -189,7 +201,7 @@ class FftPipeline(Pipeline):
             total += fft_payloads_to_float(p)
         return total.tobytes()
 
-    def result_bytes(self, ctx: ShardContext, phase: int) -> int:
+    def result_bytes(self, ctx: ShardContext, phase: int, contributors: int = 0) -> int:
         return 4 * ctx.numel
 
     def decode(self, ctx: ShardContext, result: Buffer, contributors: int) -> torch.Tensor:
@@ -232,7 +244,7 @@ class FftWirePipeline(Pipeline):
             np.maximum(top, np.frombuffer(p, dtype="<f4", offset=at + data), out=top)
         return total.tobytes() + top.tobytes()
 
-    def result_bytes(self, ctx: ShardContext, phase: int) -> int:
+    def result_bytes(self, ctx: ShardContext, phase: int, contributors: int = 0) -> int:
         _, pp, n = self._round(ctx)
         return 4 * n + 4 * -(-n // pp)
 
@@ -290,7 +302,7 @@ class SketchPipeline(Pipeline):
     def absorb(self, ctx: ShardContext, phase: int, result: Buffer) -> None:
         ctx.union = union_from_bitmap(result, ctx.numel)
 
-    def result_bytes(self, ctx: ShardContext, phase: int) -> int:
+    def result_bytes(self, ctx: ShardContext, phase: int, contributors: int = 0) -> int:
         if phase == 0:
             return -(-ctx.numel // 8)
         assert ctx.union is not None
