@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import secrets
 import sys
@@ -54,6 +55,7 @@ class AllreduceOptions:
     check: bool = True
     round_timeout_s: float = 60.0
     progress: bool = True
+    predict: bool = True  # the cost model's prediction in each record (dlcp.bench.predict)
     extra: dict[str, Any] = field(default_factory=dict)  # copied into every record
 
     def __post_init__(self) -> None:
@@ -303,6 +305,11 @@ def run_allreduce(
         cluster.log_dir = log_dir
         for backend in opts.backends:
             records.append(run_backend(cluster, opts, backend, say))
+    if opts.predict:  # after the runs: calibrating, if the cache lacks a codec, takes seconds
+        from dlcp.bench.predict import allreduce_profile, annotate
+
+        profile = functools.partial(allreduce_profile, opts.elements * 4, opts.bucket_bytes)
+        annotate(records, profile, kind="allreduce", say=say)
     return records
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,7 @@ class TrainOptions:
     # "not within the budget" (TTA > budget).
     time_budget_s: float | None = None
     progress: bool = True
+    predict: bool = True  # the cost model's step time in each record (dlcp.bench.predict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -310,6 +312,11 @@ def run_train(
         cluster.log_dir = log_dir
         for backend in opts.backends:
             records.append(run_backend(cluster, opts, backend, say))
+    if opts.predict:  # after the runs: the MLP is timed alone, the codecs from the cache
+        from dlcp.bench.predict import annotate, train_profile
+
+        profile = functools.partial(train_profile, opts.hidden, opts.bucket_mb, opts.batch)
+        annotate(records, profile, kind="train", say=say)
     return records
 
 
