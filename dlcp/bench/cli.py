@@ -7,6 +7,7 @@ every requested backend on it in the same invocation, and removes it.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -510,12 +511,13 @@ def _all(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from dlcp.bench import scorecard
+    from dlcp.bench.codec_table import markdown_codecs
 
     paths: list[Path] = args.paths
     for path in paths:
         if not path.exists():
             raise BenchError(f"{path}: no such file or directory")
-        if path.is_dir() and (any(path.glob("allreduce-*.json")) or (path / "train.json").exists()):
+        if path.is_dir() and _is_suite(path):
             _redraw_suite(path)
     try:
         invocations = scorecard.load(paths)
@@ -524,7 +526,16 @@ def _report(args: argparse.Namespace) -> int:
     if not invocations:
         raise BenchError(f"no benchmark records in {', '.join(map(str, paths))}")
     print(scorecard.markdown(invocations))
+    codecs = markdown_codecs(invocations)
+    if codecs:
+        print(f"\nCodecs against Gloo fp32 and the cost model:\n\n{codecs}")
     return 0
+
+
+def _is_suite(path: Path) -> bool:
+    """A `dlcp bench all` directory: allreduce-<rate>.json or train.json."""
+    rated = re.compile(r"allreduce-(none|[0-9.]+[kmgt]?bit)\.json")
+    return (path / "train.json").exists() or any(rated.fullmatch(f.name) for f in path.iterdir())
 
 
 def _redraw_suite(out: Path) -> None:

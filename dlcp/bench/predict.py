@@ -160,10 +160,18 @@ def annotate(
     """
     if kind not in ("allreduce", "train"):
         raise LocalError(f"kind {kind!r}: want allreduce or train")
-    todo = [(r, model_codec(r)) for r in records if not r.get("error")]
-    wanted = sorted({c for _, c in todo if c is not None} | {BASELINE})
-    if not any(c for _, c in todo):
+    todo: list[tuple[Rec, str]] = []
+    for r in records:
+        if r.get("error"):
+            continue
+        codec = model_codec(r)
+        if codec is None:
+            r["prediction_error"] = f"the model predicts no single codec for {r.get('codec')!r}"
+        else:
+            todo.append((r, codec))
+    if not todo:
         return
+    wanted = sorted({c for _, c in todo} | {BASELINE})
     hosts = int(todo[0][0].get("hosts") or 2)
     try:
         if calibration is None:
@@ -178,9 +186,6 @@ def annotate(
             r["prediction_error"] = f"{type(exc).__name__}: {exc}"
         return
     for r, codec in todo:
-        if codec is None:
-            r["prediction_error"] = f"the model predicts no single codec for {r.get('codec')!r}"
-            continue
         rate = r.get("rate_bps")
         try:
             p = predict_pair(
