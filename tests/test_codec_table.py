@@ -91,7 +91,7 @@ def fixture_dir(tmp_path: Path) -> Path:
     write(
         d / "train-clean-thc8.json",
         [
-            tr("dlcp", "thc8", 8.0, 0.16, **step_pred(0.15, 0.28)),
+            tr("dlcp", "thc8", 8.0, 0.16, cpu_bound=True, **step_pred(0.15, 0.28)),
             tr("gloo", "fp32", 12.0, 0.30, **step_pred(0.28, 0.28)),
         ],
     )
@@ -139,6 +139,7 @@ def test_table_cells(tmp_path: Path) -> None:
     assert cell["step p50 s, measured / predicted"] == "0.160 / 0.150"
     assert cell["pays by the model (all-reduce; step)"] == "yes; yes"
     assert cell["pays measured (all-reduce; TTA)"] == "yes; yes"
+    assert cell["CPU-bound (all-reduce dlcp, Gloo; train dlcp, Gloo)"] == "net, net; cpu, -"
     cell = dict(zip(header, sketch, strict=True))
     assert cell["TTA s (dlcp; Gloo)"] == "not reached; 12.5"
     assert cell["pays by the model (all-reduce; step)"] == "no; no"

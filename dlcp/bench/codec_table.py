@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dlcp.bench import cpuload
 from dlcp.bench.common import CODECS, format_rate
 from dlcp.bench.plots import scenario_label
 
@@ -159,6 +160,11 @@ def _error(r: Rec | None) -> str:
     return "0" if x == 0 else f"{x:.2g}"
 
 
+def _bound(r: Rec | None) -> str:
+    """cpu, net or - (not measured, failed, not run)."""
+    return cpuload.mark(r) if _ok(r) and r is not None else "-"
+
+
 def _line(row: CodecRow) -> str:
     ar, gl, tr, tg = row.allreduce, row.allreduce_gloo, row.train, row.train_gloo
     base = row.codec == BASELINE
@@ -186,6 +192,7 @@ def _line(row: CodecRow) -> str:
         f"{_f(step)} / {_f(step_pred)}",
         pays,
         pays_measured,
+        f"{_bound(ar)}, {_bound(gl)}; {_bound(tr)}, {_bound(tg)}",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -211,8 +218,9 @@ def markdown_codecs(invocations: Sequence[Sequence[Rec]], *, always: bool = Fals
         "| link, scenario | codec | dlcp p50 / p99 s | Gloo fp32 p50 s | dlcp / Gloo "
         "| result error | predicted s, codec / fp32 | measured / predicted (dlcp; Gloo) "
         "| TTA s (dlcp; Gloo) | step p50 s, measured / predicted "
-        "| pays by the model (all-reduce; step) | pays measured (all-reduce; TTA) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pays by the model (all-reduce; step) | pays measured (all-reduce; TTA) "
+        "| CPU-bound (all-reduce dlcp, Gloo; train dlcp, Gloo) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(_line(r) for r in rows),
         "",
         f"{', '.join(map(str, hosts)) or '?'} hosts; all-reduce of "
@@ -223,6 +231,7 @@ def markdown_codecs(invocations: Sequence[Sequence[Rec]], *, always: bool = Fals
         "hosts and link rate, calibrated on this host; Gloo's is the model's fp32. "
         "step: the training step's median, predicted for the bench's MLP. pays: faster "
         "than fp32 (by the model: than its fp32 prediction; measured: than Gloo fp32 in "
-        "the same invocation); - for fp32 itself.",
+        "the same invocation); - for fp32 itself. CPU-bound: cpu = the run was CPU-bound "
+        "(its time is partly the 2 cores'), net = it was not.",
     ]
     return "\n".join(lines)
