@@ -113,7 +113,6 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
     if is_dlcp:
         rec["loss_bound"] = bound
         rec["bucket_bytes"] = opts.bucket_bytes
-    if is_dlcp:
         rec["mode"] = s.mode
     started = time.monotonic()
     held = contextlib.ExitStack()

@@ -371,8 +371,8 @@ class Cluster:
         label = self.run_label(backend)
         if backend.startswith("dlcp"):
             logs = [(h.name, h.log) for h in self.tb.hosts]
-            if self.tb.switch_socket is not None:
-                logs.append(("switch", self.tb.switch_socket.parent / "dlcpd.log"))
+            if self.tb.switch_log is not None:
+                logs.append(("switch", self.tb.switch_log))
             for name, log in logs:
                 with contextlib.suppress(OSError):
                     shutil.copyfile(log, dest / f"{label}-{name}-dlcpd.log")

@@ -300,9 +300,7 @@ class FftDenseRound(Fp32Codec):
         per_packet: int,
         maxima: np.ndarray | None = None,
     ) -> None:
-        s = np.asarray(sums, dtype=np.float64)
-        per_lane = np.repeat(np.asarray(counts, dtype=np.float64), per_packet)[: s.size]
-        mean = np.where(per_lane > 0, s / np.maximum(per_lane, 1.0), 0.0)
+        mean = _mean_lanes(sums, counts, per_packet, np.asarray(sums).size)
         state.shared = self.parent.agree_dense(mean, state.rounds)
 
 
@@ -423,9 +421,7 @@ class FftSparseRound(Codec):
         carries back) where given."""
         a = self.agreement
         n = a.n_lanes
-        s = np.asarray(sums, dtype=np.float64)[:n]
-        per_lane = np.repeat(np.asarray(counts, dtype=np.float64), per_packet)[:n]
-        mean = np.where(per_lane > 0, s / np.maximum(per_lane, 1.0), 0.0)
+        mean = _mean_lanes(sums, counts, per_packet, n)
         parts = mean.reshape(a.blocks, a.k, 2) * np.ldexp(1.0, a.exponent)[:, None, None]
         values = parts[..., 0] + 1j * parts[..., 1]
         worst = None
@@ -433,3 +429,11 @@ class FftSparseRound(Codec):
             lane_max = np.repeat(np.asarray(maxima, dtype=np.float64), per_packet)[:n]
             worst = lane_max.reshape(a.blocks, 2 * a.k).max(axis=1)
         state.shared = self.parent.agree_sparse(a, values, state.rounds, worst)
+
+
+def _mean_lanes(sums: np.ndarray, counts: np.ndarray, per_packet: int, n: int) -> np.ndarray:
+    """The first `n` summed lanes over their packets' contributor counts, in
+    float64 (0 where none contributed): what `learn` agrees the next set from."""
+    s = np.asarray(sums, dtype=np.float64)[:n]
+    per_lane = np.repeat(np.asarray(counts, dtype=np.float64), per_packet)[:n]
+    return np.where(per_lane > 0, s / np.maximum(per_lane, 1.0), 0.0)

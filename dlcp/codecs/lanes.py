@@ -26,7 +26,7 @@ import numpy as np
 from dlcp.codecs.rangefloat import UNIT_VALUES, quantize_unit
 from dlcp.errors import Reason, RemoteError
 from dlcp.wire.batch import Payloads, _bulk
-from dlcp.wire.header import LANE_BITS, Codec, lane_bytes
+from dlcp.wire.header import LANE_BITS, RESULT_ONLY_CODECS, Codec, lane_bytes
 
 __all__ = [
     "MAX_CONTRIBUTORS",
@@ -79,6 +79,7 @@ _WIRE_DATA: dict[int, np.dtype] = {
 # are uint16 as THC8's and THC4's summed lanes
 NARROW: dict[int, int] = {Codec.THC8: Codec.THC8_SUM10, Codec.THC4: Codec.THC4_SUM8}
 WIDE: dict[int, int] = {v: k for k, v in NARROW.items()}
+assert frozenset(WIDE) == RESULT_ONLY_CODECS  # the wire's name for the same codecs
 _THC4_DATA = frozenset({Codec.THC4, Codec.THC4_SUM8})
 _BIT_LANES = frozenset({Codec.UNION})
 
@@ -310,20 +311,28 @@ def narrow_sums(
     if narrow is None or not sums.size:
         return None
     bits = LANE_BITS[narrow][1]
-    if int(sums.max()) >> bits or ((offsets * bits) % 8).any() or ((counts * bits) % 8).any():
+    if not _fits(narrow, sums) or ((offsets * bits) % 8).any() or ((counts * bits) % 8).any():
         return None
-    return narrow, _pack_narrow(narrow, sums)
+    return narrow, _narrow_bytes(narrow, np.asarray(sums).reshape(-1))
+
+
+def _fits(codec: int, sums: np.ndarray) -> bool:
+    """Whether every sum fits `codec`'s narrow lanes."""
+    return not sums.size or int(sums.max()) >> LANE_BITS[codec][1] == 0
 
 
 def _pack_narrow(codec: int, values: np.ndarray) -> np.ndarray:
     """uint16 sums as `codec`'s narrow lanes (uint8 bytes, LSB first)."""
     v = np.asarray(values).reshape(-1)
+    if not _fits(codec, v):
+        raise ValueError(f"a sum does not fit {LANE_BITS[codec][1]} bits")
+    return _narrow_bytes(codec, v)
+
+
+def _narrow_bytes(codec: int, v: np.ndarray) -> np.ndarray:
+    """`_pack_narrow` of sums known to fit."""
     if codec == Codec.THC4_SUM8:
-        if v.size and int(v.max()) > 0xFF:
-            raise ValueError("a sum does not fit 8 bits")
         return v.astype(np.uint8)
-    if v.size and int(v.max()) > 0x3FF:
-        raise ValueError("a sum does not fit 10 bits")
     n = v.size
     pad = -n % 4
     w = np.concatenate([v, np.zeros(pad, v.dtype)]) if pad else v

@@ -35,7 +35,14 @@ from dlcp.core.runs import LANE_TYPES, run_starts, sources
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import Payloads, decode_batch
-from dlcp.wire.header import Flags, Header, PacketType, decode, header_of_valid
+from dlcp.wire.header import (
+    RESULT_ONLY_CODECS,
+    Flags,
+    Header,
+    PacketType,
+    decode,
+    header_of_valid,
+)
 from dlcp.wire.mac import MacKey
 
 __all__ = ["EngineIn"]
@@ -326,7 +333,7 @@ class EngineIn:
             raise RemoteError(Reason.STALE_ROUND, f"round {h.round}")
         if h.shard >= len(spec.owners):
             raise RemoteError(Reason.BAD_RANGE, f"shard {h.shard} of {len(spec.owners)}")
-        if h.codec in lane_ops.WIDE and h.type != PacketType.RESULT:
+        if h.codec in RESULT_ONLY_CODECS and h.type != PacketType.RESULT:
             raise RemoteError(Reason.BAD_CODEC, f"{h.codec.name}: sums of result packets only")
         return spec
 

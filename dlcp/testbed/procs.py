@@ -69,7 +69,7 @@ class HostProcesses:
         def start_switch_daemon(
             self,
             extra_config: Mapping[str, Any],
-            argv: list[str],
+            command: Sequence[str],
             env: Mapping[str, str],
             deadline: float,
             timeout_s: float,
@@ -269,24 +269,13 @@ class HostProcesses:
         try:
             for h in self.hosts:
                 extra = merge_config(extra_config or {}, (host_config or {}).get(h.index, {}))
-                h.config.parent.mkdir(parents=True, exist_ok=True)
-                h.config.write_text(to_toml(daemon_config(self.spec, h.index, h.socket, extra)))
-                with contextlib.suppress(FileNotFoundError):
-                    h.socket.unlink()
-                with contextlib.suppress(FileNotFoundError):
-                    h.log.unlink()
-                argv = [
-                    a.replace("{config}", str(h.config))
-                    .replace("{socket}", str(h.socket))
-                    .replace("{host}", str(h.index))
-                    for a in command
-                ]
-                started.append((h, self._spawn("daemon", h.index, argv, h.log, env)))
+                settings = daemon_config(self.spec, h.index, h.socket, extra)
+                files = (h.config, h.socket, h.log)
+                proc = self._launch_daemon("daemon", h.index, files, settings, command, env)
+                started.append((h, proc))
             deadline = time.monotonic() + timeout_s
             if self.spec.switch_aggregator:
-                self.start_switch_daemon(
-                    extra_config or {}, list(command), env, deadline, timeout_s
-                )
+                self.start_switch_daemon(extra_config or {}, command, env, deadline, timeout_s)
             for h, proc in started:
                 system.wait_socket(
                     proc, h.socket, f"daemon of {h.name}", h.log, deadline, timeout_s
@@ -294,6 +283,37 @@ class HostProcesses:
         except BaseException:
             self.stop_daemons()
             raise
+
+    def _launch_daemon(
+        self,
+        role: str,
+        host: int,
+        files: tuple[Path, Path, Path],
+        settings: Mapping[str, Any],
+        command: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        label: str | None = None,
+        netns: str | None = None,
+    ) -> system.Proc:
+        """Write `settings` to the daemon's config file, remove its old socket
+        and log (`files`: config, socket, log) and start `command` with
+        "{config}", "{socket}" and "{host}" (`label`, default the host's
+        index) replaced, in host `host`'s namespace or `netns`."""
+        config, socket, log = files
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(to_toml(settings))
+        for path in (socket, log):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        name = str(host) if label is None else label
+        argv = [
+            a.replace("{config}", str(config))
+            .replace("{socket}", str(socket))
+            .replace("{host}", name)
+            for a in command
+        ]
+        return self._spawn(role, host, argv, log, env, netns=netns)
 
     def stop_daemons(self, *, timeout_s: float = 10.0) -> None:
         """SIGTERM the daemons (they drain), SIGKILL after `timeout_s`."""

@@ -26,19 +26,19 @@ holding no state of its own.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlcp.testbed import system
-from dlcp.testbed.config import merge_config, to_toml
+from dlcp.testbed.config import merge_config
 from dlcp.testbed.plan import (
     PREFIX_LEN,
     TestbedError,
     TestbedSpec,
     bridge_name,
     host_address,
+    host_ifname,
     host_mac,
     switch_address,
     switch_mac,
@@ -137,13 +137,16 @@ class SwitchAggregator:
 
         def _state(self) -> dict[str, Any]: ...
 
-        def _spawn(
+        def _launch_daemon(
             self,
             role: str,
             host: int,
-            argv: list[str],
-            log: Path,
-            env: Mapping[str, str] | None = None,
+            files: tuple[Path, Path, Path],
+            settings: Mapping[str, Any],
+            command: Sequence[str],
+            env: Mapping[str, str],
+            *,
+            label: str | None = None,
             netns: str | None = None,
         ) -> system.Proc: ...
 
@@ -155,14 +158,18 @@ class SwitchAggregator:
         return self.state_dir / SWITCH_LABEL / "dlcpd.sock"
 
     @property
+    def switch_log(self) -> Path | None:
+        """The switch aggregator daemon's log (None: the testbed has none)."""
+        socket = self.switch_socket
+        return None if socket is None else socket.parent / "dlcpd.log"
+
+    @property
     def switch_addresses(self) -> tuple[str, ...]:
         if not self.spec.switch_aggregator:
             return ()
         return tuple(switch_address(p) for p in range(self.spec.paths))
 
     def _wire_switch_aggregator(self) -> None:
-        from dlcp.testbed.plan import host_ifname
-
         system.batch("ip", self.switch_netns, switch_link_commands(self.spec))
         for h in self.hosts:
             system.batch("ip", h.netns, host_neigh_commands(self.spec, host_ifname))
@@ -184,30 +191,26 @@ class SwitchAggregator:
     def start_switch_daemon(
         self,
         extra_config: Mapping[str, Any],
-        argv: list[str],
+        command: Sequence[str],
         env: Mapping[str, str],
         deadline: float,
         timeout_s: float,
     ) -> None:
-        """Start the aggregator daemon (`argv` with "{config}" and "{socket}"
-        replaced) and wait for its socket."""
-        socket = self.switch_socket
-        if socket is None:
+        """Start the aggregator daemon (`command` as for the hosts' daemons,
+        "{host}" the word "switch") and wait for its socket."""
+        socket, log = self.switch_socket, self.switch_log
+        if socket is None or log is None:
             raise TestbedError("this testbed has no switch aggregator (up --switch-aggregator)")
-        directory = socket.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        config, log = directory / "dlcpd.toml", directory / "dlcpd.log"
-        config.write_text(to_toml(switch_config(self.spec, socket, extra_config)))
-        for path in (socket, log):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        argv = [
-            a.replace("{config}", str(config))
-            .replace("{socket}", str(socket))
-            .replace("{host}", SWITCH_LABEL)
-            for a in argv
-        ]
-        proc = self._spawn(SWITCH_ROLE, SWITCH_INDEX, argv, log, env, netns=self.switch_netns)
+        proc = self._launch_daemon(
+            SWITCH_ROLE,
+            SWITCH_INDEX,
+            (socket.parent / "dlcpd.toml", socket, log),
+            switch_config(self.spec, socket, extra_config),
+            command,
+            env,
+            label=SWITCH_LABEL,
+            netns=self.switch_netns,
+        )
         system.wait_socket(proc, socket, "the switch aggregator", log, deadline, timeout_s)
 
 
