@@ -186,8 +186,9 @@ def decode_round(
     its contributor count (packets nobody contributed to decode to 0).
 
     `into` (the bucket, say): where the mean may be written instead of a new
-    tensor, when that is one division (a float codec, every packet with the
-    same count: the usual round); `Decoded.mean` is then `into`. A new tensor
+    tensor, when that is a division a packet (a float codec: the usual round,
+    every packet with the same count, or lanes lost within the bound);
+    `Decoded.mean` is then `into`. A new tensor
     of a bucket's size costs its page faults on a CPU, and a copy after."""
     out = read_out(region.out_view(), plan.layout)
     sums = staging.to_device(out.sums, device, direct=region.segment.pinned)
@@ -197,7 +198,6 @@ def decode_round(
     )
     if (
         into is not None
-        and isinstance(counts, int)
         and isinstance(plan.codec, FloatCodec)
         and into.dtype == torch.float32
         and into.device == sums.device
