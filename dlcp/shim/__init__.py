@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dlcp.codecs import CODEC_NAMES
 from dlcp.errors import LocalError
+from dlcp.shim import backend as _backend
 from dlcp.shim.auto import AUTO
 from dlcp.shim.client import DaemonClient, DaemonError, Segment, default_socket
 from dlcp.shim.leave import exit_process
@@ -36,6 +37,7 @@ __all__ = [
     "Segment",
     "ShimError",
     "all_reduce",
+    "backend_options",
     "default_socket",
     "default_state",
     "exit_process",
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 _default: DlcpState | None = None
+_backend.register()  # init_process_group("cpu:dlcp,cuda:dlcp"): dlcp.shim.backend
+backend_options = _backend.set_options
 
 Hook = Callable[[DlcpState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

@@ -47,7 +47,7 @@ class BucketLaunch:
         _codecs: dict[str, Codec]
         _ef: dict[Key, CodecState]
         _generators: dict[torch.device, torch.Generator]
-        _group: dist.ProcessGroup | None
+        _group: pg.Group
         _layer_cache: dict[Key, npt.NDArray[np.uint16]]
         _layers: LayerMap
         _link: Link | None

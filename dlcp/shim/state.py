@@ -180,7 +180,7 @@ class DlcpState(BucketLaunch, StepEnd):
         loss_bound: float = 0.0,
         socket: str | None = None,
         strict: bool = False,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: pg.Group = None,
         store: Store | None = None,
         model: torch.nn.Module | None = None,
         retry_steps: int | None = 50,
@@ -263,7 +263,7 @@ class DlcpState(BucketLaunch, StepEnd):
 
     def _init_runtime(
         self,
-        group: dist.ProcessGroup | None,
+        group: pg.Group,
         store: Store | None,
         model: torch.nn.Module | None,
     ) -> None:
@@ -475,13 +475,23 @@ class DlcpState(BucketLaunch, StepEnd):
         return p.future
 
     def all_reduce(
-        self, tensor: torch.Tensor, *, codec: str | None = None, key: object | None = None
+        self,
+        tensor: torch.Tensor,
+        *,
+        codec: str | None = None,
+        key: object | None = None,
+        average: bool = True,
     ) -> torch.Tensor:
         """Average `tensor` over the ranks in place (blocking); returns it.
 
         `key` names the tensor across calls, so THC keeps its error feedback and
         scale for it; without a key every call agrees a fresh scale.
+        `average` False: the sum instead (fp32 and fp16 only; exact in fp32
+        with loss bound 0, the fallback's sum too).
         """
+        name = codec or self.codec
+        if not average and name not in ("fp32", "fp16"):
+            raise LocalError(f"a sum through dlcp needs codec fp32 or fp16, not {name!r}")
         if self._pending:
             raise LocalError("dlcp all_reduce called while a DDP step is in flight")
         if not tensor.is_floating_point():
@@ -492,11 +502,10 @@ class DlcpState(BucketLaunch, StepEnd):
             return tensor
         if self._link is None:
             self._require_fallback()
-            pg.fallback_all_reduce(tensor, self._group)
+            pg.fallback_all_reduce(tensor, self._group, average=average)
             self._count_fallbacks(1)
             self._end_step()
             return tensor
-        name = codec or self.codec
         auto = self._auto_for(name)
         if auto is not None:
             auto.bucket_entered(tensor.numel(), time.perf_counter())
@@ -504,6 +513,7 @@ class DlcpState(BucketLaunch, StepEnd):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         ef_key: Key | None = ("all_reduce", name, key) if key is not None else None
         p = self._launch(flat, 0, name, ef_key, lambda plan: np.zeros(plan.packets, np.uint16))
+        p.average = average
         if auto is not None:
             auto_steps.time_exchange(p)
             auto.bucket_left(time.perf_counter())

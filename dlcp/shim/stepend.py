@@ -18,7 +18,6 @@ import weakref
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 
 from dlcp.shim import auto_steps, pg
 from dlcp.shim.arena import Arena
@@ -50,7 +49,7 @@ class StepEnd:
         _auto_used: bool
         _detached_round: int | None
         _finalizer: weakref.finalize[Any, Any] | None
-        _group: dist.ProcessGroup | None
+        _group: pg.Group
         _last_attempt: float
         _layers: LayerMap
         _link: Link | None
@@ -164,7 +163,9 @@ class StepEnd:
             plan = p.sub.plan
             if p.times is not None:
                 p.times.decoding = time.perf_counter()
-            dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
+            dec = decode_round(
+                plan, p.sub.region, p.buffer.device, self._staging, p.buffer, average=p.average
+            )
             if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
                 plan.codec.learn(
                     p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
@@ -202,7 +203,7 @@ class StepEnd:
                 raise err
             return
         for p in self._pending:
-            pg.fallback_all_reduce(p.buffer, self._group)
+            pg.fallback_all_reduce(p.buffer, self._group, average=p.average)
             self._count_fallbacks(1)
             if p.future is not None:
                 p.future.set_result(p.buffer)
