@@ -140,12 +140,28 @@ class DlcpProcessGroup(_ProcessGroup):
         self._store = dist.PrefixStore("shim", store)
         self._options = options()
         self._state: Any = None
+        self._group_name = self._group_desc = ""
         self._worker = _Worker()
         _groups.add(self)
 
     # -- what torch.distributed asks of a group ---------------------------------------
     def getBackendName(self) -> str:
         return BACKEND
+
+    # a Python group has no C++ backends to keep these (DeviceMesh reads them)
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     @property
     def state(self) -> Any:
