@@ -21,12 +21,13 @@ one rank takes the fallback and another does not):
   step while detached).
 
 THC needs one scale per packet that every rank shares (`scale_mode`):
-"exact" (default) agrees this round's per-packet maxima before encoding, with
-one all-reduce (MAX) per bucket, so nothing saturates; "bucket" and "packet"
-reuse the previous round's maxima (of the bucket, or of each packet) times
-`scale_margin`, carried by the step's agreement all-reduce, and clamp what
-exceeds them (error feedback resends it). A bucket's first round always
-agrees exactly. The decision to run these collectives depends only on state
+"packet" (default) and "bucket" reuse the previous round's maxima (of each
+packet, or of the bucket) times `scale_margin`, carried by the step's
+agreement all-reduce, and clamp what exceeds them (error feedback resends
+it); "exact" agrees this round's per-packet maxima before encoding, so
+nothing saturates, at the price of a probe encode (THC's rotation) and one
+blocking all-reduce (MAX) per bucket inside DDP's backward. A bucket's
+first round always agrees exactly. The decision to run these collectives depends only on state
 every rank shares, so every rank issues them, failed or not.
 
 The sketch codec takes two daemon rounds a bucket (`dlcp.shim.sketch_round`):
@@ -189,7 +190,7 @@ class DlcpState(BucketLaunch, StepEnd):
         connect_timeout_s: float = 10.0,
         rendezvous_timeout_s: float = 300.0,
         scale_margin: float = 1.25,
-        scale_mode: str = "exact",
+        scale_mode: str = "packet",
         mode: str = "transpose",
         switch_socket: str | None = None,
         segment_bytes: int | None = None,
