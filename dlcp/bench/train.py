@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
+from dlcp.bench.backends import POWERSGD_RANK, TABLE, gloo_ifnames
 from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup, cut_steps
 from dlcp.bench.common import (
     CODECS,
     TRAIN_KEYS,
     BenchError,
+    check_backends,
     format_rate,
     percentile,
     tta_from_curve,
@@ -84,6 +86,7 @@ class TrainOptions:
             raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
         if not self.hidden:
             raise BenchError("--hidden needs at least one layer width")
+        check_backends(self.backends, "train")
 
 
 def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
@@ -109,13 +112,16 @@ def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
         "hidden": list(opts.hidden),
         "seed": opts.seed,
         "bucket_mb": opts.bucket_mb,
+        "gloo_ifnames": gloo_ifnames(s.n_paths),  # GLOO_SOCKET_IFNAME of the run
+        **({"powersgd_rank": POWERSGD_RANK} if codec == "powersgd" else {}),
         **opts.extra,
     }
 
 
 def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) -> dict[str, Any]:
-    is_dlcp = backend.startswith("dlcp")
-    codec = opts.codec if is_dlcp else "fp32"
+    b = TABLE[backend]
+    is_dlcp = b.is_dlcp
+    codec = b.codec(opts.codec)
     rec = _record(opts, backend, codec)
     bound = 0.0 if backend == "dlcp-nobound" else opts.bound
     if is_dlcp:
@@ -129,7 +135,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
             cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
             if opts.control_dscp:
                 cluster.mark_tcp(opts.control_dscp)
-        elif backend == "gloo-prio":
+        elif b.prio:
             cluster.mark_tcp(GLOO_PRIO_DSCP)
         port = next(_ports)
         argvs = [
@@ -167,11 +173,12 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     str(opts.round_timeout_s),
                     "--bucket-mb",
                     str(opts.bucket_mb),
+                    *([] if is_dlcp else ["--hook", b.hook]),
                 ],
             )
             for h in tb.hosts
         ]
-        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        env = worker_env({"GLOO_SOCKET_IFNAME": rec["gloo_ifnames"]})
         say(f"{backend}: starting {len(argvs)} workers")
         _run_workers(cluster, opts, backend, argvs, env, rec, say)
     except BenchError as exc:
@@ -186,7 +193,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
             cluster.save_logs(cluster.log_dir, backend)
-        if is_dlcp or backend == "gloo-prio":
+        if is_dlcp or b.prio:
             cluster.mark_tcp(None)
     rec["run_wall_s"] = time.monotonic() - started
     return rec
