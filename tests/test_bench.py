@@ -398,21 +398,27 @@ def test_demo_options_and_table() -> None:
     opts = dlcp.demo.demo_options(args)
     assert opts.setup.scenario == "congested"
     assert opts.setup.name == "demo"
-    assert opts.backends == ("gloo", "gloo-prio", "dlcp")  # gloo-prio by default
-    assert opts.steps == 30
+    # gloo-prio and DDP's fp16 hook by default
+    assert opts.backends == ("gloo", "gloo-prio", "gloo-fp16", "dlcp")
+    assert opts.steps == 30 and opts.time_budget_s == 40.0
     skip = dlcp.demo.demo_options(parser().parse_args(["demo", "--no-prio"]))
+    assert skip.backends == ("gloo", "gloo-fp16", "dlcp")
+    skip = dlcp.demo.demo_options(parser().parse_args(["demo", "--no-prio", "--no-fp16"]))
     assert skip.backends == ("gloo", "dlcp")
     table = dlcp.demo.side_by_side(
         [
             fake_train("gloo", "congested", 40.0, 0.93),
             fake_train("gloo-prio", "congested", 11.0, 0.94),
+            {**fake_train("gloo-fp16", "congested", 20.0, 0.94), "codec": "fp16"},
             fake_train("dlcp", "congested", 10.0, 0.94),
         ]
     )
     lines = table.splitlines()
-    assert lines[0].split() == ["gloo", "gloo-prio", "dlcp"]
+    assert lines[0].split() == ["gloo", "gloo-prio", "gloo-fp16", "dlcp"]
     assert "4.00x as fast as gloo" in table and "1.10x as fast as gloo-prio" in table
-    assert dlcp.demo.MEANING["gloo"] in table and dlcp.demo.MEANING["gloo-prio"] in table
+    assert "2.00x as fast as gloo-fp16" in table
+    for name in ("gloo", "gloo-prio", "gloo-fp16"):
+        assert dlcp.demo.MEANING[name] in table
     assert "CPU-bound" not in table
     busy = fake_train("dlcp", "congested", 10.0, 0.94)
     busy.update(cpu_bound=True, idle_frac=0.03)

@@ -330,16 +330,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         for r in records
         if r["backend"] == "gloo" and r.get("p50_s") == r.get("p50_s")
     }
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
+        f"{'scenario':<14} {'backend':<14} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
         f"{'p99/p50':>7} {'busbw':>7} {'CPU s':>6} {'mCPU s':>6} {'bound':>5} {'lost':>6} "
-        f"{'p50/gloo':>8} {'p99/gloo':>8}"
+        f"{'error':>7} {'p50/gloo':>8} {'p99/gloo':>8}  p50/baseline"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{scen:<14} {r['backend']:<14} {r['codec']:<5} FAILED: {why}")
             continue
         g = gloo.get((r["scenario"], r.get("loss_pct", 0.0)))
 
@@ -349,18 +351,22 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             return f"{r[key] / g[key]:.2f}x"
 
         tail = r["p99_s"] / r["p50_s"] if r["p50_s"] else float("nan")
+        err = "-" if r.get("result_error") is None else f"{r['result_error']:.2g}"
         lines.append(
-            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
+            f"{scen:<14} {r['backend']:<14} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
             f"{tail:7.2f} {r['busbw_gbps']:7.3f} {r['cpu_s']:6.1f} "
             f"{r.get('machine_cpu_s', float('nan')):6.1f} {cpuload.mark(r):>5} "
-            f"{100 * r.get('loss_frac', 0.0):5.2f}% {ratio('p50_s'):>8} {ratio('p99_s'):>8}"
+            f"{100 * r.get('loss_frac', 0.0):5.2f}% {err:>7} {ratio('p50_s'):>8} "
+            f"{ratio('p99_s'):>8}  {versus(r, records)}"
         )
     first = records[0]
     lines.append(
         f"({first['hosts']} hosts, {format_rate(first.get('rate_bps'))} links, "
         f"{format_bytes(first['size_bytes'])} buffer, {first['iters']} iterations; "
         "busbw in Gbit/s at p50; CPU s: the backend's processes, mCPU s: the whole "
-        "machine's busy CPU; bound: cpu = the run was CPU-bound, net = it was not)"
+        "machine's busy CPU; bound: cpu = the run was CPU-bound, net = it was not; error: "
+        "relative L2 error of the mean; p50/baseline: dlcp's over the fastest baseline "
+        "whose error is no larger)"
     )
     lines += cpuload.baseline_notes(
         records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")

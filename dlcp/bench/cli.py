@@ -470,7 +470,7 @@ def _report(args: argparse.Namespace) -> int:
     print(scorecard.markdown(invocations))
     codecs = markdown_codecs(invocations)
     if codecs:
-        print(f"\nCodecs against Gloo fp32 and the cost model:\n\n{codecs}")
+        print(f"\nCodecs against the fastest no-worse baseline and the cost model:\n\n{codecs}")
     return 0
 
 

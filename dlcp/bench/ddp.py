@@ -330,23 +330,25 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     if not records:
         return "(no results)"
     gloo = next((r for r in records if r["backend"] == "gloo" and r.get("p50_s")), None)
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'backend':<8} {'codec':<5} {'p50 ms':>8} {'p99 ms':>8} {'first ms':>9} "
-        f"{'cpu s':>7} {'bound':>5} {'/gloo':>6}"
+        f"{'backend':<14} {'codec':<8} {'p50 ms':>8} {'p99 ms':>8} {'first ms':>9} "
+        f"{'cpu s':>7} {'bound':>5} {'/gloo':>6}  /baseline"
     ]
     for r in records:
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{r['backend']:<8} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{r['backend']:<14} {r['codec']:<8} FAILED: {why}")
             continue
         ratio = "-"
         if gloo is not None and r.get("p50_s"):
             ratio = f"{r['p50_s'] / gloo['p50_s']:.2f}x"
         cpu = "-" if r.get("cpu_s") is None else f"{r['cpu_s']:.1f}"
         lines.append(
-            f"{r['backend']:<8} {r['codec']:<5} {_ms(r.get('p50_s')):>8} "
+            f"{r['backend']:<14} {r['codec']:<8} {_ms(r.get('p50_s')):>8} "
             f"{_ms(r.get('p99_s')):>8} {_ms(r.get('first_step_s')):>9} {cpu:>7} "
-            f"{cpuload.mark(r):>5} {ratio:>6}"
+            f"{cpuload.mark(r):>5} {ratio:>6}  {versus(r, records)}"
         )
     for r in records:
         for rank, tl in enumerate(r.get("timeline") or []):
@@ -368,7 +370,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
         f"{format_bytes(first['grad_bytes'])} of gradients in {first['layers']} layers, "
         f"DDP buckets of {first['bucket_mb']:g} MB, {first['steps']} steps; /gloo = this "
-        "step p50 over Gloo's: <= 1 is as fast; bound: cpu = the run was CPU-bound)"
+        "step p50 over Gloo's: <= 1 is as fast; /baseline = dlcp's over the fastest "
+        "baseline whose codec is no less precise (bits on the wire); bound: cpu = the "
+        "run was CPU-bound)"
     )
     lines += cpuload.baseline_notes(records, lambda r: r["scenario"])
     return "\n".join(lines)

@@ -16,18 +16,19 @@ completed, so every rank issues the same collectives in the same order; the
 cost is the overlap between buckets' communication.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP's register_comm_hook checks the
+# hooks' annotations and wants the real types, not strings.
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dlcp.bench.backends import HOOK_CODECS, POWERSGD_RANK
 
 __all__ = ["SerialPowerSGD", "bf16_hook", "register"]
 
 
-def bf16_hook(process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def bf16_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PyTorch's bf16_compress_hook (cast, divide by the world, all-reduce, cast back)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -51,7 +52,9 @@ class SerialPowerSGD:
         self.last: torch.futures.Future[torch.Tensor] | None = None
 
     @staticmethod
-    def hook(state: SerialPowerSGD, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    def hook(
+        state: "SerialPowerSGD", bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         if state.last is not None and bucket.index() != 0:

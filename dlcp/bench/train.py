@@ -334,15 +334,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     by: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
     for r in records:
         by.setdefault((r["scenario"], r.get("loss_pct", 0.0)), {})[r["backend"]] = r
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'TTA s':>7} {'final':>6} "
-        f"{'step p50':>8} {'wall s':>7} {'bound':>5} {'lost':>6} {'gloo/TTA':>8} {'prio/TTA':>8}"
+        f"{'scenario':<14} {'backend':<18} {'codec':<8} {'TTA s':>7} {'final':>6} "
+        f"{'step p50':>8} {'wall s':>7} {'bound':>5} {'lost':>6} {'gloo/TTA':>8} "
+        f"{'prio/TTA':>8}  TTA/baseline"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{scen:<14} {r['backend']:<18} {r['codec']:<8} FAILED: {why}")
             continue
         peers = by[(r["scenario"], r.get("loss_pct", 0.0))]
 
@@ -360,16 +363,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         wall = "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}"
         lost = f"{100 * r.get('loss_frac', 0.0):5.2f}%"
         lines.append(
-            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {tta:>7} {final:>6} {step:>8} "
+            f"{scen:<14} {r['backend']:<18} {r['codec']:<8} {tta:>7} {final:>6} {step:>8} "
             f"{wall:>7} {cpuload.mark(r):>5} {lost:>6} {speedup('gloo'):>8} "
-            f"{speedup('gloo-prio'):>8}"
+            f"{speedup('gloo-prio'):>8}  {versus(r, records)}"
         )
     first = records[0]
     lines.append(
         f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
         f"target accuracy {100 * first['target_acc']:g} %, {first['steps']} steps; "
         "gloo/TTA = Gloo's TTA over this backend's: > 1 is faster than Gloo; "
-        "bound: cpu = the run was CPU-bound, net = it was not)"
+        "TTA/baseline = dlcp's TTA over the fastest baseline's whose final accuracy is "
+        "within 0.5 points: < 1 is faster; bound: cpu = the run was CPU-bound, net = it "
+        "was not)"
     )
     lines += cpuload.baseline_notes(
         records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
