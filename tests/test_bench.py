@@ -569,7 +569,7 @@ def test_suite_matrix_and_summary(tmp_path: Path) -> None:
     assert {c.scenario for c in cases} == {"clean", "loss", "burst", "congested", "multipath"}
     assert all("gloo" in c.backends and "dlcp" in c.backends for c in cases)
     assert {c.loss_pct for c in cases if c.scenario == "loss"} == {1.0, 5.0}
-    assert any(c.codec == "thc8" for c in cases)
+    assert any(c.codec == "thc8" and "gloo-fp16" in c.backends for c in cases)
     assert {"dlcp-noprio", "dlcp-nobound", "dlcp-1path"} <= {b for c in cases for b in c.backends}
     assert not any("-" in b and b.startswith("dlcp") for c in allreduce_cases(ablations=False)
                    for b in c.backends)  # fmt: skip
@@ -607,14 +607,17 @@ def test_bench_allreduce_smoke(tmp_path: Path) -> None:
     args = parser().parse_args(
         [
             "bench", "allreduce", "--hosts", "3", "--rate", "200mbit", "--size", "256KB",
-            "--iters", "2", "--warmup", "1", "--backends", "dlcp,gloo,gloo-prio",
+            "--iters", "2", "--warmup", "1", "--backends", "dlcp,gloo,gloo-prio,gloo-fp16",
             "--json", str(out), "--plot", str(tmp_path / "cdf.png"), "--no-progress",
             "--name", f"bench-t{os.getpid() % 100000}",
         ]
     )  # fmt: skip
     args.func(args)
     records = json.loads(out.read_text())
-    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-prio"]
+    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-prio", "gloo-fp16"]
+    # Gloo's results are checked too: fp32 exact, the fp16 cast within its rounding
+    assert records[1]["result_error"] == 0.0 and 0 < records[3]["result_error"] < 1e-2
+    assert records[3]["codec"] == "fp16" and records[3]["gloo_ifnames"] == "eth0"
     for r in records:
         assert not r.get("error"), r.get("error")
         for key in ALLREDUCE_KEYS:

@@ -205,7 +205,7 @@ def _ddp(backend: str, codec: str, p50: float) -> dict[str, Any]:
 
 def test_allreduce_baseline_is_the_fastest_with_no_larger_error() -> None:
     recs = [
-        _ar("dlcp", "fp16", 0.35, 0.0024),
+        _ar("dlcp", "fp16", 0.36, 0.0024),
         _ar("gloo", "fp32", 0.58, 0.0),
         _ar("gloo-fp16", "fp16", 0.40, 0.0004),
         _ar("gloo-bf16", "bf16", 0.30, 0.0033),  # fastest, but less accurate
@@ -214,7 +214,7 @@ def test_allreduce_baseline_is_the_fastest_with_no_larger_error() -> None:
     ]
     base = fastest_fair(recs[0], recs)
     assert base is recs[2]
-    assert versus(recs[0], recs) == "0.88x gloo-fp16" and versus(recs[2], recs) == "-"
+    assert versus(recs[0], recs) == "0.90x gloo-fp16" and versus(recs[2], recs) == "-"
     assert fastest_fair(_ar("dlcp", "thc8", 0.3, 0.02), recs) is recs[3]
     assert fastest_fair(_ar("dlcp", "fp32", 0.6, 0.0), recs) is recs[1]
     assert fastest_fair(recs[0], [recs[0]]) is None and versus(recs[0], [recs[0]]) == "none"
