@@ -100,24 +100,24 @@ def _gloo(hook: str, what: str, **kw: object) -> list[Backend]:
 
 _ROWS: list[Backend] = [
     Backend("dlcp", "dlcp", "dlcp's daemons and DDP hook"),
-    *_gloo("default", "DDP's default hook (Gloo fp32 all-reduce)"),
-    *_gloo("fp16", "DDP's fp16_compress_hook (allreduce: the tensor cast to fp16)"),
-    *_gloo("bf16", "DDP's bf16_compress_hook (allreduce: the tensor cast to bf16)"),
+    *_gloo("default", "DDP's default hook, Gloo fp32"),
+    *_gloo("fp16", "DDP's fp16_compress_hook, in allreduce the buffer cast to fp16"),
+    *_gloo("bf16", "DDP's bf16_compress_hook, in allreduce the buffer cast to bf16"),
     *_gloo(
         "powersgd",
         f"DDP's powerSGD_hook, rank {POWERSGD_RANK}, buckets one after another",
         refused={"allreduce": _POWERSGD_ALLREDUCE},
     ),
     Backend(
-        "dlcp-noprio", "dlcp", "ablation: every gradient packet in one class",
+        "dlcp-noprio", "dlcp", "ablation, every gradient packet in one class",
         refused={"ddp": _DDP_ABLATION},
     ),
     Backend(
-        "dlcp-nobound", "dlcp", "ablation: loss bound 0, every packet recovered",
+        "dlcp-nobound", "dlcp", "ablation, loss bound 0, every packet recovered",
         refused={"ddp": _DDP_ABLATION},
     ),
     Backend(
-        "dlcp-1path", "dlcp", "ablation: one address per daemon",
+        "dlcp-1path", "dlcp", "ablation, one address per daemon",
         refused={"ddp": _DDP_ABLATION},
     ),
 ]  # fmt: skip
@@ -132,5 +132,10 @@ def gloo_ifnames(paths: int) -> str:
 
 def help_text(bench: str) -> str:
     """`--backends`' help for `bench`: the names it runs, what each is."""
-    names = [f"{b.name} ({b.help})" for b in _ROWS if bench not in b.refused]
-    return "comma-separated, of: " + "; ".join(names) + " (default: %(default)s)"
+    names = [f"{b.name} = {b.help}" for b in _ROWS if bench not in b.refused and not b.prio]
+    return (
+        "comma-separated, of: "
+        + "; ".join(names)
+        + "; and each gloo name with -prio (gloo-prio, gloo-fp16-prio, ...): its TCP "
+        "marked into the top class (default: %(default)s)"
+    )

@@ -110,9 +110,10 @@ def register(sub: Any) -> None:
         "ddp",
         help="DDP step time with dlcp's hook and with Gloo's default hook",
         description="Train an MLP of --grad-size of fp32 gradients with DDP, one rank per "
-        "host, with dlcp's communication hook and with DDP's default all-reduce over Gloo, "
-        "back to back on the same emulated cluster; step times, p50/p99, CPU, and where "
-        "dlcp's buckets spent their time (the shim's timeline).",
+        "host, with dlcp's communication hook and with DDP's own hooks over Gloo (default "
+        "all-reduce, fp16, bf16, PowerSGD), steps alternated on the same emulated cluster; "
+        "step times, p50/p99, CPU, and where dlcp's buckets spent their time (the shim's "
+        "timeline).",
     )
     ddp_cli.add_args(dd, backends=_backends_arg, scenario=_scenario_args)
     _common_args(dd, default_json=None)
