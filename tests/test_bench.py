@@ -639,17 +639,18 @@ def test_bench_train_smoke_counts_the_daemons_cpu(tmp_path: Path) -> None:
     args = parser().parse_args(
         [
             "bench", "train", "--hosts", "2", "--rate", "200mbit", "--steps", "6",
-            "--eval-every", "3", "--backends", "dlcp,gloo", "--json", str(out),
+            "--eval-every", "3", "--backends", "dlcp,gloo,gloo-powersgd", "--json", str(out),
             "--no-progress", "--name", f"bench-r{os.getpid() % 100000}",
         ]
     )  # fmt: skip
     args.func(args)
     records = json.loads(out.read_text())
-    assert [r["backend"] for r in records] == ["dlcp", "gloo"]
+    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-powersgd"]
     for r in records:
         assert not r.get("error"), r.get("error")
         assert r["final_acc"] is not None and isinstance(r["cpu_bound"], bool)
-    dlcp, gloo = records
+    dlcp, gloo, powersgd = records
+    assert powersgd["codec"] == "powersgd" and "daemon_cpu_s" not in powersgd
     assert 0 < dlcp["daemon_cpu_s"] <= dlcp["cpu_s"]
     assert "daemon_cpu_s" not in gloo
 

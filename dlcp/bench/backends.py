@@ -42,14 +42,15 @@ HOOK_CODECS: Mapping[str, str] = {
 }
 # PowerSGD's matrix_approximation_rank (every record carries it as powersgd_rank).
 POWERSGD_RANK = 4
-# Bits a gradient value takes on the wire, by codec: the nominal precision a
-# report falls back on when a record measured no accuracy (bench ddp, or
-# allreduce with --no-check). 0: lossy by selection (low rank, top
-# frequencies, sketches), not by precision.
+# Significant bits a gradient value keeps on the wire, by codec (fp32 24,
+# fp16 11, bf16 8: their mantissas and the implicit bit; THC's levels): the
+# nominal precision a report falls back on when a record measured no accuracy
+# (bench ddp, or allreduce with --no-check). 0: lossy by selection (low rank,
+# top frequencies, sketches), not by precision.
 NOMINAL_BITS: Mapping[str, int] = {
-    "fp32": 32,
-    "fp16": 16,
-    "bf16": 16,
+    "fp32": 24,
+    "fp16": 11,
+    "bf16": 8,
     "thc8": 8,
     "thc4": 4,
     "fft": 0,

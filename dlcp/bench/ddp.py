@@ -371,7 +371,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         f"{format_bytes(first['grad_bytes'])} of gradients in {first['layers']} layers, "
         f"DDP buckets of {first['bucket_mb']:g} MB, {first['steps']} steps; /gloo = this "
         "step p50 over Gloo's: <= 1 is as fast; /baseline = dlcp's over the fastest "
-        "baseline whose codec is no less precise (bits on the wire); bound: cpu = the "
+        "baseline whose codec is no less precise (significant bits on the wire); bound: cpu = the "
         "run was CPU-bound)"
     )
     lines += cpuload.baseline_notes(records, lambda r: r["scenario"])

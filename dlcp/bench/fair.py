@@ -7,8 +7,9 @@ of the same invocation whose accuracy is no worse.
 - all-reduce: the baseline's `result_error` (relative L2 error of its mean;
   Gloo fp32's is 0, the casts have their own) at most dlcp's;
 - otherwise (`bench ddp`, which measures no accuracy, or a record without
-  the measure): the codec's nominal bits on the wire
-  (`dlcp.bench.backends.NOMINAL_BITS`) at least dlcp's codec's.
+  the measure): the codec's nominal significant bits per value on the wire
+  (`dlcp.bench.backends.NOMINAL_BITS`: fp32 24, fp16 11, bf16 8, thc8 8,
+  thc4 4) at least dlcp's codec's.
 "Fastest": the lowest p50 (all-reduce, DDP step); in training the lowest
 time to accuracy (one that never reached it after every one that did, then
 by median step).
