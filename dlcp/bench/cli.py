@@ -7,13 +7,12 @@ every requested backend on it in the same invocation, and removes it.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dlcp.bench import ddp_cli
+from dlcp.bench import ddp_cli, report_cli
 from dlcp.bench.backends import help_text
 from dlcp.bench.common import (
     CODECS,
@@ -171,7 +170,7 @@ def register(sub: Any) -> None:
         "all` directory also gets its plots and summary.md redrawn.",
     )
     rp.add_argument("paths", type=Path, nargs="+", help="JSON files or directories of them")
-    rp.set_defaults(func=_report)
+    rp.set_defaults(func=report_cli.run)
 
 
 def _backends_arg(text: str) -> list[str]:
@@ -450,49 +449,3 @@ def _all(args: argparse.Namespace) -> int:
     print((opts.out / "summary.md").read_text())
     print(f"dlcp bench: results in {opts.out}", file=sys.stderr)
     return 1 if failures else 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    from dlcp.bench import scorecard
-    from dlcp.bench.codec_table import markdown_codecs
-
-    paths: list[Path] = args.paths
-    for path in paths:
-        if not path.exists():
-            raise BenchError(f"{path}: no such file or directory")
-        if path.is_dir() and _is_suite(path):
-            _redraw_suite(path)
-    try:
-        invocations = scorecard.load(paths)
-    except (OSError, ValueError) as exc:
-        raise BenchError(f"cannot read the records: {exc}") from None
-    if not invocations:
-        raise BenchError(f"no benchmark records in {', '.join(map(str, paths))}")
-    print(scorecard.markdown(invocations))
-    codecs = markdown_codecs(invocations)
-    if codecs:
-        print(f"\nCodecs against the fastest no-worse baseline and the cost model:\n\n{codecs}")
-    return 0
-
-
-def _is_suite(path: Path) -> bool:
-    """A `dlcp bench all` directory: allreduce-<rate>.json or train.json."""
-    rated = re.compile(r"allreduce-(none|[0-9.]+[kmgt]?bit)\.json")
-    return (path / "train.json").exists() or any(rated.fullmatch(f.name) for f in path.iterdir())
-
-
-def _redraw_suite(out: Path) -> None:
-    """Plots and summary.md of a `dlcp bench all` directory, drawn anew."""
-    from dlcp.bench.common import format_rate
-    from dlcp.bench.plots import plot_latency_cdf, plot_tta
-    from dlcp.bench.suite import load_dir, summary
-
-    ar, tr = load_dir(out)
-    rates = sorted({r.get("rate_bps") or 0 for r in ar})
-    for rate in rates:
-        recs = [r for r in ar if (r.get("rate_bps") or 0) == rate]
-        plot_latency_cdf(recs, out / f"latency-{format_rate(rate or None)}.png")
-    if tr:
-        plot_tta(tr, out / "tta.png")
-    (out / "summary.md").write_text(summary(out))
-    print(f"dlcp bench: wrote {out / 'summary.md'}")
