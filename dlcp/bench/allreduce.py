@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
+from dlcp.bench.backends import TABLE, gloo_ifnames
 from dlcp.bench.cluster import GLOO_PRIO_DSCP, Cluster, Setup
 from dlcp.bench.common import (
     ALLREDUCE_KEYS,
     CODECS,
     BenchError,
+    check_backends,
     format_bytes,
     format_rate,
     summarize_times,
@@ -67,6 +69,7 @@ class AllreduceOptions:
             raise BenchError("--size must be at least 4 bytes (one float32)")
         if not 0 <= self.bound <= 0.5:
             raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
+        check_backends(self.backends, "allreduce")
 
     @property
     def elements(self) -> int:
@@ -98,14 +101,16 @@ def _record(opts: AllreduceOptions, backend: str, codec: str) -> dict[str, Any]:
         **({"path_down": dataclasses.asdict(s.path_down)} if s.scenario == "pathdown" else {}),
         "mtu": s.mtu,
         "pacing": s.pacing,
+        "gloo_ifnames": gloo_ifnames(s.n_paths),  # GLOO_SOCKET_IFNAME of the run
         **opts.extra,
     }
 
 
 def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say) -> dict[str, Any]:
     """One backend's run on `cluster`: a record (with "error" if it failed)."""
-    is_dlcp = backend.startswith("dlcp")
-    codec = opts.codec if is_dlcp else "fp32"
+    b = TABLE[backend]
+    is_dlcp = b.is_dlcp
+    codec = b.codec(opts.codec)
     rec = _record(opts, backend, codec)
     tb = cluster.tb
     s = opts.setup
@@ -119,7 +124,7 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
     try:
         if is_dlcp:
             cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
-        elif backend == "gloo-prio":
+        elif b.prio:
             cluster.mark_tcp(GLOO_PRIO_DSCP)
         common = [
             "--world", str(s.hosts),
@@ -179,11 +184,14 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
                         tb.address(0),
                         "--port",
                         str(port),
+                        "--cast",
+                        "none" if b.hook == "default" else b.hook,
+                        *(["--check"] if opts.check else []),
                     ],
                 )
                 for h in tb.hosts
             ]
-        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        env = worker_env({"GLOO_SOCKET_IFNAME": rec["gloo_ifnames"]})
         say(f"{backend}: starting {len(argvs)} workers")
         _run_workers(cluster, opts, backend, argvs, env, rec, say)
     except BenchError as exc:
@@ -199,7 +207,7 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
             cluster.save_logs(cluster.log_dir, backend)
-        if backend == "gloo-prio":
+        if b.prio:
             cluster.mark_tcp(None)
     rec["wall_s"] = time.monotonic() - started
     return rec
@@ -290,8 +298,9 @@ def _run_workers(
         total = sum(int(r.get("total_lanes", 0)) for r in results)
         rec["loss_frac"] = lost / total if total else 0.0
         rec["saturated"] = sum(int(r.get("saturated", 0)) for r in results)
-        errors = [float(r["error"]) for r in results if r.get("error") is not None]
-        rec["result_error"] = max(errors) if errors else None
+    # relative L2 error of the mean (rank 0's check; Gloo's casts have theirs)
+    errors = [float(r["error"]) for r in results if r.get("error") is not None]
+    rec["result_error"] = max(errors) if errors else None
 
 
 def run_allreduce(
@@ -321,16 +330,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         for r in records
         if r["backend"] == "gloo" and r.get("p50_s") == r.get("p50_s")
     }
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
+        f"{'scenario':<14} {'backend':<14} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
         f"{'p99/p50':>7} {'busbw':>7} {'CPU s':>6} {'mCPU s':>6} {'bound':>5} {'lost':>6} "
-        f"{'p50/gloo':>8} {'p99/gloo':>8}"
+        f"{'error':>7} {'p50/gloo':>8} {'p99/gloo':>8}  p50/baseline"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{scen:<14} {r['backend']:<14} {r['codec']:<5} FAILED: {why}")
             continue
         g = gloo.get((r["scenario"], r.get("loss_pct", 0.0)))
 
@@ -340,18 +351,22 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             return f"{r[key] / g[key]:.2f}x"
 
         tail = r["p99_s"] / r["p50_s"] if r["p50_s"] else float("nan")
+        err = "-" if r.get("result_error") is None else f"{r['result_error']:.2g}"
         lines.append(
-            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
+            f"{scen:<14} {r['backend']:<14} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
             f"{tail:7.2f} {r['busbw_gbps']:7.3f} {r['cpu_s']:6.1f} "
             f"{r.get('machine_cpu_s', float('nan')):6.1f} {cpuload.mark(r):>5} "
-            f"{100 * r.get('loss_frac', 0.0):5.2f}% {ratio('p50_s'):>8} {ratio('p99_s'):>8}"
+            f"{100 * r.get('loss_frac', 0.0):5.2f}% {err:>7} {ratio('p50_s'):>8} "
+            f"{ratio('p99_s'):>8}  {versus(r, records)}"
         )
     first = records[0]
     lines.append(
         f"({first['hosts']} hosts, {format_rate(first.get('rate_bps'))} links, "
         f"{format_bytes(first['size_bytes'])} buffer, {first['iters']} iterations; "
         "busbw in Gbit/s at p50; CPU s: the backend's processes, mCPU s: the whole "
-        "machine's busy CPU; bound: cpu = the run was CPU-bound, net = it was not)"
+        "machine's busy CPU; bound: cpu = the run was CPU-bound, net = it was not; error: "
+        "relative L2 error of the mean; p50/baseline: dlcp's over the fastest baseline "
+        "whose error is no larger)"
     )
     lines += cpuload.baseline_notes(
         records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")

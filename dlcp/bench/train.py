@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
+from dlcp.bench.backends import POWERSGD_RANK, TABLE, gloo_ifnames
 from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup, cut_steps
 from dlcp.bench.common import (
     CODECS,
     TRAIN_KEYS,
     BenchError,
+    check_backends,
     format_rate,
     percentile,
     tta_from_curve,
@@ -84,6 +86,7 @@ class TrainOptions:
             raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
         if not self.hidden:
             raise BenchError("--hidden needs at least one layer width")
+        check_backends(self.backends, "train")
 
 
 def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
@@ -109,13 +112,16 @@ def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
         "hidden": list(opts.hidden),
         "seed": opts.seed,
         "bucket_mb": opts.bucket_mb,
+        "gloo_ifnames": gloo_ifnames(s.n_paths),  # GLOO_SOCKET_IFNAME of the run
+        **({"powersgd_rank": POWERSGD_RANK} if codec == "powersgd" else {}),
         **opts.extra,
     }
 
 
 def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) -> dict[str, Any]:
-    is_dlcp = backend.startswith("dlcp")
-    codec = opts.codec if is_dlcp else "fp32"
+    b = TABLE[backend]
+    is_dlcp = b.is_dlcp
+    codec = b.codec(opts.codec)
     rec = _record(opts, backend, codec)
     bound = 0.0 if backend == "dlcp-nobound" else opts.bound
     if is_dlcp:
@@ -129,7 +135,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
             cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
             if opts.control_dscp:
                 cluster.mark_tcp(opts.control_dscp)
-        elif backend == "gloo-prio":
+        elif b.prio:
             cluster.mark_tcp(GLOO_PRIO_DSCP)
         port = next(_ports)
         argvs = [
@@ -167,11 +173,12 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     str(opts.round_timeout_s),
                     "--bucket-mb",
                     str(opts.bucket_mb),
+                    *([] if is_dlcp else ["--hook", b.hook]),
                 ],
             )
             for h in tb.hosts
         ]
-        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        env = worker_env({"GLOO_SOCKET_IFNAME": rec["gloo_ifnames"]})
         say(f"{backend}: starting {len(argvs)} workers")
         _run_workers(cluster, opts, backend, argvs, env, rec, say)
     except BenchError as exc:
@@ -186,7 +193,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
             cluster.save_logs(cluster.log_dir, backend)
-        if is_dlcp or backend == "gloo-prio":
+        if is_dlcp or b.prio:
             cluster.mark_tcp(None)
     rec["run_wall_s"] = time.monotonic() - started
     return rec
@@ -327,15 +334,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     by: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
     for r in records:
         by.setdefault((r["scenario"], r.get("loss_pct", 0.0)), {})[r["backend"]] = r
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'TTA s':>7} {'final':>6} "
-        f"{'step p50':>8} {'wall s':>7} {'bound':>5} {'lost':>6} {'gloo/TTA':>8} {'prio/TTA':>8}"
+        f"{'scenario':<14} {'backend':<18} {'codec':<8} {'TTA s':>7} {'final':>6} "
+        f"{'step p50':>8} {'wall s':>7} {'bound':>5} {'lost':>6} {'gloo/TTA':>8} "
+        f"{'prio/TTA':>8}  TTA/baseline"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{scen:<14} {r['backend']:<18} {r['codec']:<8} FAILED: {why}")
             continue
         peers = by[(r["scenario"], r.get("loss_pct", 0.0))]
 
@@ -353,16 +363,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         wall = "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}"
         lost = f"{100 * r.get('loss_frac', 0.0):5.2f}%"
         lines.append(
-            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {tta:>7} {final:>6} {step:>8} "
+            f"{scen:<14} {r['backend']:<18} {r['codec']:<8} {tta:>7} {final:>6} {step:>8} "
             f"{wall:>7} {cpuload.mark(r):>5} {lost:>6} {speedup('gloo'):>8} "
-            f"{speedup('gloo-prio'):>8}"
+            f"{speedup('gloo-prio'):>8}  {versus(r, records)}"
         )
     first = records[0]
     lines.append(
         f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
         f"target accuracy {100 * first['target_acc']:g} %, {first['steps']} steps; "
         "gloo/TTA = Gloo's TTA over this backend's: > 1 is faster than Gloo; "
-        "bound: cpu = the run was CPU-bound, net = it was not)"
+        "TTA/baseline = dlcp's TTA over the fastest baseline's whose final accuracy is "
+        "within 0.5 points: < 1 is faster; bound: cpu = the run was CPU-bound, net = it "
+        "was not)"
     )
     lines += cpuload.baseline_notes(
         records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")

@@ -3,7 +3,8 @@
 An MLP on scikit-learn's digits, trained with DistributedDataParallel over a
 Gloo process group. With `--backend dlcp` the gradients go through dlcp's shim
 (`dlcp.shim.init` + `register_comm_hook(state, dlcp.hook)`); with `gloo` through
-DDP's default all-reduce. Same seed, same data order, same model either way.
+DDP's default all-reduce, or (`--hook`) PyTorch's fp16, bf16 or PowerSGD hook
+(`dlcp.bench.hooks`). Same seed, same data order, same model either way.
 
 Protocol: "ready" -> (go) -> steps; rank 0 sends "step" and "eval" {t, acc}
 events -> "result" {curve, final_acc, steps, ...}.
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from dlcp.bench.backends import HOOK_CODECS
 
 __all__ = ["build_model", "load_data", "main"]
 
@@ -82,6 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bound", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--hook",
+        choices=tuple(HOOK_CODECS),
+        default="default",
+        help="gloo: DDP's default hook, or PyTorch's fp16/bf16/PowerSGD hook (dlcp.bench.hooks)",
+    )
     a = p.parse_args(argv)
     try:
         run(a)
@@ -133,6 +142,10 @@ def run(a: argparse.Namespace) -> None:
             codec=a.codec, loss_bound=a.bound, model=model, round_timeout_s=a.timeout, mode=a.mode
         )
         ddp.register_comm_hook(state, dlcp.hook)
+    else:
+        from dlcp.bench.hooks import register
+
+        register(ddp, a.hook)
     opt = torch.optim.Adam(ddp.parameters(), lr=a.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps))
