@@ -24,7 +24,7 @@ from tests.daemons import Rank, hosts_of, loopback_daemons, submit
 from tests.test_shim import make_model, reference_grads, spawn, train_steps
 
 KEY = bytes(range(32))
-DDP = {"bucket_cap_mb": 0.01}
+DDP: dict[str, Any] = {"bucket_cap_mb": 0.01}
 DAEMON_TIMING = {"timing": {"timeout": 2.0}}
 
 
@@ -165,7 +165,9 @@ def test_a_dedicated_server_sums_in_eight_shards(tmp_path: Path) -> None:
                 ranks[-1].client.join(job=6, key=KEY, hosts=hosts, me=i, **shape)
             (job,) = server.status()["jobs"]
             assert job["owners"] == [2] * 8 and job["contributors"] == [0, 1]
-            xs = [np.random.default_rng(i).standard_normal(20_000).astype(np.float32) for i in (0, 1)]
+            xs = [
+                np.random.default_rng(i).standard_normal(20_000).astype(np.float32) for i in (0, 1)
+            ]
             waits = [
                 submit(r, job=6, round=0, bucket=0, lanes=x, shards=8)
                 for r, x in zip(ranks, xs, strict=True)

@@ -23,10 +23,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from dlcp.core.records import ps_shards
 from dlcp.errors import LocalError
 
-__all__ = ["SERVERS_ENV", "Placement", "placement"]
+__all__ = ["SERVERS_ENV", "Placement", "placement", "ps_fields"]
 
 SERVERS_ENV = "DLCP_PS_SERVERS"
 
@@ -68,3 +70,11 @@ def placement(
     if not names and not on_hosts:
         raise LocalError("mode='ps' with colocate=False needs servers= (or DLCP_PS_SERVERS)")
     return Placement(names, on_hosts)
+
+
+def ps_fields(hosts: int, servers: int, colocated: bool) -> dict[str, Any]:
+    """A "ps" job's shape in a `join`: `hosts` training hosts, then `servers`
+    dedicated servers; the aggregators (the servers, then the training hosts
+    when co-located), the contributors (the training hosts) and the shards."""
+    aggs = [*range(hosts, hosts + servers), *(range(hosts) if colocated else ())]
+    return {"aggregators": aggs, "contributors": list(range(hosts)), "shards": ps_shards(len(aggs))}

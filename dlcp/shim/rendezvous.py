@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from dlcp.core.records import SWITCH_SHARDS, ps_shards
+from dlcp.core.records import SWITCH_SHARDS
 from dlcp.errors import DlcpError, LocalError
+from dlcp.shim.placement import ps_fields
 
 __all__ = ["Membership", "Store", "all_gather", "job_secret", "plan_membership"]
 
@@ -61,18 +62,23 @@ class Membership:
         return [*self.hosts, *([self.switch] if self.switch is not None else []), *self.servers]
 
     @property
+    def ps_fields(self) -> dict[str, Any]:
+        """Mode "ps": the job's aggregators, contributors and shards in a join."""
+        return ps_fields(len(self.hosts), len(self.servers), self.colocated)
+
+    @property
     def aggregators(self) -> list[int]:
         """Mode "ps": the job's hosts that own shards (the servers, then the
         training hosts when co-located)."""
-        t = len(self.hosts)
-        return [*range(t, t + len(self.servers)), *(range(t) if self.colocated else ())]
+        aggs: list[int] = self.ps_fields["aggregators"]
+        return aggs
 
     @property
     def shards(self) -> int:
         """How the job's buckets are cut (the daemons' `JobSpec` owners)."""
         if self.switch is not None:
             return SWITCH_SHARDS
-        return ps_shards(len(self.aggregators)) if self.ps else len(self.hosts)
+        return int(self.ps_fields["shards"]) if self.ps else len(self.hosts)
 
     def join_fields(
         self, mode: str, *, at_switch: bool = False, server: int | None = None
@@ -92,9 +98,7 @@ class Membership:
             "payload": self.payload,
         }
         if self.ps:
-            fields["aggregators"] = self.aggregators
-            fields["contributors"] = list(range(len(self.hosts)))
-            fields["shards"] = self.shards
+            fields.update(self.ps_fields)
         return fields
 
 
