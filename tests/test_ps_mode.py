@@ -268,3 +268,38 @@ def test_a_training_hosts_daemon_named_as_a_server_is_an_error_on_every_rank(
     with loopback_daemons(tmp_path, 2) as ds:
         got = spawn(_same_daemon_worker, 2, tmp_path, sockets=[d.socket for d in ds])
     assert got[0] == got[1] and "server 0 is the same daemon as training host 1" in got[0]
+
+
+def test_the_bench_runs_servers_as_hosts_without_ranks() -> None:
+    from dlcp.bench.cluster import Setup
+    from dlcp.bench.common import BenchError
+
+    assert "1 parameter server" in Setup(hosts=3, mode="ps", servers=1).describe()
+    with pytest.raises(BenchError, match="--mode ps needs --servers"):
+        Setup(hosts=3, mode="ps")
+    with pytest.raises(BenchError, match="for --mode ps"):
+        Setup(hosts=3, servers=1)
+    with pytest.raises(BenchError, match="for --mode ps"):
+        Setup(hosts=3, mode="switch", colocate=True)
+
+
+@pytest.mark.parametrize(
+    ("words", "servers", "colocate", "bound"),
+    [
+        ("--mode ps", 1, False, 0.0),  # one dedicated server, exact sums
+        ("--mode ps --servers 0", 0, True, 0.0),  # co-located
+        ("--mode ps --servers 2 --colocate --loss-bound 0.01", 2, True, 0.01),
+        ("", 0, False, 0.05),  # other modes keep their default bound
+    ],
+)
+def test_bench_ps_options(words: str, servers: int, colocate: bool, bound: float) -> None:
+    import argparse
+
+    from dlcp.bench import cli
+
+    p = argparse.ArgumentParser(prog="dlcp")
+    cli.register(p.add_subparsers(dest="command"))
+    for bench in ("allreduce", "train"):
+        args = p.parse_args(["bench", bench, *words.split()])
+        opts = (cli.allreduce_options if bench == "allreduce" else cli.train_options)(args)
+        assert (opts.setup.servers, opts.setup.colocate, opts.bound) == (servers, colocate, bound)
