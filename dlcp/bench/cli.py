@@ -73,8 +73,8 @@ def register(sub: Any) -> None:
         default=None,
         metavar="S",
         help="stop a backend still running S seconds after its workers started: its record "
-        "gets error and stopped=budget, and the bench goes on (default: 120 s plus, per "
-        "iteration, the larger of 3 s and 3 x hosts x size at the link rate)",
+        "gets error and stopped=budget, and the bench goes on (default: 60 s plus, per "
+        "iteration, the larger of 2 s and 2 x hosts x size at the link rate)",
     )
     _common_args(ar, default_json=None)
     ar.set_defaults(func=_allreduce)

@@ -55,10 +55,12 @@ class RunStopped(BenchError):
 
 @dataclass(frozen=True)
 class RunBound:
-    """How long a backend's workers may go on: stopped when none of them
-    reported anything (its join, a finished round, a step) for `stall_s`, or
-    once `budget_s` (None: no budget) passed since they started. Every wait of
-    a `WorkerGroup` holds to it, whatever its own timeout."""
+    """How long a backend's workers may go on: stopped when, once released
+    (the orchestrator's first go, after their joins: starting Python and
+    torch is not a round), none of them reported anything (a warm-up's end, a
+    finished round or step) for `stall_s`, or once `budget_s` (None: no
+    budget) passed since they started. Every wait of a `WorkerGroup` holds to
+    it, whatever its own timeout."""
 
     stall_s: float = STALL_S
     budget_s: float | None = None
@@ -133,7 +135,8 @@ class WorkerGroup:
     ) -> None:
         self.label = label
         self.bound = bound or RunBound()
-        self.started = self.heard = time.monotonic()  # heard: the last event from any worker
+        self.started = time.monotonic()
+        self.heard: float | None = None  # since the first go: the last event from any worker
         self.workers: list[_Worker] = []
         try:
             for rank, argv in enumerate(argvs):
@@ -182,7 +185,9 @@ class WorkerGroup:
         """A wait of `timeout_s` cut to the run's bound: how long it may last,
         and which bound cut it ("stall", "budget"; None: its own timeout)."""
         now = time.monotonic()
-        waits = [(timeout_s, None), (self.heard + self.bound.stall_s - now, "stall")]
+        waits: list[tuple[float, str | None]] = [(timeout_s, None)]
+        if self.heard is not None:
+            waits.append((self.heard + self.bound.stall_s - now, "stall"))
         if self.bound.budget_s is not None:
             waits.append((self.started + self.bound.budget_s - now, "budget"))
         wait, why = min(waits, key=lambda x: x[0])
@@ -210,7 +215,7 @@ class WorkerGroup:
             if why is not None:
                 raise self._stopped(w, why) from None
             raise self._fail(w, f"sent nothing for {timeout_s:g} s") from None
-        self.heard = time.monotonic()
+        self._heard()
         if msg is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
@@ -261,7 +266,7 @@ class WorkerGroup:
                 except queue.Empty:
                     continue
                 idle = False
-                self.heard = time.monotonic()
+                self._heard()
                 if msg is None:
                     w.events.put(None)
                     raise self._fail(w, "closed its output")
@@ -281,7 +286,13 @@ class WorkerGroup:
                 time.sleep(0.02)
         return [results[w.rank] for w in self.workers]
 
+    def _heard(self) -> None:
+        if self.heard is not None:
+            self.heard = time.monotonic()
+
     def send(self, line: str = "go") -> None:
+        if self.heard is None:  # released: the stall bound holds from here
+            self.heard = time.monotonic()
         for w in self.workers:
             try:
                 assert w.proc.stdin is not None

@@ -108,6 +108,8 @@ def _hold(
         return held, {"servers": servers} if servers else {}
     except BaseException as exc:
         _close(held)
+        if not isinstance(exc, Exception):
+            raise
         raise DlcpError(f"{what}: {exc}") from exc
 
 
