@@ -303,3 +303,36 @@ def test_bench_ps_options(words: str, servers: int, colocate: bool, bound: float
         args = p.parse_args(["bench", bench, *words.split()])
         opts = (cli.allreduce_options if bench == "allreduce" else cli.train_options)(args)
         assert (opts.setup.servers, opts.setup.colocate, opts.bound) == (servers, colocate, bound)
+
+
+def _switch_worker(rank: int, world: int, sockets: list[str], switch: str) -> dict[str, Any]:
+    ref = reference_grads(rank, 2, **DDP)
+    state = dlcp.init(socket=sockets[rank], mode="switch", switch_socket=switch)
+    model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
+    model.register_comm_hook(state, dlcp.hook)
+    grads = train_steps(model, rank, 2)
+    link = state._link
+    out = {
+        "grads": grads,
+        "ref": ref,
+        "stats": state.stats(),
+        "held": len(link.held) if link else 0,
+    }
+    state.close()
+    return out
+
+
+def test_the_switch_mode_holds_its_aggregator_as_the_servers_are_held(tmp_path: Path) -> None:
+    """Mode "switch" attaches through the same hold as "ps" (rank 0 holds one job)."""
+    with loopback_daemons(tmp_path, 3, DAEMON_TIMING) as ds:
+        results = spawn(
+            _switch_worker, 2, tmp_path, sockets=[d.socket for d in ds[:2]], switch=ds[2].socket
+        )
+        aggregated = [d.client().status()["counters"].get("shards_aggregated", 0) for d in ds]
+    assert [r["held"] for r in results] == [1, 0]
+    for res in results:
+        assert res["stats"]["fallbacks"] == 0 and res["stats"]["attached"]
+        for got, want in zip(res["grads"], res["ref"], strict=True):
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    assert aggregated[2] > 0 and aggregated[:2] == [0, 0]

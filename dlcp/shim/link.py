@@ -176,11 +176,9 @@ def attach(
         _close([client, *held])
         return AttachFailed(str(exc), fatal=True)
     try:
-        if mode == "switch":
-            held[0].call("join", timeout=timeout, **membership.join_fields(mode, at_switch=True))
-        else:
-            for k, server in enumerate(held):
-                server.call("join", timeout=timeout, **membership.join_fields(mode, server=k))
+        for k, at in enumerate(held):  # rank 0's: the switch's aggregator or the servers
+            there = {"at_switch": True} if mode == "switch" else {"server": k}
+            at.call("join", timeout=timeout, **membership.join_fields(mode, **there))
         client.call("join", timeout=timeout, **membership.join_fields(mode))
         arena = Arena(client, segment_name, segment_bytes)
         link = Link(client, daemon, membership, arena, mode, tuple(held))
