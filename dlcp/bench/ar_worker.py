@@ -178,12 +178,13 @@ def run_dlcp(a: argparse.Namespace) -> None:
     hosts = json.loads(a.hosts)
     client = DaemonClient(a.socket or default_socket(), timeout=10.0)
     info = client.hello()
-    client.join(
-        job=a.job, key=bytes.fromhex(a.key), hosts=hosts, me=a.rank, local_ranks=1, mode=a.mode
-    )
+    shape = json.loads(a.shape)  # mode "ps": aggregators, contributors, shards
+    key = bytes.fromhex(a.key)
+    client.join(job=a.job, key=key, hosts=hosts, me=a.rank, local_ranks=1, mode=a.mode, **shape)
     codec = get_codec(a.codec)
     payload = int(info["payload"])
     shards = SWITCH_SHARDS if a.mode == "switch" else len(hosts)  # JobSpec's: the layout's
+    shards = int(shape.get("shards", shards))
     scales = position_scales(a.elements, a.seed)
     x = torch.from_numpy(make_data(a.elements, a.seed, a.rank, scales))
     ref = reference_mean(a, scales) if a.rank == 0 and a.check else None
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--job", type=int, default=1)
     p.add_argument("--key", default="00" * 32)
     p.add_argument("--codec", default="fp32")
-    p.add_argument("--mode", choices=("transpose", "switch"), default="transpose")
+    p.add_argument("--mode", choices=("transpose", "switch", "ps"), default="transpose")
+    p.add_argument("--shape", default="{}", help="mode ps: the join's aggregators, ... (JSON)")
     p.add_argument("--bound", type=float, default=0.0)
     p.add_argument("--scale-margin", type=float, default=1.25)
     p.add_argument(

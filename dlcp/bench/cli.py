@@ -63,6 +63,15 @@ def register(sub: Any) -> None:
     ar.add_argument(
         "--no-check", action="store_true", help="do not check dlcp's results against exact sums"
     )
+    ar.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop a backend still running S seconds after its workers started: its record "
+        "gets error and stopped=budget, and the bench goes on (default: 60 s plus, per "
+        "iteration, the larger of 2 s and 2 x hosts x size at the link rate)",
+    )
     _common_args(ar, default_json=None)
     ar.set_defaults(func=_allreduce)
 
@@ -220,19 +229,35 @@ def _cluster_args(
     p.add_argument(
         "--loss-bound",
         type=float,
-        default=0.05,
-        help="dlcp's loss bound, the fraction of a bucket that may be lost (default: 0.05)",
+        default=None,
+        help="dlcp's loss bound, the fraction of a bucket that may be lost (default: 0.05; "
+        "0 in --mode ps: parameter servers sum exactly, as BytePS's do)",
     )
     p.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
     _pacing_arg(p)
     p.add_argument(
         "--mode",
-        choices=("transpose", "switch"),
+        choices=("transpose", "switch", "ps"),
         default="transpose",
         help="dlcp's all-reduce: transpose = host to host (each host sums a shard); "
         "switch = summed in the switch (the testbed gets an aggregator daemon there, "
         "`dlcp testbed up --switch-aggregator`): each host sends its buckets once up "
-        "and receives the sums once down (default: transpose)",
+        "and receives the sums once down; ps = summed by parameter servers (--servers, "
+        "--colocate) (default: transpose)",
+    )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--mode ps: N dedicated parameter servers, testbed hosts of their own after "
+        "the --hosts training hosts, with daemons and no ranks; 0: none, the training "
+        "hosts aggregate (co-located) (default: 1)",
+    )
+    p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="--mode ps: the training hosts aggregate too, beside the --servers",
     )
     p.add_argument("--name", default=None, help="testbed name (default: bench-<pid>)")
 
@@ -278,6 +303,15 @@ def _common_args(p: argparse.ArgumentParser, *, default_json: str | None) -> Non
         "10%% idle or a process waited for a CPU over half the run: not a network "
         "result), idle_frac, runq_wait_frac and machine_cpu_s",
     )
+    p.add_argument(
+        "--stall",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="stop a backend whose workers report nothing (their join, a finished round "
+        "or step) for S seconds: its record gets error and stopped=stall, and the bench "
+        "goes on with the next backend (default: 120, two round timeouts)",
+    )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     p.add_argument("--logs", type=Path, default=None, help="keep daemon and worker logs here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -297,8 +331,24 @@ def setup_from_args(args: argparse.Namespace) -> Any:
         mtu=args.mtu,
         pacing=args.pacing,
         mode=args.mode,
+        servers=_servers(args),
+        colocate=args.colocate or (args.mode == "ps" and args.servers == 0),
         name=args.name,
     )
+
+
+def _loss_bound(args: argparse.Namespace) -> float:
+    """--loss-bound, whose default is 0 in --mode ps (else 0.05)."""
+    if args.loss_bound is None:
+        return 0.0 if args.mode == "ps" else 0.05
+    return float(args.loss_bound)
+
+
+def _servers(args: argparse.Namespace) -> int:
+    """--servers, whose default is 1 in --mode ps (else none)."""
+    if args.servers is None:
+        return 1 if args.mode == "ps" else 0
+    return int(args.servers)
 
 
 def allreduce_options(args: argparse.Namespace) -> Any:
@@ -311,10 +361,12 @@ def allreduce_options(args: argparse.Namespace) -> Any:
         iters=args.iters,
         codec=args.codec,
         backends=tuple(args.backends),
-        bound=args.loss_bound,
+        bound=_loss_bound(args),
         warmup=args.warmup,
         bucket_bytes=bucket,
         check=not args.no_check,
+        stall_s=args.stall,
+        budget_s=args.budget,
         progress=not args.no_progress,
     )
 
@@ -338,10 +390,11 @@ def train_options(args: argparse.Namespace) -> Any:
         hidden=hidden,
         seed=args.seed,
         eval_every=args.eval_every,
-        bound=args.loss_bound,
+        bound=_loss_bound(args),
         bucket_mb=args.bucket_mb,
         control_dscp=dscp,
         time_budget_s=args.budget,
+        stall_s=args.stall,
         progress=not args.no_progress,
     )
 

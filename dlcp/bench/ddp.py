@@ -39,7 +39,7 @@ from dlcp.bench.common import (
     percentile,
 )
 from dlcp.bench.common import say as default_say
-from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
+from dlcp.bench.procs import STALL_S, RunBound, RunStopped, WorkerGroup, worker_argv, worker_env
 
 __all__ = [
     "DDP_BACKENDS",
@@ -87,6 +87,7 @@ class DdpOptions:
     bound: float = 0.0
     with_model: bool = True  # dlcp.init(model=...): the segment sized up front
     round_timeout_s: float = 60.0
+    stall_s: float = STALL_S  # stopped when its workers report nothing this long
     seed: int = 0
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -224,6 +225,8 @@ def _phase(
         say(f"FAILED: {error}")
         for rec in records:
             rec["error"] = error
+            if isinstance(exc, RunStopped):
+                rec["stopped"] = exc.why
     finally:
         if prio:
             cluster.mark_tcp(None)
@@ -245,7 +248,10 @@ def _run_workers(
     from tqdm import tqdm
 
     label = f"ddp-{cluster.run_label('+'.join(names))}"
-    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
+    bound = RunBound(opts.stall_s)
+    group = WorkerGroup(
+        cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env, bound=bound
+    )
     with group as g, contextlib.ExitStack() as scenario:
         ready = g.expect("ready", 300.0 + opts.warmup * opts.round_timeout_s)
         if opts.setup.scenario != "clean":

@@ -91,5 +91,6 @@ def ddp_options(args: argparse.Namespace) -> Any:
         bucket_mb=args.bucket_cap_mb,
         bound=args.loss_bound,
         with_model=not args.no_model,
+        stall_s=args.stall,
         progress=not args.no_progress,
     )

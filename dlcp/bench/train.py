@@ -37,7 +37,15 @@ from dlcp.bench.common import (
     tta_from_curve,
 )
 from dlcp.bench.common import say as default_say
-from dlcp.bench.procs import WorkerGroup, WorkerTimeout, worker_argv, worker_env
+from dlcp.bench.procs import (
+    STALL_S,
+    RunBound,
+    RunStopped,
+    WorkerGroup,
+    WorkerTimeout,
+    worker_argv,
+    worker_env,
+)
 
 __all__ = ["TrainOptions", "format_table", "run_train", "save"]
 
@@ -67,6 +75,7 @@ class TrainOptions:
     # unmarked.
     control_dscp: str | None = CONTROL_DSCP
     round_timeout_s: float = 60.0
+    stall_s: float = STALL_S  # stopped when its workers report nothing this long
     # Stop a backend's training after this many seconds (None: run every step);
     # its curve so far is kept, and a target it has not reached is reported as
     # "not within the budget" (TTA > budget).
@@ -127,6 +136,8 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
     if is_dlcp:
         rec["loss_bound"] = bound
         rec["mode"] = opts.setup.mode
+        if opts.setup.mode == "ps":
+            rec.update(servers=opts.setup.servers, colocate=opts.setup.colocate)
         rec["control_dscp"] = opts.control_dscp
     tb = cluster.tb
     started = time.monotonic()
@@ -166,7 +177,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     str(opts.eval_every),
                     "--codec",
                     codec,
-                    *(["--mode", opts.setup.mode] if backend.startswith("dlcp") else []),
+                    *(_mode_args(cluster) if is_dlcp else []),
                     "--bound",
                     str(bound),
                     "--timeout",
@@ -176,13 +187,15 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     *([] if is_dlcp else ["--hook", b.hook]),
                 ],
             )
-            for h in tb.hosts
+            for h in cluster.train_hosts
         ]
         env = worker_env({"GLOO_SOCKET_IFNAME": rec["gloo_ifnames"]})
         say(f"{backend}: starting {len(argvs)} workers")
         _run_workers(cluster, opts, backend, argvs, env, rec, say)
     except BenchError as exc:
         rec["error"] = str(exc)
+        if isinstance(exc, RunStopped):
+            rec["stopped"] = exc.why
         if is_dlcp and cluster.daemons_running:
             tail = cluster.daemon_log_tail(3)
             if tail:
@@ -199,6 +212,16 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
     return rec
 
 
+def _mode_args(cluster: Cluster) -> list[str]:
+    """The worker's dlcp mode, and in mode "ps" the servers' sockets (the
+    testbed's hosts after the training hosts) and whether to co-locate."""
+    s = cluster.setup
+    if s.mode != "ps":
+        return ["--mode", s.mode]
+    sockets = ",".join(str(h.socket) for h in cluster.tb.hosts[s.hosts :])
+    return ["--mode", "ps", "--servers", sockets, *(["--colocate"] if s.colocate else [])]
+
+
 def _run_workers(
     cluster: Cluster,
     opts: TrainOptions,
@@ -211,7 +234,10 @@ def _run_workers(
     from tqdm import tqdm
 
     label = f"train-{cluster.run_label(backend)}"
-    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
+    bound = RunBound(opts.stall_s)  # the time budget is --budget's (keeping the curve)
+    group = WorkerGroup(
+        cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env, bound=bound
+    )
     with group as g, contextlib.ExitStack() as scenario:
         ready = g.expect("ready", 300.0)
         if opts.setup.scenario != "clean":

@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--codec", default="fp32")
-    p.add_argument("--mode", choices=("transpose", "switch"), default="transpose")
+    p.add_argument("--mode", choices=("transpose", "switch", "ps"), default="transpose")
+    p.add_argument("--servers", default="", help="mode ps: the servers' sockets, comma-separated")
+    p.add_argument("--colocate", action="store_true", help="mode ps: the hosts aggregate too")
     p.add_argument("--bound", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb")
@@ -138,8 +140,14 @@ def run(a: argparse.Namespace) -> None:
     if a.backend == "dlcp":
         import dlcp.shim as dlcp
 
+        ps = {"servers": a.servers or None, "colocate": a.colocate} if a.mode == "ps" else {}
         state = dlcp.init(
-            codec=a.codec, loss_bound=a.bound, model=model, round_timeout_s=a.timeout, mode=a.mode
+            codec=a.codec,
+            loss_bound=a.bound,
+            model=model,
+            round_timeout_s=a.timeout,
+            mode=a.mode,
+            **ps,
         )
         ddp.register_comm_hook(state, dlcp.hook)
     else:

@@ -209,6 +209,7 @@ class RoundLifecycle:
         payload: int,
         aggregators: tuple[int, ...] = (),
         contributors: tuple[int, ...] = (),
+        shards: int | None = None,
         static: bool = False,
     ) -> JobState:
         H = len(hosts)
@@ -232,20 +233,22 @@ class RoundLifecycle:
                 raise bad_request("a switch job needs hosts and the switch's aggregator last")
             spec = JobSpec.switch(job, key, me, H, payload=payload, mac=self.config.mac)
         elif mode in ("ps", "switch"):
-            aggs = aggregators or (0,)
-            contr = contributors or tuple(i for i in range(H) if i not in aggs)
-            for i in (*aggs, *contr):
-                if not 0 <= i < H:
-                    raise bad_request(f"host index {i} out of range")
-            spec = JobSpec(
-                job=job,
-                key=key,
-                me=me,
-                contributors=contr,
-                owners=aggs,
-                payload=payload,
-                mac=self.config.mac,
-            )
+            # the hosts that do not aggregate contribute, unless named
+            contr = contributors or tuple(i for i in range(H) if i not in aggregators)
+            try:
+                spec = JobSpec.ps(
+                    job,
+                    key,
+                    me,
+                    H,
+                    aggregators,
+                    contr,
+                    shards,
+                    payload=payload,
+                    mac=self.config.mac,
+                )
+            except LocalError as exc:
+                raise bad_request(str(exc)) from None
         else:
             raise bad_request(f"mode must be transpose, ps or switch, not {mode!r}")
         state = JobState(spec=spec, hosts=hosts, local_ranks=local_ranks, mode=mode, static=static)
@@ -289,6 +292,7 @@ class RoundLifecycle:
             payload=self.config.payload,
             aggregators=jc.aggregators,
             contributors=jc.contributors,
+            shards=jc.shards,
             static=True,
         )
         self.jobs[jc.job] = state

@@ -307,6 +307,7 @@ class ShimService:
         aggs, contr = tuple(aggs_raw), tuple(contr_raw)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*aggs, *contr)):
             raise bad_request("aggregators and contributors must list host indices")
+        shards = int_field(req, "shards", 1, 65535) if "shards" in req else None
         state = self._make_job(
             job=job_id,
             key=key,
@@ -317,6 +318,7 @@ class ShimService:
             payload=payload,
             aggregators=aggs,
             contributors=contr,
+            shards=shards,
         )
         existing = self.jobs.get(job_id)
         if existing is not None:

@@ -57,6 +57,7 @@ import math
 import os
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -70,9 +71,13 @@ from dlcp.errors import LocalError
 from dlcp.shim import auto_steps, pg
 from dlcp.shim.auto import AUTO, AutoCodec
 from dlcp.shim.client import default_socket
+from dlcp.shim.fields import CONFIG as _CONFIG
+from dlcp.shim.fields import PERSISTENT as _PERSISTENT
+from dlcp.shim.fields import RUNTIME as _RUNTIME
 from dlcp.shim.launch import BucketLaunch
 from dlcp.shim.layers import LayerMap
 from dlcp.shim.link import AttachFailed, Link, attach
+from dlcp.shim.placement import placement
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.staging import Staging
 from dlcp.shim.stepend import StepEnd
@@ -89,64 +94,6 @@ _MODES = ("transpose", "ps", "switch")
 # bucket max / per-packet maxima times the margin (see the module docstring).
 _SCALE_MODES = ("exact", "bucket", "packet")
 
-# Fields that survive pickling (the rest is rebuilt or reconnected lazily).
-_CONFIG = (
-    "codec",
-    "codec_options",
-    "loss_bound",
-    "socket",
-    "strict",
-    "retry_steps",
-    "retry_s",
-    "round_timeout_s",
-    "connect_timeout_s",
-    "rendezvous_timeout_s",
-    "scale_margin",
-    "scale_mode",
-    "mode",
-    "switch_socket",
-    "segment_bytes",
-    "link_bps",
-    "auto_options",
-)
-_PERSISTENT = (
-    "round",
-    "fallbacks",
-    "rounds",
-    "attaches",
-    "failures",
-    "lost_lanes",
-    "total_lanes",
-    "saturated",
-    "last_error",
-    "_unreported",
-    "_ef",
-    "_scales",
-    "_detached_round",
-    "_auto",
-)
-_RUNTIME = (
-    "_group",
-    "_store",
-    "_layers",
-    "_link",
-    "_finalizer",
-    "_staging",
-    "_generators",
-    "_codecs",
-    "_pending",
-    "_layer_cache",
-    "_attach_due",
-    "_instance",
-    "_attempts",
-    "_last_attempt",
-    "_warned",
-    "_auto_used",
-    "_status",
-    "_timeline",
-    "__weakref__",
-)
-
 
 def _check_fraction(name: str, value: float, hi: float) -> float:
     v = float(value)
@@ -162,7 +109,8 @@ class DlcpState(BucketLaunch, StepEnd):
     retry_steps, retry_s, round_timeout_s, connect_timeout_s,
     rendezvous_timeout_s, scale_margin, scale_mode, mode (transpose: host to
     host; switch: summed by the aggregator in the switch, whose socket is
-    switch_socket, default DLCP_SWITCH_SOCKET; ps), segment_bytes,
+    switch_socket, default DLCP_SWITCH_SOCKET; ps: summed by parameter servers,
+    `servers=` sockets and/or `colocate=`, `dlcp.shim.placement`), segment_bytes,
     link_bps and auto_options (for codec="auto": `dlcp.shim.auto.AutoCodec`).
     Stats: round (all-reduce steps so far), rounds (bucket rounds the daemon
     completed), fallbacks (buckets sent over the process group), attaches,
@@ -193,6 +141,8 @@ class DlcpState(BucketLaunch, StepEnd):
         scale_mode: str = "packet",
         mode: str = "transpose",
         switch_socket: str | None = None,
+        servers: Sequence[str] | str | None = None,
+        colocate: bool | None = None,
         segment_bytes: int | None = None,
         codec_options: dict[str, Any] | None = None,
         link_bps: float | str | None = None,
@@ -240,6 +190,7 @@ class DlcpState(BucketLaunch, StepEnd):
         self.mode = mode
         # mode "switch": the switch aggregator's socket (rank 0 puts the job there)
         self.switch_socket = switch_socket or os.environ.get("DLCP_SWITCH_SOCKET")
+        self.placement = placement(mode, servers, colocate)  # mode "ps": its aggregators
         self.segment_bytes = segment_bytes
         if segment_bytes is None and model is not None:
             self.segment_bytes = segment_for(model)
@@ -300,6 +251,7 @@ class DlcpState(BucketLaunch, StepEnd):
             "auto_options": {},
             "_auto": None,
             "switch_socket": None,
+            "placement": None,
             **state,
         }
         for name in _CONFIG + _PERSISTENT:
@@ -404,10 +356,13 @@ class DlcpState(BucketLaunch, StepEnd):
             fallbacks=self._unreported,
             mode=self.mode,
             switch_socket=self.switch_socket,
+            placement=self.placement,
             timeout=self.connect_timeout_s,
             store_timeout=self.rendezvous_timeout_s,
         )
         if isinstance(result, AttachFailed):
+            if result.fatal:  # the same on every rank: settings that cannot work
+                raise LocalError(result.reason)
             self._fail(result.reason)
             return False
         self._unreported = 0
