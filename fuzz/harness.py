@@ -47,16 +47,16 @@ class Input:
         self.at += len(out)
         return out
 
-    def int(self, nbytes: int) -> int:
+    def uint(self, nbytes: int) -> int:
         return int.from_bytes(self.take(nbytes), "little")
 
     def below(self, n: int) -> int:
         """An int in 0 .. n - 1 (two bytes' worth)."""
-        return self.int(2) % n if n > 0 else 0
+        return self.uint(2) % n if n > 0 else 0
 
     def chance(self, k: int) -> bool:
         """True for one byte value in k."""
-        return self.int(1) % k == 0
+        return self.uint(1) % k == 0
 
     def rest(self) -> bytes:
         return self.take(self.left())
@@ -66,7 +66,7 @@ class Input:
         `pack_datagrams` writes them)."""
         out: list[bytes] = []
         while self.left() >= 2 and len(out) < limit:
-            out.append(self.take(self.int(2) % (longest + 1)))
+            out.append(self.take(self.uint(2) % (longest + 1)))
         return out
 
 

@@ -4,6 +4,7 @@ and flag set, MAC'd with BLAKE2b for one job and ghash-aes for another)."""
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Sequence
 from functools import cache
@@ -21,8 +22,8 @@ REF_KEYS: dict[int, MacKey] = {JOB: _SECRET, JOB_GHASH: GhashAesKey(_SECRET, nat
 
 @cache
 def templates() -> tuple[bytes, ...]:
-    from tests.fuzz_daemon import templates as make
-
+    # tests/ is no package mypy checks: its helper is imported by name
+    make = importlib.import_module("tests.fuzz_daemon").templates
     return tuple(make(JOB, REF_KEYS[JOB]) + make(JOB_GHASH, REF_KEYS[JOB_GHASH]))
 
 
@@ -36,7 +37,7 @@ def datagram_seeds() -> list[list[bytes]]:
     one_job = [d for d in t if d[8:12] == JOB.to_bytes(4, "big")]
     out.append(one_job[:12])
     out.append([one_job[3]] * 6)  # repeats
-    out.append([t[0][:HEADER_SIZE - 1], t[1][:12], b"", t[2]])  # short ones
+    out.append([t[0][: HEADER_SIZE - 1], t[1][:12], b"", t[2]])  # short ones
     return out
 
 

@@ -32,19 +32,19 @@ def _heads(inp: Input, offsets: list[int], counts: list[int]) -> np.ndarray:
     h = np.zeros(n, dtype=HEADER_DTYPE)
     h["offset"] = offsets
     h["count"] = counts
-    h["flags"] = [_FLAGS[inp.int(1) % 4] for _ in range(n)]
-    h["priority"] = [inp.int(1) % 8 for _ in range(n)]
-    h["layer"] = [inp.int(2) for _ in range(n)]
-    h["aux"] = [inp.int(4) for _ in range(n)]  # the block max's bits (data)
+    h["flags"] = [_FLAGS[inp.uint(1) % 4] for _ in range(n)]
+    h["priority"] = [inp.uint(1) % 8 for _ in range(n)]
+    h["layer"] = [inp.uint(2) for _ in range(n)]
+    h["aux"] = [inp.uint(4) for _ in range(n)]  # the block max's bits (data)
     h["param"] = np.frombuffer(inp.take(4 * n).ljust(4 * n, b"\0"), "<f4")  # results: the block max
-    h["contributors"] = [inp.int(1) % 5 + 1 for _ in range(n)]
+    h["contributors"] = [inp.uint(1) % 5 + 1 for _ in range(n)]
     return h
 
 
 def _lanes(inp: Input, count: int, width: int) -> bytes:
     n = count * width
     if inp.chance(64):  # a payload of the wrong length
-        n = max(n + inp.int(1) % 9 - 4, 0)
+        n = max(n + inp.uint(1) % 9 - 4, 0)
     return inp.take(n).ljust(n, b"\x3c")
 
 
@@ -70,9 +70,9 @@ def _same_state(a: ShardAggregator, b: ShardAggregator) -> None:
 
 def _layout(inp: Input, codec: Codec) -> Layout | None:
     per = 352 if codec == Codec.FP32 else 1024
-    total = per * (inp.int(1) % 24 + 1) + inp.int(2) % per
+    total = per * (inp.uint(1) % 24 + 1) + inp.uint(2) % per
     try:
-        return Layout(total=total, codec=codec, shards=inp.int(1) % 3 + 1, payload=1408)
+        return Layout(total=total, codec=codec, shards=inp.uint(1) % 3 + 1, payload=1408)
     except ValueError:
         return None
 
@@ -104,16 +104,16 @@ def bulk_data_run(inp: Input) -> None:
     ref, fast = twins
     pk = lay.shard_packets(shard)
     lo, hi = max(pk.start - 2, 0), min(pk.stop + 2, lay.packets)
-    for step in range(inp.int(1) % 3 + 1):
-        sender = 0 if summing else (0, 2)[inp.int(1) % 2]
+    for step in range(inp.uint(1) % 3 + 1):
+        sender = 0 if summing else (0, 2)[inp.uint(1) % 2]
         if not summing and inp.chance(8):  # a manifest: the sender's droppable flags are final
             for agg in twins:
                 agg.on_manifest(sender=2, droppable=np.ones(agg.n_packets, bool), bound=0.1,
                                 now=1.0)  # fmt: skip
         offsets, counts = [], []
-        for _ in range(inp.int(1) % 24 + 1):
+        for _ in range(inp.uint(1) % 24 + 1):
             off, count = lay.packet_range(lo + inp.below(hi - lo))
-            r = inp.int(1)
+            r = inp.uint(1)
             if r < 10:
                 off += r % lay.per_packet + 1  # off the grid
             elif r < 20:
@@ -161,28 +161,31 @@ def bulk_data_run(inp: Input) -> None:
         _same_state(ref, fast)
 
 
-@target("bulk_result_run", covers=("_bulk.run_index", "_bulk.mark_results"), seeds=lambda: _seeds(8))
+@target(
+    "bulk_result_run", covers=("_bulk.run_index", "_bulk.mark_results"), seeds=lambda: _seeds(8)
+)
 def bulk_result_run(inp: Input) -> None:
-    codec = (Codec.FP32, Codec.THC8)[inp.int(1) % 2]
+    codec = (Codec.FP32, Codec.THC8)[inp.uint(1) % 2]
     lay = _layout(inp, codec)
     if lay is None or lay.shards < 2:
         return
     owners = list(range(lay.shards))
     ref, fast = (
-        ResultCollector(layout=lay, owners=owners, me=0, senders=lay.shards, now=0.0,
-                        timing=Timing())  # fmt: skip
+        ResultCollector(
+            layout=lay, owners=owners, me=0, senders=lay.shards, now=0.0, timing=Timing()
+        )
         for _ in range(2)
     )
     width = np.dtype(aggregate_mod.lane_ops.sum_dtype(lay.codec)).itemsize
     step_lanes = -(-lay.per_packet // lay.result_split)
-    for step in range(inp.int(1) % 3 + 1):
+    for step in range(inp.uint(1) % 3 + 1):
         shard = 1 + inp.below(lay.shards - 1)
         pk = lay.shard_packets(shard)
         ranges = [r for i in range(max(pk.start - 1, 0), pk.stop) for r in lay.result_ranges(i)]
         offsets, counts = [], []
-        for _ in range(inp.int(1) % 20 + 1):
+        for _ in range(inp.uint(1) % 20 + 1):
             off, count = ranges[inp.below(len(ranges))]
-            r = inp.int(1)
+            r = inp.uint(1)
             if r < 10:
                 off += r % step_lanes + 1  # not the start of a result packet
             elif r < 20:
@@ -221,8 +224,10 @@ def bulk_result_run(inp: Input) -> None:
             assert np.array_equal(w.received, fast.waiting[s].received)
             assert w.last_arrival == fast.waiting[s].last_arrival
         res = [r for i in pk for r in lay.result_ranges(i)]
-        w = ref.waiting.get(shard)
-        got = (np.ones(len(res), bool) if w is None else w.received).tolist()
-        for (off, count), here in zip(res, got, strict=True):
+        left = ref.waiting.get(shard)
+        stored = (np.ones(len(res), bool) if left is None else left.received).tolist()
+        for (off, count), here in zip(res, stored, strict=True):
             if here:
-                assert ref.sums[off : off + count].tobytes() == fast.sums[off : off + count].tobytes()
+                assert (
+                    ref.sums[off : off + count].tobytes() == fast.sums[off : off + count].tobytes()
+                )

@@ -6,16 +6,19 @@ its Python twin."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from dlcp.daemon import _keys, _udp, netin, packet_keys
+from dlcp.daemon import netin, packet_keys
 from dlcp.daemon import transport as tr
-from dlcp.wire import _bulk
 from dlcp.wire import batch as batch_mod
 from dlcp.wire.header import HEADER_SIZE
 from fuzz.harness import Input, pack_datagrams, target
 from fuzz.seeds import datagram_seeds
+
+_keys, _udp, _bulk = packet_keys._keys, tr._udp, batch_mod._bulk
 
 # --- the GRO split, drains joined ---------------------------------------------
 
@@ -41,8 +44,8 @@ def _plain(split: tuple) -> tuple:
     seeds=_gro_seeds,
 )
 def udp_split_gro(inp: Input) -> None:
-    seg = inp.int(2) % 9100
-    parts = inp.int(1) % 4 + 1
+    seg = inp.uint(2) % 9100
+    parts = inp.uint(1) % 4 + 1
     data = inp.rest()
     got = _udp.split_gro(data, seg)
     want = tr.split_gro(data, seg)
@@ -71,7 +74,7 @@ def _key_seeds() -> list[bytes]:
     return [pack_datagrams(dgs, bytes((3, 1, 7, 0, 0))) for dgs in datagram_seeds()]
 
 
-def _outcome(fn, *args):  # type: ignore[no-untyped-def]
+def _outcome(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args), or the type of what it raised."""
     try:
         return fn(*args)
@@ -97,11 +100,11 @@ def _outcome(fn, *args):  # type: ignore[no-untyped-def]
 )
 def keys(inp: Input) -> None:
     pk = packet_keys
-    n_done = inp.int(1)
-    top = inp.int(1) % 9 + 1
-    nbytes_k = inp.int(1)
-    count = inp.int(1) % 70 + 1
-    watch = inp.int(1)
+    n_done = inp.uint(1)
+    top = inp.uint(1) % 9 + 1
+    nbytes_k = inp.uint(1)
+    count = inp.uint(1) % 70 + 1
+    watch = inp.uint(1)
     dgs = inp.datagrams(limit=32, longest=128)
     long = [d for d in dgs if len(d) >= pk._ID_END]
     assert _keys.identities(long) == pk._py_identities(long)
@@ -115,16 +118,18 @@ def keys(inp: Input) -> None:
     heads = [i[: pk._BKEY] for i in ids]
     watched = None if watch % 3 == 0 else set(heads[:: watch % 3 + 1])
     c_set, py_set = set(pending), set(pending)
-    c_q, py_q = deque(long + [b"tail"]), deque(long + [b"tail"])
+    c_q, py_q = deque([*long, b"tail"]), deque([*long, b"tail"])
     want = _outcome(pk._py_unqueue, py_set, long, n, py_q.popleft, watched)
     assert _outcome(_keys.unqueue, c_set, long, n, c_q.popleft, watched) == want
     assert c_set == py_set and list(c_q) == list(py_q)
     if not isinstance(want, type):
-        fifo, f_set = _keys.Fifo(long + [b"tail"]), set(pending)
+        fifo, f_set = _keys.Fifo([*long, b"tail"]), set(pending)
         assert _keys.unqueue(f_set, long, n, fifo, watched) == want
         assert f_set == py_set and list(fifo) == list(py_q)
     # classes of the datagrams (some out of range), drop bytes
-    classes = [(d[5] if len(d) > 5 else 0) % (top + 1) - (1 if len(d) % 11 == 0 else 0) for d in dgs]
+    classes = [
+        (d[5] if len(d) > 5 else 0) % (top + 1) - (1 if len(d) % 11 == 0 else 0) for d in dgs
+    ]
     drop = bytes(len(d) % 2 for d in dgs)
     assert _outcome(_keys.by_class, dgs, classes, drop, top) == _outcome(
         pk._py_by_class, dgs, classes, drop, top

@@ -15,7 +15,7 @@ from dlcp.errors import Reason, RemoteError, WireError
 from dlcp.wire import batch as batch_mod
 from dlcp.wire import decode, decode_batch
 from dlcp.wire.batch import HEADER_DTYPE, Payloads
-from dlcp.wire.header import HEADER_SIZE, Codec
+from dlcp.wire.header import HEADER_SIZE, Codec, Header
 from dlcp.wire.mac import GhashAesKey
 from fuzz.harness import Input, pack_datagrams, target
 from fuzz.seeds import JOB, JOB_GHASH, KEYS, REF_KEYS, datagram_seeds, heads_of
@@ -55,10 +55,10 @@ def _heads_seeds() -> list[bytes]:
     seeds=_heads_seeds,
 )
 def bulk_heads(inp: Input) -> None:
-    size = inp.int(1) % 97
-    how = inp.int(1) % 3
+    size = inp.uint(1) % 97
+    how = inp.uint(1) % 3
     dgs = inp.datagrams(limit=32)
-    items = _variety(dgs, how)
+    items: list | tuple = _variety(dgs, how)
     if how == 2:
         items = tuple(items)
     raw, lengths = _bulk.heads(items, size)
@@ -79,7 +79,7 @@ def bulk_heads(inp: Input) -> None:
     job = ids.pop() if first is None and len(ids) == 1 else -1
     assert _bulk.checked_heads(items, tables, *args) == (raw64, first, job)
     if dgs and inp.chance(4):  # lengths of any value beside the same records
-        odd = np.array([inp.int(4) - (1 << 31) if inp.chance(2) else n for n in lens], np.int64)
+        odd = np.array([inp.uint(4) - (1 << 31) if inp.chance(2) else n for n in lens], np.int64)
         first = _bulk.field_checks(recs, odd, tables, *args)
         want = batch_mod._py_field_reasons(recs, odd, odd >= HEADER_SIZE)
         got = batch_mod._reasons_of(first)
@@ -91,7 +91,7 @@ def bulk_heads(inp: Input) -> None:
 # --- the batch decoder -------------------------------------------------------
 
 
-def _reason(dg: bytes) -> tuple[Reason | None, object]:
+def _reason(dg: bytes) -> tuple[Reason | None, tuple[Header, bytes] | None]:
     try:
         h, payload = decode(dg, REF_KEYS)
     except WireError as exc:
@@ -105,7 +105,7 @@ def _reason(dg: bytes) -> tuple[Reason | None, object]:
     seeds=lambda: [pack_datagrams(dgs, b"\0") for dgs in datagram_seeds()],
 )
 def decode_batch_target(inp: Input) -> None:
-    how = inp.int(1) % 2
+    how = inp.uint(1) % 2
     dgs = inp.datagrams(limit=24)
     b = decode_batch(_variety(dgs, how), KEYS)
     want = [_reason(d) for d in dgs]
@@ -113,9 +113,10 @@ def decode_batch_target(inp: Input) -> None:
     accepted = [k for k, (r, _) in enumerate(want) if r is None]
     assert b.index.tolist() == accepted
     for i, k in enumerate(accepted):
-        h, payload = want[k][1]  # type: ignore[misc]
-        assert b.header(i) == h
-        assert bytes(b.payloads[i]) == payload
+        decoded = want[k][1]
+        assert decoded is not None
+        assert b.header(i) == decoded[0]
+        assert bytes(b.payloads[i]) == decoded[1]
 
 
 # --- run splits ---------------------------------------------------------------
@@ -132,7 +133,7 @@ def _run_seeds() -> list[bytes]:
 
 @target("bulk_run_starts", covers=("_bulk.run_starts",), seeds=_run_seeds)
 def bulk_run_starts(inp: Input) -> None:
-    n = inp.int(1) % 65
+    n = inp.uint(1) % 65
     src = np.array([b % 4 - 1 for b in inp.take(n).ljust(n, b"\0")], np.int64)
     raw = inp.take(n * HEADER_SIZE).ljust(n * HEADER_SIZE, b"\0")
     f = np.frombuffer(raw, HEADER_DTYPE)
@@ -149,14 +150,14 @@ _IN_PLACE = [(c, s) for c in Codec for s in (False, True)
 def _runs(inp: Input, size: int, itemsize: int) -> tuple[np.ndarray, np.ndarray, list]:
     """Up to 16 runs into `size` lanes (some outside it, some with a payload
     of the wrong length), their payloads as bytes or datagrams (`Payloads`)."""
-    k = inp.int(1) % 17
+    k = inp.uint(1) % 17
     starts, counts, payloads = [], [], []
     for _ in range(k):
         start = inp.below(size + 3)
         count = inp.below(min(size, 600) + 2)
         if inp.chance(16):
-            start = -inp.int(1)
-        nbytes = count * itemsize + (inp.int(1) % 5 - 2 if inp.chance(8) else 0)
+            start = -inp.uint(1)
+        nbytes = count * itemsize + (inp.uint(1) % 5 - 2 if inp.chance(8) else 0)
         starts.append(start)
         counts.append(count)
         payloads.append(inp.take(max(nbytes, 0)).ljust(max(nbytes, 0), b"\x3f"))
@@ -167,7 +168,9 @@ def _both_errors(s: np.ndarray, c: np.ndarray, payloads: list[bytes], size: int,
     """Whether the runs have both a run outside `size` lanes and a payload of
     the wrong length (either error may then come first)."""
     outside = ((s < 0) | (s + c > size)).any()
-    return bool(outside) and any(len(p) != k * item for p, k in zip(payloads, c.tolist(), strict=True))
+    return bool(outside) and any(
+        len(p) != k * item for p, k in zip(payloads, c.tolist(), strict=True)
+    )
 
 
 def _as_datagrams(inp: Input, payloads: list[bytes]) -> list[bytes] | Payloads:
@@ -187,8 +190,15 @@ def _lane_seeds(codec_pick: int) -> list[bytes]:
     return out
 
 
-def _store(dest: np.ndarray, codec: int, summed: bool, s: np.ndarray, c: np.ndarray,
-           p: list[bytes] | Payloads, native: bool) -> BaseException | None:  # fmt: skip
+def _store(
+    dest: np.ndarray,
+    codec: int,
+    summed: bool,
+    s: np.ndarray,
+    c: np.ndarray,
+    p: list[bytes] | Payloads,
+    native: bool,
+) -> BaseException | None:
     try:
         lanes.store_runs(dest, codec, summed, s, c, p, native=native)
     except (RemoteError, IndexError) as exc:
@@ -198,8 +208,8 @@ def _store(dest: np.ndarray, codec: int, summed: bool, s: np.ndarray, c: np.ndar
 
 @target("bulk_copy_runs", covers=("_bulk.copy_runs",), seeds=lambda: _lane_seeds(0))
 def bulk_copy_runs(inp: Input) -> None:
-    codec, summed = _IN_PLACE[inp.int(1) % len(_IN_PLACE)]
-    size = inp.int(2) % 3000 + 1
+    codec, summed = _IN_PLACE[inp.uint(1) % len(_IN_PLACE)]
+    size = inp.uint(2) % 3000 + 1
     dtype = (lanes._WIRE_SUMMED if summed else lanes._WIRE_DATA)[codec]
     s, c, payloads = _runs(inp, size, dtype.itemsize)
     p = _as_datagrams(inp, payloads)
@@ -212,8 +222,16 @@ def bulk_copy_runs(inp: Input) -> None:
         assert fast.tobytes() == ref.tobytes()
 
 
-def _add(dest: np.ndarray, own: np.ndarray, codec: int, summed: bool, s: np.ndarray,
-         c: np.ndarray, p: list[bytes] | Payloads, native: bool) -> BaseException | None:  # fmt: skip
+def _add(
+    dest: np.ndarray,
+    own: np.ndarray,
+    codec: int,
+    summed: bool,
+    s: np.ndarray,
+    c: np.ndarray,
+    p: list[bytes] | Payloads,
+    native: bool,
+) -> BaseException | None:
     try:
         lanes.add_runs(dest, own, codec, summed, s, c, p, native=native)
     except (RemoteError, IndexError) as exc:
@@ -224,7 +242,7 @@ def _add(dest: np.ndarray, own: np.ndarray, codec: int, summed: bool, s: np.ndar
 @target("bulk_add_runs", covers=("_bulk.add_runs",), seeds=lambda: _lane_seeds(1))
 def bulk_add_runs(inp: Input) -> None:
     summed = inp.chance(2)
-    size = inp.int(2) % 3000 + 1
+    size = inp.uint(2) % 3000 + 1
     own = np.frombuffer(inp.take(4 * size).ljust(4 * size, b"\x01"), "<f4").copy()
     s, c, payloads = _runs(inp, size, 4)
     p = _as_datagrams(inp, payloads)
@@ -276,7 +294,7 @@ def _mac_keys(key: bytes) -> tuple[GhashAesKey, ...]:
 )
 def ghash_mac(inp: Input) -> None:
     py, *natives = _mac_keys(inp.take(32).ljust(32, b"\0") if inp.chance(4) else bytes(range(32)))
-    n = inp.int(1) % 9
+    n = inp.uint(1) % 9
     raw = inp.take(n * HEADER_SIZE).ljust(n * HEADER_SIZE, b"\0")
     payloads = inp.datagrams(limit=n, longest=2048)
     payloads += [b""] * (n - len(payloads))
@@ -289,7 +307,7 @@ def ghash_mac(inp: Input) -> None:
     if trial and inp.chance(2):
         k = inp.below(len(trial))
         d = bytearray(trial[k])
-        d[inp.below(len(d))] ^= inp.int(1) | 1
+        d[inp.below(len(d))] ^= inp.uint(1) | 1
         trial[k] = bytes(d)
     trial += inp.datagrams(limit=4)
     ref = _verify(py, trial)
