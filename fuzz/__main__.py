@@ -1,7 +1,8 @@
 """python -m fuzz list | seeds | replay [NAME...] | run NAME [libFuzzer args...]
 
 - list: the targets, one a line, and the C entry points each covers.
-- seeds: (re)write fuzz/corpus/NAME/ from each target's seeds.
+- seeds: (re)write fuzz/corpus/NAME/ from each target's seeds (regress-* files,
+  the inputs of findings, are kept).
 - replay: every seed (or the files given after --files) through its target once.
 - run: coverage-guided fuzzing of one target under atheris (libFuzzer's
   arguments follow: corpus directories, -max_total_time=S, ...). With
@@ -34,7 +35,8 @@ def main(argv: list[str]) -> int:
             d = harness.CORPUS / t.name
             d.mkdir(parents=True, exist_ok=True)
             for old in d.glob("*"):
-                old.unlink()
+                if not old.name.startswith("regress-"):  # findings' inputs stay
+                    old.unlink()
             for s in t.seeds():
                 (d / hashlib.sha1(s).hexdigest()[:16]).write_bytes(s)
         return 0

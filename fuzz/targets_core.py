@@ -182,6 +182,8 @@ def bulk_result_run(inp: Input) -> None:
         shard = 1 + inp.below(lay.shards - 1)
         pk = lay.shard_packets(shard)
         ranges = [r for i in range(max(pk.start - 1, 0), pk.stop) for r in lay.result_ranges(i)]
+        if not ranges:  # a shard without packets (more shards than packets)
+            return
         offsets, counts = [], []
         for _ in range(inp.uint(1) % 20 + 1):
             off, count = ranges[inp.below(len(ranges))]
