@@ -5,6 +5,7 @@ its Python twin."""
 
 from __future__ import annotations
 
+import select
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,78 @@ def udp_split_gro(inp: Input) -> None:
     tables, args = batch_mod._CHECK_TABLES, batch_mod._CHECK_ARGS
     assert _bulk.heads(joined, HEADER_SIZE) == _bulk.heads(flat, HEADER_SIZE)
     assert _bulk.checked_heads(joined, tables, *args) == _bulk.checked_heads(flat, tables, *args)
+
+
+# --- receives: recvmmsg and the split, runs of buffers joined --------------------
+
+_PAIR: list[tr.UdpPath] = []  # a sender and a receiver on loopback, made once
+
+
+def _pair() -> tuple[tr.UdpPath, tr.UdpPath]:
+    if not _PAIR:
+        _PAIR.extend((tr.UdpPath("127.0.0.1", 0), tr.UdpPath("127.0.0.1", 0)))
+    return _PAIR[0], _PAIR[1]
+
+
+def _drain(rx: tr.UdpPath, sent: int, take: Callable[[], tuple[int, list]]) -> list:
+    """(splits, buffers) of each call of `take` until `sent` bytes came."""
+    out, got = [], 0
+    while got < sent:
+        ready, _, _ = select.select([rx.sock], [], [], 5.0)
+        assert ready, f"only {got} of {sent} bytes arrived on loopback"
+        buffers, splits = take()
+        assert 0 < buffers <= 7
+        out.append(([_plain(x) for x in splits], buffers))
+        got += sum(x[1] for x in splits)
+    return out
+
+
+def _recv_seeds() -> list[bytes]:
+    out = []
+    for dgs in datagram_seeds():
+        sends = b""
+        for d in dgs[:6]:  # one send a datagram (k = 1), its own length
+            sends += len(d).to_bytes(2, "little") + b"\x00" + d
+        out.append(bytes((len(dgs[:6]) - 1,)) + sends)
+    return out
+
+
+@target("udp_recv_runs", covers=("_udp.recv_runs", "_udp.recv_gro"), seeds=_recv_seeds)
+def udp_recv_runs(inp: Input) -> None:
+    """GSO sends of the input's datagrams over loopback, taken three ways in
+    drains of 7 buffers: recvmsg and the Python split, `_udp.recv_gro` (the
+    same, buffer for buffer) and `_udp.recv_runs` (`merge_splits` of them)."""
+    tx, rx = _pair()
+    dest = ("127.0.0.1", rx.sock.getsockname()[1])
+    sends = []
+    for _ in range(inp.uint(1) % 6 + 1):
+        seg = inp.uint(2) % 1500 + 1
+        k = inp.uint(1) % 8 + 1  # datagrams of `seg` bytes, the last maybe shorter
+        body = inp.take(seg * k)
+        if body:
+            sends.append([body[i : i + seg] for i in range(0, len(body), seg)])
+    if not sends:
+        return
+    sent = sum(len(d) for dgs in sends for d in dgs)
+    drains = {}
+    for mode in ("python", "gro", "runs"):
+        for dgs in sends:
+            assert tx.send(dgs, dest, 0) == len(dgs)
+        if mode == "python":
+            rx.native_recv = False
+            take = lambda: (len(s := rx.receive_split(7)), s)  # noqa: E731
+        elif mode == "gro":
+            take = lambda: (len(s := _udp.recv_gro(rx.sock.fileno(), 7)), s)  # noqa: E731
+        else:
+            take = lambda: _udp.recv_runs(rx.sock.fileno(), 7)  # noqa: E731
+        drains[mode] = _drain(rx, sent, take)
+    each = [x for out, _ in drains["python"] for x in out]
+    assert [x for out, _ in drains["gro"] for x in out] == each
+    at = 0
+    for out, n in drains["runs"]:
+        assert out == [_plain(x) for x in tr.merge_splits(each[at : at + n])]
+        at += n
+    assert at == len(each)
 
 
 # --- the outbox's packet keys ---------------------------------------------------

@@ -21,8 +21,6 @@ NOT_FUZZED = {
     ("_arenas", "keep"): "object arenas of the process: no input bytes",
     ("_arenas", "stats"): "object arenas of the process: no input bytes",
     ("_udp", "send_gso"): "sends the outbox's own datagrams (no bytes from the network)",
-    ("_udp", "recv_gro"): "recvmmsg and then split_gro's split, which udp_split_gro fuzzes",
-    ("_udp", "recv_runs"): "recvmmsg, split_gro's split (udp_split_gro) and joins (_bulk.join)",
     ("_ghash", "encode_from"): "encode of slices of a rank's buffer: encode is fuzzed (ghash_mac)",
     ("_ghash", "encode_gather"): "encode, the payload left in place: encode is fuzzed (ghash_mac)",
     ("_ghash", "detach"): "copies a Gathered datagram's payload (made by encode_gather)",
