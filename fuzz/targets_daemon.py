@@ -10,7 +10,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 
 from dlcp.daemon import netin, packet_keys
 from dlcp.daemon import transport as tr
@@ -229,6 +228,3 @@ def keys(inp: Input) -> None:
         for _ in range(min(len(dgs), count)):
             assert fifo.popleft() is q.popleft()
         assert list(fifo) == list(q)
-
-
-_ = np  # numpy arrays come back from the C calls compared above
