@@ -10,7 +10,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-
 from dlcp.daemon import netin, packet_keys
 from dlcp.daemon import transport as tr
 from dlcp.wire import batch as batch_mod
