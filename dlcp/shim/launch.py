@@ -128,6 +128,7 @@ class BucketLaunch:
                 generator=self._generator(flat.device),
                 staging=self._staging,
                 times=times,
+                n_layers=self._layers.n_layers,
             )
         except Exception as exc:
             p.error = f"submit: {type(exc).__name__}: {exc}"
