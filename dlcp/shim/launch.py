@@ -61,7 +61,9 @@ class BucketLaunch:
         scale_margin: float
         scale_mode: str
 
-        def _wait_replies(self, deadline: float) -> None: ...
+        def _wait_replies(
+            self, deadline: float, pending: list[_Pending] | None = None
+        ) -> None: ...
 
     # -- one bucket -------------------------------------------------------------
     def _launch(
