@@ -51,6 +51,7 @@ BACKENDS: tuple[str, ...] = (
     "dlcp-noprio",  # policies.priority = "flow": every gradient packet in one class
     "dlcp-nobound",  # loss bound 0 and drop policy "none": every packet recovered
     "dlcp-1path",  # one address per daemon: no spraying over the second path
+    "dlcp-nooverlap",  # train: the same codec and bound, the optimizer after backward
 )
 
 ALLREDUCE_KEYS: tuple[str, ...] = (
