@@ -121,6 +121,11 @@ _ROWS: list[Backend] = [
         "dlcp-1path", "dlcp", "ablation, one address per daemon",
         refused={"ddp": _DDP_ABLATION},
     ),
+    Backend(
+        "dlcp-nooverlap", "dlcp",
+        "ablation (train --overlap on): the same codec and bound, the optimizer after backward",
+        refused={"ddp": _DDP_ABLATION, "allreduce": "overlap is a training mode: bench train"},
+    ),
 ]  # fmt: skip
 TABLE: Mapping[str, Backend] = {b.name: b for b in _ROWS}
 

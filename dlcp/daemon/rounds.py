@@ -150,7 +150,7 @@ class RoundLifecycle:
         block_max = np.max(bmaxes, axis=0) if bmaxes else None
         classes = self.priority.classify(
             layers=layers.astype(np.int64),
-            n_layers=int(layers.max()) + 1 if n else 1,
+            n_layers=self._model_layers(parts, layers),
             norms=norms,
             counts=counts,
         )
@@ -185,6 +185,15 @@ class RoundLifecycle:
         )
         lr.submitted = True
         self._pump()
+
+    @staticmethod
+    def _model_layers(parts: list[LocalPart], layers: np.ndarray) -> int:
+        """The layer count packets rank against: the model's, as the ranks sent it
+        (so a front bucket's packets rank as front layers of the whole model), or,
+        from a rank that did not send it, the bucket's own highest layer + 1."""
+        own = int(layers.max()) + 1 if layers.size else 1
+        sent = [p.n_layers for p in parts if p.n_layers is not None]
+        return max(own, *sent) if sent else own
 
     @staticmethod
     def _mapped_out(part: LocalPart, codec: Codec, total: int) -> np.ndarray | None:

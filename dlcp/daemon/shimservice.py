@@ -393,6 +393,7 @@ class ShimService:
                 raise bad_request("norms must be finite and >= 0")
             if m_len == 10 * n:
                 bmax = np.frombuffer(mv, "<f4", n, 6 * n).copy()
+        n_layers = int_field(req, "layers", 1, 0x10000) if "layers" in req else None
         for off, ln in regions:
             if off < o_off + o_len and o_off < off + ln:
                 raise bad_request("out overlaps data or meta")
@@ -429,7 +430,9 @@ class ShimService:
                 started=self.now,
             )
             self.rounds[op] = lr
-        lr.parts.append(LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax))
+        lr.parts.append(
+            LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax, n_layers)
+        )
         client.pending += 1
         if len(lr.parts) >= lr.expected:
             try:

@@ -4,6 +4,7 @@
     state = dlcp.init(codec="fp32", loss_bound=0.01)  # uses torch.distributed's store
     ddp_model.register_comm_hook(state, dlcp.hook)
     dlcp.all_reduce(tensor)                            # non-DDP code, averages
+    opt = dlcp.overlap(ddp_model, state, torch.optim.SGD, lr=0.1)  # dlcp.shim.overlap
 
 Every rank talks to the dlcp daemon on its host (`DLCP_SOCKET` or
 `init(socket=...)`). If the daemon is unreachable or fails, all ranks fall
@@ -26,6 +27,7 @@ from dlcp.shim import backend as _backend
 from dlcp.shim.auto import AUTO
 from dlcp.shim.client import DaemonClient, DaemonError, Segment, default_socket
 from dlcp.shim.leave import exit_process
+from dlcp.shim.overlap import OverlapOptimizer, overlap
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.state import DlcpState, ShimError
 
@@ -34,6 +36,7 @@ __all__ = [
     "DaemonClient",
     "DaemonError",
     "DlcpState",
+    "OverlapOptimizer",
     "Segment",
     "ShimError",
     "all_reduce",
@@ -44,6 +47,7 @@ __all__ = [
     "hook",
     "init",
     "make_hook",
+    "overlap",
 ]
 
 _default: DlcpState | None = None

@@ -120,10 +120,12 @@ def submit_round(
     generator: torch.Generator | None,
     staging: Staging,
     times: BucketTimes | None = None,
+    n_layers: int | None = None,
 ) -> Submitted:
     """Encode the flat bucket `x` (left unchanged), write it and its metadata into
     `region`, and submit it. The reply future completes when the round ends.
-    `times`: stamped as the bucket is encoded, written, submitted and replied."""
+    `times`: stamped as the bucket is encoded, written, submitted and replied.
+    `n_layers`: the model's layer count, which the daemon ranks `layers` against."""
     if region.sizes != region_sizes(plan.layout):
         raise ValueError("region was cut for another layout")
     if plan.scaled and plan.scale is None:
@@ -145,7 +147,9 @@ def submit_round(
     write_meta(region.meta_view(), layers, norms, block_max.numpy())
     if times is not None:
         times.written = time.perf_counter()
+    extra = {} if n_layers is None else {"layers": int(n_layers)}
     reply = client.submit(
+        **extra,
         job=job,
         round=plan.round,
         bucket=plan.bucket,

@@ -64,5 +64,6 @@ RUNTIME = (
     "_auto_used",
     "_status",
     "_timeline",
+    "_overlap",
     "__weakref__",
 )

@@ -237,6 +237,7 @@ class DlcpState(BucketLaunch, StepEnd):
         self._auto_used = False
         self._status: Future[dict[str, Any]] | None = None
         self._timeline = Timeline()
+        self._overlap: Any = None  # dlcp.shim.overlap.OverlapOptimizer, when one runs
 
     # -- pickling (checkpoints) -------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -392,6 +393,9 @@ class DlcpState(BucketLaunch, StepEnd):
     ) -> torch.futures.Future[torch.Tensor]:
         """What `dlcp.shim.hook` does with one DDP bucket."""
         handed = time.perf_counter()
+        ov = self._overlap  # overlap mode: the last step's buckets resolved first
+        if ov is not None:
+            ov.bucket_entered()
         if self._attach_due and not self._pending:
             self.attach()
         buf = bucket.buffer()
@@ -401,8 +405,12 @@ class DlcpState(BucketLaunch, StepEnd):
             fut = pg.fallback_all_reduce(buf, self._group, async_op=True)
             assert fut is not None
             self._count_fallbacks(1)
+            if ov is not None:
+                ov.plain_bucket(bucket)
             if last:
                 self._end_step()
+                if ov is not None:
+                    ov.backward_done()
             return fut
         name = codec or self.codec
         auto = self._auto_for(name)
@@ -421,6 +429,10 @@ class DlcpState(BucketLaunch, StepEnd):
             lambda plan: self._packet_layers(bucket, flat, plan),
             times,
         )
+        if ov is not None and ov.active:
+            return ov.handed(p, bucket, last)
+        if ov is not None:
+            ov.plain_bucket(bucket)
         p.future = torch.futures.Future()
         if auto is not None:
             auto_steps.time_exchange(p)
@@ -428,6 +440,8 @@ class DlcpState(BucketLaunch, StepEnd):
         times.left = time.perf_counter()
         if last:
             self._finish_step()
+            if ov is not None:
+                ov.backward_done()
         return p.future
 
     def all_reduce(

@@ -77,8 +77,9 @@ class StepEnd:
         def _scale_from(self, maxima: torch.Tensor) -> torch.Tensor: ...
 
     # -- the end of a step -----------------------------------------------------------
-    def _wait_replies(self, deadline: float) -> None:
-        for p in self._pending:
+    def _wait_replies(self, deadline: float, pending: list[_Pending] | None = None) -> None:
+        """Wait for the replies of `pending` (the step's buckets by default)."""
+        for p in self._pending if pending is None else pending:
             if p.sub is None or p.error is not None or p.reply is not None:
                 continue
             try:
@@ -159,35 +160,45 @@ class StepEnd:
     def _step_done(self, maxima: torch.Tensor) -> None:
         at = 0
         for p in self._pending:
-            assert p.sub is not None and p.reply is not None
-            plan = p.sub.plan
-            if p.times is not None:
-                p.times.decoding = time.perf_counter()
-            dec = decode_round(
-                plan, p.sub.region, p.buffer.device, self._staging, p.buffer, average=p.average
+            at, _ = self._bucket_done(p, maxima, at, p.buffer)
+
+    def _bucket_done(
+        self, p: _Pending, maxima: torch.Tensor, at: int, into: torch.Tensor
+    ) -> tuple[int, torch.Tensor]:
+        """One agreed bucket: its mean decoded into `into` (the bucket in plain
+        mode; overlap mode's own tensor, `dlcp.shim.overlap`), its counters and
+        next scale (from `maxima[at:]`), its future completed. Returns where its
+        successor's maxima start, and the mean."""
+        assert p.sub is not None and p.reply is not None
+        plan = p.sub.plan
+        if p.times is not None:
+            p.times.decoding = time.perf_counter()
+        dec = decode_round(
+            plan, p.sub.region, p.buffer.device, self._staging, into, average=p.average
+        )
+        if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
+            plan.codec.learn(
+                p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
             )
-            if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
-                plan.codec.learn(
-                    p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
-                )
-            if dec.mean is not p.buffer:
-                p.buffer.copy_(dec.mean.to(p.buffer.dtype))
-            if p.times is not None:
-                p.times.decoded = time.perf_counter()
-            self.rounds += 1
-            self.lost_lanes += int(p.reply.get("lost_lanes", 0))
-            self.total_lanes += int(p.reply.get("total_lanes", 0))
-            self.saturated += p.sub.saturated
-            if plan.scaled and self.scale_mode != "exact":
-                n = plan.packets if self.scale_mode == "packet" else 1
-                if p.keep:
-                    seen = maxima[at : at + n].expand(plan.packets)
-                    self._scales[p.key] = self._scale_from(seen)
-                at += n
-            if p.future is not None:
-                p.future.set_result(p.buffer)
-            if p.times is not None:
-                p.times.completed = time.perf_counter()
+        if dec.mean is not into:
+            into.copy_(dec.mean.to(into.dtype))
+        if p.times is not None:
+            p.times.decoded = time.perf_counter()
+        self.rounds += 1
+        self.lost_lanes += int(p.reply.get("lost_lanes", 0))
+        self.total_lanes += int(p.reply.get("total_lanes", 0))
+        self.saturated += p.sub.saturated
+        if plan.scaled and self.scale_mode != "exact":
+            n = plan.packets if self.scale_mode == "packet" else 1
+            if p.keep:
+                seen = maxima[at : at + n].expand(plan.packets)
+                self._scales[p.key] = self._scale_from(seen)
+            at += n
+        if p.future is not None:
+            p.future.set_result(p.buffer)
+        if p.times is not None:
+            p.times.completed = time.perf_counter()
+        return at, into
 
     def _step_failed(self, reason: str) -> None:
         for p in self._pending:
