@@ -8,7 +8,7 @@ top class), gloo-fp16 (DDP's fp16_compress_hook, the one line of PyTorch that
 halves Gloo's bytes) and dlcp (real daemons, the DDP hook), prints a
 side-by-side table with dlcp's ratio to each and what each ratio means,
 writes a plot and the records, and removes everything. About three to four
-minutes on two cores (a backend's training stops after 40 s: Gloo and
+minutes on two cores (a backend's training stops after 50 s: Gloo and
 gloo-fp16 stall under this background and take the whole budget).
 """
 
@@ -74,10 +74,10 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--budget",
         type=float,
-        default=40.0,
+        default=50.0,
         metavar="S",
         help="stop a backend's training after S seconds, keeping its curve "
-        "(default: 40; Gloo under congestion needs far longer)",
+        "(default: 50; Gloo under congestion needs far longer)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)

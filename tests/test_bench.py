@@ -400,7 +400,7 @@ def test_demo_options_and_table() -> None:
     assert opts.setup.name == "demo"
     # gloo-prio and DDP's fp16 hook by default
     assert opts.backends == ("gloo", "gloo-prio", "gloo-fp16", "dlcp")
-    assert opts.steps == 30 and opts.time_budget_s == 40.0
+    assert opts.steps == 30 and opts.time_budget_s == 50.0
     skip = dlcp.demo.demo_options(parser().parse_args(["demo", "--no-prio"]))
     assert skip.backends == ("gloo", "gloo-fp16", "dlcp")
     skip = dlcp.demo.demo_options(parser().parse_args(["demo", "--no-prio", "--no-fp16"]))
