@@ -116,6 +116,19 @@ def test_allreduce_cli_options() -> None:
     assert args.json == Path("out.json")
 
 
+def test_train_fsdp_options() -> None:
+    """--fsdp: dlcp as the process group's backend, exact by default, and not
+    with DDP's overlap mode."""
+    args = parser().parse_args(["bench", "train", "--model", "gpt", "--fsdp", "--steps", "5"])
+    opts = bench_cli.train_options(args)
+    assert opts.fsdp and opts.model == "gpt" and opts.bound == 0.0
+    args = parser().parse_args(["bench", "train", "--fsdp", "--loss-bound", "0.01"])
+    assert bench_cli.train_options(args).bound == 0.01
+    args = parser().parse_args(["bench", "train", "--fsdp", "--overlap", "on"])
+    with pytest.raises(BenchError, match="--overlap"):
+        bench_cli.train_options(args)
+
+
 def test_train_cli_options() -> None:
     args = parser().parse_args(
         [

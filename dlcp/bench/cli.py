@@ -105,6 +105,12 @@ def register(sub: Any) -> None:
         help="on: the dlcp backends' optimizer runs through dlcp.overlap, layer by layer "
         "in the next forward (dlcp-nooverlap: the same without; default: off)",
     )
+    tr.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 (fully_shard, each block a unit) instead of DDP: dlcp runs as the "
+        "process group's backend (init_process_group's 'cpu:dlcp'), Gloo as its own",
+    )
     tr.add_argument("--steps", type=int, default=80, help="training steps (default: 80)")
     tr.add_argument("--batch", type=int, default=None, help="batch per rank (default: 32; gpt: 4)")
     tr.add_argument(
@@ -256,7 +262,7 @@ def _cluster_args(
         type=float,
         default=None,
         help="dlcp's loss bound, the fraction of a bucket that may be lost (default: 0.05; "
-        "0 in --mode ps: parameter servers sum exactly, as BytePS's do)",
+        "0 in --mode ps: parameter servers sum exactly, as BytePS's do; 0 with train's --fsdp)",
     )
     p.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
     _pacing_arg(p)
@@ -363,9 +369,9 @@ def setup_from_args(args: argparse.Namespace) -> Any:
 
 
 def _loss_bound(args: argparse.Namespace) -> float:
-    """--loss-bound, whose default is 0 in --mode ps (else 0.05)."""
+    """--loss-bound, whose default is 0 in --mode ps and with --fsdp (else 0.05)."""
     if args.loss_bound is None:
-        return 0.0 if args.mode == "ps" else 0.05
+        return 0.0 if args.mode == "ps" or getattr(args, "fsdp", False) else 0.05
     return float(args.loss_bound)
 
 
@@ -414,6 +420,7 @@ def train_options(args: argparse.Namespace) -> Any:
         lr=args.lr,
         model=args.model,
         overlap=args.overlap == "on",
+        fsdp=args.fsdp,
         hidden=hidden,
         seed=args.seed,
         eval_every=args.eval_every,

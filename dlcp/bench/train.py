@@ -73,6 +73,9 @@ class TrainOptions:
     lr: float | None = None  # None: the model's
     model: str = "mlp"  # mlp, cnn, gpt (dlcp.bench.workloads)
     overlap: bool = False  # the dlcp backends' optimizer through dlcp.overlap
+    # FSDP2 (fully_shard) instead of DDP: dlcp as the process group's backend
+    # (dlcp.shim.backend), Gloo's own for the gloo backends
+    fsdp: bool = False
     # 5 x 512: 1.09M parameters, no weight above 1.05 MB, so no DDP bucket
     # has shards of more than ~250 packets (see BENCHMARKS.md, known issues)
     hidden: Sequence[int] = (512, 512, 512, 512, 512)
@@ -97,6 +100,10 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.codec not in (*CODECS, "auto"):
             raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}, auto")
+        if self.fsdp and self.overlap:
+            raise BenchError("--fsdp trains without DDP: --overlap is DDP's (dlcp.overlap)")
+        if self.fsdp and self.setup.mode != "transpose":
+            raise BenchError(f"--fsdp runs dlcp's backend in mode transpose, not {self.setup.mode}")
         if self.model not in MODELS:
             raise BenchError(f"unknown model {self.model!r}; valid: {', '.join(MODELS)}")
         if self.metric == "acc" and not 0 < self.target <= 1:
@@ -150,6 +157,7 @@ def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
         "model": opts.model,
         "metric": opts.metric,
         "overlap": opts.overlaps(backend),
+        "fsdp": opts.fsdp,
         "tta_s": None,
         "final_acc": None,
         "steps": opts.steps,
@@ -218,6 +226,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     opts.model,
                     "--overlap",
                     "on" if opts.overlaps(backend) else "off",
+                    *(["--fsdp"] if opts.fsdp else []),
                     "--hidden",
                     ",".join(map(str, opts.hidden)),
                     "--seed",

@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--model", choices=tuple(workloads.MODELS), default="mlp")
     p.add_argument("--overlap", choices=("on", "off"), default="off")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 instead of DDP (dlcp: its torch.distributed backend, dlcp.shim.backend)",
+    )
     a = p.parse_args(argv)
     try:
         run(a)
@@ -113,6 +118,32 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+def _fully_shard(model: torch.nn.Module, a: argparse.Namespace) -> torch.nn.Module:
+    """FSDP2 over the model's blocks (the transformer's, else each layer with
+    parameters), then the whole; for dlcp on a process group of backend "dlcp"
+    (the codec and bound of the run), for gloo on the default group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    if a.backend == "dlcp":
+        import dlcp.shim
+
+        dlcp.shim.backend_options(codec=a.codec, loss_bound=a.bound, round_timeout_s=a.timeout)
+        group = dist.new_group(backend="dlcp")
+    else:
+        group = dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, "cpu")
+    blocks = getattr(model, "blocks", None)
+    units = list(blocks) if blocks is not None else [
+        m for m in model.modules() if m is not model and any(m.parameters(recurse=False))
+    ]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def run(a: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -122,11 +153,14 @@ def run(a: argparse.Namespace) -> None:
     hidden = [int(h) for h in a.hidden.split(",") if h]
     model, data = workloads.build(a.model, rank=a.rank, world=a.world, seed=a.seed, hidden=hidden)
     params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, bucket_cap_mb=a.bucket_mb)
     state = None
     optim_cls = getattr(torch.optim, w.optimizer)
     opt: Any
-    if a.backend == "dlcp":
+    # FSDP: no comm hook, the process group carries its collectives
+    ddp: Any = _fully_shard(model, a) if a.fsdp else DDP(model, bucket_cap_mb=a.bucket_mb)
+    if a.fsdp:
+        pass
+    elif a.backend == "dlcp":
         import dlcp.shim as dlcp
 
         ps = {"servers": a.servers or None, "colocate": a.colocate} if a.mode == "ps" else {}
@@ -157,14 +191,16 @@ def run(a: argparse.Namespace) -> None:
         return data.batch(a.batch, gen)
 
     def evaluate() -> tuple[float, float]:
-        return data.evaluate(model)
+        return data.evaluate(ddp if a.fsdp else model)
 
     # Warm-up: one backward through the hook (attaches dlcp), no update.
     xb, yb = batch()
     workloads.loss_of(ddp(xb), yb).backward()
     opt.zero_grad(set_to_none=True)
     dist.barrier()
-    first = evaluate() if a.rank == 0 else (None, None)
+    # FSDP's forward is a collective: every rank evaluates (rank 0 reports)
+    evaluates = a.rank == 0 or a.fsdp
+    first = evaluate() if evaluates else (None, None)
     emit("ready", params=params, acc0=first[0], loss0=first[1])
     if not sys.stdin.readline():
         raise SystemExit("orchestrator went away")
@@ -188,6 +224,8 @@ def run(a: argparse.Namespace) -> None:
         if evaluating:
             flush()  # every rank: the updates still in flight, before rank 0 reads them
         step_times.append(time.perf_counter() - ts)
+        if a.rank != 0 and a.fsdp and evaluating:
+            evaluate()
         if a.rank == 0:
             t = time.perf_counter() - t0
             if evaluating:
@@ -200,6 +238,10 @@ def run(a: argparse.Namespace) -> None:
     wall = time.perf_counter() - t0
     cpu = cpu_s() - c0
     stats: dict[str, Any] = {}
+    if a.fsdp and a.backend == "dlcp":
+        from dlcp.shim import backend
+
+        stats = backend.groups()[0].state.stats()
     if state is not None:
         stats = state.stats()
         dist.barrier()  # leave the daemon's job only when every rank is done

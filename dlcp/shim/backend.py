@@ -7,8 +7,9 @@ the collectives that move gradients and parameters through the daemons:
 - `reduce_scatter_tensor` (FSDP's gradient reduction): a round of the whole
   input, of which each rank keeps its chunk;
 - `all_gather_into_tensor` (FSDP's parameter all-gather): a round summing each
-  rank's input placed in its slot among zeros, exact in fp32 (x + 0 = x), so
-  the gathered parameters are the ranks' bytes.
+  rank's input placed in its slot among zeros, exact in fp32 (x + 0 = x) and
+  with loss bound 0 whatever the group's, so the gathered parameters are the
+  ranks' bytes.
 
 Everything else (broadcast, barrier, send/recv, gather/scatter, the object
 collectives, all_reduce of integers or with MIN/MAX/PRODUCT) is delegated to
@@ -31,11 +32,12 @@ all-gather; one leg of a round each is what the transpose protocol allows.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -173,6 +175,18 @@ class DlcpProcessGroup(_ProcessGroup):
             self._state = DlcpState(process_group=self._agree, store=self._store, **self._options)
         return self._state
 
+    @contextlib.contextmanager
+    def _exact(self) -> Iterator[None]:
+        """Loss bound 0 for one collective (the all-gather's parameters are
+        the ranks' bytes whatever bound the gradients get). The state is the
+        worker thread's alone, so this changes nothing anyone else reads."""
+        state = self.state
+        bound, state.loss_bound = state.loss_bound, 0.0
+        try:
+            yield
+        finally:
+            state.loss_bound = bound
+
     def _dlcp(self, fn: Callable[[], Any]) -> dist.Work:
         return self._worker.submit(fn)
 
@@ -250,8 +264,9 @@ class DlcpProcessGroup(_ProcessGroup):
             n = input.numel()
             buf = torch.zeros(output.numel(), dtype=torch.float32)
             buf[self._rank * n : (self._rank + 1) * n] = input.detach().reshape(-1)
-            # exact: every value is one rank's plus zeros, summed in fp32
-            self.state.all_reduce(buf, average=False, codec="fp32")
+            # exact: every value is one rank's plus zeros, summed in fp32, none lost
+            with self._exact():
+                self.state.all_reduce(buf, average=False, codec="fp32")
             output.detach().copy_(buf.view_as(output))
             return output
 
