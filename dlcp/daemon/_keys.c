@@ -1163,11 +1163,14 @@ by_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *dg = item_at(dgs, i);
         if (dg == NULL)
             goto fail2;
+        Py_INCREF(dg); /* ours while its buffer is read: that may run code */
         Py_buffer view;
         int have_view;
         const char *h = header_of(dg, i, &view, &have_view);
-        if (h == NULL)
+        if (h == NULL) {
+            Py_DECREF(dg);
             goto fail2;
+        }
         const unsigned char *u = (const unsigned char *)h + OFFSET_AT;
         uint32_t off = ((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) |
                        (uint32_t)u[3];
@@ -1176,6 +1179,7 @@ by_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (k >= counts[p]) { /* cannot happen: the counts came from `which` */
             if (have_view)
                 PyBuffer_Release(&view);
+            Py_DECREF(dg);
             PyErr_SetString(PyExc_RuntimeError, "by_path: a path's count overflowed");
             goto fail2;
         }
@@ -1186,9 +1190,10 @@ by_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             ordered[p] = 0;
         last[p] = off;
         PyObject *idx = PyLong_FromSsize_t(i);
-        if (idx == NULL)
+        if (idx == NULL) {
+            Py_DECREF(dg);
             goto fail2;
-        Py_INCREF(dg);
+        }
         PyList_SET_ITEM(PyList_GET_ITEM(groups, p), k, dg);
         PyList_SET_ITEM(PyList_GET_ITEM(indices, p), k, idx);
         fill[p] = k + 1;
@@ -1209,18 +1214,7 @@ by_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 fail2:
     PyMem_Free(last);
     PyMem_Free(ordered);
-    /* lists not wholly filled hold NULLs: fill them so they can be freed */
-    for (Py_ssize_t p = 0; p < np_; p++) {
-        if (!counts[p])
-            continue;
-        PyObject *g = PyList_GET_ITEM(groups, p), *x = PyList_GET_ITEM(indices, p);
-        for (Py_ssize_t k = fill[p]; k < counts[p]; k++) {
-            Py_INCREF(Py_None);
-            PyList_SET_ITEM(g, k, Py_None);
-            Py_INCREF(Py_None);
-            PyList_SET_ITEM(x, k, Py_None);
-        }
-    }
+    /* lists not wholly filled hold NULLs, which their freeing skips */
 fail:
     Py_XDECREF(groups);
     Py_XDECREF(indices);

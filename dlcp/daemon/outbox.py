@@ -567,18 +567,18 @@ class Outbox(SendingHalf):
     @staticmethod
     def _track(
         peer: Peer,
-        notes: Iterable[tuple[bytes, bytes, bool]],
+        notes: Iterable[tuple[bytes, bytes]],
         per_shard: Iterable[tuple[bytes, int]],
         path: int,
     ) -> None:
         """Remember the path of DATA/RESULT datagrams that went on `path` (`notes`:
-        (barrier key, offset fields, whether those rise) of each run of one
-        shard and leg, as `on_nack` looks them up), and count them per shard and
+        (barrier key, offset fields) of each run of one shard and leg, as
+        `on_nack` looks them up), and count them per shard and
         path for the shard's DONE (`per_shard`: (barrier key, packets), in order
         of first appearance)."""
         sent = peer.sent_paths
-        for bkey, offsets, rising in notes:
-            sent.note(bkey, offsets, path, rising)
+        for bkey, offsets in notes:
+            sent.note(bkey, offsets, path)
         shard_paths = peer.shard_paths
         for bkey, k in per_shard:
             counts = shard_paths.get(bkey)

@@ -106,14 +106,13 @@ def _runs_of(
     bkeys: Sequence[bytes | None],
     offsets: bytes,
     resent: set[int],
-    rising: bool,
-) -> tuple[list[tuple[bytes, bytes, bool]], Iterable[tuple[bytes, int]]]:
+) -> tuple[list[tuple[bytes, bytes]], Iterable[tuple[bytes, int]]]:
     """What `Outbox._track` notes of the packets at places `out` that went on
     one path (`offsets`: their offset fields in that order; `bkeys` the
     batch's barrier keys, None for other types): per run of one shard and leg,
     the offsets of its first transmissions; and the DATA/RESULT packets
     counted per shard and leg, in order of first appearance."""
-    notes: list[tuple[bytes, bytes, bool]] = []
+    notes: list[tuple[bytes, bytes]] = []
     counts: Counter[bytes] = Counter()
     run: list[bytes] = []
     key: bytes | None = None
@@ -126,11 +125,11 @@ def _runs_of(
             continue
         if b is not key and b != key:
             if run and key is not None:
-                notes.append((key, b"".join(run), rising))
+                notes.append((key, b"".join(run)))
             run, key = [], b
         run.append(offsets[4 * j : 4 * j + 4])
     if run and key is not None:
-        notes.append((key, b"".join(run), rising))
+        notes.append((key, b"".join(run)))
     return notes, counts.items()
 
 
@@ -175,7 +174,7 @@ class SendingHalf:
         @staticmethod
         def _track(
             peer: Peer,
-            notes: Iterable[tuple[bytes, bytes, bool]],
+            notes: Iterable[tuple[bytes, bytes]],
             per_shard: Iterable[tuple[bytes, int]],
             path: int,
         ) -> None: ...
@@ -361,8 +360,7 @@ class SendingHalf:
             urgent = special if all_dr else _places(_or_bytes(special_mask, not_dr))
         # each path's part, in order (`_by_path`: in C, no step a datagram); a
         # partial send on any path stops the batch there
-        groups, places, offsets, rising = _by_path(batch, assign, len(paths))
-        peer.sent_paths.begin()
+        groups, places, offsets, _ = _by_path(batch, assign, len(paths))
         done = 0
         full = held = False
         sent_idx: list[int] = []
@@ -388,10 +386,10 @@ class SendingHalf:
                 if one_shard and not resent:  # the usual batch: one note, one count
                     bkey = bkeys[0]
                     assert bkey is not None
-                    notes = [(bkey, offs[: 4 * n], bool(rising[p]))]
+                    notes = [(bkey, offs[: 4 * n])]
                     per_shard: Iterable[tuple[bytes, int]] = ((bkey, n),)
                 else:
-                    notes, per_shard = _runs_of(out, bkeys, offs, resent, bool(rising[p]))
+                    notes, per_shard = _runs_of(out, bkeys, offs, resent)
                 self._track(peer, notes, per_shard, p)
             done += n
             if n < len(dgs):
