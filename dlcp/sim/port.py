@@ -39,7 +39,8 @@ class Packet:
 
 class Port:
     """Serves its queues at `rate_bps` (None: no queue, only the delay), then
-    hands each packet to the next port of its route, or to `deliver`."""
+    hands each packet to the next port of its route, or to `deliver`. An
+    idle port sends at once; a serve event is due only while packets wait."""
 
     __slots__ = (
         "busy",
@@ -49,6 +50,7 @@ class Port:
         "depth",
         "down",
         "drops",
+        "free_at",
         "limits",
         "loop",
         "loss",
@@ -81,7 +83,8 @@ class Port:
         self.tier = tier  # which kind of link: host-up, host-down, leaf-up, spine-down
         self.queues: list[deque[Packet]] = [deque() for _ in range(NUM_CLASSES)]
         self.queued = 0
-        self.busy = False
+        self.busy = False  # a serve is due at free_at
+        self.free_at = 0.0  # when the packet on the wire is out
         self.down = False
         self.loss = 0.0  # random loss at the far end, 0..1
         self.rng = random.Random(f"{seed}/{name}")
@@ -93,14 +96,19 @@ class Port:
         self.busy_s = 0.0
 
     def offer(self, pkt: Packet) -> None:
-        """A packet arrives at this port's queue."""
+        """A packet arrives at this port: sent at once when the port is idle
+        (one event: its arrival at the far end), else queued by class."""
         if self.down:
             self.drops[pkt.cls] += 1
             return
+        loop = self.loop
         if self.rate_bps is None:
             self.sent_bytes += pkt.wire
             self.sent_packets += 1
-            self.loop.at(self.loop.now + self.delay, self._arrive, pkt)
+            loop.at(loop.now + self.delay, self._arrive, pkt)
+            return
+        if not self.queued and loop.now >= self.free_at:
+            self._start(pkt)
             return
         q = self.queues[pkt.cls]
         if len(q) >= self.limits[pkt.cls]:
@@ -110,29 +118,35 @@ class Port:
         if len(q) > self.depth[pkt.cls]:
             self.depth[pkt.cls] = len(q)
         self.queued += 1
-        if not self.busy:
-            self._serve()
+        if not self.busy:  # (busy: a serve is due at free_at)
+            self.busy = True
+            loop.at(self.free_at, self._serve)
+
+    def _start(self, pkt: Packet) -> None:
+        """Put `pkt` on the wire now; the port is busy until its last bit is out."""
+        assert self.rate_bps is not None
+        loop = self.loop
+        tx = pkt.wire * 8 / self.rate_bps
+        self.busy_s += tx
+        self.sent_bytes += pkt.wire
+        self.sent_packets += 1
+        self.free_at = done = loop.now + tx
+        loop.at(done + self.delay, self._arrive, pkt)
 
     def _serve(self) -> None:
+        """The wire is free: the first packet of the highest class waiting;
+        another serve when its last bit is out, while packets wait."""
+        self.busy = False
         if not self.queued:
-            self.busy = False
             return
         for q in self.queues:
             if q:
-                pkt = q.popleft()
+                self.queued -= 1
+                self._start(q.popleft())
                 break
-        self.queued -= 1
-        self.busy = True
-        assert self.rate_bps is not None
-        tx = pkt.wire * 8 / self.rate_bps
-        self.busy_s += tx
-        self.loop.at(self.loop.now + tx, self._sent, pkt)
-
-    def _sent(self, pkt: Packet) -> None:
-        self.sent_bytes += pkt.wire
-        self.sent_packets += 1
-        self.loop.at(self.loop.now + self.delay, self._arrive, pkt)
-        self._serve()
+        if self.queued:
+            self.busy = True
+            self.loop.at(self.free_at, self._serve)
 
     def _arrive(self, pkt: Packet) -> None:
         if self.loss and self.rng.random() < self.loss:

@@ -1,18 +1,20 @@
 """A TCP model for the ring baseline: one reliable byte stream a flow, as much
 of Linux's TCP as decides an all-reduce's tail.
 
-Kept: slow start from 10 segments and congestion avoidance (Reno growth),
-fast retransmit on three duplicate ACKs with NewReno fast recovery (a partial
-ACK retransmits the next hole), the retransmission timer from smoothed RTT
-and its variance (RFC 6298) with Linux's 200 ms minimum, exponential backoff
-and go-back-N after a timeout, an RTT sample from every ACK (timestamps).
-SACK in brief: each ACK reports the segment that
-arrived out of order (the first SACK block), the sender keeps them and in
-recovery retransmits the holes below the highest one, two an ACK. A tail-loss probe
-(Linux's TLP): with data out and no ACK for max(2 SRTT, 10 ms), the last
-segment goes again, so a lost tail is found by SACK rather than the RTO.
-Left out: RACK, SACK's pipe accounting, delayed ACKs, receive-window limits (the receiver's buffer
-never fills), pacing, ECN/DCTCP, CUBIC's growth (Reno's), the CPU.
+Kept: slow start from 10 segments and congestion avoidance (Reno growth);
+fast retransmit on three duplicate ACKs and fast recovery with SACK in
+brief (each ACK reports the segment that arrived out of order, the first
+SACK block; the sender keeps them and in recovery retransmits the holes
+below the highest one, two an ACK, and passes over them again a round trip
+later, so a lost retransmission goes again: RACK's rule in brief); a
+tail-loss probe (Linux's TLP: with data out and no ACK for max(2 SRTT,
+10 ms) the last segment goes again, so a lost tail is found by SACK rather
+than the RTO); the retransmission timer from smoothed RTT and its variance
+(RFC 6298) with Linux's 200 ms minimum, exponential backoff and go-back-N
+after a timeout; an RTT sample from every ACK (timestamps). Left out:
+RACK's timers, SACK's pipe accounting, delayed ACKs, receive-window limits
+(the receiver's buffer never fills), pacing, ECN/DCTCP, CUBIC's growth
+(Reno's), the CPU.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class TcpFlow:
         self.sacked: set[int] = set()  # segments (seq // MSS) reported held beyond una
         self.high_sack = -1
         self.rtx_k = 0  # the next hole to retransmit in recovery
+        self.pass_at = 0.0  # when the pass over the holes began
         self.retransmits = 0
         self.probes = 0
         self.timeouts = 0
@@ -109,8 +112,14 @@ class TcpFlow:
 
     def _holes(self, n: int) -> None:
         """Retransmit up to `n` segments below the highest SACKed one that were
-        not reported held (once each a recovery)."""
+        not reported held. A pass over the holes that has reached the highest
+        SACK starts again from `una` once a round trip has passed since it
+        began (a retransmission still missing then was lost too: RACK's rule,
+        in brief)."""
+        now = self.loop.now
         k = max(self.rtx_k, self.una // MSS)
+        if k >= self.high_sack and self.srtt is not None and now - self.pass_at > 1.25 * self.srtt:
+            k, self.pass_at = self.una // MSS, now
         while n and k < self.high_sack:
             if k not in self.sacked and k * MSS < self.nxt:
                 self._segment(max(k * MSS, self.una))
@@ -161,6 +170,7 @@ class TcpFlow:
                 self.cwnd = self.ssthresh + 3 * MSS
                 self.recover = self.nxt
                 self.rtx_k = self.una // MSS
+                self.pass_at = self.loop.now
                 self._segment(self.una)
                 self.rtx_k += 1
                 self.retransmits += 1
