@@ -5,6 +5,7 @@ through the real engines, determinism for a seed, the CLI's argument errors."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import numpy as np
@@ -164,3 +165,17 @@ def test_cli_arguments_are_checked_with_one_clear_line(argv: list[str], message:
     )
     with pytest.raises(LocalError, match=message.replace("[", r"\[").replace("]", r"\]")):
         settings_of(args)
+
+
+def test_compare_table_states_each_ratio_against_its_bar(tmp_path: Any) -> None:
+    from pathlib import Path
+
+    from dlcp.sim.compare import table
+
+    rec = {"scenario": "clean", "loss_pct": 0.0, "iters": 2, "loss_frac": 0.0}
+    sim = Path(tmp_path) / "sim.json"
+    bench = Path(tmp_path) / "bench.json"
+    sim.write_text(json.dumps([{**rec, "backend": "dlcp", "p50_s": 1.1, "p99_s": 1.5}]))
+    bench.write_text(json.dumps([{**rec, "backend": "dlcp", "p50_s": 1.0, "p99_s": 1.0}]))
+    row = table([(sim, bench)]).splitlines()[-1]
+    assert "1.10 (met)" in row and "1.50 (**not met**)" in row
