@@ -88,6 +88,7 @@ class DlcpRun:
         self.config = self.hosts[0].engine  # (for tests: the engine of node 0)
         self.payload = daemon_config(n, s.rate_bps).payload
         self.steps: list[Step] = []
+        self.finished_at = 0.0  # when the last step completed everywhere
         self.contributors = list(range(H))
         s.scenario.install(self.fabric, H, s.seed)
         per = max(1, s.elements // s.buckets)
@@ -151,6 +152,7 @@ class DlcpRun:
         else:
             st.failed.append(f"host {host.me} bucket {ev.bucket}: {ev.reason}")
         if len(st.ends) == len(self.contributors) * self.s.buckets:
+            self.finished_at = now
             if self.progress is not None:
                 self.progress(len(self.steps), self.s.warmup + self.s.iters)
             if len(self.steps) < self.s.warmup + self.s.iters:

@@ -48,6 +48,7 @@ class RingRun:
         self.starts: list[float] = [0.0] * H
         self.ends: dict[int, float] = {}
         self.times: list[float] = []
+        self.finished_at = 0.0  # when the last round completed everywhere
         s.scenario.install(self.fabric, H, s.seed)
 
     def _data_for(self, sender: int) -> Callable[[int], None]:
@@ -88,6 +89,7 @@ class RingRun:
     def _round_done(self) -> None:
         s = self.s
         t = max(self.ends[h] - self.starts[h] for h in range(s.hosts))
+        self.finished_at = self.loop.now
         if self.round >= s.warmup:
             self.times.append(t)
         if self.progress is not None:
