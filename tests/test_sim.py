@@ -179,3 +179,24 @@ def test_compare_table_states_each_ratio_against_its_bar(tmp_path: Any) -> None:
     bench.write_text(json.dumps([{**rec, "backend": "dlcp", "p50_s": 1.0, "p99_s": 1.0}]))
     row = table([(sim, bench)]).splitlines()[-1]
     assert "1.10 (met)" in row and "1.50 (**not met**)" in row
+
+
+def test_leafspine_routes_cross_the_named_spine_and_ecmp_is_seeded() -> None:
+    loop = EventLoop()
+    topo = Topology(kind="leafspine", rate_bps=10e9, hosts_per_leaf=2, spines=4, oversub=2)
+    fabric = Fabric(loop, topo, seed=3)
+    for n in range(4):
+        fabric.add_endpoint(n // 2, lambda p: None)
+    assert topo.fabric_bps == 2 * 10e9 / (4 * 2)
+    near = fabric.route(0, 1, 2)
+    assert [p.tier for p in near] == ["host-up", "host-down"]
+    far = [fabric.route(0, 3, s) for s in range(4)]
+    assert all(
+        [p.tier for p in r] == ["host-up", "leaf-up", "spine-down", "host-down"] for r in far
+    )
+    assert len({r[1].name for r in far}) == 4  # a path a spine: dlcp's spray
+    again = Fabric(EventLoop(), topo, seed=3)
+    other = Fabric(EventLoop(), topo, seed=4)
+    flows = [(a, b, f) for a in range(4) for b in range(4) for f in range(4) if a != b]
+    assert [fabric.ecmp_spine(*x) for x in flows] == [again.ecmp_spine(*x) for x in flows]
+    assert [fabric.ecmp_spine(*x) for x in flows] != [other.ecmp_spine(*x) for x in flows]
