@@ -22,12 +22,19 @@ Progress = Callable[[str, int, int], None]
 
 
 def network_stats(fabric: Fabric, seconds: float) -> dict[str, Any]:
-    """Drops per class (queue overflow), random losses, utilisation per link."""
+    """Drops per class (queue overflow) and per port, random losses,
+    utilisation per link, the deepest queues."""
     drops = [0] * 8
     lost = 0
     tiers: dict[str, list[float]] = {}
     links: dict[str, float] = {}
+    port_drops: dict[str, list[int]] = {}
+    deepest: dict[str, list[int]] = {}
     for p in fabric.ports():
+        if any(p.drops):
+            port_drops[p.name] = list(p.drops)
+        if p.rate_bps is not None and any(p.depth):
+            deepest[p.name] = list(p.depth)
         for c, n in enumerate(p.drops):
             drops[c] += n
         lost += p.lost
@@ -42,6 +49,8 @@ def network_stats(fabric: Fabric, seconds: float) -> dict[str, Any]:
             t: {"mean": sum(v) / len(v), "max": max(v)} for t, v in sorted(tiers.items())
         },
         "link_utilisation": links,
+        "port_drops": port_drops,  # per port with any, per class
+        "queue_depth": deepest,  # each shaped port's deepest queue per class
     }
 
 
