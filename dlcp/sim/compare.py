@@ -55,20 +55,14 @@ def scale_table(files: list[Path]) -> str:
     """Round time against hosts: a row per run record of `files`."""
     recs = [r for f in files for r in json.loads(f.read_text())]
     recs.sort(key=lambda r: (r["scenario"], r["mode"], r["hosts"]))
-    head = [
-        "scenario", "mode", "hosts", "p50 s", "p99 s", "lanes lost", "drops per class",
-        "busiest link tier (max utilisation)",
-    ]  # fmt: skip
+    head = ["scenario", "mode", "hosts", "p50 s", "p99 s", "lanes lost", "drops per class"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in recs:
         scen = r["scenario"] + (f" {r['loss_pct']:g} %" if r["scenario"] == "loss" else "")
-        tiers = r.get("utilisation", {})
-        top = max(tiers.items(), key=lambda kv: kv[1]["max"], default=None)
-        busy = f"{top[0]} {top[1]['max']:.2f}" if top else "-"
         drops = ",".join(str(d) for d in r["drops_per_class"])
         lines.append(
             f"| {scen} | {r['mode']} | {r['hosts']} | {r['p50_s']:.4f} | {r['p99_s']:.4f} | "
-            f"{100 * r.get('loss_frac', 0):.2f} % | {drops} | {busy} |"
+            f"{100 * r.get('loss_frac', 0):.2f} % | {drops} |"
         )
     return "\n".join(lines)
 
