@@ -339,9 +339,10 @@ def _common_args(p: argparse.ArgumentParser, *, default_json: str | None) -> Non
         type=float,
         default=120.0,
         metavar="S",
-        help="stop a backend whose workers report nothing (their join, a finished round "
-        "or step) for S seconds: its record gets error and stopped=stall, and the bench "
-        "goes on with the next backend (default: 120, two round timeouts)",
+        help="stop a backend whose workers, once they have all joined, report nothing (a "
+        "warm-up's end, a finished round or step) for S seconds: its record gets error and "
+        "stopped=stall, and the bench goes on with the next backend (default: 120, two "
+        "round timeouts)",
     )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     p.add_argument("--logs", type=Path, default=None, help="keep daemon and worker logs here")
