@@ -208,8 +208,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
         plain, self._plain = self._plain, []
         for params in plain:
             for param in params:
-                if param.grad is not None:
-                    self._fn_of[id(param)].step_param(param, param.grad)
+                f = self._fn_of.get(id(param))
+                if f is not None and param.grad is not None:
+                    f.step_param(param, param.grad)
 
     def flush(self) -> None:
         """Collective: apply every update still in flight now (before evaluation,
@@ -232,7 +233,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             f.state = self.state
 
     def close(self) -> None:
-        """Remove the forward pre-hooks and leave the state (after a flush)."""
+        """Collective (it flushes first): remove the forward pre-hooks, leave the state."""
         self._resolve_all()
         for h in self._hooks:
             h.remove()
@@ -283,8 +284,9 @@ class OverlapOptimizer(torch.optim.Optimizer):
             _, grad = st._bucket_done(p, maxima, 0, into)
         if step.due:
             for param, off in zip(b.params, b.offsets, strict=True):
-                g = grad[off : off + param.numel()].view_as(param)
-                self._fn_of[id(param)].step_param(param, g)
+                f = self._fn_of.get(id(param))  # None: a parameter this optimizer does not hold
+                if f is not None:
+                    f.step_param(param, grad[off : off + param.numel()].view_as(param))
         if all(x.resolved for x in step.buckets):
             self._end(step)
 
