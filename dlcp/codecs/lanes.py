@@ -175,6 +175,10 @@ def store_runs(
     if native and _wire_in_place(dest, codec, summed):
         _native_runs(_bulk.copy_runs, (dest, dest.itemsize), starts, counts, payloads)
         return
+    unpacked = _native_kind(dest, codec, summed) if native else None
+    if unpacked is not None:
+        _native_runs(_bulk.store_lanes, (dest, *unpacked), starts, counts, payloads)
+        return
     s, c = _checked_runs(starts, counts, dest.size)
     if summed and codec in WIDE and _store_narrow(dest, codec, s, c, payloads):
         return
@@ -222,6 +226,40 @@ def _wire_in_place(dest: np.ndarray, codec: int, summed: bool) -> bool:
         and dest.flags.c_contiguous
         and dest.flags.writeable
     )
+
+
+# `_bulk.store_lanes`' kinds (dlcp/wire/lane_store.h): the wire lanes it
+# unpacks, by (codec, summed), with the dtype of the lanes it writes and the
+# table it reads codes through (None: none)
+_KIND_TABLE16, _KIND_TABLE8, _KIND_U8, _KIND_U4, _KIND_U10, _KIND_BIT = range(6)
+# numpy's own cast of every half to float32: the C store of fp16 lanes is
+# then numpy's assignment bit for bit, NaN payloads included
+_HALF_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+_UNIT_F32 = np.ascontiguousarray(UNIT_VALUES, dtype=np.float32)
+_NATIVE_KINDS: dict[tuple[int, bool], tuple[int, np.dtype, np.ndarray | None]] = {
+    (Codec.FP16, False): (_KIND_TABLE16, np.dtype(np.float32), _HALF_TO_F32),
+    (Codec.FP16, True): (_KIND_TABLE16, np.dtype(np.float32), _HALF_TO_F32),
+    (Codec.FFT8, False): (_KIND_TABLE8, np.dtype(np.float32), _UNIT_F32),
+    (Codec.THC8, False): (_KIND_U8, np.dtype(np.uint16), None),
+    (Codec.THC4, False): (_KIND_U4, np.dtype(np.uint16), None),
+    (Codec.THC4_SUM8, True): (_KIND_U8, np.dtype(np.uint16), None),
+    (Codec.THC8_SUM10, True): (_KIND_U10, np.dtype(np.uint16), None),
+    (Codec.UNION, False): (_KIND_BIT, np.dtype(np.uint16), None),
+    (Codec.UNION, True): (_KIND_BIT, np.dtype(np.uint16), None),
+}
+
+
+def _native_kind(dest: np.ndarray, codec: int, summed: bool) -> tuple[int, Any] | None:
+    """`_bulk.store_lanes`' (kind, table) for `codec`'s wire lanes into `dest`
+    where that unpacks them as `unpack` and numpy's assignment do (the
+    extension built, `dest` contiguous, writable and of the kind's dtype);
+    None: the Python loop."""
+    if _bulk is None or not (dest.flags.c_contiguous and dest.flags.writeable):
+        return None
+    entry = _NATIVE_KINDS.get((int(codec), bool(summed)))
+    if entry is None or entry[1] != dest.dtype:
+        return None
+    return entry[0], entry[2]
 
 
 def can_add_runs(dest: np.ndarray, codec: int, summed: bool) -> bool:

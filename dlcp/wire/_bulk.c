@@ -1207,7 +1207,16 @@ join(PyObject *self, PyObject *parts)
     return (PyObject *)d;
 }
 
+#include "lane_store.h" /* store_lanes, pick */
+
 static PyMethodDef methods[] = {
+    {"store_lanes", store_lanes, METH_VARARGS,
+     "store_lanes(dest, kind, table, starts, counts, payloads, skip=0): each payload's "
+     "lanes (less its first skip bytes) unpacked as kind says (fp16 or fft codes through "
+     "table, 8-, 4-, 10- or 1-bit lanes) into dest at its start lane, in order"},
+    {"pick", pick, METH_VARARGS,
+     "pick(datagrams, index) -> Datagrams | list: the datagrams at the int64 positions "
+     "index, a Datagrams of a Datagrams (no object a datagram)"},
     {"join", join, METH_O,
      "join(parts) -> Datagrams: the datagrams of a list of Datagrams, in order"},
     {"heads", heads, METH_VARARGS,
