@@ -213,7 +213,7 @@ def picked(items: Sequence[T], order: np.ndarray) -> Sequence[T]:
     tuple or a receive drain's `Datagrams` (then another `Datagrams`, no
     object a datagram)."""
     if _bulk is not None and isinstance(items, list | tuple | _bulk.Datagrams):
-        return _bulk.pick(items, np.ascontiguousarray(order, dtype=np.int64))  # type: ignore[no-any-return]
+        return _bulk.pick(items, np.ascontiguousarray(order, dtype=np.int64))
     return [items[i] for i in np.asarray(order).tolist()]
 
 
