@@ -154,3 +154,28 @@ def test_pick_takes_the_datagrams_at_the_positions() -> None:
             c.pick(items, bad)
     with pytest.raises(TypeError):
         c.pick(iter(items), order)
+
+
+def test_the_cpu_conversion_of_halves_is_numpys_cast() -> None:
+    """Where the CPU converts fp16 (`_KIND_F16C`), it gives numpy's float32
+    for every half, signalling NaNs included, in runs of any length (the last
+    lanes of a run go through a padded copy); fp16 stores take it only then."""
+    if not _native():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    c = lanes._bulk
+    halves = np.arange(1 << 16, dtype="<u2")
+    try:
+        c.store_lanes(np.empty(1, np.float32), lanes._KIND_F16C, None, np.array([0]),
+                      np.array([1]), [bytes(2)])  # fmt: skip
+    except ValueError:
+        assert lanes._HALF_KIND == (lanes._KIND_TABLE16, lanes._HALF_TO_F32)
+        pytest.skip("no F16C on this CPU")
+    assert lanes._HALF_KIND == (lanes._KIND_F16C, None)
+    rng = np.random.default_rng(3)
+    order = rng.permutation(halves)
+    counts = np.array([1, 7, 8, 9, 15, 16, 17, 3, (1 << 16) - 76], np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    parts = [order[s : s + n].tobytes() for s, n in zip(starts, counts, strict=True)]
+    got = np.full(1 << 16, 9, np.float32)
+    c.store_lanes(got, lanes._KIND_F16C, None, starts, counts, parts)
+    assert got.view(np.uint32).tolist() == lanes._HALF_TO_F32[order].view(np.uint32).tolist()

@@ -16,6 +16,11 @@
  *     KIND_U4       4-bit lanes packed low nibble first into uint16 (THC4 data)
  *     KIND_U10      10-bit lanes packed LSB first into uint16 (THC8_SUM10)
  *     KIND_BIT      1-bit lanes LSB first into uint16 as 0/1 (UNION)
+ *     KIND_F16C     KIND_TABLE16's fp16 lanes by the CPU's F16C conversion
+ *                   (vcvtph2ps; signalling NaNs kept as numpy keeps them), no
+ *                   table: ValueError where the CPU lacks it.
+ *                   dlcp.codecs.lanes takes it only where it gives the
+ *                   table's bits for all 65536 halves (numpy's cast)
  *
  *   dest is a writable C-contiguous buffer of 4-byte (TABLE kinds) or 2-byte
  *   lanes; table is None for the other kinds. The payload of count lanes
@@ -36,11 +41,82 @@
 #ifndef DLCP_LANE_STORE_H
 #define DLCP_LANE_STORE_H
 
-enum { KIND_TABLE16, KIND_TABLE8, KIND_U8, KIND_U4, KIND_U10, KIND_BIT, N_KINDS };
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_F16C_BUILD 1
+#else
+#define HAVE_F16C_BUILD 0
+#endif
 
-static const int kind_bits[N_KINDS] = {16, 8, 8, 4, 10, 1};
-static const int kind_width[N_KINDS] = {4, 4, 2, 2, 2, 2};
-static const Py_ssize_t kind_table[N_KINDS] = {65536, 256, 0, 0, 0, 0};
+enum { KIND_TABLE16, KIND_TABLE8, KIND_U8, KIND_U4, KIND_U10, KIND_BIT, KIND_F16C, N_KINDS };
+
+static const int kind_bits[N_KINDS] = {16, 8, 8, 4, 10, 1, 16};
+static const int kind_width[N_KINDS] = {4, 4, 2, 2, 2, 2, 4};
+static const Py_ssize_t kind_table[N_KINDS] = {65536, 256, 0, 0, 0, 0, 0};
+
+#if HAVE_F16C_BUILD
+/* Eight halves to float32 by vcvtph2ps, as numpy casts them: the
+ * instruction quiets a signalling NaN (sets bit 22), numpy's cast keeps its
+ * bits (sign, all-ones exponent, the mantissa shifted), so that bit is
+ * cleared again in the lanes that held one (exponent all ones, quiet bit
+ * clear, mantissa not zero). */
+__attribute__((target("avx,f16c"))) static inline void
+eight_halves(float *out, __m128i h)
+{
+    __m256 f = _mm256_cvtph_ps(h);
+    __m128i nan_exp = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7e00)),
+                                      _mm_set1_epi16(0x7c00));
+    __m128i payload = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x01ff)),
+                                      _mm_setzero_si128());
+    __m128i snan = _mm_andnot_si128(payload, nan_exp);
+    _mm256_storeu_ps(out, f);
+    if (_mm_movemask_epi8(snan)) {
+        uint16_t flags[8];
+        _mm_storeu_si128((__m128i *)(void *)flags, snan);
+        for (int k = 0; k < 8; k++)
+            if (flags[k]) {
+                uint32_t v;
+                memcpy(&v, out + k, 4);
+                v &= ~(uint32_t)0x00400000;
+                memcpy(out + k, &v, 4);
+            }
+    }
+}
+
+/* c fp16 lanes to float32, eight at a time; the last ones through a
+ * zero-padded copy (the same conversion, never a read past src). */
+__attribute__((target("avx,f16c"))) static void
+halves_f16c(char *to, const unsigned char *src, Py_ssize_t c)
+{
+    Py_ssize_t j = 0;
+    for (; j + 8 <= c; j += 8)
+        eight_halves((float *)(void *)(to + 4 * j),
+                     _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * j)));
+    if (j < c) {
+        unsigned char pad[16] = {0};
+        float out[8];
+        memcpy(pad, src + 2 * j, (size_t)(c - j) * 2);
+        eight_halves(out, _mm_loadu_si128((const __m128i *)(void *)pad));
+        memcpy(to + 4 * j, out, (size_t)(c - j) * 4);
+    }
+}
+#endif
+
+/* Whether KIND_F16C runs here (built for x86-64 and the CPU has F16C and AVX). */
+static int
+have_f16c(void)
+{
+#if HAVE_F16C_BUILD
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
 
 /* c lanes of `src` (its bytes checked) unpacked into `to` (dest's lanes). */
 static void
@@ -96,6 +172,11 @@ unpack_lanes(int kind, char *to, const unsigned char *src, Py_ssize_t c, const u
             memcpy(o16 + j, &v, 2);
         }
         break;
+    case KIND_F16C:
+#if HAVE_F16C_BUILD
+        halves_f16c(to, src, c);
+#endif
+        break;
     }
 }
 
@@ -115,6 +196,10 @@ store_lanes(PyObject *self, PyObject *args)
     }
     if (skip < 0) {
         PyErr_SetString(PyExc_ValueError, "skip must not be negative");
+        return NULL;
+    }
+    if (kind == KIND_F16C && !have_f16c()) {
+        PyErr_SetString(PyExc_ValueError, "no F16C conversion on this CPU or build");
         return NULL;
     }
     const Py_ssize_t width = kind_width[kind], bits = kind_bits[kind];
