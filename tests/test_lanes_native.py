@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dlcp.codecs import lanes
+from dlcp.codecs import lanes_native as ln
 from dlcp.errors import Reason, RemoteError
 from dlcp.wire import Codec
 from dlcp.wire.batch import Payloads, picked
@@ -21,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover
     _udp = None
 
-KINDS = sorted(lanes._NATIVE_KINDS, key=lambda k: (int(k[0]), k[1]))
+KINDS = sorted(ln._NATIVE_KINDS, key=lambda k: (int(k[0]), k[1]))
 
 
 def _native() -> bool:
@@ -49,7 +50,7 @@ def test_store_lanes_is_store_many(codec: int, summed: bool) -> None:
     if not _native():
         pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
     rng = np.random.default_rng(int(codec) * 2 + summed)
-    dtype = lanes._NATIVE_KINDS[(codec, summed)][1]
+    dtype = ln._NATIVE_KINDS[(codec, summed)][1]
     runs = [(200, 37), (0, 64), (64, 3), (90, 101), (300, 1), (301, 8), (400, 13)]
     payloads = [_payload(codec, summed, c, rng) for _, c in runs]
     starts = np.array([s for s, _ in runs], np.int64)
@@ -82,7 +83,7 @@ def test_every_non_native_store_still_goes_through_python() -> None:
     rng = np.random.default_rng(1)
     p = _payload(Codec.FP16, False, 10, rng)
     for dest in (np.zeros(10, np.float64), np.zeros(20, np.float32)[::2]):
-        assert lanes._native_kind(dest, Codec.FP16, False) is None
+        assert ln.native_kind(dest, Codec.FP16, False) is None
         lanes.store_runs(dest, Codec.FP16, False, np.array([0]), np.array([10]), [p])
         want = np.frombuffer(p, "<f2").astype(dest.dtype)
         assert np.array_equal(dest, want, equal_nan=True)
@@ -94,38 +95,38 @@ def test_store_lanes_rejects_bad_arguments() -> None:
     c = lanes._bulk
     u16 = np.zeros(16, np.uint16)
     f32 = np.zeros(16, np.float32)
-    half = lanes._HALF_TO_F32
+    half = ln._HALF_TO_F32
     zero, one, two = (np.array([v], np.int64) for v in (0, 1, 2))
     with pytest.raises(ValueError):  # no such kind
         c.store_lanes(u16, 6, None, zero, one, [b"\0"])
     with pytest.raises(ValueError):  # a table kind without its table
-        c.store_lanes(f32, lanes._KIND_TABLE16, None, zero, one, [b"\0\0"])
+        c.store_lanes(f32, ln._KIND_TABLE16, None, zero, one, [b"\0\0"])
     with pytest.raises(ValueError):  # a table of the wrong size
-        c.store_lanes(f32, lanes._KIND_TABLE16, half[:256], zero, one, [b"\0\0"])
+        c.store_lanes(f32, ln._KIND_TABLE16, half[:256], zero, one, [b"\0\0"])
     with pytest.raises(ValueError):  # a table where none is read
-        c.store_lanes(u16, lanes._KIND_U8, half, zero, one, [b"\0"])
+        c.store_lanes(u16, ln._KIND_U8, half, zero, one, [b"\0"])
     with pytest.raises(ValueError):  # dest not of whole lanes
-        c.store_lanes(np.zeros(3, np.uint8), lanes._KIND_U8, None, zero, one, [b"\0"])
+        c.store_lanes(np.zeros(3, np.uint8), ln._KIND_U8, None, zero, one, [b"\0"])
     with pytest.raises(ValueError):  # starts and payloads differ in number
-        c.store_lanes(u16, lanes._KIND_U8, None, np.array([0, 1], np.int64), one, [b"\0"])
+        c.store_lanes(u16, ln._KIND_U8, None, np.array([0, 1], np.int64), one, [b"\0"])
     with pytest.raises(ValueError):
-        c.store_lanes(u16, lanes._KIND_U8, None, zero, one, [b"\0"], -1)
+        c.store_lanes(u16, ln._KIND_U8, None, zero, one, [b"\0"], -1)
     with pytest.raises(IndexError):  # past the end, negative
-        c.store_lanes(u16, lanes._KIND_U8, None, np.array([16], np.int64), one, [b"\0"])
+        c.store_lanes(u16, ln._KIND_U8, None, np.array([16], np.int64), one, [b"\0"])
     with pytest.raises(IndexError):
-        c.store_lanes(u16, lanes._KIND_U8, None, np.array([-1], np.int64), one, [b"\0"])
+        c.store_lanes(u16, ln._KIND_U8, None, np.array([-1], np.int64), one, [b"\0"])
     with pytest.raises(c.LengthError):  # negative, huge and mismatched counts
-        c.store_lanes(u16, lanes._KIND_U8, None, zero, np.array([-1], np.int64), [b""])
+        c.store_lanes(u16, ln._KIND_U8, None, zero, np.array([-1], np.int64), [b""])
     with pytest.raises(c.LengthError):
-        c.store_lanes(u16, lanes._KIND_U10, None, zero, np.array([2**62], np.int64), [b"\0"])
+        c.store_lanes(u16, ln._KIND_U10, None, zero, np.array([2**62], np.int64), [b"\0"])
     with pytest.raises(c.LengthError):  # 2 lanes of 10 bits are 3 bytes
-        c.store_lanes(u16, lanes._KIND_U10, None, zero, two, [b"\0\0"])
+        c.store_lanes(u16, ln._KIND_U10, None, zero, two, [b"\0\0"])
     with pytest.raises(c.LengthError):  # a skip longer than the datagram
-        c.store_lanes(u16, lanes._KIND_U8, None, zero, zero, [b"\0"], 2)
+        c.store_lanes(u16, ln._KIND_U8, None, zero, zero, [b"\0"], 2)
     with pytest.raises(TypeError):
-        c.store_lanes(u16, lanes._KIND_U8, None, zero, one, 5)
+        c.store_lanes(u16, ln._KIND_U8, None, zero, one, 5)
     with pytest.raises(BufferError):  # a read-only dest
-        c.store_lanes(b"\0\0", lanes._KIND_U8, None, zero, one, [b"\0"])
+        c.store_lanes(b"\0\0", ln._KIND_U8, None, zero, one, [b"\0"])
     assert not u16.any() and not f32.any()
 
 
@@ -165,17 +166,47 @@ def test_the_cpu_conversion_of_halves_is_numpys_cast() -> None:
     c = lanes._bulk
     halves = np.arange(1 << 16, dtype="<u2")
     try:
-        c.store_lanes(np.empty(1, np.float32), lanes._KIND_F16C, None, np.array([0]),
+        c.store_lanes(np.empty(1, np.float32), ln._KIND_F16C, None, np.array([0]),
                       np.array([1]), [bytes(2)])  # fmt: skip
     except ValueError:
-        assert lanes._HALF_KIND == (lanes._KIND_TABLE16, lanes._HALF_TO_F32)
+        assert ln._HALF_KIND == (ln._KIND_TABLE16, ln._HALF_TO_F32)
         pytest.skip("no F16C on this CPU")
-    assert lanes._HALF_KIND == (lanes._KIND_F16C, None)
+    assert ln._HALF_KIND == (ln._KIND_F16C, None)
     rng = np.random.default_rng(3)
     order = rng.permutation(halves)
     counts = np.array([1, 7, 8, 9, 15, 16, 17, 3, (1 << 16) - 76], np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     parts = [order[s : s + n].tobytes() for s, n in zip(starts, counts, strict=True)]
     got = np.full(1 << 16, 9, np.float32)
-    c.store_lanes(got, lanes._KIND_F16C, None, starts, counts, parts)
-    assert got.view(np.uint32).tolist() == lanes._HALF_TO_F32[order].view(np.uint32).tolist()
+    c.store_lanes(got, ln._KIND_F16C, None, starts, counts, parts)
+    assert got.view(np.uint32).tolist() == ln._HALF_TO_F32[order].view(np.uint32).tolist()
+
+
+def test_to_halves_is_numpys_cast() -> None:
+    """The fp16 cast of sums in C (`_bulk.to_halves`, F16C) is numpy's
+    astype("<f2") for every value where one can go wrong (ties, overflow,
+    subnormals, NaN payloads), in runs of any length; `lanes.to_halves`
+    takes it only where so, and gives numpy's array either way."""
+    if not _native():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    x = ln._half_checks()
+    with np.errstate(all="ignore"):
+        want = x.astype("<f2")
+    for n in (x.size, 1, 7, 9, 17):
+        got = ln.to_halves(x[:n])
+        assert (
+            got.dtype == np.dtype("<f2")
+            and got.view(np.uint16).tolist() == want[:n].view(np.uint16).tolist()
+        )
+    if not ln._HALVES_IN_C:
+        pytest.skip("no F16C on this CPU")
+    c = lanes._bulk
+    with pytest.raises(ValueError):  # lengths differ
+        c.to_halves(np.zeros(4, np.float32), np.zeros(3, np.uint16))
+    with pytest.raises(ValueError):  # not whole float32s
+        c.to_halves(bytes(6), np.zeros(3, np.uint16))
+    with pytest.raises(BufferError):
+        c.to_halves(np.zeros(2, np.float32), bytes(4))
+    assert ln.to_halves(np.zeros(0, np.float32)).size == 0
+    wide = np.arange(12, dtype=np.float64).reshape(3, 4)  # other dtypes: numpy's cast
+    assert ln.to_halves(wide).tolist() == wide.astype("<f2").tolist()

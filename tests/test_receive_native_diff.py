@@ -19,13 +19,16 @@ cluster sends and every round's sums.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dlcp.codecs import lanes as lanes_mod
+from dlcp.codecs import lanes_native as lanes_native_mod
 from dlcp.core import aggregate as aggregate_mod
 from dlcp.core import collector as collector_mod
 from dlcp.core import runs as runs_mod
@@ -44,7 +47,7 @@ except ImportError:  # pragma: no cover
 KEY = b"d" * 32
 JOB = 5
 MAC = "ghash-aes"
-_MODULES = (batch_mod, lanes_mod, runs_mod, aggregate_mod, collector_mod)
+_MODULES = (batch_mod, lanes_mod, lanes_native_mod, runs_mod, aggregate_mod, collector_mod)
 NATIVE = batch_mod._bulk
 
 
@@ -288,3 +291,22 @@ def test_native_receive_is_the_python_receive(
     # the traffic held what it is meant to: forged, spoofed, truncated, bad ranges
     for reason in (Reason.BAD_MAC, Reason.BAD_SENDER, Reason.TRUNCATED, Reason.BAD_RANGE):
         assert bad[reason] > 0, reason
+
+
+def test_the_python_side_turns_off_every_c_pass_of_the_receive_path() -> None:
+    """Every module of the core that reads `_bulk` is among those `_python`
+    turns off (a module added later and missed would make the comparison C
+    against C), and with them off the lane stores are Python's."""
+    root = Path(lanes_mod.__file__).resolve().parents[1]
+    readers = {
+        ".".join(p.relative_to(root.parent).with_suffix("").parts)
+        for p in root.rglob("*.py")
+        if re.search(r"^from dlcp\.wire(\.batch)? import .*\b_bulk\b", p.read_text(), re.M)
+    }
+    daemon_only = {"dlcp.daemon.netin"}  # joins drains; the engine is the same either way
+    assert readers - daemon_only <= {m.__name__ for m in _MODULES}, readers
+    with _python():
+        assert lanes_native_mod.native_kind(np.zeros(4, np.float32), Codec.FP16, False) is None
+        assert lanes_native_mod.to_halves(np.ones(9, np.float32)).dtype == np.dtype("<f2")
+    if NATIVE is not None:
+        assert lanes_native_mod.native_kind(np.zeros(4, np.float32), Codec.FP16, False)

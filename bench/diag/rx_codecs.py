@@ -160,7 +160,9 @@ def main() -> int:
     p.add_argument("--payload", type=int, default=1408, help="dlcp payload (MTU 1500 - 92)")
     p.add_argument("--codecs", default="fp32,fp16,thc8,thc4,fft8,union")
     p.add_argument("--profile", action="store_true", help="count Python calls (cProfile)")
-    p.add_argument("--top", type=int, default=0, help="with --profile: the N most called")
+    p.add_argument(
+        "--top", type=int, default=0, help="with --profile: the N functions of most time"
+    )
     a = p.parse_args()
     tune_process()
     total = parse_size(a.size) // 4 // 4096 * 4096  # whole blocks of every codec
@@ -190,7 +192,7 @@ def main() -> int:
             calls = sum(v[1] for v in st.stats.values())  # type: ignore[attr-defined]
             line += f"  {calls / meter.datagrams:6.2f} Python calls each"
             if a.top:
-                st.sort_stats("ncalls").print_stats(a.top)
+                st.sort_stats("tottime").print_stats(a.top)
         print(line, flush=True)
     return 0
 

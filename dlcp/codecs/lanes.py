@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from dlcp.codecs.lanes_native import native_kind, to_halves
+
 # the copies of `store_runs` in C: the extension as dlcp.wire.batch imported it
 # (None where it is not built or DLCP_NATIVE_BULK=0; a Python loop then)
 from dlcp.codecs.rangefloat import UNIT_VALUES, quantize_unit
@@ -40,6 +42,7 @@ __all__ = [
     "store_runs",
     "sum_dtype",
     "summed_wire",
+    "to_halves",
     "unpack",
 ]
 
@@ -175,7 +178,7 @@ def store_runs(
     if native and _wire_in_place(dest, codec, summed):
         _native_runs(_bulk.copy_runs, (dest, dest.itemsize), starts, counts, payloads)
         return
-    unpacked = _native_kind(dest, codec, summed) if native else None
+    unpacked = native_kind(dest, codec, summed) if native else None
     if unpacked is not None:
         _native_runs(_bulk.store_lanes, (dest, *unpacked), starts, counts, payloads)
         return
@@ -228,63 +231,6 @@ def _wire_in_place(dest: np.ndarray, codec: int, summed: bool) -> bool:
     )
 
 
-# `_bulk.store_lanes`' kinds (dlcp/wire/lane_store.h): the wire lanes it
-# unpacks, by (codec, summed), with the dtype of the lanes it writes and the
-# table it reads codes through (None: none)
-_KIND_TABLE16, _KIND_TABLE8, _KIND_U8, _KIND_U4, _KIND_U10, _KIND_BIT, _KIND_F16C = range(7)
-# numpy's own cast of every half to float32: the C store of fp16 lanes is
-# then numpy's assignment bit for bit, NaN payloads included
-_HALF_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-_UNIT_F32 = np.ascontiguousarray(UNIT_VALUES, dtype=np.float32)
-
-
-def _half_kind() -> tuple[int, np.ndarray | None]:
-    """fp16 lanes by the CPU's conversion (`_KIND_F16C`, no table: about a
-    third of the table's time a lane) where it gives numpy's bits for every
-    half, else through `_HALF_TO_F32`."""
-    if _bulk is None:
-        return _KIND_TABLE16, _HALF_TO_F32
-    out = np.empty(1 << 16, np.float32)
-    every = [_HALF_TO_F32.view(np.uint16)[:0].tobytes()]  # (an empty run first)
-    every.append(np.arange(1 << 16, dtype="<u2").tobytes())
-    try:
-        _bulk.store_lanes(
-            out, _KIND_F16C, None, np.array([0, 0]), np.array([0, 1 << 16]), every
-        )
-    except ValueError:  # not on this CPU
-        return _KIND_TABLE16, _HALF_TO_F32
-    if out.tobytes() != _HALF_TO_F32.tobytes():
-        return _KIND_TABLE16, _HALF_TO_F32
-    return _KIND_F16C, None
-
-
-_HALF_KIND = _half_kind()
-_NATIVE_KINDS: dict[tuple[int, bool], tuple[int, np.dtype, np.ndarray | None]] = {
-    (Codec.FP16, False): (_HALF_KIND[0], np.dtype(np.float32), _HALF_KIND[1]),
-    (Codec.FP16, True): (_HALF_KIND[0], np.dtype(np.float32), _HALF_KIND[1]),
-    (Codec.FFT8, False): (_KIND_TABLE8, np.dtype(np.float32), _UNIT_F32),
-    (Codec.THC8, False): (_KIND_U8, np.dtype(np.uint16), None),
-    (Codec.THC4, False): (_KIND_U4, np.dtype(np.uint16), None),
-    (Codec.THC4_SUM8, True): (_KIND_U8, np.dtype(np.uint16), None),
-    (Codec.THC8_SUM10, True): (_KIND_U10, np.dtype(np.uint16), None),
-    (Codec.UNION, False): (_KIND_BIT, np.dtype(np.uint16), None),
-    (Codec.UNION, True): (_KIND_BIT, np.dtype(np.uint16), None),
-}
-
-
-def _native_kind(dest: np.ndarray, codec: int, summed: bool) -> tuple[int, Any] | None:
-    """`_bulk.store_lanes`' (kind, table) for `codec`'s wire lanes into `dest`
-    where that unpacks them as `unpack` and numpy's assignment do (the
-    extension built, `dest` contiguous, writable and of the kind's dtype);
-    None: the Python loop."""
-    if _bulk is None or not (dest.flags.c_contiguous and dest.flags.writeable):
-        return None
-    entry = _NATIVE_KINDS.get((int(codec), bool(summed)))
-    if entry is None or entry[1] != dest.dtype:
-        return None
-    return entry[0], entry[2]
-
-
 def can_add_runs(dest: np.ndarray, codec: int, summed: bool) -> bool:
     """Whether `add_runs` into `dest` is one C call: float32 lanes on the wire
     and in `dest` (fp32 data and sums), the extension built."""
@@ -335,6 +281,8 @@ def summed_wire(codec: int, sums: np.ndarray) -> np.ndarray:
     1-bit lanes, the packed bits of sums > 0 as uint8."""
     if codec in _BIT_LANES:
         return np.frombuffer(pack(codec, sums, True), dtype=np.uint8)
+    if codec == Codec.FP16:
+        return to_halves(sums)
     return np.ascontiguousarray(sums, dtype=_WIRE_SUMMED[codec])
 
 
@@ -344,6 +292,8 @@ def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
         return np.packbits(np.asarray(values).reshape(-1) != 0, bitorder="little").tobytes()
     if summed and codec in WIDE:
         return _pack_narrow(codec, np.asarray(values)).tobytes()
+    if codec == Codec.FP16:
+        return to_halves(values).tobytes()
     if summed:
         return np.ascontiguousarray(values, dtype=_WIRE_SUMMED[codec]).tobytes()
     if codec in _THC4_DATA:

@@ -1214,6 +1214,9 @@ static PyMethodDef methods[] = {
      "store_lanes(dest, kind, table, starts, counts, payloads, skip=0): each payload's "
      "lanes (less its first skip bytes) unpacked as kind says (fp16 or fft codes through "
      "table, 8-, 4-, 10- or 1-bit lanes) into dest at its start lane, in order"},
+    {"to_halves", to_halves, METH_VARARGS,
+     "to_halves(src, dest): float32 lanes cast to fp16 into dest by the CPU's F16C "
+     "conversion, NaNs as numpy makes them (ValueError without F16C)"},
     {"pick", pick, METH_VARARGS,
      "pick(datagrams, index) -> Datagrams | list: the datagrams at the int64 positions "
      "index, a Datagrams of a Datagrams (no object a datagram)"},
