@@ -210,3 +210,25 @@ def test_to_halves_is_numpys_cast() -> None:
     assert ln.to_halves(np.zeros(0, np.float32)).size == 0
     wide = np.arange(12, dtype=np.float64).reshape(3, 4)  # other dtypes: numpy's cast
     assert ln.to_halves(wide).tolist() == wide.astype("<f2").tolist()
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 8, 11, 1001])
+def test_pack_u10_is_the_numpy_packing(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """THC8's sums packed as 10-bit lanes in C are numpy's bytes, for sums that
+    fit and (bits ORed over the next lane, as numpy's) ones that do not; a
+    destination of the wrong length is refused."""
+    if not _native():
+        pytest.skip("dlcp.wire._bulk is not built (DLCP_ALLOW_NO_NATIVE=1)")
+    rng = np.random.default_rng(n)
+    for top in (1 << 10, 1 << 16):
+        v = rng.integers(0, top, n).astype(np.uint16)
+        got = lanes._narrow_bytes(Codec.THC8_SUM10, v)
+        with monkeypatch.context() as m:
+            m.setattr(lanes, "_bulk", None)
+            want = lanes._narrow_bytes(Codec.THC8_SUM10, v)
+        assert got.tobytes() == want.tobytes()
+    c = lanes._bulk
+    with pytest.raises(ValueError):
+        c.pack_u10(np.zeros(n, np.uint16), np.zeros((n * 10 + 7) // 8 + 1, np.uint8))
+    with pytest.raises(ValueError):  # not whole uint16s
+        c.pack_u10(bytes(3), np.zeros(2, np.uint8))

@@ -345,6 +345,10 @@ def _narrow_bytes(codec: int, v: np.ndarray) -> np.ndarray:
     if codec == Codec.THC4_SUM8:
         return v.astype(np.uint8)
     n = v.size
+    if _bulk is not None and v.dtype == np.uint16 and v.flags.c_contiguous:
+        out = np.empty((n * 10 + 7) // 8, np.uint8)
+        _bulk.pack_u10(v, out)  # the same bytes in one C pass (numpy's: ~20 ns a lane)
+        return out
     pad = -n % 4
     w = np.concatenate([v, np.zeros(pad, v.dtype)]) if pad else v
     q = w.astype(np.uint64).reshape(-1, 4)

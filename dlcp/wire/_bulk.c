@@ -1217,6 +1217,9 @@ static PyMethodDef methods[] = {
     {"to_halves", to_halves, METH_VARARGS,
      "to_halves(src, dest): float32 lanes cast to fp16 into dest by the CPU's F16C "
      "conversion, NaNs as numpy makes them (ValueError without F16C)"},
+    {"pack_u10", pack_u10, METH_VARARGS,
+     "pack_u10(src, dest): uint16 lanes as 10-bit lanes, LSB first, four in five bytes "
+     "(THC8_SUM10's result lanes)"},
     {"pick", pick, METH_VARARGS,
      "pick(datagrams, index) -> Datagrams | list: the datagrams at the int64 positions "
      "index, a Datagrams of a Datagrams (no object a datagram)"},

@@ -40,6 +40,15 @@
  *   (dlcp.codecs.lanes checks that at import and uses numpy otherwise).
  *   ValueError where the CPU lacks F16C or the lengths differ.
  *
+ * pack_u10(src, dest) -> None
+ *
+ *   THC8's sums (uint16 lanes, src) as THC8_SUM10's 10-bit lanes, LSB first,
+ *   into dest ((n * 10 + 7) / 8 bytes): each four lanes a 40-bit word
+ *   v0 | v1 << 10 | v2 << 20 | v3 << 30 (the last four padded with zeros)
+ *   in five little-endian bytes, as `dlcp.codecs.lanes._narrow_bytes` makes
+ *   them in numpy (also for values that do not fit, which its callers refuse
+ *   first). ValueError where the lengths do not agree.
+ *
  * pick(datagrams, index) -> Datagrams | list
  *
  *   datagrams[index[0]], datagrams[index[1]], ... (index: int64, each in
@@ -364,6 +373,51 @@ to_halves(PyObject *self, PyObject *args)
     floats_to_halves((uint16_t *)dest.buf, (const float *)src.buf, src.len / 4);
     Py_END_ALLOW_THREADS
 #endif
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&dest);
+    PyBuffer_Release(&src);
+    return ret;
+}
+
+static PyObject *
+pack_u10(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *src_obj, *dest_obj;
+    if (!PyArg_ParseTuple(args, "OO", &src_obj, &dest_obj))
+        return NULL;
+    Py_buffer src, dest;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(dest_obj, &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t n = src.len / 2;
+    if (src.len % 2 || n > PY_SSIZE_T_MAX / 10 || dest.len != (n * 10 + 7) / 8) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes of uint16 into %zd bytes of 10-bit lanes",
+                     src.len, dest.len);
+        goto done;
+    }
+    const unsigned char *in = src.buf;
+    unsigned char *out = dest.buf;
+    for (Py_ssize_t g = 0; g * 4 < n; g++) {
+        uint64_t w = 0;
+        for (int k = 0; k < 4; k++) {
+            Py_ssize_t j = g * 4 + k;
+            if (j < n) {
+                uint16_t v;
+                memcpy(&v, in + 2 * j, 2);
+                w |= (uint64_t)v << (10 * k);
+            }
+        }
+        Py_ssize_t at = g * 5, room = dest.len - at;
+        for (int b = 0; b < 5 && b < room; b++)
+            out[at + b] = (unsigned char)(w >> (8 * b));
+    }
     ret = Py_None;
     Py_INCREF(ret);
 done:
