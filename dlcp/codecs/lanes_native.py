@@ -91,7 +91,7 @@ def _half_checks() -> np.ndarray:
 
 def _halves_in_c() -> bool:
     """Whether `_bulk.to_halves` (the CPU's conversion) gives numpy's fp16 of
-    `_half_checks` (then of every float32: checked over all 2**32 once)."""
+    `_half_checks` (the values where a cast can go wrong)."""
     if _bulk is None:
         return False
     x = _half_checks()

@@ -226,12 +226,26 @@ unpack_lanes(int kind, char *to, const unsigned char *src, Py_ssize_t c, const u
         }
         break;
     }
-    case KIND_BIT:
-        for (Py_ssize_t j = 0; j < c; j++) {
+    case KIND_BIT: {
+        /* a byte's eight lanes at once (a table of their 16 bytes), then the
+         * last lanes one by one */
+        static uint16_t spread[256][8];
+        static int spread_made;
+        if (!spread_made) {
+            for (int b = 0; b < 256; b++)
+                for (int k = 0; k < 8; k++)
+                    spread[b][k] = (uint16_t)((b >> k) & 1);
+            spread_made = 1;
+        }
+        Py_ssize_t j = 0;
+        for (; j + 8 <= c; j += 8)
+            memcpy(o16 + j, spread[src[j >> 3]], 16);
+        for (; j < c; j++) {
             uint16_t v = (uint16_t)((src[j >> 3] >> (j & 7)) & 1);
             memcpy(o16 + j, &v, 2);
         }
         break;
+    }
     case KIND_F16C:
 #if HAVE_F16C_BUILD
         halves_f16c(to, src, c);
