@@ -58,8 +58,10 @@ setup(
         Extension(
             "dlcp.wire._bulk",
             sources=["dlcp/wire/_bulk.c"],
-            # datagrams' bytes read in place; the Segment and Datagrams types
+            # datagrams' bytes read in place; the Segment and Datagrams types;
+            # the lane stores of the codecs whose wire lanes are not the sums'
             depends=[
+                "dlcp/wire/lane_store.h",
                 "dlcp/wire/bytes_of.h",
                 "dlcp/wire/datagrams.h",
                 "dlcp/wire/segment.h",

@@ -102,7 +102,7 @@ def target(
 
 def load_targets() -> dict[str, Target]:
     """Every target (the modules that register them imported)."""
-    from fuzz import targets_core, targets_daemon, targets_wire  # noqa: F401  (they register)
+    from fuzz import targets_core, targets_daemon, targets_lanes, targets_wire  # noqa: F401
 
     return TARGETS
 

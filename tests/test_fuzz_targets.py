@@ -27,6 +27,8 @@ NOT_FUZZED = {
     ("_ghash", "__bytes__"): "a Gathered datagram's bytes (made by encode_gather)",
     ("_keys", "clear"): "Fifo.clear: empties the queue, reads no bytes",
     ("_keys", "by_path"): "cuts the outbox's own datagrams by path (no bytes from the network)",
+    ("_bulk", "to_halves"): "casts an owner's own float sums to fp16 result lanes",
+    ("_bulk", "pack_u10"): "packs an owner's own thc8 sums into 10-bit result lanes",
 }
 
 

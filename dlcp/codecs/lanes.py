@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from dlcp.codecs.lanes_native import native_kind, to_halves
+
 # the copies of `store_runs` in C: the extension as dlcp.wire.batch imported it
 # (None where it is not built or DLCP_NATIVE_BULK=0; a Python loop then)
 from dlcp.codecs.rangefloat import UNIT_VALUES, quantize_unit
@@ -40,6 +42,7 @@ __all__ = [
     "store_runs",
     "sum_dtype",
     "summed_wire",
+    "to_halves",
     "unpack",
 ]
 
@@ -175,6 +178,10 @@ def store_runs(
     if native and _wire_in_place(dest, codec, summed):
         _native_runs(_bulk.copy_runs, (dest, dest.itemsize), starts, counts, payloads)
         return
+    unpacked = native_kind(dest, codec, summed) if native else None
+    if unpacked is not None:
+        _native_runs(_bulk.store_lanes, (dest, *unpacked), starts, counts, payloads)
+        return
     s, c = _checked_runs(starts, counts, dest.size)
     if summed and codec in WIDE and _store_narrow(dest, codec, s, c, payloads):
         return
@@ -274,6 +281,8 @@ def summed_wire(codec: int, sums: np.ndarray) -> np.ndarray:
     1-bit lanes, the packed bits of sums > 0 as uint8."""
     if codec in _BIT_LANES:
         return np.frombuffer(pack(codec, sums, True), dtype=np.uint8)
+    if codec == Codec.FP16:
+        return to_halves(sums)
     return np.ascontiguousarray(sums, dtype=_WIRE_SUMMED[codec])
 
 
@@ -283,6 +292,8 @@ def pack(codec: int, values: np.ndarray, summed: bool) -> bytes:
         return np.packbits(np.asarray(values).reshape(-1) != 0, bitorder="little").tobytes()
     if summed and codec in WIDE:
         return _pack_narrow(codec, np.asarray(values)).tobytes()
+    if codec == Codec.FP16:
+        return to_halves(values).tobytes()
     if summed:
         return np.ascontiguousarray(values, dtype=_WIRE_SUMMED[codec]).tobytes()
     if codec in _THC4_DATA:
@@ -334,6 +345,10 @@ def _narrow_bytes(codec: int, v: np.ndarray) -> np.ndarray:
     if codec == Codec.THC4_SUM8:
         return v.astype(np.uint8)
     n = v.size
+    if _bulk is not None and v.dtype == np.uint16 and v.flags.c_contiguous:
+        out = np.empty((n * 10 + 7) // 8, np.uint8)
+        _bulk.pack_u10(v, out)  # the same bytes in one C pass (numpy's: ~20 ns a lane)
+        return out
     pad = -n % 4
     w = np.concatenate([v, np.zeros(pad, v.dtype)]) if pad else v
     q = w.astype(np.uint64).reshape(-1, 4)

@@ -31,7 +31,7 @@ from dlcp.core.records import (
     _retransmitted,
     manifest_capacity,
 )
-from dlcp.core.runs import LANE_TYPES, run_starts, sources
+from dlcp.core.runs import LANE_TYPES, picked, run_starts, sources
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError, WireError
 from dlcp.wire.batch import Payloads, decode_batch
@@ -559,6 +559,5 @@ class EngineIn:
 def _reordered(payloads: Sequence[memoryview], order: np.ndarray) -> Sequence[memoryview]:
     """`payloads` in `order` (a `Payloads` stays one: views made when asked for)."""
     if isinstance(payloads, Payloads):
-        dgs = payloads.datagrams
-        return Payloads([dgs[i] for i in order.tolist()], payloads.skip)
-    return [payloads[i] for i in order.tolist()]
+        return Payloads(picked(payloads.datagrams, order), payloads.skip)
+    return picked(payloads, order)

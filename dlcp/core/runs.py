@@ -16,12 +16,13 @@ from typing import TypeVar
 
 import numpy as np
 
-from dlcp.wire.batch import HEADER_DTYPE, _bulk
+from dlcp.wire.batch import HEADER_DTYPE, Payloads, _bulk, picked
 from dlcp.wire.header import Flags, PacketType
 
 __all__ = [
     "LANE_TYPES",
     "first_fresh",
+    "picked",
     "py_run_starts",
     "run_slots",
     "run_starts",
@@ -135,9 +136,13 @@ def first_fresh(local: np.ndarray, bad: np.ndarray, received: np.ndarray) -> tup
 
 
 def taken(items: Sequence[T], take: np.ndarray) -> Sequence[T]:
-    """`items` at the positions `take` (increasing), without a copy when it is all of them."""
+    """`items` at the positions `take` (increasing), without a copy when it is
+    all of them; a `Payloads` stays one, its datagrams picked in C where
+    `_bulk` is built (no object a datagram)."""
     if take.size == len(items):
         return items
+    if isinstance(items, Payloads):
+        return Payloads(picked(items.datagrams, take), items.skip)  # type: ignore[return-value]
     return [items[k] for k in take.tolist()]
 
 

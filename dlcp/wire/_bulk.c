@@ -1207,7 +1207,22 @@ join(PyObject *self, PyObject *parts)
     return (PyObject *)d;
 }
 
+#include "lane_store.h" /* store_lanes, pick */
+
 static PyMethodDef methods[] = {
+    {"store_lanes", store_lanes, METH_VARARGS,
+     "store_lanes(dest, kind, table, starts, counts, payloads, skip=0): each payload's "
+     "lanes (less its first skip bytes) unpacked as kind says (fp16 or fft codes through "
+     "table, 8-, 4-, 10- or 1-bit lanes) into dest at its start lane, in order"},
+    {"to_halves", to_halves, METH_VARARGS,
+     "to_halves(src, dest): float32 lanes cast to fp16 into dest by the CPU's F16C "
+     "conversion, NaNs as numpy makes them (ValueError without F16C)"},
+    {"pack_u10", pack_u10, METH_VARARGS,
+     "pack_u10(src, dest): uint16 lanes as 10-bit lanes, LSB first, four in five bytes "
+     "(THC8_SUM10's result lanes)"},
+    {"pick", pick, METH_VARARGS,
+     "pick(datagrams, index) -> Datagrams | list: the datagrams at the int64 positions "
+     "index, a Datagrams of a Datagrams (no object a datagram)"},
     {"join", join, METH_O,
      "join(parts) -> Datagrams: the datagrams of a list of Datagrams, in order"},
     {"heads", heads, METH_VARARGS,

@@ -13,7 +13,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import TypeVar, overload
 
 import numpy as np
 
@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is not b
 if os.environ.get("DLCP_NATIVE_BULK", "1") == "0":  # Python loops instead (comparisons)
     _bulk = None
 
-__all__ = ["HEADER_DTYPE", "Batch", "decode_batch", "encode_batch", "split_segments"]
+__all__ = ["HEADER_DTYPE", "Batch", "decode_batch", "encode_batch", "picked", "split_segments"]
 
 HEADER_DTYPE = np.dtype(
     [
@@ -205,6 +205,18 @@ class Batch:
         )
 
 
+T = TypeVar("T")
+
+
+def picked(items: Sequence[T], order: np.ndarray) -> Sequence[T]:
+    """`[items[i] for i in order]`: one C call (`_bulk.pick`) for a list, a
+    tuple or a receive drain's `Datagrams` (then another `Datagrams`, no
+    object a datagram)."""
+    if _bulk is not None and isinstance(items, list | tuple | _bulk.Datagrams):
+        return _bulk.pick(items, np.ascontiguousarray(order, dtype=np.int64))
+    return [items[i] for i in np.asarray(order).tolist()]
+
+
 def split_segments(buf: bytes | memoryview, segment: int) -> list[memoryview]:
     """Split a GRO-coalesced buffer into its datagrams (the last may be shorter)."""
     view = memoryview(buf).cast("B")
@@ -338,7 +350,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
         cand_jobs = heads["job"]
     else:
         candidates = np.flatnonzero(reasons == 0)
-        cand = [items[i] for i in candidates.tolist()]
+        cand = picked(items, candidates)
         cand_jobs = heads["job"][candidates]
     m = len(cand)
     verified = np.zeros(m, dtype=bool)
@@ -356,7 +368,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
             if checked is not None:  # the fast path's check (all of them: one group)
                 ok = checked
             else:
-                mine = cand if sel is None else [cand[j] for j in sel.tolist()]
+                mine = cand if sel is None else picked(cand, sel)
                 ok = _verify(key, mine)
             if sel is None:
                 verified = ok
@@ -368,7 +380,7 @@ def decode_batch(datagrams: Sequence[bytes | memoryview], keys: Mapping[int, Mac
     kept = np.flatnonzero(verified)
     idx = candidates[kept]
     fields = heads[idx]
-    kept_items = [cand[j] for j in kept.tolist()]
+    kept_items = picked(cand, kept)
     payloads = Payloads(kept_items)
 
     rejects: Counter[Reason] = Counter()

@@ -1,0 +1,107 @@
+"""Fuzz targets of the receive path's lane stores and datagram picks: a run of
+packets' lanes unpacked by one C call (`_bulk.store_lanes`: fp16 halves, fft
+codes, 8-, 4-, 10- and 1-bit lanes into the accumulator's dtype) against the
+Python loop (`lanes.store_runs(native=False)`), and a drain's datagrams taken
+at positions (`_bulk.pick`) against the list comprehension it stands in for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dlcp.codecs import lanes
+from dlcp.codecs.lanes_native import native_kind
+from dlcp.errors import RemoteError
+from dlcp.wire import batch as batch_mod
+from dlcp.wire.header import Codec, lane_bytes
+from fuzz.harness import Input, pack_datagrams, target
+from fuzz.targets_wire import _as_datagrams, _lane_seeds, _same_error
+
+# (codec, summed, accumulator dtype) where a run's lanes are unpacked in C
+_UNPACKED = [
+    (c, s, d)
+    for c in Codec
+    for s in (False, True)
+    for d in (np.dtype(np.float32), np.dtype(np.uint16))
+    if native_kind(np.zeros(1, d), c, s) is not None
+]
+
+
+def _runs(inp: Input, size: int, codec: int, summed: bool) -> tuple[np.ndarray, np.ndarray, list]:
+    """Up to 16 runs into `size` lanes (some outside it, some with a payload
+    of the wrong length), each payload the wire bytes of its lanes."""
+    starts, counts, payloads = [], [], []
+    for _ in range(inp.uint(1) % 17):
+        start = -inp.uint(1) if inp.chance(16) else inp.below(size + 3)
+        count = inp.below(min(size, 600) + 2)
+        n = lane_bytes(codec, count, summed) + (inp.uint(1) % 5 - 2 if inp.chance(8) else 0)
+        starts.append(start)
+        counts.append(count)
+        payloads.append(inp.take(max(n, 0)).ljust(max(n, 0), b"\x5a"))
+    return np.array(starts, np.int64), np.array(counts, np.int64), payloads
+
+
+def _store(
+    dest: np.ndarray,
+    codec: int,
+    summed: bool,
+    s: np.ndarray,
+    c: np.ndarray,
+    p: Any,
+    native: bool,
+) -> BaseException | None:
+    try:
+        lanes.store_runs(dest, codec, summed, s, c, p, native=native)
+    except (RemoteError, IndexError) as exc:
+        return exc
+    return None
+
+
+@target("bulk_store_lanes", covers=("_bulk.store_lanes",), seeds=lambda: _lane_seeds(2))
+def bulk_store_lanes(inp: Input) -> None:
+    if not _UNPACKED:
+        return
+    codec, summed, dtype = _UNPACKED[inp.uint(1) % len(_UNPACKED)]
+    size = inp.uint(2) % 3000 + 1
+    s, c, payloads = _runs(inp, size, codec, summed)
+    p = _as_datagrams(inp, payloads)
+    fast = np.zeros(size, dtype)
+    ref = fast.copy()
+    outside = bool(((s < 0) | (s + c > size)).any())
+    wrong = any(
+        len(x) != lane_bytes(codec, k, summed) for x, k in zip(payloads, c.tolist(), strict=True)
+    )
+    e_fast = _store(fast, codec, summed, s, c, p, True)
+    _same_error(e_fast, _store(ref, codec, summed, s, c, p, False), outside and wrong)
+    if e_fast is None:
+        # NaNs compared by their bits: the C keeps numpy's (a quieted signalling NaN)
+        assert fast.tobytes() == ref.tobytes()
+
+
+def _pick_seeds() -> list[bytes]:
+    rng = np.random.default_rng(5)
+    return [
+        pack_datagrams([rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in ns])
+        for ns in (rng.integers(1, 200, k) for k in (1, 3, 8, 20))
+    ]
+
+
+@target("bulk_pick", covers=("_bulk.pick",), seeds=_pick_seeds)
+def bulk_pick(inp: Input) -> None:
+    dgs = inp.datagrams(limit=32, longest=300)
+    n = len(dgs)
+    order = np.array(
+        [inp.below(n + 2) - (1 if inp.chance(16) else 0) for _ in range(inp.uint(1) % 40)],
+        np.int64,
+    )
+    items: list[bytes] | tuple[bytes, ...] = dgs if inp.chance(2) else tuple(dgs)
+    try:
+        want = [bytes(items[i]) for i in order.tolist()]
+    except IndexError:
+        want = None
+    try:
+        got = [bytes(x) for x in batch_mod.picked(items, order)]
+    except IndexError:
+        got = None
+    assert got == want
