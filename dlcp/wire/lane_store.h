@@ -61,6 +61,7 @@
 #define DLCP_LANE_STORE_H
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_F16C_BUILD 1
 #else
@@ -167,10 +168,20 @@ static int
 have_f16c(void)
 {
 #if HAVE_F16C_BUILD
+    /* CPUID leaf 1: ECX bit 29 F16C, 28 AVX, 27 OSXSAVE; and the OS saves the
+     * AVX state (XCR0 bits 1 and 2). Not __builtin_cpu_supports("f16c"):
+     * clang before 15 does not know that name. */
     static int known = -1;
     if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+        unsigned int a = 0, b = 0, c = 0, d = 0;
+        known = 0;
+        if (__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 27)) && (c & (1u << 28))
+            && (c & (1u << 29))) {
+            unsigned int lo, hi;
+            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+            (void)hi;
+            known = (lo & 6u) == 6u;
+        }
     }
     return known;
 #else
