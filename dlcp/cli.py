@@ -25,6 +25,7 @@ PARTS: tuple[str, ...] = (
     "dlcp.daemon.cli",
     "dlcp.plan_cli",
     "dlcp.decode_cli",
+    "dlcp.sim.cli",
     "dlcp.tc.cli",
     "dlcp.testbed.cli",
 )

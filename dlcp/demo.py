@@ -4,9 +4,12 @@ On one machine, as root: builds a three-host cluster in network namespaces
 (100 Mbit/s switch ports with dlcp's priority queues), fills every port with
 background TCP and UDP traffic, trains the same small MLP on scikit-learn's
 digits with Gloo, gloo-prio (Gloo with its packets marked into the switch's
-top class) and dlcp (real daemons, the DDP hook), prints a side-by-side table
-with dlcp's ratio to each and what each ratio means, writes a plot and the
-records, and removes everything. About three to four minutes on two cores.
+top class), gloo-fp16 (DDP's fp16_compress_hook, the one line of PyTorch that
+halves Gloo's bytes) and dlcp (real daemons, the DDP hook), prints a
+side-by-side table with dlcp's ratio to each and what each ratio means,
+writes a plot and the records, and removes everything. About three to four
+minutes on two cores (a backend's training stops after 50 s: Gloo and
+gloo-fp16 stall under this background and take the whole budget).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ MEANING = {
     "gloo-prio": "gloo-prio is Gloo with its packets in the switch's top class: "
     "this ratio is what dlcp adds beyond priority (per-packet classes, bounded "
     "loss, no wait for the slowest packet).",
+    "gloo-fp16": "gloo-fp16 is DDP's fp16_compress_hook over Gloo (half the bytes, "
+    "unmarked): this ratio is dlcp against the compression PyTorch already gives.",
 }
+BASELINES = ("gloo", "gloo-prio", "gloo-fp16")
 
 
 def register(sub: Any) -> None:
@@ -37,7 +43,8 @@ def register(sub: Any) -> None:
         help="dlcp vs Gloo on an emulated congested cluster (root)",
         description="Build an emulated 3-host cluster with background traffic on every "
         "link, train a small model on the digits data set with Gloo, gloo-prio (Gloo "
-        "marked into the switch's top class) and dlcp, print a side-by-side table and "
+        "marked into the switch's top class), gloo-fp16 (DDP's fp16_compress_hook) and "
+        "dlcp, print a side-by-side table and "
         "write a plot; everything is removed afterwards. Needs root (network "
         "namespaces); three to four minutes on two cores.",
     )
@@ -56,16 +63,21 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--no-prio",
         action="store_true",
-        help="skip gloo-prio (Gloo marked into the top class; about a minute less)",
+        help="skip gloo-prio (Gloo marked into the top class; about half a minute less)",
+    )
+    p.add_argument(
+        "--no-fp16",
+        action="store_true",
+        help="skip gloo-fp16 (DDP's fp16_compress_hook; about a minute less)",
     )
     p.add_argument("--with-prio", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument(
         "--budget",
         type=float,
-        default=75.0,
+        default=50.0,
         metavar="S",
         help="stop a backend's training after S seconds, keeping its curve "
-        "(default: 75; Gloo under congestion needs far longer)",
+        "(default: 50; Gloo under congestion needs far longer)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -76,7 +88,12 @@ def demo_options(args: argparse.Namespace) -> Any:
     from dlcp.bench.common import parse_rate
     from dlcp.bench.train import TrainOptions
 
-    backends = ("gloo",) + (() if args.no_prio else ("gloo-prio",)) + ("dlcp",)
+    backends = (
+        ("gloo",)
+        + (() if args.no_prio else ("gloo-prio",))
+        + (() if args.no_fp16 else ("gloo-fp16",))
+        + ("dlcp",)
+    )
     return TrainOptions(
         setup=Setup(
             hosts=3,
@@ -129,7 +146,7 @@ def side_by_side(records: list[dict[str, Any]]) -> str:
     from dlcp.bench.train import format_table
 
     by = {r["backend"]: r for r in records}
-    names = [b for b in ("gloo", "gloo-prio", "dlcp") if b in by]
+    names = [b for b in (*BASELINES, "dlcp") if b in by]
     rows: list[tuple[str, list[str]]] = []
 
     def cell(r: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
@@ -158,7 +175,7 @@ def side_by_side(records: list[dict[str, Any]]) -> str:
     lines = [" " * width + "".join(f"{n:>12}" for n in names)]
     lines += [label.ljust(width) + "".join(f"{v:>12}" for v in vals) for label, vals in rows]
     d = by.get("dlcp")
-    for name in ("gloo", "gloo-prio"):
+    for name in BASELINES:
         value, bound = tta_speedup(by.get(name), d)
         if value is not None:
             more = f" (at least: {name} had not reached it when stopped)" if bound else ""

@@ -116,6 +116,19 @@ def test_allreduce_cli_options() -> None:
     assert args.json == Path("out.json")
 
 
+def test_train_fsdp_options() -> None:
+    """--fsdp: dlcp as the process group's backend, exact by default, and not
+    with DDP's overlap mode."""
+    args = parser().parse_args(["bench", "train", "--model", "gpt", "--fsdp", "--steps", "5"])
+    opts = bench_cli.train_options(args)
+    assert opts.fsdp and opts.model == "gpt" and opts.bound == 0.0
+    args = parser().parse_args(["bench", "train", "--fsdp", "--loss-bound", "0.01"])
+    assert bench_cli.train_options(args).bound == 0.01
+    args = parser().parse_args(["bench", "train", "--fsdp", "--overlap", "on"])
+    with pytest.raises(BenchError, match="--overlap"):
+        bench_cli.train_options(args)
+
+
 def test_train_cli_options() -> None:
     args = parser().parse_args(
         [
@@ -398,21 +411,27 @@ def test_demo_options_and_table() -> None:
     opts = dlcp.demo.demo_options(args)
     assert opts.setup.scenario == "congested"
     assert opts.setup.name == "demo"
-    assert opts.backends == ("gloo", "gloo-prio", "dlcp")  # gloo-prio by default
-    assert opts.steps == 30
+    # gloo-prio and DDP's fp16 hook by default
+    assert opts.backends == ("gloo", "gloo-prio", "gloo-fp16", "dlcp")
+    assert opts.steps == 30 and opts.time_budget_s == 50.0
     skip = dlcp.demo.demo_options(parser().parse_args(["demo", "--no-prio"]))
+    assert skip.backends == ("gloo", "gloo-fp16", "dlcp")
+    skip = dlcp.demo.demo_options(parser().parse_args(["demo", "--no-prio", "--no-fp16"]))
     assert skip.backends == ("gloo", "dlcp")
     table = dlcp.demo.side_by_side(
         [
             fake_train("gloo", "congested", 40.0, 0.93),
             fake_train("gloo-prio", "congested", 11.0, 0.94),
+            {**fake_train("gloo-fp16", "congested", 20.0, 0.94), "codec": "fp16"},
             fake_train("dlcp", "congested", 10.0, 0.94),
         ]
     )
     lines = table.splitlines()
-    assert lines[0].split() == ["gloo", "gloo-prio", "dlcp"]
+    assert lines[0].split() == ["gloo", "gloo-prio", "gloo-fp16", "dlcp"]
     assert "4.00x as fast as gloo" in table and "1.10x as fast as gloo-prio" in table
-    assert dlcp.demo.MEANING["gloo"] in table and dlcp.demo.MEANING["gloo-prio"] in table
+    assert "2.00x as fast as gloo-fp16" in table
+    for name in ("gloo", "gloo-prio", "gloo-fp16"):
+        assert dlcp.demo.MEANING[name] in table
     assert "CPU-bound" not in table
     busy = fake_train("dlcp", "congested", 10.0, 0.94)
     busy.update(cpu_bound=True, idle_frac=0.03)
@@ -563,7 +582,7 @@ def test_suite_matrix_and_summary(tmp_path: Path) -> None:
     assert {c.scenario for c in cases} == {"clean", "loss", "burst", "congested", "multipath"}
     assert all("gloo" in c.backends and "dlcp" in c.backends for c in cases)
     assert {c.loss_pct for c in cases if c.scenario == "loss"} == {1.0, 5.0}
-    assert any(c.codec == "thc8" for c in cases)
+    assert any(c.codec == "thc8" and "gloo-fp16" in c.backends for c in cases)
     assert {"dlcp-noprio", "dlcp-nobound", "dlcp-1path"} <= {b for c in cases for b in c.backends}
     assert not any("-" in b and b.startswith("dlcp") for c in allreduce_cases(ablations=False)
                    for b in c.backends)  # fmt: skip
@@ -601,14 +620,17 @@ def test_bench_allreduce_smoke(tmp_path: Path) -> None:
     args = parser().parse_args(
         [
             "bench", "allreduce", "--hosts", "3", "--rate", "200mbit", "--size", "256KB",
-            "--iters", "2", "--warmup", "1", "--backends", "dlcp,gloo,gloo-prio",
+            "--iters", "2", "--warmup", "1", "--backends", "dlcp,gloo,gloo-prio,gloo-fp16",
             "--json", str(out), "--plot", str(tmp_path / "cdf.png"), "--no-progress",
             "--name", f"bench-t{os.getpid() % 100000}",
         ]
     )  # fmt: skip
     args.func(args)
     records = json.loads(out.read_text())
-    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-prio"]
+    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-prio", "gloo-fp16"]
+    # Gloo's results are checked too: fp32 exact, the fp16 cast within its rounding
+    assert records[1]["result_error"] == 0.0 and 0 < records[3]["result_error"] < 1e-2
+    assert records[3]["codec"] == "fp16" and records[3]["gloo_ifnames"] == "eth0"
     for r in records:
         assert not r.get("error"), r.get("error")
         for key in ALLREDUCE_KEYS:
@@ -630,17 +652,18 @@ def test_bench_train_smoke_counts_the_daemons_cpu(tmp_path: Path) -> None:
     args = parser().parse_args(
         [
             "bench", "train", "--hosts", "2", "--rate", "200mbit", "--steps", "6",
-            "--eval-every", "3", "--backends", "dlcp,gloo", "--json", str(out),
+            "--eval-every", "3", "--backends", "dlcp,gloo,gloo-powersgd", "--json", str(out),
             "--no-progress", "--name", f"bench-r{os.getpid() % 100000}",
         ]
     )  # fmt: skip
     args.func(args)
     records = json.loads(out.read_text())
-    assert [r["backend"] for r in records] == ["dlcp", "gloo"]
+    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-powersgd"]
     for r in records:
         assert not r.get("error"), r.get("error")
         assert r["final_acc"] is not None and isinstance(r["cpu_bound"], bool)
-    dlcp, gloo = records
+    dlcp, gloo, powersgd = records
+    assert powersgd["codec"] == "powersgd" and "daemon_cpu_s" not in powersgd
     assert 0 < dlcp["daemon_cpu_s"] <= dlcp["cpu_s"]
     assert "daemon_cpu_s" not in gloo
 

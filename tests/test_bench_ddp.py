@@ -52,7 +52,7 @@ def test_options_reach_the_run() -> None:
         (["--steps", "0"], "steps"),
         (["--warmup", "0"], "warmup"),
         (["--bucket-cap-mb", "0"], "bucket"),
-        (["--backends", "gloo-prio"], "gloo-prio"),
+        (["--backends", "dlcp-nobound"], "bench ddp cannot run dlcp-nobound: .*ablations"),
         (["--hosts", "1"], "hosts"),
         (["--loss-bound", "0.9"], "loss-bound"),
         (["--grad-size", "1kB"], "grad-size"),
@@ -147,11 +147,14 @@ def test_bench_ddp_smoke(tmp_path: Path) -> None:
             "bench", "ddp", "--hosts", "2", "--grad-size", "400kB", "--layers", "3",
             "--steps", "2", "--warmup", "1", "--bucket-cap-mb", "0.5", "--json", str(out),
             "--no-progress", "--name", f"bench-d{os.getpid() % 100000}",
+            "--backends", "dlcp,gloo,gloo-fp16,gloo-powersgd",
         ]
     )  # fmt: skip
     assert args.func(args) == 0
     records = json.loads(out.read_text())
-    assert [r["backend"] for r in records] == ["dlcp", "gloo"]
+    # PowerSGD runs from step 2 on: warm-up 1 + 2 steps reach it, several buckets
+    assert [r["backend"] for r in records] == ["dlcp", "gloo", "gloo-fp16", "gloo-powersgd"]
+    assert [r["codec"] for r in records[2:]] == ["fp16", "powersgd"]
     for r in records:
         assert not r.get("error"), r.get("error")
         for key in DDP_KEYS:

@@ -58,6 +58,7 @@ def exchange_s(values: int, bytes_per_value: float, hosts: int = 3) -> float:
     [
         ("gloo", "fp32", "fp32"),
         ("gloo-prio", "fp32", "fp32"),
+        ("gloo-fp16", "fp16", None),  # PyTorch's hook: the model has no Gloo but fp32
         ("dlcp", "thc8", "thc8"),
         ("dlcp-nobound", "fft", "fft"),
         ("dlcp", "auto", None),

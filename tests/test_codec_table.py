@@ -130,27 +130,29 @@ def test_table_cells(tmp_path: Path) -> None:
     fp32, thc8, fft, sketch = (line(md, c) for c in ("fp32", "thc8", "fft", "sketch"))
     cell = dict(zip(header, thc8, strict=True))
     assert cell["dlcp p50 / p99 s"] == "0.300 / 0.330"
-    assert cell["Gloo fp32 p50 s"] == "0.600"  # Gloo of the same invocation
-    assert cell["dlcp / Gloo"] == "0.50x"
-    assert cell["result error"] == "0.12"
+    assert cell["baseline p50 s (which)"] == "0.600 (gloo)"  # Gloo of the same invocation
+    assert cell["dlcp / baseline"] == "0.50x"
+    assert cell["result error (dlcp; baseline)"] == "0.12; -"
     assert cell["predicted s, codec / fp32"] == "0.270 / 0.570"
-    assert cell["measured / predicted (dlcp; Gloo)"] == "1.11; 1.05"
-    assert cell["TTA s (dlcp; Gloo)"] == "8.0; 12.0"
+    assert cell["measured / predicted (dlcp; Gloo fp32)"] == "1.11; 1.05"
+    assert cell["TTA s (dlcp; baseline)"] == "8.0; 12.0 (gloo)"
     assert cell["step p50 s, measured / predicted"] == "0.160 / 0.150"
     assert cell["pays by the model (all-reduce; step)"] == "yes; yes"
     assert cell["pays measured (all-reduce; TTA)"] == "yes; yes"
-    assert cell["CPU-bound (all-reduce dlcp, Gloo; train dlcp, Gloo)"] == "net, net; cpu, -"
+    bound = "CPU-bound (all-reduce dlcp, baseline; train dlcp, baseline)"
+    assert cell[bound] == "net, net; cpu, -"
     cell = dict(zip(header, sketch, strict=True))
-    assert cell["TTA s (dlcp; Gloo)"] == "not reached; 12.5"
+    assert cell["TTA s (dlcp; baseline)"] == "not reached; 12.5 (gloo)"
     assert cell["pays by the model (all-reduce; step)"] == "no; no"
     assert cell["pays measured (all-reduce; TTA)"] == "no; no"  # never reached: later
-    assert cell["result error"] == "0"
+    assert cell["result error (dlcp; baseline)"] == "0; -"
     cell = dict(zip(header, fp32, strict=True))
-    assert cell["pays by the model (all-reduce; step)"] == "-; -"  # fp32 is the baseline
-    assert cell["TTA s (dlcp; Gloo)"] == "not run; not run"
-    assert cell["dlcp / Gloo"] == "1.09x"
+    assert cell["pays by the model (all-reduce; step)"] == "-; -"  # fp32 is the model's
+    assert cell["pays measured (all-reduce; TTA)"] == "no; -"
+    assert cell["TTA s (dlcp; baseline)"] == "not run; not run"
+    assert cell["dlcp / baseline"] == "1.09x"
     cell = dict(zip(header, fft, strict=True))
-    assert cell["dlcp p50 / p99 s"] == "failed" and cell["dlcp / Gloo"] == "-"
+    assert cell["dlcp p50 / p99 s"] == "failed" and cell["dlcp / baseline"] == "-"
     assert "3 hosts" in md and "10 MB" in md and "90 %" in md
 
 
@@ -170,7 +172,55 @@ def test_report_prints_the_table_and_leaves_the_directory_alone(
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "Network-bound, 200 Mbit/s" in out  # the targets first, as before
-    assert "Codecs against Gloo fp32 and the cost model" in out
+    assert "Codecs against the fastest no-worse baseline and the cost model" in out
     assert "| 200mbit, clean | thc8 | 0.300 / 0.330 |" in out
     # allreduce-clean-*.json is not a `dlcp bench all` directory: no summary.md, no plots
     assert sorted(p.name for p in d.iterdir()) == before
+
+
+def hooks_dir(tmp_path: Path) -> Path:
+    """dlcp fp16 and thc8 each beside Gloo fp32 and DDP's fp16/bf16 hooks, as
+    `dlcp bench allreduce --backends dlcp,gloo,gloo-fp16,gloo-bf16` writes them."""
+    d = tmp_path / "hooks"
+    d.mkdir()
+
+    def baselines(run: int) -> list[dict[str, Any]]:
+        return [
+            ar("gloo", "fp32", 0.58, result_error=0.0, run=run),
+            ar("gloo-fp16", "fp16", 0.33, result_error=0.0004, run=run),
+            ar("gloo-bf16", "bf16", 0.31, result_error=0.0033, run=run),
+        ]
+
+    write(d / "ar.json", [
+        ar("dlcp", "fp16", 0.35, result_error=0.0024, run=1), *baselines(1),
+        ar("dlcp", "thc8", 0.30, result_error=0.015, run=2), *baselines(2),
+        ar("dlcp", "fp32", 0.62, result_error=0.0, run=3), *baselines(3),
+    ])  # fmt: skip
+    write(d / "tr.json", [
+        tr("dlcp", "fp16", 6.0, 0.17, final_acc=0.950),
+        tr("gloo", "fp32", 10.0, 0.30, final_acc=0.953),
+        tr("gloo-fp16", "fp16", 5.0, 0.18, final_acc=0.951),
+        tr("gloo-powersgd", "powersgd", 3.0, 0.1, final_acc=0.930),  # 2 points worse
+    ])  # fmt: skip
+    return d
+
+
+def test_each_codec_meets_the_fastest_baseline_that_is_no_less_accurate(tmp_path: Path) -> None:
+    md = markdown_codecs(scorecard.load([hooks_dir(tmp_path)]))
+    header = [c.strip() for c in md.splitlines()[0].strip("|").split("|")]
+    fp16, thc8, fp32 = (
+        dict(zip(header, line(md, c), strict=True)) for c in ("fp16", "thc8", "fp32")
+    )
+    # fp16 (error 0.0024): bf16's 0.0033 is worse, so the fp16 hook's 0.33 s
+    assert fp16["baseline p50 s (which)"] == "0.330 (gloo-fp16)"
+    assert fp16["dlcp / baseline"] == "1.06x"
+    assert fp16["result error (dlcp; baseline)"] == "0.0024; 0.0004"
+    assert fp16["pays measured (all-reduce; TTA)"] == "no; no"  # slower than both hooks
+    # training: PowerSGD was faster but 2 points less accurate; the fp16 hook counts
+    assert fp16["TTA s (dlcp; baseline)"] == "6.0; 5.0 (gloo-fp16)"
+    # thc8 (error 0.015): every baseline is as accurate; bf16 is the fastest
+    assert thc8["baseline p50 s (which)"] == "0.310 (gloo-bf16)"
+    assert thc8["pays measured (all-reduce; TTA)"] == "yes; -"
+    # fp32 (exact): only Gloo fp32 is as exact
+    assert fp32["baseline p50 s (which)"] == "0.580 (gloo)"
+    assert "fastest PyTorch baseline" in md

@@ -352,6 +352,32 @@ def test_per_packet_norms_are_the_padded_views_norms(n: int, per_packet: int, se
     )
 
 
+@pytest.mark.parametrize("numel", [1000, 1024, 63, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_mean_into_the_bucket_with_counts_per_packet_is_the_general_one(
+    numel: int, seed: int
+) -> None:
+    """Lanes lost within the bound give packets of different counts: their mean
+    goes straight into the bucket (no lane-sized temporaries) with the bits of
+    the general path, 0 where a packet had no contribution at all."""
+    from dlcp.codecs.fp import mean_of_float_sums
+
+    per_packet = 64
+    g = torch.Generator().manual_seed(seed)
+    packets = -(-numel // per_packet)
+    counts = torch.randint(0, 4, (packets,), generator=g, dtype=torch.int32)
+    counts[0] = 0
+    sums = torch.randn(numel, generator=g) * 7
+    want = mean_of_float_sums(sums, counts, numel=numel, per_packet=per_packet)
+    into = torch.full((numel,), float("nan"))
+    got = mean_of_float_sums(sums, counts, numel=numel, per_packet=per_packet, out=into)
+    assert got is into
+    assert torch.equal(got, want)
+    assert not got[:per_packet].any()
+    with pytest.raises(LocalError, match="one count per packet"):
+        mean_of_float_sums(sums, counts[:-1], numel=numel, per_packet=per_packet, out=into)
+
+
 @pytest.mark.parametrize("codec", ["fp32", "fp16"])
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 7])
 def test_one_contributor_count_decodes_as_a_count_per_packet(codec: str, count: int) -> None:

@@ -147,7 +147,9 @@ def state(ob: Outbox, peer: Peer, paths: list[ScriptedPath]) -> dict[str, Any]:
     extra = {}
     if isinstance(ob, outbox_reference.Outbox):  # its keys, as the outbox spells them
         bkey, tkey = _old_barrier_key, _old_tracked_key
+        tracked, tracked_old = peer.tracked, peer.tracked_old
     else:
+        tracked, tracked_old = peer.sent_paths.as_dicts()
         bkey = tkey = _same
         extra["unwatched"] = sum(1 for k, v in peer.inflight.items() if v and k not in peer.watched)
     return extra | {
@@ -160,8 +162,8 @@ def state(ob: Outbox, peer: Peer, paths: list[ScriptedPath]) -> dict[str, Any]:
         "held": {bkey(k): v for k, v in peer.held.items()},
         "sent_packets": dict(peer.sent_packets),
         "sent_bytes": dict(peer.sent_bytes),
-        "tracked": {tkey(k): v for k, v in peer.tracked.items()},
-        "tracked_old": {tkey(k): v for k, v in peer.tracked_old.items()},
+        "tracked": {tkey(k): v for k, v in tracked.items()},
+        "tracked_old": {tkey(k): v for k, v in tracked_old.items()},
         "shard_paths": [(bkey(k), v) for k, v in peer.shard_paths.items()],
         "repeats": ob.repeats,
         "backlog": peer in ob.backlog,

@@ -171,7 +171,7 @@ def test_unsent_packets_and_one_path() -> None:
     ob1, peer1, _ = make(1)
     deliver(ob1, peer1, nack(lay, 1, [0, 1, 2]), lay)  # one path: all of it there
     assert peer1.paths[0].lost == 3
-    assert not peer1.tracked  # single-path peers track nothing
+    assert not peer1.sent_paths.new  # single-path peers track nothing
 
 
 def test_adaptive_shifts_away_from_the_lossy_path() -> None:
@@ -197,7 +197,8 @@ def test_tracking_is_bounded(monkeypatch: Any) -> None:
     for dg in data_packets(lay, 1):
         ob.push(peer, dg, 2)
         ob.flush(0.0)
-    assert len(peer.tracked) <= 9 and len(peer.tracked_old) <= 9
+    new, old = peer.sent_paths.as_dicts()
+    assert len(new) <= 9 and len(old) <= 9 and peer.sent_paths.live == len(new)
 
 
 def done_packet(lay: Layout, shard: int) -> bytes:

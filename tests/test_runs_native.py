@@ -92,6 +92,8 @@ def _same_state(a: ShardAggregator, b: ShardAggregator) -> None:
             if a._summed_row == row:
                 assert a.out is not None and b.out is not None
                 assert a.out[lanes].tobytes() == b.out[lanes].tobytes()
+            elif row in a._held:  # on_local's lanes, held by reference (not in slots)
+                assert a._held[row][lanes].tobytes() == b._held[row][lanes].tobytes()
             else:
                 assert a.slots[row, lanes].tobytes() == b.slots[row, lanes].tobytes()
 

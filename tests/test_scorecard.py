@@ -74,7 +74,7 @@ def test_rows_are_found_by_what_was_measured(tmp_path: Path) -> None:
     loss1 = line(md, "loss 1 %")
     assert "p99 vs gloo 0.70 (<= 0.8): met" in loss1
     assert "not run" in line(md, "loss 1 %").split("|")[4]  # no gloo-prio in that invocation
-    assert line(md, "loss 5 %") == "| loss 5 % | not run | | | | | | |"
+    assert line(md, "loss 5 %") == "| loss 5 % | not run | | | | | | | |"
 
 
 def test_ratios_stay_within_one_invocation_and_the_last_counts(tmp_path: Path) -> None:

@@ -420,7 +420,7 @@ def test_switch_mode_over_loopback_daemons(tmp_path: Path) -> None:
             assert job["contributors"] == [0, 1] and job["owners"] == [2] * SWITCH_SHARDS
             # a join at the aggregator with another shape is a conflict
             with pytest.raises(DaemonError) as e:
-                agg.join(job=JOB, key=KEY, hosts=hosts, me=2, mode="ps")
+                agg.join(job=JOB, key=KEY, hosts=hosts, me=2, mode="ps", aggregators=[2])
             assert e.value.code == "conflict"
 
             def counters() -> dict[str, int]:

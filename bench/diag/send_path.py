@@ -1,6 +1,7 @@
 """dlcpd's send path in one process: what a daemon spends a datagram before the kernel.
 
-    python bench/diag/send_path.py [--size 100MB] [--rounds 12] [--classes 1] [--queue]
+    python bench/diag/send_path.py [--size 100MB] [--rounds 12] [--classes 1] [--paths 1]
+        [--queue] [--profile FILE]
 
 Node 0 of a 2-node job submits one fp32 bucket a round (`Engine(gather=True)`,
 as dlcpd runs it); its data for node 1 (half the bucket: 35,500 datagrams of
@@ -12,11 +13,14 @@ median per round of each phase: `submit` (headers, MAC-ready datagrams),
 and the datagrams' freeing; then the glue (all but the send calls) per
 datagram. `--classes K`: the packets of a bucket spread over K priority
 classes at random (as magnitude classes spread them), instead of one.
-`--queue`: the receiving socket's buffer holds a whole round (as a peer
-dlcpd's does while it is flushing too) and is drained after each round,
-untimed; the kernel then keeps every datagram, in pages of its own, where
-without it it drops most and reuses their memory at once (run as root:
-SO_RCVBUFFORCE).
+`--paths P`: the peer has P paths (127.0.0.1, .2, ...: one local
+socket each, sprayed by the balancer, the multipath `_send`). `--profile
+FILE`: the timed rounds under cProfile, its stats written to FILE (call
+counts per datagram are what to read from it). `--queue`: the receiving
+socket's buffer holds a whole round (as a peer dlcpd's does while it is
+flushing too) and is drained after each round, untimed; the kernel then
+keeps every datagram, in pages of its own, where without it it drops most
+and reuses their memory at once (run as root: SO_RCVBUFFORCE).
 
 The engine's round state is dropped between rounds (its private tables):
 this times the send path only. Run it alternated with another checkout
@@ -26,11 +30,13 @@ this times the send path only. Run it alternated with another checkout
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -59,36 +65,31 @@ def main() -> None:
     ap.add_argument("--size", default="100MB")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--classes", type=int, default=1)
+    ap.add_argument("--paths", type=int, default=1)
     ap.add_argument("--queue", action="store_true", help="the receiver keeps a whole round")
+    ap.add_argument("--profile", default="", help="write cProfile stats of the rounds here")
     a = ap.parse_args()
     tune_process()
     total = parse_size(a.size) // 4
     rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rx.bind(("127.0.0.1", 0))
+    rx.bind(("0.0.0.0" if a.paths > 1 else "127.0.0.1", 0))
     rx.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
     if a.queue:
         rx.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 256 << 20)
         rx.setblocking(False)
-    path = UdpPath("127.0.0.1", 0)
-    send_s = 0.0
-    send = path.send
+    paths = [UdpPath(f"127.0.0.{1 + p}", 0) for p in range(a.paths)]
+    for path in paths:
+        path.send = _timed(path.send)  # type: ignore[method-assign]
 
-    def timed(dgs: list[bytes], dest: tuple[str, int], tos: int) -> int:
-        nonlocal send_s
-        t = time.perf_counter()
-        n = send(dgs, dest, tos)
-        send_s += time.perf_counter() - t
-        return n
-
-    path.send = timed  # type: ignore[method-assign]
     ob = Outbox(
-        [path],
+        paths,
         dscp=(48, 40, 34, 26, 18, 10, 0, 8),
         rate=RateConfig(),
         pacing=False,
         balancer_factory=lambda: from_config("balance", "spray"),
     )
-    peer = ob.peer(("127.0.0.1",), rx.getsockname()[1], 0.0)
+    addrs = tuple(f"127.0.0.{1 + p}" for p in range(a.paths))
+    peer = ob.peer(addrs, rx.getsockname()[1], 0.0)
     e = Engine(gather=True)
     e.add_job(JobSpec.transpose(1, os.urandom(32), 0, 2, payload=PAYLOAD, mac="ghash-aes"))
     lanes = np.random.default_rng(0).standard_normal(total).astype(np.float32)
@@ -97,8 +98,12 @@ def main() -> None:
     if a.classes > 1:
         classes = np.random.default_rng(1).integers(1, 1 + a.classes, packets).astype(np.uint8)
     rows = []
+    prof = cProfile.Profile() if a.profile else None
+    cpu0 = time.process_time()
     for rnd in range(a.rounds):
-        send_s = 0.0
+        if prof is not None and rnd == 2:
+            prof.enable()
+        _SEND[0] = 0.0
         t0 = time.perf_counter()
         e.submit(
             job=1,
@@ -130,7 +135,13 @@ def main() -> None:
                 except BlockingIOError:
                     break
         if rnd >= 2:  # warm-up
-            rows.append((t1 - t0, t2 - t1, t3 - t2, send_s, t4 - t3, n))
+            rows.append((t1 - t0, t2 - t1, t3 - t2, _SEND[0], t4 - t3, n))
+        else:
+            cpu0 = time.process_time()
+    cpu = time.process_time() - cpu0
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(a.profile)
     names = ("submit", "push", "flush", "  send calls", "free")
     for i, name in enumerate(names):
         print(f"{name:14s} {1e3 * statistics.median(r[i] for r in rows):7.2f} ms")
@@ -141,6 +152,23 @@ def main() -> None:
         f"{n} datagrams a round: glue {1e3 * glue:.2f} ms ({1e9 * glue / n:.0f} ns a datagram), "
         f"send calls {1e9 * sends / n:.0f} ns a datagram"
     )
+    per = 1e9 * cpu / (n * len(rows))
+    print(f"process CPU {per:.0f} ns a datagram (user + system, timed rounds)")
+
+
+_SEND = [0.0]  # seconds in the send calls this round
+
+
+def _timed(send: Callable[[list[bytes], tuple[str, int], int], int]) -> Callable[..., int]:
+    """`send`, its time added to `_SEND`."""
+
+    def timed(dgs: list[bytes], dest: tuple[str, int], tos: int) -> int:
+        t = time.perf_counter()
+        n = send(dgs, dest, tos)
+        _SEND[0] += time.perf_counter() - t
+        return n
+
+    return timed
 
 
 if __name__ == "__main__":

@@ -22,18 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
+from dlcp.bench.backends import TABLE, gloo_ifnames
 from dlcp.bench.cluster import GLOO_PRIO_DSCP, Cluster, Setup
 from dlcp.bench.common import (
     ALLREDUCE_KEYS,
     CODECS,
     BenchError,
+    check_backends,
     format_bytes,
     format_rate,
     summarize_times,
 )
 from dlcp.bench.common import say as default_say
-from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
+from dlcp.bench.procs import STALL_S, RunBound, RunStopped, WorkerGroup, worker_argv, worker_env
 from dlcp.errors import DlcpError
+from dlcp.shim.placement import ps_fields
 
 __all__ = ["AllreduceOptions", "format_table", "run_allreduce", "run_backend"]
 
@@ -57,6 +60,10 @@ class AllreduceOptions:
     progress: bool = True
     predict: bool = True  # the cost model's prediction in each record (dlcp.bench.predict)
     extra: dict[str, Any] = field(default_factory=dict)  # copied into every record
+    # a backend is stopped (its record failed) when its workers report nothing
+    # for stall_s, or run past budget_s (None: `default_budget_s`)
+    stall_s: float = STALL_S
+    budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -67,10 +74,28 @@ class AllreduceOptions:
             raise BenchError("--size must be at least 4 bytes (one float32)")
         if not 0 <= self.bound <= 0.5:
             raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
+        check_backends(self.backends, "allreduce")
 
     @property
     def elements(self) -> int:
         return self.size_bytes // 4
+
+    @property
+    def default_budget_s(self) -> float:
+        """60 s (the workers' start), and per iteration (warm-up too) the
+        larger of 2 s and twice the hosts' buffers through one port at the link
+        rate: several times what a run at the link's pace takes, small enough
+        that three backends stay within 10 minutes at 10 MB and 40 iterations
+        among 3 hosts at 200 Mbit/s whatever one of them does."""
+        s = self.setup
+        port_s = 2 * s.hosts * self.elements * 32 / s.rate_bps if s.rate_bps else 0.0
+        return 60.0 + (self.warmup + self.iters) * max(2.0, port_s)
+
+    @property
+    def run_bound(self) -> RunBound:
+        """When a backend's run is stopped (`dlcp.bench.procs.RunBound`)."""
+        budget = self.default_budget_s if self.budget_s is None else self.budget_s
+        return RunBound(self.stall_s, budget)
 
 
 _ports = iter(range(29600, 30600))
@@ -98,14 +123,16 @@ def _record(opts: AllreduceOptions, backend: str, codec: str) -> dict[str, Any]:
         **({"path_down": dataclasses.asdict(s.path_down)} if s.scenario == "pathdown" else {}),
         "mtu": s.mtu,
         "pacing": s.pacing,
+        "gloo_ifnames": gloo_ifnames(s.n_paths),  # GLOO_SOCKET_IFNAME of the run
         **opts.extra,
     }
 
 
 def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say) -> dict[str, Any]:
     """One backend's run on `cluster`: a record (with "error" if it failed)."""
-    is_dlcp = backend.startswith("dlcp")
-    codec = opts.codec if is_dlcp else "fp32"
+    b = TABLE[backend]
+    is_dlcp = b.is_dlcp
+    codec = b.codec(opts.codec)
     rec = _record(opts, backend, codec)
     tb = cluster.tb
     s = opts.setup
@@ -114,12 +141,14 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
         rec["loss_bound"] = bound
         rec["bucket_bytes"] = opts.bucket_bytes
         rec["mode"] = s.mode
+        if s.mode == "ps":
+            rec.update(servers=s.servers, colocate=s.colocate)
     started = time.monotonic()
     held = contextlib.ExitStack()
     try:
         if is_dlcp:
             cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
-        elif backend == "gloo-prio":
+        elif b.prio:
             cluster.mark_tcp(GLOO_PRIO_DSCP)
         common = [
             "--world", str(s.hosts),
@@ -132,8 +161,9 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
             key = secrets.token_hex(32)
             job = secrets.randbits(31)
             hosts = cluster.join_hosts(backend)
-            if s.mode == "switch":  # the job in the switch, as its controller would put it
-                held.enter_context(_switch_job(cluster, job, key, hosts))
+            shape = ps_fields(s.hosts, s.servers, s.colocate) if s.mode == "ps" else {}
+            # the job in the switch or on the servers, as the shim's rank 0 puts it there
+            held.enter_context(_held_jobs(cluster, job, key, hosts, shape))
             argvs = [
                 worker_argv(
                     "dlcp.bench.ar_worker",
@@ -160,9 +190,11 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
                         *(["--check"] if opts.check else []),
                         "--bucket-elements",
                         str(opts.bucket_bytes // 4),
+                        "--shape",
+                        json.dumps(shape),
                     ],
                 )
-                for h in tb.hosts
+                for h in cluster.train_hosts
             ]
         else:
             port = next(_ports)
@@ -179,15 +211,20 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
                         tb.address(0),
                         "--port",
                         str(port),
+                        "--cast",
+                        "none" if b.hook == "default" else b.hook,
+                        *(["--check"] if opts.check else []),
                     ],
                 )
-                for h in tb.hosts
+                for h in cluster.train_hosts
             ]
-        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        env = worker_env({"GLOO_SOCKET_IFNAME": rec["gloo_ifnames"]})
         say(f"{backend}: starting {len(argvs)} workers")
         _run_workers(cluster, opts, backend, argvs, env, rec, say)
     except BenchError as exc:
         rec["error"] = str(exc)
+        if isinstance(exc, RunStopped):
+            rec["stopped"] = exc.why
         if is_dlcp and cluster.daemons_running:
             tail = cluster.daemon_log_tail(3)
             if tail:
@@ -199,36 +236,39 @@ def run_backend(cluster: Cluster, opts: AllreduceOptions, backend: str, say: Say
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
             cluster.save_logs(cluster.log_dir, backend)
-        if backend == "gloo-prio":
+        if b.prio:
             cluster.mark_tcp(None)
     rec["wall_s"] = time.monotonic() - started
     return rec
 
 
 @contextlib.contextmanager
-def _switch_job(
-    cluster: Cluster, job: int, key: str, hosts: list[dict[str, Any]]
+def _held_jobs(
+    cluster: Cluster, job: int, key: str, hosts: list[dict[str, Any]], shape: dict[str, Any]
 ) -> Iterator[None]:
-    """Job `job` joined at the switch aggregator (its last host) while the
-    block runs: the aggregator sums only the jobs it was given."""
+    """Job `job` joined at the switch aggregator (its last host) or at each
+    dedicated parameter server (after the training hosts) while the block
+    runs: they sum only the jobs they were given."""
     from dlcp.shim.client import DaemonClient
 
-    socket = cluster.tb.switch_socket
-    if socket is None:
-        raise BenchError("--mode switch needs the testbed's switch aggregator")
-    try:
-        client = DaemonClient(str(socket), timeout=10.0)
-    except (OSError, DlcpError) as exc:
-        raise BenchError(f"the switch aggregator: {exc}") from exc
-    try:
-        try:
-            client.hello()
-            client.join(job=job, key=key, hosts=hosts, me=len(hosts) - 1, mode="switch")
-        except (OSError, DlcpError) as exc:
-            raise BenchError(f"the switch aggregator: {exc}") from exc
+    s = cluster.setup
+    tb = cluster.tb
+    if s.mode == "switch":
+        if tb.switch_socket is None:
+            raise BenchError("--mode switch needs the testbed's switch aggregator")
+        joins = [(str(tb.switch_socket), len(hosts) - 1, "the switch aggregator")]
+    else:
+        servers = tb.hosts[s.hosts :] if s.mode == "ps" else ()
+        joins = [(str(h.socket), h.index, f"parameter server {h.name}") for h in servers]
+    with contextlib.ExitStack() as clients:
+        for socket, me, what in joins:
+            try:
+                client = clients.enter_context(DaemonClient(socket, timeout=10.0))
+                client.hello()
+                client.join(job=job, key=key, hosts=hosts, me=me, mode=s.mode, **shape)
+            except (OSError, DlcpError) as exc:
+                raise BenchError(f"{what}: {exc}") from exc
         yield
-    finally:
-        client.close()
 
 
 def _run_workers(
@@ -244,7 +284,9 @@ def _run_workers(
 
     label = cluster.run_label(backend)
     is_dlcp = backend.startswith("dlcp")
-    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
+    group = WorkerGroup(
+        cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env, bound=opts.run_bound
+    )
     with group as g, contextlib.ExitStack() as scenario:
         g.expect("joined", 180.0)
         if opts.setup.scenario != "clean":
@@ -271,12 +313,16 @@ def _run_workers(
                 g.send("go")
                 done = g.expect("iter", 60.0 + opts.round_timeout_s)
                 bar.update(1)
-                bar.set_postfix_str(f"{max(float(m.get('t', 0.0)) for m in done):.3f}s")
+                # the round's time so far (the results replace them): a run
+                # stopped by its bound keeps the rounds it finished
+                rec["times_s"].append(max(float(m.get("t", 0.0)) for m in done))
+                bar.set_postfix_str(f"{rec['times_s'][-1]:.3f}s")
             results = g.expect("result", 60.0)
         finally:
             bar.close()
+            # a stopped run too: was the machine's CPU what held it up?
+            rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
         daemon_cpu = cpuload.processes_cpu_s(pids) - d0
-        rec.update(cpuload.load(cpu0, cpuload.snapshot(mine)))
         g.send("go")  # every host has its results: leave
         g.wait()
     per_rank = [r["times_s"] for r in results]
@@ -290,8 +336,9 @@ def _run_workers(
         total = sum(int(r.get("total_lanes", 0)) for r in results)
         rec["loss_frac"] = lost / total if total else 0.0
         rec["saturated"] = sum(int(r.get("saturated", 0)) for r in results)
-        errors = [float(r["error"]) for r in results if r.get("error") is not None]
-        rec["result_error"] = max(errors) if errors else None
+    # relative L2 error of the mean (rank 0's check; Gloo's casts have theirs)
+    errors = [float(r["error"]) for r in results if r.get("error") is not None]
+    rec["result_error"] = max(errors) if errors else None
 
 
 def run_allreduce(
@@ -321,16 +368,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         for r in records
         if r["backend"] == "gloo" and r.get("p50_s") == r.get("p50_s")
     }
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
+        f"{'scenario':<14} {'backend':<14} {'codec':<5} {'p50 s':>7} {'p99 s':>7} "
         f"{'p99/p50':>7} {'busbw':>7} {'CPU s':>6} {'mCPU s':>6} {'bound':>5} {'lost':>6} "
-        f"{'p50/gloo':>8} {'p99/gloo':>8}"
+        f"{'error':>7} {'p50/gloo':>8} {'p99/gloo':>8}  p50/baseline"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{scen:<14} {r['backend']:<14} {r['codec']:<5} FAILED: {why}")
             continue
         g = gloo.get((r["scenario"], r.get("loss_pct", 0.0)))
 
@@ -340,18 +389,22 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             return f"{r[key] / g[key]:.2f}x"
 
         tail = r["p99_s"] / r["p50_s"] if r["p50_s"] else float("nan")
+        err = "-" if r.get("result_error") is None else f"{r['result_error']:.2g}"
         lines.append(
-            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
+            f"{scen:<14} {r['backend']:<14} {r['codec']:<5} {r['p50_s']:7.3f} {r['p99_s']:7.3f} "
             f"{tail:7.2f} {r['busbw_gbps']:7.3f} {r['cpu_s']:6.1f} "
             f"{r.get('machine_cpu_s', float('nan')):6.1f} {cpuload.mark(r):>5} "
-            f"{100 * r.get('loss_frac', 0.0):5.2f}% {ratio('p50_s'):>8} {ratio('p99_s'):>8}"
+            f"{100 * r.get('loss_frac', 0.0):5.2f}% {err:>7} {ratio('p50_s'):>8} "
+            f"{ratio('p99_s'):>8}  {versus(r, records)}"
         )
     first = records[0]
     lines.append(
         f"({first['hosts']} hosts, {format_rate(first.get('rate_bps'))} links, "
         f"{format_bytes(first['size_bytes'])} buffer, {first['iters']} iterations; "
         "busbw in Gbit/s at p50; CPU s: the backend's processes, mCPU s: the whole "
-        "machine's busy CPU; bound: cpu = the run was CPU-bound, net = it was not)"
+        "machine's busy CPU; bound: cpu = the run was CPU-bound, net = it was not; error: "
+        "relative L2 error of the mean; p50/baseline: dlcp's over the fastest baseline "
+        "whose error is no larger)"
     )
     lines += cpuload.baseline_notes(
         records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")

@@ -15,7 +15,10 @@ without the go, the other ranks started their next round while rank 0 was
 still checking, and that wait counted in their round (the bench's time is the
 slowest rank's) for dlcp alone (0.24 against 0.17 s a 100 MB round unshaped).
 
-Gloo: `torch.distributed.all_reduce` of a float32 buffer. dlcp: the shim's own
+Gloo: `torch.distributed.all_reduce` of a float32 buffer, or (`--cast fp16|bf16`)
+of the buffer cast to that dtype and divided by the world, cast back after, as
+DDP's fp16/bf16_compress_hook do (the casts are timed: a hook pays them); with
+`--check`, one more untimed round of the original data gives its error. dlcp: the shim's own
 round functions (`dlcp.shim.exchange`: encode, write to shared memory, submit
 to the local daemon, decode) without a process group, so the measurement is
 the transport alone. fft keeps a state per bucket: a dense first (warm-up)
@@ -84,6 +87,36 @@ def make_data(elements: int, seed: int, host: int, scales: np.ndarray) -> np.nda
     return ints * np.float32(2.0**-15) * scales
 
 
+CASTS = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def reference_mean(a: argparse.Namespace, scales: np.ndarray) -> torch.Tensor:
+    """The exact mean of every host's buffer (the data sum exactly in fp32)."""
+    total = np.zeros(a.elements, np.float32)
+    for h in range(a.world):
+        total += make_data(a.elements, a.seed, h, scales)
+    return torch.from_numpy(total / np.float32(a.world))
+
+
+def relative_error(mean: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of `mean` against `ref`."""
+    return float(torch.linalg.vector_norm(mean - ref)) / float(torch.linalg.vector_norm(ref))
+
+
+def gloo_round(x: torch.Tensor, out: torch.Tensor, dtype: torch.dtype | None, world: int) -> None:
+    """One Gloo all-reduce of `x`: in place in fp32 (the sum, as before), or as
+    DDP's fp16/bf16 compress hooks do it: cast, divide by the world,
+    all-reduce, cast back into `out` (the casts count in the round)."""
+    import torch.distributed as dist
+
+    if dtype is None:
+        dist.all_reduce(x)
+        return
+    y = x.to(dtype).div_(world)
+    dist.all_reduce(y)
+    out.copy_(y)
+
+
 def run_gloo(a: argparse.Namespace) -> None:
     import datetime
 
@@ -96,23 +129,32 @@ def run_gloo(a: argparse.Namespace) -> None:
         world_size=a.world,
         timeout=datetime.timedelta(seconds=a.timeout),
     )
+    dtype = CASTS[a.cast]
     scales = position_scales(a.elements, a.seed)
-    x = torch.from_numpy(make_data(a.elements, a.seed, a.rank, scales))
+    data = make_data(a.elements, a.seed, a.rank, scales)
+    x = torch.from_numpy(data.copy())
+    out = torch.empty_like(x)
     emit("joined")
     wait_go()
     for _ in range(a.warmup):
-        dist.all_reduce(x)
+        gloo_round(x, out, dtype, a.world)
     emit("warm")
     times: list[float] = []
     c0 = cpu_s()
     for i in range(a.iters):
         wait_go()  # every rank starts each round together (see the module docstring)
         t = time.perf_counter()
-        dist.all_reduce(x)
+        gloo_round(x, out, dtype, a.world)
         times.append(time.perf_counter() - t)
         emit("iter", i=i, t=times[-1])
     cpu = cpu_s() - c0
-    emit("result", times_s=times, cpu_s=cpu, lost_lanes=0, total_lanes=0, error=None)
+    error = None
+    if a.check:  # one more round of the original data, untimed: its mean against the exact one
+        x = torch.from_numpy(data)
+        gloo_round(x, out, dtype, a.world)
+        if a.rank == 0:
+            error = relative_error(x / a.world if dtype is None else out, reference_mean(a, scales))
+    emit("result", times_s=times, cpu_s=cpu, lost_lanes=0, total_lanes=0, error=error)
     wait_go()
     dist.destroy_process_group()
 
@@ -136,21 +178,16 @@ def run_dlcp(a: argparse.Namespace) -> None:
     hosts = json.loads(a.hosts)
     client = DaemonClient(a.socket or default_socket(), timeout=10.0)
     info = client.hello()
-    client.join(
-        job=a.job, key=bytes.fromhex(a.key), hosts=hosts, me=a.rank, local_ranks=1, mode=a.mode
-    )
+    shape = json.loads(a.shape)  # mode "ps": aggregators, contributors, shards
+    key = bytes.fromhex(a.key)
+    client.join(job=a.job, key=key, hosts=hosts, me=a.rank, local_ranks=1, mode=a.mode, **shape)
     codec = get_codec(a.codec)
     payload = int(info["payload"])
-    H = a.world  # the contributors (in "switch" mode `hosts` also has the aggregator, last)
     shards = SWITCH_SHARDS if a.mode == "switch" else len(hosts)  # JobSpec's: the layout's
+    shards = int(shape.get("shards", shards))
     scales = position_scales(a.elements, a.seed)
     x = torch.from_numpy(make_data(a.elements, a.seed, a.rank, scales))
-    ref: torch.Tensor | None = None
-    if a.rank == 0 and a.check:
-        total = np.zeros(a.elements, np.float32)
-        for h in range(H):
-            total += make_data(a.elements, a.seed, h, scales)
-        ref = torch.from_numpy(total / np.float32(H))
+    ref = reference_mean(a, scales) if a.rank == 0 and a.check else None
     spans = bucket_spans(a.elements, a.bucket_elements or a.elements)
     # fft: each bucket's rounds follow from its results (a dense first round,
     # then the agreed coefficients, with error feedback): a state per bucket
@@ -302,13 +339,20 @@ def main(argv: list[str] | None = None) -> None:
     # gloo
     p.add_argument("--master", default="127.0.0.1")
     p.add_argument("--port", type=int, default=29555)
+    p.add_argument(
+        "--cast",
+        choices=tuple(CASTS),
+        default="none",
+        help="all-reduce cast to this dtype (as fp16_compress_hook)",
+    )
     # dlcp
     p.add_argument("--socket", default=None)
     p.add_argument("--hosts", default="[]", help="JSON list of the job's hosts")
     p.add_argument("--job", type=int, default=1)
     p.add_argument("--key", default="00" * 32)
     p.add_argument("--codec", default="fp32")
-    p.add_argument("--mode", choices=("transpose", "switch"), default="transpose")
+    p.add_argument("--mode", choices=("transpose", "switch", "ps"), default="transpose")
+    p.add_argument("--shape", default="{}", help="mode ps: the join's aggregators, ... (JSON)")
     p.add_argument("--bound", type=float, default=0.0)
     p.add_argument("--scale-margin", type=float, default=1.25)
     p.add_argument(

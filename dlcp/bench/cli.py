@@ -7,12 +7,13 @@ every requested backend on it in the same invocation, and removes it.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlcp.bench import ddp_cli, report_cli
+from dlcp.bench.backends import help_text
 from dlcp.bench.common import (
     CODECS,
     SCENARIOS,
@@ -21,6 +22,7 @@ from dlcp.bench.common import (
     parse_rate,
     parse_size,
 )
+from dlcp.bench.ddp_cli import ddp_options
 
 __all__ = [
     "allreduce_options",
@@ -30,12 +32,6 @@ __all__ = [
     "suite_options",
     "train_options",
 ]
-
-_BACKENDS_HELP = (
-    "comma-separated: dlcp, gloo, gloo-prio (Gloo marked into the top class), and dlcp's "
-    "ablations dlcp-noprio (one class), dlcp-nobound (no loss bound), dlcp-1path "
-    "(default: %(default)s)"
-)
 
 
 def register(sub: Any) -> None:
@@ -54,7 +50,7 @@ def register(sub: Any) -> None:
         description="All-reduce a float32 buffer K times with every backend on the same "
         "emulated cluster; per-iteration times, p50/p99, bus bandwidth, CPU.",
     )
-    _cluster_args(ar, rate="1gbit")
+    _cluster_args(ar, rate="1gbit", bench="allreduce")
     ar.add_argument("--size", default="32MB", help="buffer size (default: %(default)s)")
     ar.add_argument("--iters", type=int, default=20, help="timed iterations (default: 20)")
     ar.add_argument("--warmup", type=int, default=2, help="untimed first iterations (default: 2)")
@@ -67,22 +63,62 @@ def register(sub: Any) -> None:
     ar.add_argument(
         "--no-check", action="store_true", help="do not check dlcp's results against exact sums"
     )
+    ar.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop a backend still running S seconds after its workers started: its record "
+        "gets error and stopped=budget, and the bench goes on (default: 60 s plus, per "
+        "iteration, the larger of 2 s and 2 x hosts x size at the link rate)",
+    )
     _common_args(ar, default_json=None)
     ar.set_defaults(func=_allreduce)
 
     tr = actions.add_parser(
         "train",
         help="time to accuracy of a real model",
-        description="Train an MLP on scikit-learn's digits with DDP, one rank per host, "
-        "same seed for every backend; time until the test accuracy reaches --target-acc.",
+        description="Train a model with DDP, one rank per host, same seed for every "
+        "backend; time until it reaches its target (--target). Models (--model), all "
+        "offline: mlp, an MLP on scikit-learn's 8x8 digits (1.09M parameters; target "
+        "test accuracy 0.90, Adam); cnn, a CNN on the digits upsampled to 16x16 (0.62M "
+        "parameters; target test accuracy 0.95, Adam); gpt, a byte-level transformer "
+        "(0.83M parameters, 64 bytes of context) on this Python's standard library "
+        "sources, the last tenth held out (target validation loss 3.0 nats a byte, "
+        "AdamW). tta_s in the JSON is the time to the target.",
     )
-    _cluster_args(tr, rate="100mbit", codecs=(*CODECS, "auto"))
+    _cluster_args(tr, rate="100mbit", bench="train", codecs=(*CODECS, "auto"))
+    tr.add_argument("--model", choices=("mlp", "cnn", "gpt"), default="mlp", help="(default: mlp)")
     tr.add_argument(
-        "--target-acc", type=float, default=0.90, help="target test accuracy (default: 0.90)"
+        "--target",
+        "--target-acc",
+        dest="target_acc",
+        type=float,
+        default=None,
+        help="target test accuracy (mlp 0.90, cnn 0.95) or validation loss (gpt 3.0): "
+        "the model's by default",
+    )
+    tr.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="off",
+        help="on: the dlcp backends' optimizer runs through dlcp.overlap, layer by layer "
+        "in the next forward (dlcp-nooverlap: the same without; default: off)",
+    )
+    tr.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 (fully_shard, each block a unit) instead of DDP: dlcp runs as the "
+        "process group's backend (init_process_group's 'cpu:dlcp'), Gloo as its own",
     )
     tr.add_argument("--steps", type=int, default=80, help="training steps (default: 80)")
-    tr.add_argument("--batch", type=int, default=32, help="batch per rank (default: 32)")
-    tr.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: 2e-3)")
+    tr.add_argument("--batch", type=int, default=None, help="batch per rank (default: 32; gpt: 4)")
+    tr.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate (default: mlp 2e-3, cnn 1e-3, gpt 2e-3)",
+    )
     tr.add_argument(
         "--hidden",
         default="512,512,512,512,512",
@@ -113,11 +149,12 @@ def register(sub: Any) -> None:
         "ddp",
         help="DDP step time with dlcp's hook and with Gloo's default hook",
         description="Train an MLP of --grad-size of fp32 gradients with DDP, one rank per "
-        "host, with dlcp's communication hook and with DDP's default all-reduce over Gloo, "
-        "back to back on the same emulated cluster; step times, p50/p99, CPU, and where "
-        "dlcp's buckets spent their time (the shim's timeline).",
+        "host, with dlcp's communication hook and with DDP's own hooks over Gloo (default "
+        "all-reduce, fp16, bf16, PowerSGD), steps alternated on the same emulated cluster; "
+        "step times, p50/p99, CPU, and where dlcp's buckets spent their time (the shim's "
+        "timeline).",
     )
-    _ddp_args(dd)
+    ddp_cli.add_args(dd, backends=_backends_arg, scenario=_scenario_args)
     _common_args(dd, default_json=None)
     dd.set_defaults(func=_ddp)
 
@@ -173,72 +210,7 @@ def register(sub: Any) -> None:
         "all` directory also gets its plots and summary.md redrawn.",
     )
     rp.add_argument("paths", type=Path, nargs="+", help="JSON files or directories of them")
-    rp.set_defaults(func=_report)
-
-
-def _ddp_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hosts", type=int, default=2, help="emulated hosts (default: 2)")
-    p.add_argument(
-        "--rate", default="none", help="switch port rate, e.g. 1gbit; none: unshaped (default)"
-    )
-    size = p.add_mutually_exclusive_group()
-    size.add_argument(
-        "--grad-size", default=None, help="fp32 gradients per step, e.g. 50MB (default: 50MB)"
-    )
-    size.add_argument(
-        "--params", type=int, default=None, help="model parameters (instead of --grad-size)"
-    )
-    p.add_argument(
-        "--layers", type=int, default=8, help="equal linear layers of the MLP (default: 8)"
-    )
-    p.add_argument("--batch", type=int, default=16, help="batch per rank (default: 16)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed first steps (default: 3)")
-    p.add_argument("--codec", choices=CODECS, default="fp32", help="dlcp's codec (default: fp32)")
-    p.add_argument(
-        "--backends",
-        default="dlcp,gloo",
-        type=_backends_arg,
-        help="comma-separated: dlcp (its hook), gloo (DDP's default hook) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default: 25)"
-    )
-    p.add_argument("--loss-bound", type=float, default=0.0, help="dlcp's loss bound (default: 0)")
-    p.add_argument(
-        "--no-model",
-        action="store_true",
-        help="dlcp.init without model=: the shim learns the buckets' sizes in the first step",
-    )
-    p.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
-    p.add_argument("--name", default=None, help="testbed name (default: bench-<pid>)")
-
-
-def ddp_options(args: argparse.Namespace) -> Any:
-    from dlcp.bench.cluster import Setup
-    from dlcp.bench.ddp import DdpOptions
-
-    if args.params is not None:
-        if args.params < 1:
-            raise BenchError(f"--params must be >= 1, not {args.params}")
-        grad = 4 * args.params
-    else:
-        grad = parse_size(args.grad_size or "50MB")
-    setup = Setup(hosts=args.hosts, rate_bps=parse_rate(args.rate), mtu=args.mtu, name=args.name)
-    return DdpOptions(
-        setup=setup,
-        grad_bytes=grad,
-        layers=args.layers,
-        batch=args.batch,
-        steps=args.steps,
-        warmup=args.warmup,
-        codec=args.codec,
-        backends=tuple(args.backends),
-        bucket_mb=args.bucket_cap_mb,
-        bound=args.loss_bound,
-        with_model=not args.no_model,
-        progress=not args.no_progress,
-    )
+    rp.set_defaults(func=report_cli.run)
 
 
 def _backends_arg(text: str) -> list[str]:
@@ -249,7 +221,7 @@ def _backends_arg(text: str) -> list[str]:
 
 
 def _cluster_args(
-    p: argparse.ArgumentParser, *, rate: str, codecs: tuple[str, ...] = CODECS
+    p: argparse.ArgumentParser, *, rate: str, bench: str, codecs: tuple[str, ...] = CODECS
 ) -> None:
     p.add_argument("--hosts", type=int, default=3, help="emulated hosts (default: 3)")
     p.add_argument(
@@ -257,18 +229,7 @@ def _cluster_args(
         default=rate,
         help=f"switch port rate, e.g. 1gbit, 200mbit, none (default: {rate})",
     )
-    p.add_argument(
-        "--scenario",
-        choices=SCENARIOS,
-        default="clean",
-        help="clean; loss: --loss %% random loss on every switch port; burst: 300 ms of "
-        "50%% loss every 2 s on one port; congested: TCP + UDP background on every "
-        "port (on 2 cores its background saturates the CPU above 200mbit: `bench all` "
-        "runs it at 200mbit only); multipath: two paths; pathdown: two paths, and 4 s "
-        "into each backend's run host 0's port on path 0 (the one Gloo uses) goes down "
-        "for 6 s (default: clean)",
-    )
-    p.add_argument("--loss", type=float, default=1.0, metavar="PCT", help="for --scenario loss")
+    _scenario_args(p, SCENARIOS)
     p.add_argument(
         "--down-at",
         type=float,
@@ -294,26 +255,63 @@ def _cluster_args(
     )
     p.add_argument("--codec", choices=codecs, default="fp32", help="dlcp's codec (default: fp32)")
     p.add_argument(
-        "--backends", default="dlcp,gloo,gloo-prio", type=_backends_arg, help=_BACKENDS_HELP
+        "--backends", default="dlcp,gloo,gloo-prio", type=_backends_arg, help=help_text(bench)
     )
     p.add_argument(
         "--loss-bound",
         type=float,
-        default=0.05,
-        help="dlcp's loss bound, the fraction of a bucket that may be lost (default: 0.05)",
+        default=None,
+        help="dlcp's loss bound, the fraction of a bucket that may be lost (default: 0.05; "
+        "0 in --mode ps: parameter servers sum exactly, as BytePS's do; 0 with train's --fsdp)",
     )
     p.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
     _pacing_arg(p)
     p.add_argument(
         "--mode",
-        choices=("transpose", "switch"),
+        choices=("transpose", "switch", "ps"),
         default="transpose",
         help="dlcp's all-reduce: transpose = host to host (each host sums a shard); "
         "switch = summed in the switch (the testbed gets an aggregator daemon there, "
         "`dlcp testbed up --switch-aggregator`): each host sends its buckets once up "
-        "and receives the sums once down (default: transpose)",
+        "and receives the sums once down; ps = summed by parameter servers (--servers, "
+        "--colocate) (default: transpose)",
+    )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--mode ps: N dedicated parameter servers, testbed hosts of their own after "
+        "the --hosts training hosts, with daemons and no ranks; 0: none, the training "
+        "hosts aggregate (co-located) (default: 1)",
+    )
+    p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="--mode ps: the training hosts aggregate too, beside the --servers",
     )
     p.add_argument("--name", default=None, help="testbed name (default: bench-<pid>)")
+
+
+def _scenario_args(p: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
+    """--scenario (of `choices`) and --loss."""
+    what = {
+        "clean": "clean",
+        "loss": "loss: --loss %% random loss on every switch port",
+        "burst": "burst: 300 ms of 50%% loss every 2 s on one port",
+        "congested": "congested: TCP + UDP background on every port (on 2 cores its "
+        "background saturates the CPU above 200mbit: `bench all` runs it at 200mbit only)",
+        "multipath": "multipath: two paths (Gloo on both interfaces, GLOO_SOCKET_IFNAME=eth0,eth1)",
+        "pathdown": "pathdown: two paths, and 4 s into each backend's run host 0's port on "
+        "path 0 goes down for 6 s",
+    }
+    p.add_argument(
+        "--scenario",
+        choices=choices,
+        default="clean",
+        help="; ".join(what[c] for c in choices) + " (default: clean)",
+    )
+    p.add_argument("--loss", type=float, default=1.0, metavar="PCT", help="for --scenario loss")
 
 
 def _pacing_arg(p: argparse.ArgumentParser) -> None:
@@ -336,6 +334,15 @@ def _common_args(p: argparse.ArgumentParser, *, default_json: str | None) -> Non
         "10%% idle or a process waited for a CPU over half the run: not a network "
         "result), idle_frac, runq_wait_frac and machine_cpu_s",
     )
+    p.add_argument(
+        "--stall",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="stop a backend whose workers report nothing (their join, a finished round "
+        "or step) for S seconds: its record gets error and stopped=stall, and the bench "
+        "goes on with the next backend (default: 120, two round timeouts)",
+    )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     p.add_argument("--logs", type=Path, default=None, help="keep daemon and worker logs here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -355,8 +362,24 @@ def setup_from_args(args: argparse.Namespace) -> Any:
         mtu=args.mtu,
         pacing=args.pacing,
         mode=args.mode,
+        servers=_servers(args),
+        colocate=args.colocate or (args.mode == "ps" and args.servers == 0),
         name=args.name,
     )
+
+
+def _loss_bound(args: argparse.Namespace) -> float:
+    """--loss-bound, whose default is 0 in --mode ps and with --fsdp (else 0.05)."""
+    if args.loss_bound is None:
+        return 0.0 if args.mode == "ps" or getattr(args, "fsdp", False) else 0.05
+    return float(args.loss_bound)
+
+
+def _servers(args: argparse.Namespace) -> int:
+    """--servers, whose default is 1 in --mode ps (else none)."""
+    if args.servers is None:
+        return 1 if args.mode == "ps" else 0
+    return int(args.servers)
 
 
 def allreduce_options(args: argparse.Namespace) -> Any:
@@ -369,10 +392,12 @@ def allreduce_options(args: argparse.Namespace) -> Any:
         iters=args.iters,
         codec=args.codec,
         backends=tuple(args.backends),
-        bound=args.loss_bound,
+        bound=_loss_bound(args),
         warmup=args.warmup,
         bucket_bytes=bucket,
         check=not args.no_check,
+        stall_s=args.stall,
+        budget_s=args.budget,
         progress=not args.no_progress,
     )
 
@@ -393,13 +418,17 @@ def train_options(args: argparse.Namespace) -> Any:
         steps=args.steps,
         batch=args.batch,
         lr=args.lr,
+        model=args.model,
+        overlap=args.overlap == "on",
+        fsdp=args.fsdp,
         hidden=hidden,
         seed=args.seed,
         eval_every=args.eval_every,
-        bound=args.loss_bound,
+        bound=_loss_bound(args),
         bucket_mb=args.bucket_mb,
         control_dscp=dscp,
         time_budget_s=args.budget,
+        stall_s=args.stall,
         progress=not args.no_progress,
     )
 
@@ -507,49 +536,3 @@ def _all(args: argparse.Namespace) -> int:
     print((opts.out / "summary.md").read_text())
     print(f"dlcp bench: results in {opts.out}", file=sys.stderr)
     return 1 if failures else 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    from dlcp.bench import scorecard
-    from dlcp.bench.codec_table import markdown_codecs
-
-    paths: list[Path] = args.paths
-    for path in paths:
-        if not path.exists():
-            raise BenchError(f"{path}: no such file or directory")
-        if path.is_dir() and _is_suite(path):
-            _redraw_suite(path)
-    try:
-        invocations = scorecard.load(paths)
-    except (OSError, ValueError) as exc:
-        raise BenchError(f"cannot read the records: {exc}") from None
-    if not invocations:
-        raise BenchError(f"no benchmark records in {', '.join(map(str, paths))}")
-    print(scorecard.markdown(invocations))
-    codecs = markdown_codecs(invocations)
-    if codecs:
-        print(f"\nCodecs against Gloo fp32 and the cost model:\n\n{codecs}")
-    return 0
-
-
-def _is_suite(path: Path) -> bool:
-    """A `dlcp bench all` directory: allreduce-<rate>.json or train.json."""
-    rated = re.compile(r"allreduce-(none|[0-9.]+[kmgt]?bit)\.json")
-    return (path / "train.json").exists() or any(rated.fullmatch(f.name) for f in path.iterdir())
-
-
-def _redraw_suite(out: Path) -> None:
-    """Plots and summary.md of a `dlcp bench all` directory, drawn anew."""
-    from dlcp.bench.common import format_rate
-    from dlcp.bench.plots import plot_latency_cdf, plot_tta
-    from dlcp.bench.suite import load_dir, summary
-
-    ar, tr = load_dir(out)
-    rates = sorted({r.get("rate_bps") or 0 for r in ar})
-    for rate in rates:
-        recs = [r for r in ar if (r.get("rate_bps") or 0) == rate]
-        plot_latency_cdf(recs, out / f"latency-{format_rate(rate or None)}.png")
-    if tr:
-        plot_tta(tr, out / "tta.png")
-    (out / "summary.md").write_text(summary(out))
-    print(f"dlcp bench: wrote {out / 'summary.md'}")

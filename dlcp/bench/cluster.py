@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from dlcp.bench.common import SCENARIOS, BenchError, format_rate
-from dlcp.testbed import Testbed, TestbedSpec
+from dlcp.testbed import Host, Testbed, TestbedSpec
 from dlcp.testbed.config import merge_config
 from dlcp.testbed.plan import IPERF_BASE_PORT
 from dlcp.testbed.switchagg import SWITCH_ROLE
@@ -59,7 +59,8 @@ GLOO_PRIO_DSCP = "cs5"  # the top gradient class of the default DSCP table (clas
 CONTROL_DSCP = "cs6"  # class 0: dlcp's control traffic
 MARK_TABLE = "dlcp_bench"
 PACING: tuple[str, ...] = ("link", "share")
-MODES: tuple[str, ...] = ("transpose", "switch")  # dlcp's: host to host, or summed in the switch
+# dlcp's: host to host, summed in the switch, or by parameter servers
+MODES: tuple[str, ...] = ("transpose", "switch", "ps")
 
 Progress = Callable[[str], None]
 
@@ -118,6 +119,10 @@ class Setup:
     pacing: str = "link"
     # dlcp's mode; "switch" also gives the testbed its aggregator (--switch-aggregator)
     mode: str = "transpose"
+    # mode "ps": dedicated servers (testbed hosts after the training hosts, with
+    # daemons and no ranks), and whether the training hosts aggregate too
+    servers: int = 0
+    colocate: bool = False
     name: str | None = None  # testbed name; default "bench-<pid>"
     burst: Burst = BURST
     congestion: Congestion = CONGESTION
@@ -142,6 +147,10 @@ class Setup:
             raise BenchError(f"pacing must be one of {', '.join(PACING)}, not {self.pacing!r}")
         if self.mode not in MODES:
             raise BenchError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.mode != "ps" and (self.servers or self.colocate):
+            raise BenchError("--servers and --colocate are for --mode ps")
+        if self.mode == "ps" and not (self.servers >= 1 or (self.servers == 0 and self.colocate)):
+            raise BenchError(f"--mode ps needs --servers N >= 1 or --colocate, not {self.servers}")
 
     @property
     def n_paths(self) -> int:
@@ -160,6 +169,7 @@ class Setup:
         return (
             f"{self.hosts} hosts, {format_rate(self.rate_bps)} links, "
             f"{self.n_paths} path(s), {what}"
+            + (f", {self.servers} parameter server(s)" if self.servers else "")
         )
 
 
@@ -253,7 +263,7 @@ class Cluster:
         self._root = Path(tempfile.mkdtemp(prefix="dlcpb-", dir="/tmp"))
         s = self.setup
         kwargs: dict[str, Any] = {
-            "hosts": s.hosts,
+            "hosts": s.hosts + s.servers,  # the servers after the training hosts
             "paths": s.n_paths,
             "rate_bps": s.rate_bps,
             "name": s.testbed_name,
@@ -291,6 +301,11 @@ class Cluster:
         return self._tb
 
     @property
+    def train_hosts(self) -> tuple[Host, ...]:
+        """The testbed's hosts that run ranks (not the parameter servers)."""
+        return self.tb.hosts[: self.setup.hosts]
+
+    @property
     def work_dir(self) -> Path:
         """A private directory for logs of this invocation (removed at `down`)."""
         if self._root is None:
@@ -324,7 +339,7 @@ class Cluster:
             host_config = {
                 h.index: {"network": {"addresses": [h.addresses[0]]}} for h in self.tb.hosts
             }
-        self._say(f"starting {self.setup.hosts} daemons ({variant})")
+        self._say(f"starting {len(self.tb.hosts)} daemons ({variant})")
         self.tb.start_daemons(extra, host_config=host_config)
         self.daemons_running = True
         self.variant = variant

@@ -3,13 +3,14 @@ the cost model say so in advance? (Agarwal et al., MLSys 2022.)
 
 One row per codec and setting (link rate, hosts, scenario, loss, mode), from
 the last invocation read of `dlcp bench allreduce` with that dlcp codec and
-the last of `dlcp bench train`: dlcp's times beside Gloo fp32's of the same
-invocation, the result error, the model's prediction that the bench stored in
-each record (`dlcp.bench.predict`) and the measured time over it, and the
-time to accuracy. "Pays" compares a codec with fp32: by the model, its
-predicted time against the model's fp32 time; measured, dlcp with the codec
-against Gloo fp32 in the same invocation (so the transport's own difference,
-dlcp fp32's row, is part of it).
+the last of `dlcp bench train`: dlcp's times beside the fastest PyTorch
+baseline of the same invocation whose accuracy is no worse (`dlcp.bench.fair`:
+Gloo fp32, or DDP's fp16/bf16/PowerSGD hooks where they ran; the table names
+it), the result error, the model's prediction that the bench stored in each
+record (`dlcp.bench.predict`) and the measured time over it, and the time to
+accuracy. "Pays" by the model compares a codec with fp32: its predicted time
+against the model's fp32 time; measured, dlcp with the codec against that
+baseline (so the transport's own difference, dlcp fp32's row, is part of it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from dlcp.bench import cpuload
 from dlcp.bench.common import CODECS, format_rate
+from dlcp.bench.fair import fastest_fair
 from dlcp.bench.plots import scenario_label
 
 __all__ = ["CodecRow", "codec_rows", "markdown_codecs"]
@@ -40,6 +42,8 @@ class CodecRow:
     allreduce_gloo: Rec | None = None
     train: Rec | None = None
     train_gloo: Rec | None = None
+    allreduce_base: Rec | None = None  # the fastest baseline with no worse accuracy
+    train_base: Rec | None = None
 
     @property
     def codec(self) -> str:
@@ -82,11 +86,12 @@ def codec_rows(invocations: Sequence[Sequence[Rec]]) -> list[CodecRow]:
         if dl is None or _kind(dl) not in ("allreduce", "train"):
             continue
         gloo = next((r for r in inv if r.get("backend") == "gloo"), None)
+        base = fastest_fair(dl, inv)
         row = rows.setdefault(_key(dl), CodecRow(_key(dl)))
         if _kind(dl) == "allreduce":
-            row.allreduce, row.allreduce_gloo = dl, gloo
+            row.allreduce, row.allreduce_gloo, row.allreduce_base = dl, gloo, base
         else:
-            row.train, row.train_gloo = dl, gloo
+            row.train, row.train_gloo, row.train_base = dl, gloo, base
 
     def order(row: CodecRow) -> tuple[Any, ...]:
         rate, hosts, label, mode, codec = row.key
@@ -165,34 +170,45 @@ def _bound(r: Rec | None) -> str:
     return cpuload.mark(r) if _ok(r) and r is not None else "-"
 
 
+def _which(r: Rec | None) -> str:
+    return "" if r is None else f" ({r['backend']})"
+
+
 def _line(row: CodecRow) -> str:
-    ar, gl, tr, tg = row.allreduce, row.allreduce_gloo, row.train, row.train_gloo
+    ar, gl, tr = row.allreduce, row.allreduce_gloo, row.train
+    ab, tb = row.allreduce_base, row.train_base
     base = row.codec == BASELINE
-    p50, gloo_p50 = _num(ar, "p50_s"), _num(gl, "p50_s")
+    p50, gloo_p50, base_p50 = _num(ar, "p50_s"), _num(gl, "p50_s"), _num(ab, "p50_s")
     pred, pred_fp32 = _num(ar, "predicted_s"), _num(ar, "predicted_fp32_s")
     gloo_pred = _num(gl, "predicted_s")
     step, step_pred = _num(tr, "step_p50_s"), _num(tr, "predicted_step_s")
     step_fp32 = _num(tr, "predicted_fp32_step_s")
     model = [_less(pred, pred_fp32), _less(step_pred, step_fp32)]
-    measured = [_less(p50, gloo_p50), _sooner(tr, tg)]
+    measured = [_less(p50, base_p50), _sooner(tr, tb)]
     pays = "; ".join("-" if base else _yes(x) for x in model)
-    pays_measured = "; ".join("-" if base else _yes(x) for x in measured)
+    pays_measured = "; ".join(_yes(x) for x in measured)
+    if ar is None:
+        shown_base = "not run"
+    elif ab is None:
+        shown_base = "none"
+    else:
+        shown_base = _f(base_p50) + _which(ab)
     rate, _, label, mode, codec = row.key
     setting = f"{format_rate(rate)}, {label}" + ("" if mode == "transpose" else f", {mode}")
     cells = [
         setting,
         codec,
         _times(ar),
-        _f(gloo_p50) if ar is not None else "not run",
-        _f(_div(p50, gloo_p50), ".2f", "x"),
-        _error(ar),
+        shown_base,
+        _f(_div(p50, base_p50), ".2f", "x"),
+        f"{_error(ar)}; {_error(ab)}",
         f"{_f(pred)} / {_f(pred_fp32)}",
         f"{_f(_div(p50, pred), '.2f')}; {_f(_div(gloo_p50, gloo_pred), '.2f')}",
-        f"{_tta(tr)}; {_tta(tg)}",
+        f"{_tta(tr)}; {_tta(tb)}{_which(tb) if tr is not None else ''}",
         f"{_f(step)} / {_f(step_pred)}",
         pays,
         pays_measured,
-        f"{_bound(ar)}, {_bound(gl)}; {_bound(tr)}, {_bound(tg)}",
+        f"{_bound(ar)}, {_bound(ab)}; {_bound(tr)}, {_bound(tb)}",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -215,23 +231,28 @@ def markdown_codecs(invocations: Sequence[Sequence[Rec]], *, always: bool = Fals
         }
     )
     lines = [
-        "| link, scenario | codec | dlcp p50 / p99 s | Gloo fp32 p50 s | dlcp / Gloo "
-        "| result error | predicted s, codec / fp32 | measured / predicted (dlcp; Gloo) "
-        "| TTA s (dlcp; Gloo) | step p50 s, measured / predicted "
+        "| link, scenario | codec | dlcp p50 / p99 s | baseline p50 s (which) "
+        "| dlcp / baseline | result error (dlcp; baseline) | predicted s, codec / fp32 "
+        "| measured / predicted (dlcp; Gloo fp32) | TTA s (dlcp; baseline) "
+        "| step p50 s, measured / predicted "
         "| pays by the model (all-reduce; step) | pays measured (all-reduce; TTA) "
-        "| CPU-bound (all-reduce dlcp, Gloo; train dlcp, Gloo) |",
+        "| CPU-bound (all-reduce dlcp, baseline; train dlcp, baseline) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(_line(r) for r in rows),
         "",
         f"{', '.join(map(str, hosts)) or '?'} hosts; all-reduce of "
         f"{' and '.join(f'{s / 1e6:g} MB' for s in sizes) or '-'} of float32; "
         f"TTA: time to {' and '.join(f'{100 * t:g} %' for t in targets) or '-'} test "
-        "accuracy on digits. result error: relative L2 error of dlcp's mean against the "
-        "exact one. predicted: `dlcp plan`'s model (dlcp.costmodel) for the record's codec, "
-        "hosts and link rate, calibrated on this host; Gloo's is the model's fp32. "
-        "step: the training step's median, predicted for the bench's MLP. pays: faster "
-        "than fp32 (by the model: than its fp32 prediction; measured: than Gloo fp32 in "
-        "the same invocation); - for fp32 itself. CPU-bound: cpu = the run was CPU-bound "
-        "(its time is partly the 2 cores'), net = it was not.",
+        "accuracy on digits. baseline: the fastest PyTorch baseline of the same "
+        "invocation (Gloo fp32, DDP's fp16/bf16/PowerSGD hooks) whose accuracy is no "
+        "worse: a result error at most dlcp's, a final accuracy within 0.5 points (none: "
+        "no baseline was as accurate). result error: relative L2 error of the mean "
+        "against the exact one. predicted: `dlcp plan`'s model (dlcp.costmodel) for "
+        "the record's codec, hosts and link rate, calibrated on this host; Gloo's is "
+        "the model's fp32. "
+        "step: the training step's median, predicted for the bench's MLP. pays by the "
+        "model: faster than its fp32 prediction (- for fp32 itself); pays measured: "
+        "faster than the baseline (all-reduce p50; time to accuracy). CPU-bound: cpu = "
+        "the run was CPU-bound (its time is partly the 2 cores'), net = it was not.",
     ]
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dlcp.bench.backends import TABLE as BACKEND_TABLE
 from dlcp.errors import LocalError
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "TRAIN_KEYS",
     "BenchError",
     "busbw_gbps",
+    "check_backends",
     "format_bytes",
     "format_rate",
     "parse_backends",
@@ -43,15 +45,9 @@ __all__ = [
 SCENARIOS: tuple[str, ...] = ("clean", "loss", "burst", "congested", "multipath", "pathdown")
 CODECS: tuple[str, ...] = ("fp32", "fp16", "thc8", "thc4", "fft")
 CODECS += ("sketch",)  # two rounds a bucket: the index union, then the cells
-# Backends of `--backends`: the three of DESIGN.md, then dlcp's ablations.
-BACKENDS: tuple[str, ...] = (
-    "dlcp",
-    "gloo",
-    "gloo-prio",
-    "dlcp-noprio",  # policies.priority = "flow": every gradient packet in one class
-    "dlcp-nobound",  # loss bound 0 and drop policy "none": every packet recovered
-    "dlcp-1path",  # one address per daemon: no spraying over the second path
-)
+# Backends of `--backends`: dlcp, the PyTorch baselines, dlcp's ablations
+# (dlcp.bench.backends says how each runs).
+BACKENDS: tuple[str, ...] = tuple(BACKEND_TABLE)
 
 ALLREDUCE_KEYS: tuple[str, ...] = (
     "backend",
@@ -166,6 +162,19 @@ def parse_backends(text: str) -> list[str]:
     if not out:
         raise BenchError("--backends names no backend")
     return out
+
+
+def check_backends(names: Sequence[str], bench: str) -> None:
+    """A BenchError naming the first of `names` that `bench` cannot run, and why."""
+    if not names:
+        raise BenchError("--backends names no backend")
+    for name in names:
+        b = BACKEND_TABLE.get(name)
+        if b is None:
+            raise BenchError(f"unknown backend {name!r}; valid backends: {', '.join(BACKENDS)}")
+        why = b.refused.get(bench)
+        if why:
+            raise BenchError(f"bench {bench} cannot run {name}: {why}")
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -3,18 +3,23 @@
 One rank per emulated host trains the same MLP (`dlcp.bench.ddp_worker`,
 about `grad_bytes` of fp32 gradients in `layers` layers, so DDP makes several
 buckets that become ready over the backward pass) for `warmup` + `steps`
-steps: with DDP's default all-reduce over Gloo, and with dlcp's hook through
+steps: with DDP's default all-reduce over Gloo, PyTorch's fp16, bf16 or
+PowerSGD hooks over Gloo (`dlcp.bench.backends`), and with dlcp's hook through
 real daemons. Every rank holds one model per backend and alternates their
-steps, so both backends meet the same machine (on a shared host, whatever
-else runs weighs on both alike). A step is forward, backward and the update;
-its time is the slowest rank's. The CPU-load keys (`cpu_bound`, ...) are the
-alternated run's; dlcp's `cpu_s` adds its daemons' CPU to its ranks'. The dlcp record also carries
-the shim's timeline (`dlcp.shim.timeline`): medians per phase of where a
+steps, so the backends meet the same machine (on a shared host, whatever
+else runs weighs on all alike); the -prio backends, whose TCP is marked into
+the top class, alternate in a second worker group after the others. The
+scenario (loss, bursts, background traffic) is on from the first timed step.
+A step is forward, backward and the update; its time is the slowest rank's.
+The CPU-load keys (`cpu_bound`, ...) are the alternated run's; dlcp's `cpu_s`
+adds its daemons' CPU to its ranks'. The dlcp record also carries the shim's
+timeline (`dlcp.shim.timeline`): medians per phase of where a
 bucket's time went between DDP handing it over and its future completing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,10 +28,18 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
-from dlcp.bench.cluster import Cluster, Setup
-from dlcp.bench.common import CODECS, BenchError, format_bytes, format_rate, percentile
+from dlcp.bench.backends import POWERSGD_RANK, TABLE, gloo_ifnames
+from dlcp.bench.cluster import GLOO_PRIO_DSCP, Cluster, Setup
+from dlcp.bench.common import (
+    CODECS,
+    BenchError,
+    check_backends,
+    format_bytes,
+    format_rate,
+    percentile,
+)
 from dlcp.bench.common import say as default_say
-from dlcp.bench.procs import WorkerGroup, worker_argv, worker_env
+from dlcp.bench.procs import STALL_S, RunBound, RunStopped, WorkerGroup, worker_argv, worker_env
 
 __all__ = [
     "DDP_BACKENDS",
@@ -40,7 +53,7 @@ __all__ = [
 
 Say = Callable[[str], None]
 
-DDP_BACKENDS: tuple[str, ...] = ("dlcp", "gloo")
+DDP_BACKENDS: tuple[str, ...] = ("dlcp", "gloo")  # the default --backends
 # Present in every record of `dlcp bench ddp --json`, in this order.
 DDP_KEYS: tuple[str, ...] = (
     "backend",
@@ -74,6 +87,7 @@ class DdpOptions:
     bound: float = 0.0
     with_model: bool = True  # dlcp.init(model=...): the segment sized up front
     round_timeout_s: float = 60.0
+    stall_s: float = STALL_S  # stopped when its workers report nothing this long
     seed: int = 0
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -81,11 +95,7 @@ class DdpOptions:
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}")
-        for b in self.backends:
-            if b not in DDP_BACKENDS:
-                raise BenchError(f"bench ddp runs backends {', '.join(DDP_BACKENDS)}, not {b!r}")
-        if not self.backends:
-            raise BenchError("--backends names no backend")
+        check_backends(self.backends, "ddp")
         if self.grad_bytes < 4 * 1024:
             raise BenchError(f"--grad-size must be at least 4kB, not {self.grad_bytes} bytes")
         if self.steps < 1 or self.layers < 1 or self.batch < 1:
@@ -104,9 +114,10 @@ class DdpOptions:
 
 def _record(opts: DdpOptions, backend: str) -> dict[str, Any]:
     s = opts.setup
+    codec = TABLE[backend].codec(opts.codec)
     return {
         "backend": backend,
-        "codec": opts.codec if backend == "dlcp" else "fp32",
+        "codec": codec,
         "scenario": s.scenario,
         "hosts": s.hosts,
         "grad_bytes": opts.grad_bytes,
@@ -118,19 +129,36 @@ def _record(opts: DdpOptions, backend: str) -> dict[str, Any]:
         "cpu_s": None,
         "cpu_bound": None,  # from the run (dlcp.bench.cpuload); None: not measured
         "rate_bps": s.rate_bps,
+        "paths": s.n_paths,
+        "loss_pct": s.loss_pct if s.scenario == "loss" else 0.0,
         "mtu": s.mtu,
+        "gloo_ifnames": gloo_ifnames(s.n_paths),  # GLOO_SOCKET_IFNAME of the run
+        **({"powersgd_rank": POWERSGD_RANK} if codec == "powersgd" else {}),
         "layers": opts.layers,
         "batch_per_rank": opts.batch,
         "bucket_mb": opts.bucket_mb,
         "warmup": opts.warmup,
-        "alternated": len(opts.backends) > 1,
+        "alternated": len(phases(opts.backends)[TABLE[backend].prio]) > 1,
+        "alternated_with": phases(opts.backends)[TABLE[backend].prio],
         **opts.extra,
     }
 
 
-def _argv(cluster: Cluster, opts: DdpOptions, rank: int, port: int) -> list[str]:
+def phases(backends: Sequence[str]) -> dict[bool, list[str]]:
+    """The backends alternated together, by whether their TCP is marked into
+    the top class (-prio): the marking is per host, for all of a worker's
+    connections, so the marked ones run in a worker group of their own."""
+    out: dict[bool, list[str]] = {False: [], True: []}
+    for b in backends:
+        out[TABLE[b].prio].append(b)
+    return out
+
+
+def _argv(
+    cluster: Cluster, opts: DdpOptions, rank: int, port: int, backends: Sequence[str]
+) -> list[str]:
     args = [
-        "--backend", ",".join(opts.backends), "--rank", str(rank),
+        "--backend", ",".join(backends), "--rank", str(rank),
         "--world", str(opts.setup.hosts), "--master", cluster.tb.address(0), "--port", str(port),
         "--params", str(opts.params), "--layers", str(opts.layers),
         "--batch", str(opts.batch), "--steps", str(opts.steps), "--warmup", str(opts.warmup),
@@ -147,51 +175,88 @@ def run_ddp(
 ) -> list[dict[str, Any]]:
     """One run on a new testbed: every rank alternates the backends' steps."""
     say = say or default_say
-    records = [_record(opts, b) for b in opts.backends]
-    uses_dlcp = "dlcp" in opts.backends
+    records = {b: _record(opts, b) for b in opts.backends}
+    uses_dlcp = any(TABLE[b].is_dlcp for b in opts.backends)
     with Cluster(opts.setup, progress=say) as cluster:
         cluster.log_dir = log_dir
-        started = time.monotonic()
         try:
             if uses_dlcp:
                 cluster.start_dlcp("dlcp", timeout_s=opts.round_timeout_s)
-            port = next(_ports)
-            argvs = [_argv(cluster, opts, h.index, port) for h in cluster.tb.hosts]
-            env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
-            say(f"{'+'.join(opts.backends)}: starting {len(argvs)} workers (steps alternated)")
-            _run_workers(cluster, opts, argvs, env, records)
         except BenchError as exc:
-            error = str(exc)
-            if uses_dlcp and cluster.daemons_running:
-                tail = cluster.daemon_log_tail(3)
-                if tail:
-                    error += f"\ndaemon logs: {tail}"
-            say(f"FAILED: {error}")
-            for rec in records:
-                rec["error"] = error
+            say(f"FAILED: {exc}")
+            for rec in records.values():
+                rec["error"] = str(exc)
+            return list(records.values())
+        try:
+            for prio, names in phases(opts.backends).items():
+                if names:
+                    _phase(cluster, opts, names, [records[b] for b in names], prio, say)
         finally:
             if uses_dlcp:
                 cluster.stop_dlcp()
-            if cluster.log_dir is not None:
-                cluster.save_logs(cluster.log_dir, "+".join(opts.backends))
+    return list(records.values())
+
+
+def _phase(
+    cluster: Cluster,
+    opts: DdpOptions,
+    names: Sequence[str],
+    records: list[dict[str, Any]],
+    prio: bool,
+    say: Say,
+) -> None:
+    """One worker group alternating the steps of `names` (their TCP marked if `prio`)."""
+    started = time.monotonic()
+    label = "+".join(names)
+    try:
+        if prio:
+            cluster.mark_tcp(GLOO_PRIO_DSCP)
+        port = next(_ports)
+        argvs = [_argv(cluster, opts, h.index, port, names) for h in cluster.tb.hosts]
+        env = worker_env({"GLOO_SOCKET_IFNAME": records[0]["gloo_ifnames"]})
+        say(f"{label}: starting {len(argvs)} workers (steps alternated)")
+        _run_workers(cluster, opts, names, argvs, env, records, say)
+    except BenchError as exc:
+        error = str(exc)
+        if "dlcp" in names and cluster.daemons_running:
+            tail = cluster.daemon_log_tail(3)
+            if tail:
+                error += f"\ndaemon logs: {tail}"
+        say(f"FAILED: {error}")
         for rec in records:
-            rec["run_wall_s"] = time.monotonic() - started
-    return records
+            rec["error"] = error
+            if isinstance(exc, RunStopped):
+                rec["stopped"] = exc.why
+    finally:
+        if prio:
+            cluster.mark_tcp(None)
+        if cluster.log_dir is not None:
+            cluster.save_logs(cluster.log_dir, label)
+    for rec in records:
+        rec["run_wall_s"] = time.monotonic() - started
 
 
 def _run_workers(
     cluster: Cluster,
     opts: DdpOptions,
+    names: Sequence[str],
     argvs: list[list[str]],
     env: dict[str, str],
     records: list[dict[str, Any]],
+    say: Say,
 ) -> None:
     from tqdm import tqdm
 
-    label = f"ddp-{cluster.run_label('+'.join(opts.backends))}"
-    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
-    with group as g:
+    label = f"ddp-{cluster.run_label('+'.join(names))}"
+    bound = RunBound(opts.stall_s)
+    group = WorkerGroup(
+        cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env, bound=bound
+    )
+    with group as g, contextlib.ExitStack() as scenario:
         ready = g.expect("ready", 300.0 + opts.warmup * opts.round_timeout_s)
+        if opts.setup.scenario != "clean":
+            say(f"{label}: workers ready; applying scenario {opts.setup.scenario}")
+        scenario.enter_context(cluster.disturbed())  # from here on, not during setup
         bar = tqdm(
             total=opts.steps,
             desc=f"{label:<20}",
@@ -212,7 +277,7 @@ def _run_workers(
         d0 = cpuload.processes_cpu_s(daemons)
         try:
             g.send("go")
-            wait_s = 120.0 + opts.steps * len(opts.backends) * opts.round_timeout_s
+            wait_s = 120.0 + opts.steps * len(names) * opts.round_timeout_s
             results = g.expect_any("result", wait_s, on_other=on_event)
         finally:
             bar.close()
@@ -224,7 +289,7 @@ def _run_workers(
         rec["width"] = ready[0].get("width")
         rec.update(load)  # the machine's, over the whole alternated run
         runs = [r["runs"][rec["backend"]] for r in results]
-        summarize(rec, runs, daemon_cpu if rec["backend"] == "dlcp" else None)
+        summarize(rec, runs, daemon_cpu if TABLE[rec["backend"]].is_dlcp else None)
 
 
 def summarize(
@@ -271,23 +336,25 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     if not records:
         return "(no results)"
     gloo = next((r for r in records if r["backend"] == "gloo" and r.get("p50_s")), None)
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'backend':<8} {'codec':<5} {'p50 ms':>8} {'p99 ms':>8} {'first ms':>9} "
-        f"{'cpu s':>7} {'bound':>5} {'/gloo':>6}"
+        f"{'backend':<14} {'codec':<8} {'p50 ms':>8} {'p99 ms':>8} {'first ms':>9} "
+        f"{'cpu s':>7} {'bound':>5} {'/gloo':>6}  /baseline"
     ]
     for r in records:
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{r['backend']:<8} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{r['backend']:<14} {r['codec']:<8} FAILED: {why}")
             continue
         ratio = "-"
         if gloo is not None and r.get("p50_s"):
             ratio = f"{r['p50_s'] / gloo['p50_s']:.2f}x"
         cpu = "-" if r.get("cpu_s") is None else f"{r['cpu_s']:.1f}"
         lines.append(
-            f"{r['backend']:<8} {r['codec']:<5} {_ms(r.get('p50_s')):>8} "
+            f"{r['backend']:<14} {r['codec']:<8} {_ms(r.get('p50_s')):>8} "
             f"{_ms(r.get('p99_s')):>8} {_ms(r.get('first_step_s')):>9} {cpu:>7} "
-            f"{cpuload.mark(r):>5} {ratio:>6}"
+            f"{cpuload.mark(r):>5} {ratio:>6}  {versus(r, records)}"
         )
     for r in records:
         for rank, tl in enumerate(r.get("timeline") or []):
@@ -309,7 +376,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
         f"{format_bytes(first['grad_bytes'])} of gradients in {first['layers']} layers, "
         f"DDP buckets of {first['bucket_mb']:g} MB, {first['steps']} steps; /gloo = this "
-        "step p50 over Gloo's: <= 1 is as fast; bound: cpu = the run was CPU-bound)"
+        "step p50 over Gloo's: <= 1 is as fast; /baseline = dlcp's over the fastest "
+        "baseline whose codec is no less precise (significant bits on the wire); bound: cpu = the "
+        "run was CPU-bound)"
     )
     lines += cpuload.baseline_notes(records, lambda r: r["scenario"])
     return "\n".join(lines)

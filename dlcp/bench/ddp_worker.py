@@ -4,9 +4,11 @@ An MLP of about `--params` parameters in `--layers` equal layers, trained
 with DistributedDataParallel over a Gloo process group on random data. With
 `--backend dlcp` the gradients go through dlcp's shim (`dlcp.shim.init` +
 `register_comm_hook(state, dlcp.hook)`); with `gloo` through DDP's default
-all-reduce. DDP cuts the gradients into buckets of `--bucket-mb` that become
-ready one after another during the backward pass, so communication overlaps
-the computation of the layers in front.
+all-reduce; with `gloo-fp16`, `gloo-bf16`, `gloo-powersgd` (and their -prio
+names) through PyTorch's hooks (`dlcp.bench.hooks`). DDP cuts the gradients
+into buckets of `--bucket-mb` that become ready one after another during the
+backward pass, so communication overlaps the computation of the layers in
+front.
 
 With both (`--backend dlcp,gloo`) each rank holds one such model per backend
 (same seed) and alternates their steps, so both meet the same machine.
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dlcp.bench.backends import TABLE
 from dlcp.shim.timeline import StepTimes
 
 __all__ = ["build_model", "main", "mlp_width"]
@@ -83,7 +86,9 @@ def cpu_s() -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument(
-        "--backend", required=True, help="dlcp, gloo, or both (dlcp,gloo): alternated step by step"
+        "--backend",
+        required=True,
+        help="dlcp, gloo, gloo-fp16, ...; several: alternated step by step",
     )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
@@ -104,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     a = p.parse_args(argv)
     backends = a.backend.split(",")
-    if not backends or any(b not in ("dlcp", "gloo") for b in backends):
-        p.error(f"--backend takes dlcp, gloo or dlcp,gloo, not {a.backend!r}")
+    if not backends or any(b not in TABLE or b.startswith("dlcp-") for b in backends):
+        p.error(f"--backend takes dlcp and Gloo baselines (e.g. dlcp,gloo), not {a.backend!r}")
     try:
         run(a)
     except Exception as exc:
@@ -133,6 +138,10 @@ class _Trainer:
                 round_timeout_s=a.timeout,
             )
             self.ddp.register_comm_hook(self.state, dlcp.hook)
+        else:
+            from dlcp.bench.hooks import register
+
+            register(self.ddp, TABLE[backend].hook)  # the name's hook; -prio is the orchestrator's
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-4)
         self.times: list[float] = []
         self.cpu = 0.0

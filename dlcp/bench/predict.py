@@ -48,11 +48,13 @@ BASELINE = "fp32"
 
 def model_codec(rec: Rec) -> str | None:
     """The codec the model predicts a record by: Gloo's is fp32; None for `auto`
-    (its codec changes during the run) or a codec the model does not know."""
+    (its codec changes during the run), a codec the model does not know, or
+    PyTorch's compression hooks over Gloo (gloo-fp16, ...: the model has no
+    Gloo but fp32's)."""
     from dlcp.costmodel.calibrate import DEFAULT_CODECS
 
     if not str(rec.get("backend", "")).startswith("dlcp"):
-        return BASELINE
+        return BASELINE if rec.get("codec", BASELINE) == BASELINE else None
     codec = str(rec.get("codec", BASELINE))
     return codec if codec in DEFAULT_CODECS else None
 

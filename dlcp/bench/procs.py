@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -24,11 +26,49 @@ import dlcp
 from dlcp.bench.common import BenchError
 from dlcp.testbed import Testbed
 
-__all__ = ["WorkerGroup", "WorkerTimeout", "worker_argv", "worker_env"]
+__all__ = [
+    "STALL_S",
+    "RunBound",
+    "RunStopped",
+    "WorkerGroup",
+    "WorkerTimeout",
+    "worker_argv",
+    "worker_env",
+]
+
+# a backend whose workers report nothing (a join, a finished round or step)
+# for this long is stopped: two round timeouts of the benches' default
+STALL_S = 120.0
 
 
 class WorkerTimeout(BenchError):
     """A worker did not send the awaited event in time (it may still be running)."""
+
+
+class RunStopped(BenchError):
+    """A backend's run went past its `RunBound`: `why` is "stall" or "budget"."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class RunBound:
+    """How long a backend's workers may go on: stopped when, once released
+    (the orchestrator's first go, after their joins: starting Python and
+    torch is not a round), none of them reported anything (a warm-up's end, a
+    finished round or step) for `stall_s`, or once `budget_s` (None: no
+    budget) passed since they started. Every wait of a `WorkerGroup` holds to
+    it, whatever its own timeout."""
+
+    stall_s: float = STALL_S
+    budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, v in (("stall", self.stall_s), ("budget", self.budget_s)):
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise BenchError(f"--{name} must be > 0 seconds, not {v}")
 
 
 def worker_argv(module: str, args: Sequence[str]) -> list[str]:
@@ -91,8 +131,12 @@ class WorkerGroup:
         log_dir: Path,
         label: str,
         env: dict[str, str] | None = None,
+        bound: RunBound | None = None,
     ) -> None:
         self.label = label
+        self.bound = bound or RunBound()
+        self.started = time.monotonic()
+        self.heard: float | None = None  # since the first go: the last event from any worker
         self.workers: list[_Worker] = []
         try:
             for rank, argv in enumerate(argvs):
@@ -137,11 +181,41 @@ class WorkerGroup:
             f"{self.label} rank {w.rank} {why}" + (f": {tail}" if tail else f" (log {w.log})")
         )
 
+    def _bounded(self, timeout_s: float) -> tuple[float, str | None]:
+        """A wait of `timeout_s` cut to the run's bound: how long it may last,
+        and which bound cut it ("stall", "budget"; None: its own timeout)."""
+        now = time.monotonic()
+        waits: list[tuple[float, str | None]] = [(timeout_s, None)]
+        if self.heard is not None:
+            waits.append((self.heard + self.bound.stall_s - now, "stall"))
+        if self.bound.budget_s is not None:
+            waits.append((self.started + self.bound.budget_s - now, "budget"))
+        wait, why = min(waits, key=lambda x: x[0])
+        return max(0.0, wait), why
+
+    def _stopped(self, w: _Worker, why: str) -> RunStopped:
+        """The run stopped by its bound (the caller's `with` kills the workers)."""
+        b = self.bound
+        if why == "stall":
+            what = f"no round finished within {b.stall_s:g} s (--stall)"
+        else:
+            what = f"still running after its budget of {b.budget_s:g} s (--budget)"
+        tail = w.tail()
+        return RunStopped(
+            f"{self.label} stopped: {what}; waiting for rank {w.rank}"
+            + (f": {tail}" if tail else ""),
+            why,
+        )
+
     def next_event(self, w: _Worker, timeout_s: float) -> dict[str, Any]:
+        wait, why = self._bounded(timeout_s)
         try:
-            msg = w.events.get(timeout=timeout_s)
+            msg = w.events.get(timeout=wait)
         except queue.Empty:
+            if why is not None:
+                raise self._stopped(w, why) from None
             raise self._fail(w, f"sent nothing for {timeout_s:g} s") from None
+        self._heard()
         if msg is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
@@ -192,6 +266,7 @@ class WorkerGroup:
                 except queue.Empty:
                     continue
                 idle = False
+                self._heard()
                 if msg is None:
                     w.events.put(None)
                     raise self._fail(w, "closed its output")
@@ -201,14 +276,23 @@ class WorkerGroup:
                     results[w.rank] = msg
                 else:
                     on_other(w.rank, msg)
-            if time.monotonic() > deadline:
+            left, why = self._bounded(deadline - time.monotonic())
+            if left <= 0:
                 late = next(w for w in self.workers if w.rank not in results)
+                if why is not None:
+                    raise self._stopped(late, why)
                 raise WorkerTimeout(str(self._fail(late, f"did not finish within {timeout_s:g} s")))
             if idle:
                 time.sleep(0.02)
         return [results[w.rank] for w in self.workers]
 
+    def _heard(self) -> None:
+        if self.heard is not None:
+            self.heard = time.monotonic()
+
     def send(self, line: str = "go") -> None:
+        if self.heard is None:  # released: the stall bound holds from here
+            self.heard = time.monotonic()
         for w in self.workers:
             try:
                 assert w.proc.stdin is not None

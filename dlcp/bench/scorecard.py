@@ -4,8 +4,10 @@
 
 Reads the JSON of `dlcp bench allreduce|train --json` (or a `dlcp bench all`
 directory). One file, or one "run" within a file, is one invocation, and
-every ratio compares dlcp with Gloo or gloo-prio of the same invocation. A
-row is matched by what its records measured (all-reduce or training, link
+every ratio compares dlcp with Gloo, gloo-prio or another baseline of the
+same invocation; "baseline" is the fastest PyTorch baseline there whose
+accuracy is no worse (`dlcp.bench.fair`), shown beside each row. A row is
+matched by what its records measured (all-reduce or training, link
 rate, hosts, scenario, loss), never by a file's name; when several
 invocations match, the last one read counts.
 """
@@ -18,7 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CPU_ROWS", "NET_ROWS", "OTHER_ROWS", "Bar", "Row", "load", "markdown", "verdicts"]
+from dlcp.bench.fair import fastest_fair, kind
+
+__all__ = [
+    "CPU_ROWS",
+    "HOOK_ROWS",
+    "NET_ROWS",
+    "OTHER_ROWS",
+    "Bar",
+    "Row",
+    "load",
+    "markdown",
+    "verdicts",
+]
 
 Rec = dict[str, Any]
 Invocation = list[Rec]
@@ -29,7 +43,8 @@ MBIT = 1_000_000
 @dataclass(frozen=True)
 class Bar:
     """dlcp's `key` over `against`'s `key` (or over dlcp's own `over`; or,
-    `absolute`, itself) at most `limit`."""
+    `absolute`, itself) at most `limit`. `against` "baseline": the fastest
+    baseline of the invocation whose accuracy is no worse (dlcp.bench.fair)."""
 
     label: str
     key: str
@@ -116,6 +131,28 @@ OTHER_ROWS: tuple[Row, ...] = (
 )  # fmt: skip
 
 
+# "Faster than what PyTorch already gives": `dlcp bench ddp --hosts 3 --rate
+# 200mbit --grad-size 10MB --steps 30 --codec C --loss-bound 0.01 --backends
+# dlcp,gloo,gloo-fp16 [--scenario loss --loss 5]`, and `dlcp bench train
+# --hosts 3 --rate 200mbit --scenario loss --loss 5 --codec C --backends
+# dlcp,gloo,gloo-fp16` (the best of fp16 and thc8 counts).
+_FP16 = "gloo-fp16"
+HOOK_ROWS: tuple[Row, ...] = (
+    Row("DDP fp16, clean", "ddp", 200 * MBIT, 3, "clean",
+        (Bar("p50", "p50_s", 1.05, against=_FP16),), codec="fp16"),
+    Row("DDP thc8, clean", "ddp", 200 * MBIT, 3, "clean",
+        (Bar("p50", "p50_s", 0.7, against=_FP16),), codec="thc8"),
+    Row("DDP fp32, clean", "ddp", 200 * MBIT, 3, "clean", (Bar("p50", "p50_s", 1.05),)),
+    Row("DDP fp16, loss 5 %", "ddp", 200 * MBIT, 3, "loss",
+        (Bar("p50", "p50_s", 0.8, against=_FP16),), 5.0, codec="fp16"),
+    Row("DDP fp32, loss 5 %", "ddp", 200 * MBIT, 3, "loss", (Bar("p50", "p50_s", 0.8),), 5.0),
+    Row("train fp16, loss 5 %", "train", 200 * MBIT, 3, "loss",
+        (Bar("TTA", "tta_s", 0.8, against=_FP16),), 5.0, codec="fp16"),
+    Row("train thc8, loss 5 %", "train", 200 * MBIT, 3, "loss",
+        (Bar("TTA", "tta_s", 0.8, against=_FP16),), 5.0, codec="thc8"),
+)  # fmt: skip
+
+
 def load(paths: Iterable[Path]) -> list[Invocation]:
     """The invocations in these JSON files and directories (every *.json in
     a directory, in name order): one per file, or one per "run" number."""
@@ -134,10 +171,7 @@ def load(paths: Iterable[Path]) -> list[Invocation]:
     return out
 
 
-def _kind(r: Rec) -> str:
-    if "grad_bytes" in r:
-        return "ddp"
-    return "train" if "tta_s" in r or "target_acc" in r else "allreduce"
+_kind = kind
 
 
 def _matches(row: Row, r: Rec) -> bool:
@@ -170,11 +204,18 @@ def verdicts(row: Row, by: dict[str, Rec]) -> list[str]:
     dl = by["dlcp"]
     out = []
     for bar in row.bars:
-        base = dl if bar.over or bar.absolute else by.get(bar.against)
+        if bar.over or bar.absolute:
+            base: Rec | None = dl
+        elif bar.against == "baseline":
+            base = fastest_fair(dl, list(by.values()))
+        else:
+            base = by.get(bar.against)
         x, y = dl.get(bar.key), None if base is None else base.get(bar.over or bar.key)
         if bar.absolute:
             y = 1.0 if x is not None else None
         name = bar.label if bar.over or bar.absolute else f"{bar.label} vs {bar.against}"
+        if bar.against == "baseline" and base is not None:
+            name += f" ({base['backend']})"
         if x is None or not y:
             why = "not run" if base is None else "failed" if base.get("error") else "no value"
             out.append(f"{name}: {why}")
@@ -227,6 +268,16 @@ def _cpu(r: Rec | None) -> str:
     return f"{r['cpu_s']:.1f} / {r.get('machine_cpu_s', float('nan')):.1f}"
 
 
+def _fair(by: dict[str, Rec]) -> str:
+    """The fastest baseline with no worse accuracy: its name and its figures."""
+    base = fastest_fair(by["dlcp"], list(by.values()))
+    if base is None:
+        return "none"
+    if kind(base) == "train":
+        return f"{base['backend']}: TTA {_tta(base)}"
+    return f"{base['backend']}: {_times(base)}"
+
+
 def _allreduce_line(row: Row, by: dict[str, Rec]) -> str:
     dl, gl, gp = by["dlcp"], by.get("gloo"), by.get("gloo-prio")
     lost = float(dl.get("loss_frac") or 0.0)
@@ -235,6 +286,7 @@ def _allreduce_line(row: Row, by: dict[str, Rec]) -> str:
         _times(dl),
         _times(gl),
         _times(gp),
+        _fair(by),
         f"{lost:.2%}",
         f"{_cpu(dl)}; {_cpu(gl)}",
         ", ".join(_bound(r) for r in (dl, gl, gp)),
@@ -245,20 +297,21 @@ def _allreduce_line(row: Row, by: dict[str, Rec]) -> str:
 
 def _table(rows: Sequence[Row], invocations: Sequence[Invocation]) -> list[str]:
     out = [
-        "| run | dlcp p50 / p99 s | Gloo | gloo-prio | dlcp lanes lost "
-        "| CPU s, process / machine (dlcp; Gloo) | CPU-bound (dlcp, Gloo, prio) | targets |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | dlcp p50 / p99 s | Gloo | gloo-prio | fastest baseline, accuracy no worse "
+        "| dlcp lanes lost | CPU s, process / machine (dlcp; Gloo) "
+        "| CPU-bound (dlcp, Gloo, prio) | targets |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         by = find(row, invocations)
         if by is None:
-            out.append(f"| {row.label} | not run | | | | | | |")
+            out.append(f"| {row.label} | not run | | | | | | | |")
         elif row.kind == "train":
             dl, gl, gp = by["dlcp"], by.get("gloo"), by.get("gloo-prio")
             bound = ", ".join(_bound(r) for r in (dl, gl, gp))
             verdict = "; ".join(verdicts(row, by))
             out.append(
-                f"| {row.label} | TTA {_tta(dl)} | {_tta(gl)} | {_tta(gp)} | "
+                f"| {row.label} | TTA {_tta(dl)} | {_tta(gl)} | {_tta(gp)} | {_fair(by)} | "
                 f"{float(dl.get('loss_frac') or 0.0):.2%} | {_cpu(dl)}; {_cpu(gl)} "
                 f"| {bound} | {verdict} |"
             )
@@ -282,5 +335,9 @@ def markdown(invocations: Sequence[Invocation]) -> str:
             "Path failure and DDP steps:",
             "",
             *_table(OTHER_ROWS, invocations),
+            "",
+            "Against PyTorch's own compression (DDP's fp16_compress_hook over Gloo):",
+            "",
+            *_table(HOOK_ROWS, invocations),
         ]
     )

@@ -88,7 +88,7 @@ def allreduce_cases(*, ablations: bool = True) -> list[Case]:
 
     return [
         Case("clean", BASE),
-        Case("clean", ("dlcp", "gloo"), codec="thc8"),
+        Case("clean", ("dlcp", "gloo", "gloo-fp16"), codec="thc8"),  # and PyTorch's fp16
         Case("loss", BASE, loss_pct=1.0),
         Case("loss", (*BASE, *ab("dlcp-nobound")), loss_pct=5.0),
         Case("burst", (*BASE, *ab("dlcp-nobound"))),
@@ -104,7 +104,7 @@ def allreduce_cases(*, ablations: bool = True) -> list[Case]:
 def train_cases(*, ablations: bool = True) -> list[Case]:
     return [
         Case("clean", BASE),
-        Case("loss", BASE, loss_pct=5.0),
+        Case("loss", (*BASE, "gloo-fp16"), loss_pct=5.0),  # DDP's fp16 hook beside
         Case("congested", (*BASE, *(("dlcp-noprio",) if ablations else ()))),
     ]
 

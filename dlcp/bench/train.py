@@ -1,15 +1,19 @@
 """`dlcp bench train`: time-to-accuracy of a real model with dlcp and with Gloo.
 
-Three (or `hosts`) training ranks, one per emulated host, train the same MLP
-on scikit-learn's digits from the same seed (`dlcp.bench.train_worker`): with
+Three (or `hosts`) training ranks, one per emulated host, train the same
+model from the same seed (`--model`, `dlcp.bench.workloads`: the MLP or a CNN
+on scikit-learn's digits, a byte-level transformer on the stdlib's sources;
+`dlcp.bench.train_worker`): with
 Gloo (DDP's default all-reduce), with Gloo marked into the top class
 (gloo-prio), and through dlcp's shim and real daemons. The model is sized and
 the links slowed so that the network, not the CPU, sets the pace.
 
 TTA is the training time (from the first step, after a warm-up step) at which
 the test accuracy, evaluated every few steps on rank 0, first reaches
-`target_acc`. Every backend trains the same number of steps, so final
-accuracies are comparable.
+`target_acc` (gpt: the validation loss first falls to it). Every backend
+trains the same number of steps, so final accuracies are comparable. With
+`overlap` the dlcp backends (not dlcp-nooverlap) run the optimizer through
+`dlcp.overlap`: updates layer by layer in the next forward pass.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,17 +30,28 @@ from pathlib import Path
 from typing import Any
 
 from dlcp.bench import cpuload
+from dlcp.bench.backends import POWERSGD_RANK, TABLE, gloo_ifnames
 from dlcp.bench.cluster import CONTROL_DSCP, GLOO_PRIO_DSCP, Cluster, Setup, cut_steps
 from dlcp.bench.common import (
     CODECS,
     TRAIN_KEYS,
     BenchError,
+    check_backends,
     format_rate,
     percentile,
     tta_from_curve,
 )
 from dlcp.bench.common import say as default_say
-from dlcp.bench.procs import WorkerGroup, WorkerTimeout, worker_argv, worker_env
+from dlcp.bench.procs import (
+    STALL_S,
+    RunBound,
+    RunStopped,
+    WorkerGroup,
+    WorkerTimeout,
+    worker_argv,
+    worker_env,
+)
+from dlcp.bench.workloads import MODELS
 
 __all__ = ["TrainOptions", "format_table", "run_train", "save"]
 
@@ -47,12 +63,19 @@ _ports = iter(range(30700, 31700))
 @dataclass(frozen=True)
 class TrainOptions:
     setup: Setup
-    target_acc: float = 0.90
+    # the model's target (dlcp.bench.workloads): test accuracy, or for gpt the
+    # validation loss; None: the model's default
+    target_acc: float | None = None
     codec: str = "fp32"
     backends: Sequence[str] = ("dlcp", "gloo", "gloo-prio")
     steps: int = 80
-    batch: int = 32
-    lr: float = 2e-3
+    batch: int | None = None  # per rank; None: the model's (32, gpt 4)
+    lr: float | None = None  # None: the model's
+    model: str = "mlp"  # mlp, cnn, gpt (dlcp.bench.workloads)
+    overlap: bool = False  # the dlcp backends' optimizer through dlcp.overlap
+    # FSDP2 (fully_shard) instead of DDP: dlcp as the process group's backend
+    # (dlcp.shim.backend), Gloo's own for the gloo backends
+    fsdp: bool = False
     # 5 x 512: 1.09M parameters, no weight above 1.05 MB, so no DDP bucket
     # has shards of more than ~250 packets (see BENCHMARKS.md, known issues)
     hidden: Sequence[int] = (512, 512, 512, 512, 512)
@@ -65,6 +88,7 @@ class TrainOptions:
     # unmarked.
     control_dscp: str | None = CONTROL_DSCP
     round_timeout_s: float = 60.0
+    stall_s: float = STALL_S  # stopped when its workers report nothing this long
     # Stop a backend's training after this many seconds (None: run every step);
     # its curve so far is kept, and a target it has not reached is reported as
     # "not within the budget" (TTA > budget).
@@ -76,14 +100,51 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.codec not in (*CODECS, "auto"):
             raise BenchError(f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}, auto")
-        if not 0 < self.target_acc <= 1:
-            raise BenchError(f"--target-acc must be in (0, 1], not {self.target_acc}")
-        if self.steps < 1 or self.batch < 1 or self.eval_every < 1:
+        if self.fsdp and self.overlap:
+            raise BenchError("--fsdp trains without DDP: --overlap is DDP's (dlcp.overlap)")
+        if self.fsdp and self.setup.mode != "transpose":
+            raise BenchError(f"--fsdp runs dlcp's backend in mode transpose, not {self.setup.mode}")
+        if self.model not in MODELS:
+            raise BenchError(f"unknown model {self.model!r}; valid: {', '.join(MODELS)}")
+        if self.metric == "acc" and not 0 < self.target <= 1:
+            raise BenchError(f"--target must be an accuracy in (0, 1], not {self.target}")
+        if not self.target > 0:
+            raise BenchError(f"--target must be > 0, not {self.target}")
+        if self.steps < 1 or self.per_rank_batch < 1 or self.eval_every < 1:
             raise BenchError("--steps, --batch and --eval-every must be >= 1")
         if not 0 <= self.bound <= 0.5:
             raise BenchError(f"--loss-bound must be in 0..0.5, not {self.bound}")
         if not self.hidden:
             raise BenchError("--hidden needs at least one layer width")
+        check_backends(self.backends, "train")
+
+
+    @property
+    def target(self) -> float:
+        return MODELS[self.model].target if self.target_acc is None else float(self.target_acc)
+
+    @property
+    def metric(self) -> str:
+        """What the target is of: "acc" (test accuracy) or "val_loss"."""
+        return MODELS[self.model].metric
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.batch if self.batch is not None else (4 if self.model == "gpt" else 32)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else MODELS[self.model].lr
+
+    def overlaps(self, backend: str) -> bool:
+        return self.overlap and backend.startswith("dlcp") and backend != "dlcp-nooverlap"
+
+
+def time_to_target(opts: TrainOptions, acc: list[list[float]], loss: list[list[float]]) -> Any:
+    """TTA: the first time the model's metric reaches its target (None: never)."""
+    if opts.metric == "acc":
+        return tta_from_curve(acc, opts.target)
+    return next((float(t) for t, v in loss if v <= opts.target), None)
 
 
 def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
@@ -92,7 +153,11 @@ def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
         "backend": backend,
         "codec": codec,
         "scenario": s.scenario,
-        "target_acc": opts.target_acc,
+        "target_acc": opts.target,
+        "model": opts.model,
+        "metric": opts.metric,
+        "overlap": opts.overlaps(backend),
+        "fsdp": opts.fsdp,
         "tta_s": None,
         "final_acc": None,
         "steps": opts.steps,
@@ -105,22 +170,27 @@ def _record(opts: TrainOptions, backend: str, codec: str) -> dict[str, Any]:
         **({"path_down": dataclasses.asdict(s.path_down)} if s.scenario == "pathdown" else {}),
         "mtu": s.mtu,
         "pacing": s.pacing,
-        "batch_per_rank": opts.batch,
+        "batch_per_rank": opts.per_rank_batch,
         "hidden": list(opts.hidden),
         "seed": opts.seed,
         "bucket_mb": opts.bucket_mb,
+        "gloo_ifnames": gloo_ifnames(s.n_paths),  # GLOO_SOCKET_IFNAME of the run
+        **({"powersgd_rank": POWERSGD_RANK} if codec == "powersgd" else {}),
         **opts.extra,
     }
 
 
 def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) -> dict[str, Any]:
-    is_dlcp = backend.startswith("dlcp")
-    codec = opts.codec if is_dlcp else "fp32"
+    b = TABLE[backend]
+    is_dlcp = b.is_dlcp
+    codec = b.codec(opts.codec)
     rec = _record(opts, backend, codec)
     bound = 0.0 if backend == "dlcp-nobound" else opts.bound
     if is_dlcp:
         rec["loss_bound"] = bound
         rec["mode"] = opts.setup.mode
+        if opts.setup.mode == "ps":
+            rec.update(servers=opts.setup.servers, colocate=opts.setup.colocate)
         rec["control_dscp"] = opts.control_dscp
     tb = cluster.tb
     started = time.monotonic()
@@ -129,7 +199,7 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
             cluster.start_dlcp(backend, timeout_s=opts.round_timeout_s)
             if opts.control_dscp:
                 cluster.mark_tcp(opts.control_dscp)
-        elif backend == "gloo-prio":
+        elif b.prio:
             cluster.mark_tcp(GLOO_PRIO_DSCP)
         port = next(_ports)
         argvs = [
@@ -149,9 +219,14 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     "--steps",
                     str(opts.steps),
                     "--batch",
-                    str(opts.batch),
+                    str(opts.per_rank_batch),
                     "--lr",
-                    str(opts.lr),
+                    str(opts.learning_rate),
+                    "--model",
+                    opts.model,
+                    "--overlap",
+                    "on" if opts.overlaps(backend) else "off",
+                    *(["--fsdp"] if opts.fsdp else []),
                     "--hidden",
                     ",".join(map(str, opts.hidden)),
                     "--seed",
@@ -160,22 +235,25 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
                     str(opts.eval_every),
                     "--codec",
                     codec,
-                    *(["--mode", opts.setup.mode] if backend.startswith("dlcp") else []),
+                    *(_mode_args(cluster) if is_dlcp else []),
                     "--bound",
                     str(bound),
                     "--timeout",
                     str(opts.round_timeout_s),
                     "--bucket-mb",
                     str(opts.bucket_mb),
+                    *([] if is_dlcp else ["--hook", b.hook]),
                 ],
             )
-            for h in tb.hosts
+            for h in cluster.train_hosts
         ]
-        env = worker_env({"GLOO_SOCKET_IFNAME": "eth0"})
+        env = worker_env({"GLOO_SOCKET_IFNAME": rec["gloo_ifnames"]})
         say(f"{backend}: starting {len(argvs)} workers")
         _run_workers(cluster, opts, backend, argvs, env, rec, say)
     except BenchError as exc:
         rec["error"] = str(exc)
+        if isinstance(exc, RunStopped):
+            rec["stopped"] = exc.why
         if is_dlcp and cluster.daemons_running:
             tail = cluster.daemon_log_tail(3)
             if tail:
@@ -186,10 +264,20 @@ def run_backend(cluster: Cluster, opts: TrainOptions, backend: str, say: Say) ->
             cluster.stop_dlcp()
         if cluster.log_dir is not None:
             cluster.save_logs(cluster.log_dir, backend)
-        if is_dlcp or backend == "gloo-prio":
+        if is_dlcp or b.prio:
             cluster.mark_tcp(None)
     rec["run_wall_s"] = time.monotonic() - started
     return rec
+
+
+def _mode_args(cluster: Cluster) -> list[str]:
+    """The worker's dlcp mode, and in mode "ps" the servers' sockets (the
+    testbed's hosts after the training hosts) and whether to co-locate."""
+    s = cluster.setup
+    if s.mode != "ps":
+        return ["--mode", s.mode]
+    sockets = ",".join(str(h.socket) for h in cluster.tb.hosts[s.hosts :])
+    return ["--mode", "ps", "--servers", sockets, *(["--colocate"] if s.colocate else [])]
 
 
 def _run_workers(
@@ -204,7 +292,10 @@ def _run_workers(
     from tqdm import tqdm
 
     label = f"train-{cluster.run_label(backend)}"
-    group = WorkerGroup(cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env)
+    bound = RunBound(opts.stall_s)  # the time budget is --budget's (keeping the curve)
+    group = WorkerGroup(
+        cluster.tb, argvs, log_dir=cluster.work_dir, label=label, env=env, bound=bound
+    )
     with group as g, contextlib.ExitStack() as scenario:
         ready = g.expect("ready", 300.0)
         if opts.setup.scenario != "clean":
@@ -212,6 +303,7 @@ def _run_workers(
         scenario.enter_context(cluster.disturbed())  # from here on, not during setup
         rec["params"] = ready[0].get("params")
         rec["acc0"] = ready[0].get("acc0")
+        rec["loss0"] = ready[0].get("loss0")
         bar = tqdm(
             total=opts.steps,
             desc=f"{label:<26}",
@@ -224,6 +316,8 @@ def _run_workers(
         # the curve starts at t = 0 with the untrained model's accuracy
         acc0 = ready[0].get("acc0")
         curve: list[list[float]] = [] if acc0 is None else [[0.0, float(acc0)]]
+        loss0 = ready[0].get("loss0")
+        loss_curve: list[list[float]] = [] if loss0 is None else [[0.0, float(loss0)]]
         seen = {"step": 0, "t": 0.0}
         step_ts: list[float] = []
 
@@ -236,6 +330,7 @@ def _run_workers(
                 bar.set_postfix_str(f"acc {acc:.3f} t {seen['t']:.1f}s")
             elif msg.get("event") == "eval":
                 curve.append([float(msg["t"]), float(msg["acc"])])
+                loss_curve.append([float(msg["t"]), float(msg.get("loss", math.nan))])
 
         budget = opts.time_budget_s
         wait_s = 120.0 + opts.steps * opts.round_timeout_s
@@ -262,7 +357,8 @@ def _run_workers(
             rec["stopped_at_step"] = seen["step"]
             rec["curve"] = curve
             rec["final_acc"] = curve[-1][1] if curve else None
-            rec["tta_s"] = tta_from_curve(curve, opts.target_acc)
+            rec["loss_curve"] = loss_curve
+            rec["tta_s"] = time_to_target(opts, curve, loss_curve)
             rec["wall_s"] = max(seen["t"], float(budget or 0.0))  # trained that long
             gaps = [b - a for a, b in zip([0.0, *step_ts], step_ts, strict=False)]
             rec["step_p50_s"] = percentile(gaps, 50) if gaps else None
@@ -273,7 +369,11 @@ def _run_workers(
     curve = start + [[float(t), float(acc)] for t, acc in r0["curve"]]
     rec["curve"] = curve
     rec["final_acc"] = r0.get("final_acc")
-    rec["tta_s"] = tta_from_curve(curve, opts.target_acc)
+    loss0 = ready_loss(rec)
+    start = [] if loss0 is None else [[0.0, loss0]]
+    rec["loss_curve"] = start + [[float(t), float(v)] for t, v in r0.get("loss_curve") or []]
+    rec["final_loss"] = r0.get("final_loss")
+    rec["tta_s"] = time_to_target(opts, curve, rec["loss_curve"])
     rec["wall_s"] = r0.get("wall_s")
     steps_t = r0.get("step_times_s") or []
     rec["step_p50_s"] = percentile(steps_t, 50) if steps_t else None
@@ -303,6 +403,10 @@ def _run_workers(
             rec["dlcp_last_error"] = errors[0]
 
 
+def ready_loss(rec: dict[str, Any]) -> float | None:
+    return None if rec.get("loss0") is None else float(rec["loss0"])
+
+
 def run_train(
     opts: TrainOptions, say: Say | None = None, *, log_dir: Path | None = None
 ) -> list[dict[str, Any]]:
@@ -312,10 +416,14 @@ def run_train(
         cluster.log_dir = log_dir
         for backend in opts.backends:
             records.append(run_backend(cluster, opts, backend, say))
-    if opts.predict:  # after the runs: the MLP is timed alone, the codecs from the cache
+    # after the runs: the MLP (the model the cost model knows) timed alone, the codecs
+    # from the cache
+    if opts.predict and opts.model == "mlp":
         from dlcp.bench.predict import annotate, train_profile
 
-        profile = functools.partial(train_profile, opts.hidden, opts.bucket_mb, opts.batch)
+        profile = functools.partial(
+            train_profile, opts.hidden, opts.bucket_mb, opts.per_rank_batch
+        )
         annotate(records, profile, kind="train", say=say)
     return records
 
@@ -327,15 +435,18 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     by: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
     for r in records:
         by.setdefault((r["scenario"], r.get("loss_pct", 0.0)), {})[r["backend"]] = r
+    from dlcp.bench.fair import versus
+
     lines = [
-        f"{'scenario':<14} {'backend':<13} {'codec':<5} {'TTA s':>7} {'final':>6} "
-        f"{'step p50':>8} {'wall s':>7} {'bound':>5} {'lost':>6} {'gloo/TTA':>8} {'prio/TTA':>8}"
+        f"{'scenario':<14} {'backend':<18} {'codec':<8} {'TTA s':>7} {'final':>6} "
+        f"{'step p50':>8} {'wall s':>7} {'bound':>5} {'lost':>6} {'gloo/TTA':>8} "
+        f"{'prio/TTA':>8}  TTA/baseline"
     ]
     for r in records:
         scen = r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")
         if r.get("error"):
             why = str(r["error"]).splitlines()[0]
-            lines.append(f"{scen:<14} {r['backend']:<13} {r['codec']:<5} FAILED: {why}")
+            lines.append(f"{scen:<14} {r['backend']:<18} {r['codec']:<8} FAILED: {why}")
             continue
         peers = by[(r["scenario"], r.get("loss_pct", 0.0))]
 
@@ -353,16 +464,23 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         wall = "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}"
         lost = f"{100 * r.get('loss_frac', 0.0):5.2f}%"
         lines.append(
-            f"{scen:<14} {r['backend']:<13} {r['codec']:<5} {tta:>7} {final:>6} {step:>8} "
+            f"{scen:<14} {r['backend']:<18} {r['codec']:<8} {tta:>7} {final:>6} {step:>8} "
             f"{wall:>7} {cpuload.mark(r):>5} {lost:>6} {speedup('gloo'):>8} "
-            f"{speedup('gloo-prio'):>8}"
+            f"{speedup('gloo-prio'):>8}  {versus(r, records)}"
         )
     first = records[0]
+    target = (
+        f"target validation loss {first['target_acc']:g}"
+        if first.get("metric") == "val_loss"
+        else f"target accuracy {100 * first['target_acc']:g} %"
+    )
     lines.append(
-        f"({first['hosts']} ranks, {format_rate(first.get('rate_bps'))} links, "
-        f"target accuracy {100 * first['target_acc']:g} %, {first['steps']} steps; "
+        f"({first.get('model', 'mlp')}, {first['hosts']} ranks, "
+        f"{format_rate(first.get('rate_bps'))} links, {target}, {first['steps']} steps; "
         "gloo/TTA = Gloo's TTA over this backend's: > 1 is faster than Gloo; "
-        "bound: cpu = the run was CPU-bound, net = it was not)"
+        "TTA/baseline = dlcp's TTA over the fastest baseline's whose final accuracy is "
+        "within 0.5 points: < 1 is faster; bound: cpu = the run was CPU-bound, net = it "
+        "was not)"
     )
     lines += cpuload.baseline_notes(
         records, lambda r: r["scenario"] + (f" {r['loss_pct']:g}%" if r.get("loss_pct") else "")

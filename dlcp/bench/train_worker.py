@@ -1,12 +1,17 @@
 """One training rank of `dlcp bench train` (run in a host's namespace; JSON lines).
 
-An MLP on scikit-learn's digits, trained with DistributedDataParallel over a
-Gloo process group. With `--backend dlcp` the gradients go through dlcp's shim
-(`dlcp.shim.init` + `register_comm_hook(state, dlcp.hook)`); with `gloo` through
-DDP's default all-reduce. Same seed, same data order, same model either way.
+A model of `dlcp.bench.workloads` (`--model`: the MLP or the CNN on
+scikit-learn's digits, the byte-level transformer on the stdlib's sources),
+trained with DistributedDataParallel over a Gloo process group. With
+`--backend dlcp` the gradients go through dlcp's shim (`dlcp.shim.init` +
+`register_comm_hook(state, dlcp.hook)`); with `gloo` through DDP's default
+all-reduce, or (`--hook`) PyTorch's fp16, bf16 or PowerSGD hook
+(`dlcp.bench.hooks`). Same seed, same data order, same model either way.
+`--overlap on` (dlcp only): the optimizer runs through `dlcp.overlap`, layer
+by layer in the next forward; every rank flushes before rank 0 evaluates.
 
-Protocol: "ready" -> (go) -> steps; rank 0 sends "step" and "eval" {t, acc}
-events -> "result" {curve, final_acc, steps, ...}.
+Protocol: "ready" -> (go) -> steps; rank 0 sends "step" and "eval" {t, acc,
+loss} events -> "result" {curve (t, acc), loss_curve (t, loss), final_acc, ...}.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import time
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
+
+from dlcp.bench import workloads
+from dlcp.bench.backends import HOOK_CODECS
 
 __all__ = ["build_model", "load_data", "main"]
 
@@ -34,29 +41,11 @@ def emit(event: str, **fields: Any) -> None:
 
 def load_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Digits (8x8 images, 10 classes), features in [0, 1]; 75 % train, 25 % test."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
-    return (
-        torch.from_numpy(xtr),
-        torch.from_numpy(ytr.astype(np.int64)),
-        torch.from_numpy(xte),
-        torch.from_numpy(yte.astype(np.int64)),
-    )
+    return workloads._digits(seed)
 
 
 def build_model(hidden: list[int], seed: int) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    layers: list[torch.nn.Module] = []
-    width = 64
-    for h in hidden:
-        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
-        width = h
-    layers.append(torch.nn.Linear(width, 10))
-    return torch.nn.Sequential(*layers)
+    return workloads.mlp_model(hidden, seed)
 
 
 def cpu_s() -> float:
@@ -78,10 +67,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--codec", default="fp32")
-    p.add_argument("--mode", choices=("transpose", "switch"), default="transpose")
+    p.add_argument("--mode", choices=("transpose", "switch", "ps"), default="transpose")
+    p.add_argument("--servers", default="", help="mode ps: the servers' sockets, comma-separated")
+    p.add_argument("--colocate", action="store_true", help="mode ps: the hosts aggregate too")
     p.add_argument("--bound", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--hook",
+        choices=tuple(HOOK_CODECS),
+        default="default",
+        help="gloo: DDP's default hook, or PyTorch's fp16/bf16/PowerSGD hook (dlcp.bench.hooks)",
+    )
+    p.add_argument("--model", choices=tuple(workloads.MODELS), default="mlp")
+    p.add_argument("--overlap", choices=("on", "off"), default="off")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 instead of DDP (dlcp: its torch.distributed backend, dlcp.shim.backend)",
+    )
     a = p.parse_args(argv)
     try:
         run(a)
@@ -114,49 +118,95 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+def _fully_shard(model: torch.nn.Module, a: argparse.Namespace) -> torch.nn.Module:
+    """FSDP2 over the model's blocks (the transformer's, else each layer with
+    parameters), then the whole; for dlcp on a process group of backend "dlcp"
+    (the codec and bound of the run), for gloo on the default group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    if a.backend == "dlcp":
+        import dlcp.shim
+
+        dlcp.shim.backend_options(codec=a.codec, loss_bound=a.bound, round_timeout_s=a.timeout)
+        group = dist.new_group(backend="dlcp")
+    else:
+        group = dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, "cpu")
+    blocks = getattr(model, "blocks", None)
+    units = list(blocks) if blocks is not None else [
+        m for m in model.modules() if m is not model and any(m.parameters(recurse=False))
+    ]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def run(a: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init_group(a)
-    xtr, ytr, xte, yte = load_data()
-    mine = torch.arange(a.rank, len(xtr), a.world)  # this rank's shard
+    w = workloads.workload(a.model)
     hidden = [int(h) for h in a.hidden.split(",") if h]
-    model = build_model(hidden, a.seed)
+    model, data = workloads.build(a.model, rank=a.rank, world=a.world, seed=a.seed, hidden=hidden)
     params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, bucket_cap_mb=a.bucket_mb)
     state = None
-    if a.backend == "dlcp":
+    optim_cls = getattr(torch.optim, w.optimizer)
+    opt: Any
+    # FSDP: no comm hook, the process group carries its collectives
+    ddp: Any = _fully_shard(model, a) if a.fsdp else DDP(model, bucket_cap_mb=a.bucket_mb)
+    if a.fsdp:
+        pass
+    elif a.backend == "dlcp":
         import dlcp.shim as dlcp
 
+        ps = {"servers": a.servers or None, "colocate": a.colocate} if a.mode == "ps" else {}
         state = dlcp.init(
-            codec=a.codec, loss_bound=a.bound, model=model, round_timeout_s=a.timeout, mode=a.mode
+            codec=a.codec,
+            loss_bound=a.bound,
+            model=model,
+            round_timeout_s=a.timeout,
+            mode=a.mode,
+            **ps,
         )
         ddp.register_comm_hook(state, dlcp.hook)
-    opt = torch.optim.Adam(ddp.parameters(), lr=a.lr)
+    else:
+        from dlcp.bench.hooks import register
+
+        register(ddp, a.hook)
+    if a.overlap == "on" and state is not None:
+        opt = dlcp.overlap(ddp, state, optim_cls, lr=a.lr)
+    else:
+        opt = optim_cls(ddp.parameters(), lr=a.lr)
+    flush = getattr(opt, "flush", lambda: None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps))
     )
     gen = torch.Generator().manual_seed(a.seed * 7919 + a.rank)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        idx = mine[torch.randint(0, len(mine), (a.batch,), generator=gen)]
-        return xtr[idx], ytr[idx]
+        return data.batch(a.batch, gen)
 
-    def evaluate() -> float:
-        with torch.no_grad():
-            return float((model(xte).argmax(1) == yte).float().mean())
+    def evaluate() -> tuple[float, float]:
+        return data.evaluate(ddp if a.fsdp else model)
 
     # Warm-up: one backward through the hook (attaches dlcp), no update.
     xb, yb = batch()
-    torch.nn.functional.cross_entropy(ddp(xb), yb).backward()
+    workloads.loss_of(ddp(xb), yb).backward()
     opt.zero_grad(set_to_none=True)
     dist.barrier()
-    emit("ready", params=params, acc0=evaluate() if a.rank == 0 else None)
+    # FSDP's forward is a collective: every rank evaluates (rank 0 reports)
+    evaluates = a.rank == 0 or a.fsdp
+    first = evaluate() if evaluates else (None, None)
+    emit("ready", params=params, acc0=first[0], loss0=first[1])
     if not sys.stdin.readline():
         raise SystemExit("orchestrator went away")
     dist.barrier()
     curve: list[list[float]] = []
+    loss_curve: list[list[float]] = []
     step_times: list[float] = []
     step_starts: list[float] = []  # time.monotonic(): the orchestrator's clock too
     c0 = cpu_s()
@@ -165,29 +215,42 @@ def run(a: argparse.Namespace) -> None:
         ts = time.perf_counter()
         step_starts.append(time.monotonic())
         xb, yb = batch()
-        loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
+        loss = workloads.loss_of(ddp(xb), yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
+        evaluating = (step + 1) % a.eval_every == 0 or step + 1 == a.steps
+        if evaluating:
+            flush()  # every rank: the updates still in flight, before rank 0 reads them
         step_times.append(time.perf_counter() - ts)
+        if a.rank != 0 and a.fsdp and evaluating:
+            evaluate()
         if a.rank == 0:
             t = time.perf_counter() - t0
-            if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
-                acc = evaluate()
+            if evaluating:
+                acc, val = evaluate()
                 curve.append([t, acc])
-                emit("eval", step=step + 1, t=t, acc=acc)
+                loss_curve.append([t, val])
+                emit("eval", step=step + 1, t=t, acc=acc, loss=val)
             emit("step", step=step + 1, t=t, loss=float(loss.detach()))
+    flush()
     wall = time.perf_counter() - t0
     cpu = cpu_s() - c0
     stats: dict[str, Any] = {}
+    if a.fsdp and a.backend == "dlcp":
+        from dlcp.shim import backend
+
+        stats = backend.groups()[0].state.stats()
     if state is not None:
         stats = state.stats()
         dist.barrier()  # leave the daemon's job only when every rank is done
         state.close()
     result: dict[str, Any] = {
         "curve": curve,
+        "loss_curve": loss_curve,
         "final_acc": curve[-1][1] if curve else None,
+        "final_loss": loss_curve[-1][1] if loss_curve else None,
         "steps": a.steps,
         "wall_s": wall,
         "cpu_s": cpu,

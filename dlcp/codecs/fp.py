@@ -166,8 +166,9 @@ def mean_of_float_sums(
     """The mean from float result lanes: each packet's sums over its contributors
     (0 where none contributed). Shared by the codecs whose owner sums floats.
 
-    With one count for every packet (an int) the mean is one division, into
-    `out` where given (1-D float32 of `numel`, e.g. the bucket itself)."""
+    With one count for every packet (an int) the mean is one division; with a
+    count per packet, one division a packet. Either goes into `out` where given
+    (1-D float32 of `numel`, e.g. the bucket itself), with no temporaries."""
     check_per_packet(per_packet)
     if sums.numel() != numel:
         raise LocalError(f"{sums.numel()} summed lanes for a bucket of {numel} values")
@@ -183,11 +184,37 @@ def mean_of_float_sums(
             return torch.div(s, contributors, out=out)
         return torch.zeros_like(s) if out is None else out.zero_()
     if out is not None:
-        raise LocalError("a mean into `out` needs one contributor count for every packet")
+        return _per_packet_mean_into(s, contributors, numel, per_packet, out)
     c = contributors_per_lane(contributors, numel, per_packet, s.device)
     view = per_packet_view(s, per_packet)
     mean = torch.where(c > 0, view / c.clamp(min=1), 0.0)
     return mean.reshape(-1)[:numel]
+
+
+def _per_packet_mean_into(
+    s: torch.Tensor, contributors: torch.Tensor, numel: int, per_packet: int, out: torch.Tensor
+) -> torch.Tensor:
+    """`s` over one contributor count per packet, written into `out` in one pass
+    (no lane-sized temporaries): the same float32 divisions, so the same bits,
+    as the general path; packets nobody contributed to are 0."""
+    packets = -(-numel // per_packet)
+    c = torch.as_tensor(contributors).to(device=s.device, dtype=torch.float32).reshape(-1)
+    if c.numel() != packets or out.numel() != numel or out.dim() != 1:
+        raise LocalError(
+            f"a mean into `out` takes one count per packet ({packets}) and a 1-D out of "
+            f"{numel}, not {c.numel()} counts and out of shape {tuple(out.shape)}"
+        )
+    whole = numel // per_packet
+    d = c.clamp(min=1).view(packets, 1)
+    if whole:
+        n = whole * per_packet
+        torch.div(s[:n].view(whole, per_packet), d[:whole], out=out[:n].view(whole, per_packet))
+    if whole < packets:
+        torch.div(s[whole * per_packet :], d[whole], out=out[whole * per_packet :])
+    empty = (c == 0).nonzero().reshape(-1).tolist()
+    for k in empty:  # rare: a packet every contribution of which was lost
+        out[k * per_packet : (k + 1) * per_packet] = 0.0
+    return out
 
 
 class Fp32Codec(FloatCodec):

@@ -9,7 +9,7 @@ parts (`engine_out`, `engine_in`, `bookkeeping`) share them from here.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -36,6 +36,8 @@ __all__ = [
     "SendBatch",
     "manifest_capacity",
     "nack_capacity",
+    "ps_problem",
+    "ps_shards",
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
@@ -54,6 +56,33 @@ LOWEST_RELIABLE_CLASS = 5
 
 # shards of a bucket in a "switch" job (`JobSpec.switch`): the pipeline's depth
 SWITCH_SHARDS = 8
+
+
+def ps_shards(aggregators: int) -> int:
+    """How a "ps" job cuts its buckets among `aggregators` servers: at least
+    SWITCH_SHARDS, the same number each (BytePS's partitions: a server sums and
+    sends back one while the next comes in, so up and down overlap)."""
+    return -(-SWITCH_SHARDS // max(1, aggregators)) * max(1, aggregators)
+
+
+def ps_problem(hosts: int, aggregators: Sequence[int], contributors: Sequence[int]) -> str | None:
+    """Why a "ps" job of `hosts` nodes with these aggregators (shard owners) and
+    contributors cannot work, or None if it can."""
+    if not aggregators:
+        return "a ps job needs at least one aggregator"
+    if not contributors:
+        return "a ps job needs at least one contributor"
+    for name, nodes in (("aggregator", aggregators), ("contributor", contributors)):
+        for i in nodes:
+            if not 0 <= i < hosts:
+                return f"{name} {i} is not a host of the job (hosts 0..{hosts - 1})"
+        if len(set(nodes)) != len(nodes):
+            dup = sorted({i for i in nodes if list(nodes).count(i) > 1})
+            return f"{name}s list host(s) {dup} twice"
+    idle = sorted(set(range(hosts)) - set(aggregators) - set(contributors))
+    if idle:
+        return f"host(s) {idle} neither aggregate nor contribute"
+    return None
 
 
 @dataclass(frozen=True)
@@ -87,6 +116,30 @@ class JobSpec:
         return cls(
             job=job, key=key, me=me, contributors=tuple(range(agg)), owners=(agg,) * shards, **kw
         )
+
+    @classmethod
+    def ps(
+        cls,
+        job: int,
+        key: bytes,
+        me: int,
+        hosts: int,
+        aggregators: Sequence[int],
+        contributors: Sequence[int],
+        shards: int | None = None,
+        **kw: Any,
+    ) -> JobSpec:
+        """A parameter-server job: `aggregators` own the shards (`shards` of
+        them, default `len(aggregators)`, dealt round robin), `contributors`
+        send. An aggregator may contribute too (co-located servers)."""
+        why = ps_problem(hosts, aggregators, contributors)
+        n = len(aggregators) if shards is None else shards
+        if why is None and not (1 <= n <= 65535 and n % len(aggregators) == 0):
+            why = f"{n} shards do not deal evenly among {len(aggregators)} aggregators"
+        if why is not None:
+            raise LocalError(f"job {job}: {why}")
+        owners = tuple(aggregators[s % len(aggregators)] for s in range(n))
+        return cls(job=job, key=key, me=me, contributors=tuple(contributors), owners=owners, **kw)
 
     def __post_init__(self) -> None:
         if not self.contributors or not self.owners:

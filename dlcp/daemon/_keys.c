@@ -1057,7 +1057,180 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(by_path_doc,
+"by_path(datagrams, paths, n) -> (groups, indices, offsets, increasing)\n\n"
+"A multi-path batch cut by path (`paths`: one int in 0 .. n - 1 a datagram):\n"
+"for each path 0 .. n - 1, the list of its datagrams in their order, the\n"
+"list of their places in the batch, the bytes of their offset fields\n"
+"(header bytes 28..31, four a datagram) and whether those offsets strictly\n"
+"increase; four Nones for a path with none. packet_keys._py_by_path is the\n"
+"definition.");
+
+#define OFFSET_AT 28
+
+static PyObject *
+by_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "by_path() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t np_ = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+    if (np_ == -1 && PyErr_Occurred())
+        return NULL;
+    if (np_ < 1 || np_ > 256) {
+        PyErr_SetString(PyExc_ValueError, "n must be 1 to 256");
+        return NULL;
+    }
+    PyObject *dgs = PySequence_Fast(args[0], "datagrams must be a sequence");
+    if (dgs == NULL)
+        return NULL;
+    PyObject *pth = PySequence_Fast(args[1], "paths must be a sequence");
+    PyObject *out = NULL, *groups = NULL, *indices = NULL, *offsets = NULL, *increasing = NULL;
+    Py_ssize_t *counts = NULL, *fill = NULL;
+    unsigned char *which = NULL;
+    if (pth == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dgs);
+    if (PySequence_Fast_GET_SIZE(pth) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd datagrams but %zd paths", n,
+                     PySequence_Fast_GET_SIZE(pth));
+        goto done;
+    }
+    counts = PyMem_Calloc((size_t)np_, sizeof *counts);
+    fill = PyMem_Calloc((size_t)np_, sizeof *fill);
+    which = PyMem_Malloc(n > 0 ? (size_t)n : 1);
+    if (counts == NULL || fill == NULL || which == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* first pass: each datagram's path, checked, and each path's count */
+    PyObject **ps = PySequence_Fast_ITEMS(pth);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long p = PyLong_AsLong(ps[i]);
+        if (p == -1 && PyErr_Occurred())
+            goto done;
+        if (p < 0 || p >= np_) {
+            PyErr_Format(PyExc_ValueError, "path %ld of datagram %zd is not in 0..%zd", p, i,
+                         np_ - 1);
+            goto done;
+        }
+        which[i] = (unsigned char)p;
+        counts[p]++;
+    }
+    groups = PyList_New(np_);
+    indices = PyList_New(np_);
+    offsets = PyList_New(np_);
+    increasing = PyList_New(np_);
+    if (groups == NULL || indices == NULL || offsets == NULL || increasing == NULL)
+        goto fail;
+    for (Py_ssize_t p = 0; p < np_; p++) {
+        PyObject *g = Py_None, *x = Py_None, *o = Py_None;
+        if (counts[p]) {
+            g = PyList_New(counts[p]);
+            x = PyList_New(counts[p]);
+            o = PyBytes_FromStringAndSize(NULL, 4 * counts[p]);
+            if (g == NULL || x == NULL || o == NULL) {
+                Py_XDECREF(g);
+                Py_XDECREF(x);
+                Py_XDECREF(o);
+                goto fail;
+            }
+        } else {
+            Py_INCREF(g);
+            Py_INCREF(x);
+            Py_INCREF(o);
+        }
+        PyList_SET_ITEM(groups, p, g);
+        PyList_SET_ITEM(indices, p, x);
+        PyList_SET_ITEM(offsets, p, o);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(increasing, p, Py_None);
+    }
+    /* second pass: each datagram into its path's lists; its offset read from
+     * its header (a buffer export may run code: the list is read afresh) */
+    uint32_t *last = PyMem_Calloc((size_t)np_, sizeof *last);
+    unsigned char *ordered = PyMem_Malloc((size_t)np_);
+    if (last == NULL || ordered == NULL) {
+        PyMem_Free(last);
+        PyMem_Free(ordered);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    memset(ordered, 1, (size_t)np_);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dg = item_at(dgs, i);
+        if (dg == NULL)
+            goto fail2;
+        Py_INCREF(dg); /* ours while its buffer is read: that may run code */
+        Py_buffer view;
+        int have_view;
+        const char *h = header_of(dg, i, &view, &have_view);
+        if (h == NULL) {
+            Py_DECREF(dg);
+            goto fail2;
+        }
+        const unsigned char *u = (const unsigned char *)h + OFFSET_AT;
+        uint32_t off = ((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) |
+                       (uint32_t)u[3];
+        unsigned p = which[i];
+        Py_ssize_t k = fill[p];
+        if (k >= counts[p]) { /* cannot happen: the counts came from `which` */
+            if (have_view)
+                PyBuffer_Release(&view);
+            Py_DECREF(dg);
+            PyErr_SetString(PyExc_RuntimeError, "by_path: a path's count overflowed");
+            goto fail2;
+        }
+        memcpy(PyBytes_AS_STRING(PyList_GET_ITEM(offsets, p)) + 4 * k, u, 4);
+        if (have_view)
+            PyBuffer_Release(&view);
+        if (k > 0 && off <= last[p])
+            ordered[p] = 0;
+        last[p] = off;
+        PyObject *idx = PyLong_FromSsize_t(i);
+        if (idx == NULL) {
+            Py_DECREF(dg);
+            goto fail2;
+        }
+        PyList_SET_ITEM(PyList_GET_ITEM(groups, p), k, dg);
+        PyList_SET_ITEM(PyList_GET_ITEM(indices, p), k, idx);
+        fill[p] = k + 1;
+    }
+    for (Py_ssize_t p = 0; p < np_; p++) {
+        if (counts[p]) {
+            PyObject *b = ordered[p] ? Py_True : Py_False;
+            Py_INCREF(b);
+            PyObject *old = PyList_GET_ITEM(increasing, p);
+            PyList_SET_ITEM(increasing, p, b);
+            Py_DECREF(old);
+        }
+    }
+    PyMem_Free(last);
+    PyMem_Free(ordered);
+    out = PyTuple_Pack(4, groups, indices, offsets, increasing);
+    goto fail;
+fail2:
+    PyMem_Free(last);
+    PyMem_Free(ordered);
+    /* lists not wholly filled hold NULLs, which their freeing skips */
+fail:
+    Py_XDECREF(groups);
+    Py_XDECREF(indices);
+    Py_XDECREF(offsets);
+    Py_XDECREF(increasing);
+done:
+    PyMem_Free(counts);
+    PyMem_Free(fill);
+    PyMem_Free(which);
+    Py_DECREF(dgs);
+    Py_XDECREF(pth);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"by_path", (PyCFunction)(void (*)(void))by_path, METH_FASTCALL, by_path_doc},
     {"by_class", (PyCFunction)(void (*)(void))by_class, METH_FASTCALL, by_class_doc},
     {"clamped_classes", (PyCFunction)(void (*)(void))clamped_classes, METH_FASTCALL,
      clamped_classes_doc},

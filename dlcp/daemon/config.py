@@ -57,6 +57,7 @@ class JobConfig:
     mode: str = "transpose"
     aggregators: tuple[int, ...] = ()
     contributors: tuple[int, ...] = ()
+    shards: int | None = None  # "ps": shards dealt among the aggregators (default: one each)
 
 
 @dataclass
@@ -208,7 +209,16 @@ def _peer(v: Any, name: str, default_port: int) -> PeerConfig:
 def _job(v: Any, i: int, default_port: int) -> JobConfig:
     name = f"jobs[{i}]"
     _need(isinstance(v, dict), f"{name} must be a table")
-    unknown = set(v) - {"job", "key", "hosts", "me", "mode", "aggregators", "contributors"}
+    unknown = set(v) - {
+        "job",
+        "key",
+        "hosts",
+        "me",
+        "mode",
+        "aggregators",
+        "contributors",
+        "shards",
+    }
     _need(not unknown, f"{name}: unknown keys {sorted(unknown)}")
     try:
         key = bytes.fromhex(str(v.get("key", "")))
@@ -234,6 +244,7 @@ def _job(v: Any, i: int, default_port: int) -> JobConfig:
         contributors=tuple(
             _int(a, f"{name}.contributors", 0, 65535) for a in v.get("contributors", [])
         ),
+        shards=_int(v["shards"], f"{name}.shards", 1, 65535) if "shards" in v else None,
     )
 
 

@@ -90,6 +90,7 @@ class LocalPart:
     layers: np.ndarray | None
     norms: np.ndarray | None
     block_max: np.ndarray | None
+    n_layers: int | None = None  # the model's layer count ("layers" of the submit)
 
 
 @dataclass(eq=False)

@@ -8,6 +8,7 @@ a packet costs no metrics locking. docs/metrics.md lists every name.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -253,15 +254,15 @@ class DaemonCollector(Collector):
                     {"path": str(i), "peer": peer.name},
                     ps.loss_rate,
                 )
+                # a peer's one path is not probed: always in use (up), with no
+                # transitions and no probe round trip (NaN), but a path all the same
                 health = peer.health
-                if health is None:  # one path: not probed, always in use
-                    continue
-                now_state = health.status(i)
+                now_state = PathStatus.UP if health is None else health.status(i)
                 for st in PathStatus:
                     gauge(
                         "dlcp_path_state",
-                        "1 for a path's current state (up, suspect, down, probing), 0 for "
-                        "the others; only peers with two or more paths are probed",
+                        "1 for a path's current state (up, suspect, down, probing, degraded), "
+                        "0 for the others; a peer's only path is not probed and always up",
                         {"path": str(i), "peer": peer.name, "state": st.label},
                         1.0 if st == now_state else 0.0,
                     )
@@ -269,16 +270,16 @@ class DaemonCollector(Collector):
                         "dlcp_path_transitions_total",
                         "Times a path entered a state",
                         {"path": str(i), "peer": peer.name, "to": st.label},
-                        health.transitions[(i, st)],
+                        0 if health is None else health.transitions[(i, st)],
                     )
-                rtt = health.rtt(i)
-                if rtt is not None:
-                    gauge(
-                        "dlcp_path_probe_rtt_seconds",
-                        "Smoothed round trip of a path's probes",
-                        {"path": str(i), "peer": peer.name},
-                        rtt,
-                    )
+                rtt = None if health is None else health.rtt(i)
+                gauge(
+                    "dlcp_path_probe_rtt_seconds",
+                    "Smoothed round trip of a path's probes (NaN until one is answered; "
+                    "a peer's only path is not probed)",
+                    {"path": str(i), "peer": peer.name},
+                    math.nan if rtt is None else rtt,
+                )
             if peer.health is not None:
                 for kind, n in (("sent", peer.health.probes_sent), ("echoed", peer.health.echoes)):
                     counter(

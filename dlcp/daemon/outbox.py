@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 
 import numpy as np
 
@@ -558,15 +557,8 @@ class Outbox(SendingHalf):
             kind = bytes((_DATA,))
         prefix = bytes(datagram[8:22])  # job, round, bucket, shard: where every header has them
         lost = [0] * len(paths)
-        new, old = peer.tracked, peer.tracked_old
-        raw = offsets.astype(">u4").tobytes()
-        for i in range(0, len(raw), 4):
-            key = kind + prefix + raw[i : i + 4]
-            p = new.pop(key, None)
-            q = old.pop(key, None)
-            if p is None:
-                p = q
-            if p is not None and p < len(lost):
+        for p in peer.sent_paths.pop(kind + prefix, offsets.astype(">u4").tobytes()):
+            if 0 <= p < len(lost):
                 lost[p] += 1
         for p, k in enumerate(lost):
             if k:
@@ -574,15 +566,20 @@ class Outbox(SendingHalf):
 
     @staticmethod
     def _track(
-        peer: Peer, keys: Iterable[bytes], per_shard: Iterable[tuple[bytes, int]], path: int
+        peer: Peer,
+        notes: Iterable[tuple[bytes, bytes]],
+        per_shard: Iterable[tuple[bytes, int]],
+        path: int,
     ) -> None:
-        """Remember the path of DATA/RESULT datagrams that went on `path` (`keys`:
-        their leg, job, round, bucket, shard and offset, as `on_nack` looks them
-        up), and count them per shard and path for the shard's DONE (`per_shard`:
-        (barrier key, packets), in order of first appearance)."""
-        tracked = peer.tracked
+        """Remember the path of DATA/RESULT datagrams that went on `path` (`notes`:
+        (barrier key, offset fields) of each run of one shard and leg, as
+        `on_nack` looks them up), and count them per shard and
+        path for the shard's DONE (`per_shard`: (barrier key, packets), in order
+        of first appearance)."""
+        sent = peer.sent_paths
+        for bkey, offsets in notes:
+            sent.note(bkey, offsets, path)
         shard_paths = peer.shard_paths
-        tracked.update(zip(keys, repeat(path)))
         for bkey, k in per_shard:
             counts = shard_paths.get(bkey)
             if counts is None:
@@ -591,9 +588,7 @@ class Outbox(SendingHalf):
         if len(shard_paths) > SHARDS_TRACKED:  # DONEs that never went: forget the oldest
             for bkey in list(shard_paths)[: len(shard_paths) // 2]:
                 del shard_paths[bkey]
-        if len(tracked) > TRACKED_PER_GENERATION:
-            peer.tracked_old = tracked
-            peer.tracked = {}
+        sent.rotate(TRACKED_PER_GENERATION)
 
     def queued(self) -> int:
         return sum(p.queued for p in self.peers.values())

@@ -161,6 +161,47 @@ def _py_by_class(
     return out, trail
 
 
+def _py_by_path(
+    datagrams: Sequence[bytes], paths: Sequence[int], n: int
+) -> tuple[list[list[bytes] | None], list[list[int] | None], list[bytes | None], list[bool | None]]:
+    """A multi-path batch cut by path (`paths`: one path in 0 .. n - 1 a
+    datagram): for each path, its datagrams in their order, their places in
+    the batch, their offset fields (header bytes 28..31, four a datagram) and
+    whether those offsets strictly increase (four Nones: a path with none).
+    `SendingHalf._send` sends each path's part and notes their offsets for
+    NACKs (`SentPaths`) with no step a datagram."""
+    if not 1 <= n <= 256:
+        raise ValueError("n must be 1 to 256")
+    if len(datagrams) != len(paths):
+        raise ValueError(f"{len(datagrams)} datagrams but {len(paths)} paths")
+    groups: list[list[bytes] | None] = [None] * n
+    places: list[list[int] | None] = [None] * n
+    for i, p in enumerate(paths):
+        if not 0 <= p < n:
+            raise ValueError(f"path {p} of datagram {i} is not in 0..{n - 1}")
+    offsets: list[bytes | None] = [None] * n
+    rising: list[bool | None] = [None] * n
+    for i, (dg, p) in enumerate(zip(datagrams, paths, strict=True)):
+        if len(dg) < _ID_END:
+            raise ValueError(
+                f"datagram {i} is {len(dg)} bytes: shorter than the {_ID_END} "
+                "header bytes an identity takes"
+            )
+        g, x = groups[p], places[p]
+        if g is None or x is None:
+            g, x = groups[p], places[p] = [], []
+            offsets[p], rising[p] = b"", True
+        off = bytes(dg[28:32])
+        prev = offsets[p]
+        assert prev is not None
+        if prev and off <= prev[-4:]:  # big endian: bytes compare as the numbers
+            rising[p] = False
+        offsets[p] = prev + off
+        g.append(dg)
+        x.append(i)
+    return groups, places, offsets, rising
+
+
 def _py_clamped_classes(priorities: list[int], n: int) -> tuple[list[int], bool]:
     """`priorities` each clamped into 0 .. n - 1 (the same list where all are
     in range already), and whether they are all one class."""
@@ -185,6 +226,7 @@ if NATIVE_KEYS:
     _shard_keys = _keys.shard_keys
     _unqueue = _keys.unqueue
     _by_class = _keys.by_class
+    _by_path = _keys.by_path
     _clamped_classes = _keys.clamped_classes
 else:
     _identities = _py_identities
@@ -192,6 +234,7 @@ else:
     _shard_keys = _py_shard_keys
     _unqueue = _py_unqueue
     _by_class = _py_by_class
+    _by_path = _py_by_path
     _clamped_classes = _py_clamped_classes
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from dlcp.core.pathhealth import PathHealth
 from dlcp.core.rate import Pacer, PathRates
 from dlcp.daemon.packet_keys import _DATA, _DR, _RESULT, NATIVE_KEYS, _keys
+from dlcp.daemon.sentpaths import SentPaths
 from dlcp.daemon.transport import UdpPath
 from dlcp.policies import LoadBalancer, PathState
 from dlcp.wire.header import Flags
@@ -84,10 +85,9 @@ class Peer:
     held: dict[bytes, list[tuple[bytes, int]]] = field(default_factory=dict)
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
-    # path of recently sent DATA/RESULT packets, keyed as in `Outbox._track` (multi-path
-    # peers only); two generations: when `tracked` fills up it becomes `tracked_old`
-    tracked: dict[bytes, int] = field(default_factory=dict)
-    tracked_old: dict[bytes, int] = field(default_factory=dict)
+    # path of recently sent DATA/RESULT packets, as `Outbox._track` notes them
+    # (multi-path peers only): a chunk a send, in two generations
+    sent_paths: SentPaths = field(default_factory=SentPaths)
     # packets per path of each recent shard and leg (barrier key), multi-path peers
     # only: its DONEs take the path that carried the most (bounded: SHARDS_TRACKED)
     shard_paths: dict[bytes, list[int]] = field(default_factory=dict)

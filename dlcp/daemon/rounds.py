@@ -150,7 +150,7 @@ class RoundLifecycle:
         block_max = np.max(bmaxes, axis=0) if bmaxes else None
         classes = self.priority.classify(
             layers=layers.astype(np.int64),
-            n_layers=int(layers.max()) + 1 if n else 1,
+            n_layers=self._model_layers(parts, layers),
             norms=norms,
             counts=counts,
         )
@@ -187,6 +187,15 @@ class RoundLifecycle:
         self._pump()
 
     @staticmethod
+    def _model_layers(parts: list[LocalPart], layers: np.ndarray) -> int:
+        """The layer count packets rank against: the model's, as the ranks sent it
+        (so a front bucket's packets rank as front layers of the whole model), or,
+        from a rank that did not send it, the bucket's own highest layer + 1."""
+        own = int(layers.max()) + 1 if layers.size else 1
+        sent = [p.n_layers for p in parts if p.n_layers is not None]
+        return max(own, *sent) if sent else own
+
+    @staticmethod
     def _mapped_out(part: LocalPart, codec: Codec, total: int) -> np.ndarray | None:
         """The rank's result lanes in its mapped segment, where the engine may
         store results as they arrive (no copy at the end), if the segment is
@@ -209,6 +218,7 @@ class RoundLifecycle:
         payload: int,
         aggregators: tuple[int, ...] = (),
         contributors: tuple[int, ...] = (),
+        shards: int | None = None,
         static: bool = False,
     ) -> JobState:
         H = len(hosts)
@@ -232,20 +242,22 @@ class RoundLifecycle:
                 raise bad_request("a switch job needs hosts and the switch's aggregator last")
             spec = JobSpec.switch(job, key, me, H, payload=payload, mac=self.config.mac)
         elif mode in ("ps", "switch"):
-            aggs = aggregators or (0,)
-            contr = contributors or tuple(i for i in range(H) if i not in aggs)
-            for i in (*aggs, *contr):
-                if not 0 <= i < H:
-                    raise bad_request(f"host index {i} out of range")
-            spec = JobSpec(
-                job=job,
-                key=key,
-                me=me,
-                contributors=contr,
-                owners=aggs,
-                payload=payload,
-                mac=self.config.mac,
-            )
+            # the hosts that do not aggregate contribute, unless named
+            contr = contributors or tuple(i for i in range(H) if i not in aggregators)
+            try:
+                spec = JobSpec.ps(
+                    job,
+                    key,
+                    me,
+                    H,
+                    aggregators,
+                    contr,
+                    shards,
+                    payload=payload,
+                    mac=self.config.mac,
+                )
+            except LocalError as exc:
+                raise bad_request(str(exc)) from None
         else:
             raise bad_request(f"mode must be transpose, ps or switch, not {mode!r}")
         state = JobState(spec=spec, hosts=hosts, local_ranks=local_ranks, mode=mode, static=static)
@@ -289,6 +301,7 @@ class RoundLifecycle:
             payload=self.config.payload,
             aggregators=jc.aggregators,
             contributors=jc.contributors,
+            shards=jc.shards,
             static=True,
         )
         self.jobs[jc.job] = state

@@ -26,8 +26,9 @@ from dlcp.daemon.packet_keys import (
     _DR,
     NATIVE_KEYS,
     _barrier_key,
-    _identities_heads,
+    _by_path,
     _identity,
+    _shard_keys,
     _take,
     _unqueue,
 )
@@ -80,6 +81,58 @@ PACING_QUANTUM = 0.001
 CATCH_UP_SECONDS = 0.02
 
 
+# by type byte: 1 for a DONE; by flags byte: 1 where RETRANSMIT is set
+_DONE_TABLE = bytes(1 if t == _DONE else 0 for t in range(256))
+_RESENT_TABLE = bytes(1 if f & _F_RETRANSMIT else 0 for f in range(256))
+
+
+def _or_bytes(a: bytes, b: bytes) -> bytes:
+    """`a | b` byte by byte (both of 0s and 1s, of one length), in bigint steps."""
+    return (int.from_bytes(a, "little") | int.from_bytes(b, "little")).to_bytes(len(a), "little")
+
+
+def _places(mask: bytes) -> list[int]:
+    """The places of the 1s in `mask` (a few, usually: a find each)."""
+    out = []
+    k = mask.find(1)
+    while k >= 0:
+        out.append(k)
+        k = mask.find(1, k + 1)
+    return out
+
+
+def _runs_of(
+    out: list[int],
+    bkeys: Sequence[bytes | None],
+    offsets: bytes,
+    resent: set[int],
+) -> tuple[list[tuple[bytes, bytes]], Iterable[tuple[bytes, int]]]:
+    """What `Outbox._track` notes of the packets at places `out` that went on
+    one path (`offsets`: their offset fields in that order; `bkeys` the
+    batch's barrier keys, None for other types): per run of one shard and leg,
+    the offsets of its first transmissions; and the DATA/RESULT packets
+    counted per shard and leg, in order of first appearance."""
+    notes: list[tuple[bytes, bytes]] = []
+    counts: Counter[bytes] = Counter()
+    run: list[bytes] = []
+    key: bytes | None = None
+    for j, i in enumerate(out):
+        b = bkeys[i]
+        if b is None:
+            continue
+        counts[b] += 1
+        if i in resent:
+            continue
+        if b is not key and b != key:
+            if run and key is not None:
+                notes.append((key, b"".join(run)))
+            run, key = [], b
+        run.append(offsets[4 * j : 4 * j + 4])
+    if run and key is not None:
+        notes.append((key, b"".join(run)))
+    return notes, counts.items()
+
+
 def _batch(
     q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
 ) -> tuple[list[bytes], Sequence[int]]:
@@ -121,7 +174,7 @@ class SendingHalf:
         @staticmethod
         def _track(
             peer: Peer,
-            keys: Iterable[bytes],
+            notes: Iterable[tuple[bytes, bytes]],
             per_shard: Iterable[tuple[bytes, int]],
             path: int,
         ) -> None: ...
@@ -231,8 +284,7 @@ class SendingHalf:
                     peer.queued -= sent
             else:
                 batch, sizes = _batch(q, min(BATCH_BYTES, window), min(MAX_GSO_SEGMENTS, run))
-                ids, heads = _identities_heads(batch)
-                sent, held, full = self._send(peer, batch, ids, heads, i, waits, now)
+                sent, held, full = self._send(peer, batch, i, waits, now)
                 if sent:  # the batch's first `sent` (`_send` took those sent behind)
                     if i < FRONT:
                         _took(peer, i, sent)
@@ -251,18 +303,15 @@ class SendingHalf:
         self,
         peer: Peer,
         batch: list[bytes],
-        ids: list[bytes],
-        heads: list[bytes],
         queue: int,
         waits: list[float] | None,
         now: float,
     ) -> tuple[int, bool, bool]:
-        """Send what of `batch` (`ids`: their identities, `heads` the first `_BKEY`
-        bytes of those) the balancer puts on
-        paths with budget (`waits` 0, or no pacing), for a peer with several
-        paths; returns (sent from the head, some held for a path without budget,
-        socket full). Packets sent behind an unsent one leave the queue here;
-        the unsent stay at its head, to be assigned again."""
+        """Send what of `batch` the balancer puts on paths with budget (`waits`
+        0, or no pacing), for a peer with several paths; returns (sent from
+        the head, some held for a path without budget, socket full). Packets
+        sent behind an unsent one leave the queue here; the unsent stay at its
+        head, to be assigned again."""
         paths = peer.paths
         cls = queue % N_CLASSES
         tos = self.tos[cls]
@@ -273,7 +322,12 @@ class SendingHalf:
         assign: list[int] = (
             chosen.tolist() if isinstance(chosen, np.ndarray) else [int(p) for p in chosen]
         )
-        special = [i for i, dg in enumerate(batch) if dg[3] == _DONE or dg[4] & _F_RETRANSMIT]
+        heads, bkeys, _ = _shard_keys(batch)  # type and flags bytes; barrier keys (None: others)
+        kinds = heads[0::2]
+        n_all = len(batch)
+        # the DONEs and retransmissions (few): 1 where either
+        special_mask = _or_bytes(kinds.translate(_DONE_TABLE), heads[1::2].translate(_RESENT_TABLE))
+        special = _places(special_mask)
         resent: set[int] = set()  # retransmissions: sent, counted, never charged
         safest = -1
         for i in special:
@@ -296,30 +350,28 @@ class SendingHalf:
                     assign[i] = safest
         if peer.usable is not None:
             reroute(peer, assign, peer.usable)
-        # what `_track` remembers: (leg, job, round, bucket, shard) and offset
-        kinds = b"".join(ids)[:: len(ids[0])]  # the type bytes (identities: same length)
-        all_dr = kinds.translate(_NOT_DR_TABLE).count(0) == len(kinds)
-        keys = [h + i[21:25] for h, i in zip(heads, ids, strict=True)]
-        one_shard = all_dr and heads.count(heads[0]) == len(heads)
+        not_dr = kinds.translate(_NOT_DR_TABLE)
+        all_dr = 1 not in not_dr
+        one_shard = all_dr and bkeys.count(bkeys[0]) == n_all
         # the urgent ones (`_urgent`), kept per path for `path_down` where probed:
         # DONEs and retransmissions (`special`), and every other type but DATA/RESULT
         urgent: list[int] = []
         if peer.health is not None:
-            others = [] if all_dr else [i for i, t in enumerate(kinds) if t not in _DR]
-            urgent = sorted({*special, *others})
-        # send per path in order; a partial send on any path stops the batch there
-        order = sorted(range(len(batch)), key=assign.__getitem__)  # stable: by path
-        start = done = 0
+            urgent = special if all_dr else _places(_or_bytes(special_mask, not_dr))
+        # each path's part, in order (`_by_path`: in C, no step a datagram); a
+        # partial send on any path stops the batch there
+        groups, places, offsets, _ = _by_path(batch, assign, len(paths))
+        done = 0
         full = held = False
         sent_idx: list[int] = []
-        for p in sorted(set(assign)):
-            end = start + assign.count(p)
-            idx = order[start:end]
-            start = end
+        for p, dgs in enumerate(groups):
+            if dgs is None:
+                continue
+            idx = places[p]
+            assert idx is not None
             if ready is not None and not ready[p]:
                 held = True  # no budget on this path: its packets wait
                 continue
-            dgs = list(map(batch.__getitem__, idx))
             n = peer.local[p].send(dgs, peer.dest(p), tos)
             if n:
                 out = idx if n == len(idx) else idx[:n]
@@ -329,16 +381,16 @@ class SendingHalf:
                     mine = [i for i in urgent if assign[i] == p and (sent is None or i in sent)]
                     remember(peer, p, cls, [batch[i] for i in mine], now)
                 self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
-                if not one_shard:
-                    out = [i for i in out if kinds[i] in _DR]
-                # (with none: the shards' counts are still kept within bounds)
-                per_shard = (
-                    ((heads[0], n),)
-                    if one_shard
-                    else Counter(map(heads.__getitem__, out)).items()  # first seen first
-                )
-                first = out if not resent else [i for i in out if i not in resent]
-                self._track(peer, map(keys.__getitem__, first), per_shard, p)
+                offs = offsets[p]
+                assert offs is not None
+                if one_shard and not resent:  # the usual batch: one note, one count
+                    bkey = bkeys[0]
+                    assert bkey is not None
+                    notes = [(bkey, offs[: 4 * n])]
+                    per_shard: Iterable[tuple[bytes, int]] = ((bkey, n),)
+                else:
+                    notes, per_shard = _runs_of(out, bkeys, offs, resent)
+                self._track(peer, notes, per_shard, p)
             done += n
             if n < len(dgs):
                 full = True

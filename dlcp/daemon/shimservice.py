@@ -307,6 +307,7 @@ class ShimService:
         aggs, contr = tuple(aggs_raw), tuple(contr_raw)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*aggs, *contr)):
             raise bad_request("aggregators and contributors must list host indices")
+        shards = int_field(req, "shards", 1, 65535) if "shards" in req else None
         state = self._make_job(
             job=job_id,
             key=key,
@@ -317,6 +318,7 @@ class ShimService:
             payload=payload,
             aggregators=aggs,
             contributors=contr,
+            shards=shards,
         )
         existing = self.jobs.get(job_id)
         if existing is not None:
@@ -391,6 +393,7 @@ class ShimService:
                 raise bad_request("norms must be finite and >= 0")
             if m_len == 10 * n:
                 bmax = np.frombuffer(mv, "<f4", n, 6 * n).copy()
+        n_layers = int_field(req, "layers", 1, 0x10000) if "layers" in req else None
         for off, ln in regions:
             if off < o_off + o_len and o_off < off + ln:
                 raise bad_request("out overlaps data or meta")
@@ -427,7 +430,9 @@ class ShimService:
                 started=self.now,
             )
             self.rounds[op] = lr
-        lr.parts.append(LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax))
+        lr.parts.append(
+            LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax, n_layers)
+        )
         client.pending += 1
         if len(lr.parts) >= lr.expected:
             try:

@@ -4,6 +4,7 @@
     state = dlcp.init(codec="fp32", loss_bound=0.01)  # uses torch.distributed's store
     ddp_model.register_comm_hook(state, dlcp.hook)
     dlcp.all_reduce(tensor)                            # non-DDP code, averages
+    opt = dlcp.overlap(ddp_model, state, torch.optim.SGD, lr=0.1)  # dlcp.shim.overlap
 
 Every rank talks to the dlcp daemon on its host (`DLCP_SOCKET` or
 `init(socket=...)`). If the daemon is unreachable or fails, all ranks fall
@@ -22,9 +23,11 @@ import torch.distributed as dist
 
 from dlcp.codecs import CODEC_NAMES
 from dlcp.errors import LocalError
+from dlcp.shim import backend as _backend
 from dlcp.shim.auto import AUTO
 from dlcp.shim.client import DaemonClient, DaemonError, Segment, default_socket
 from dlcp.shim.leave import exit_process
+from dlcp.shim.overlap import OverlapOptimizer, overlap
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.state import DlcpState, ShimError
 
@@ -33,18 +36,23 @@ __all__ = [
     "DaemonClient",
     "DaemonError",
     "DlcpState",
+    "OverlapOptimizer",
     "Segment",
     "ShimError",
     "all_reduce",
+    "backend_options",
     "default_socket",
     "default_state",
     "exit_process",
     "hook",
     "init",
     "make_hook",
+    "overlap",
 ]
 
 _default: DlcpState | None = None
+_backend.register()  # init_process_group("cpu:dlcp,cuda:dlcp"): dlcp.shim.backend
+backend_options = _backend.set_options
 
 Hook = Callable[[DlcpState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

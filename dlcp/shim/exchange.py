@@ -20,6 +20,7 @@ from dlcp.codecs import Codec, CodecState, block_norms
 from dlcp.codecs.fp import FloatCodec, mean_of_float_sums
 from dlcp.codecs.thc import ThcCodec
 from dlcp.core.layout import Layout
+from dlcp.errors import LocalError
 from dlcp.shim.arena import Region
 from dlcp.shim.client import DaemonClient
 from dlcp.shim.regions import read_out, region_sizes, write_meta
@@ -128,10 +129,12 @@ def submit_round(
     generator: torch.Generator | None,
     staging: Staging,
     times: BucketTimes | None = None,
+    n_layers: int | None = None,
 ) -> Submitted:
     """Encode the flat bucket `x` (left unchanged), write it and its metadata into
     `region`, and submit it. The reply future completes when the round ends.
-    `times`: stamped as the bucket is encoded, written, submitted and replied."""
+    `times`: stamped as the bucket is encoded, written, submitted and replied.
+    `n_layers`: the model's layer count, which the daemon ranks `layers` against."""
     block_max, saturated = encode_into(
         region,
         plan,
@@ -142,7 +145,9 @@ def submit_round(
         staging=staging,
         times=times,
     )
+    extra = {} if n_layers is None else {"layers": int(n_layers)}
     reply = client.submit(
+        **extra,
         job=job,
         round=plan.round,
         bucket=plan.bucket,
@@ -222,23 +227,36 @@ def decode_round(
     device: torch.device,
     staging: Staging,
     into: torch.Tensor | None = None,
+    *,
+    average: bool = True,
 ) -> Decoded:
     """Read the out region of a finished round and average each packet's sums by
     its contributor count (packets nobody contributed to decode to 0).
 
     `into` (the bucket, say): where the mean may be written instead of a new
-    tensor, when that is one division (a float codec, every packet with the
-    same count: the usual round); `Decoded.mean` is then `into`. A new tensor
-    of a bucket's size costs its page faults on a CPU, and a copy after."""
+    tensor, when that is a division a packet (a float codec: the usual round,
+    every packet with the same count, or lanes lost within the bound);
+    `Decoded.mean` is then `into`. A new tensor
+    of a bucket's size costs its page faults on a CPU, and a copy after.
+
+    `average` False: the sums themselves (a float codec only: what dlcp's
+    torch.distributed backend's SUM and all-gather need, exact in fp32)."""
     out = read_out(region.out_view(), plan.layout)
     sums = staging.to_device(out.sums, device, direct=region.segment.pinned)
+    if not average:
+        if not isinstance(plan.codec, FloatCodec):
+            raise LocalError(f"sums of a {plan.codec.name} round are not values to hand out")
+        flat = sums.reshape(-1)[: plan.numel].to(torch.float32)
+        if into is not None and into.dtype == torch.float32 and into.numel() == plan.numel:
+            into.view(-1).copy_(flat)
+            return Decoded(mean=into, counts=out.counts, maxima=out.maxima, sums=out.sums)
+        return Decoded(mean=flat.clone(), counts=out.counts, maxima=out.maxima, sums=out.sums)
     uniform = out.counts.size > 0 and out.counts.min() == out.counts.max()
     counts: torch.Tensor | int = (
         int(out.counts[0]) if uniform else torch.from_numpy(out.counts.astype(np.int32)).to(device)
     )
     if (
         into is not None
-        and isinstance(counts, int)
         and isinstance(plan.codec, FloatCodec)
         and into.dtype == torch.float32
         and into.device == sums.device

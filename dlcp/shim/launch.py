@@ -47,7 +47,7 @@ class BucketLaunch:
         _codecs: dict[str, Codec]
         _ef: dict[Key, CodecState]
         _generators: dict[torch.device, torch.Generator]
-        _group: dist.ProcessGroup | None
+        _group: pg.Group
         _layer_cache: dict[Key, npt.NDArray[np.uint16]]
         _layers: LayerMap
         _link: Link | None
@@ -61,7 +61,9 @@ class BucketLaunch:
         scale_margin: float
         scale_mode: str
 
-        def _wait_replies(self, deadline: float) -> None: ...
+        def _wait_replies(
+            self, deadline: float, pending: list[_Pending] | None = None
+        ) -> None: ...
 
     # -- one bucket -------------------------------------------------------------
     def _launch(
@@ -128,6 +130,7 @@ class BucketLaunch:
                 generator=self._generator(flat.device),
                 staging=self._staging,
                 times=times,
+                n_layers=self._layers.n_layers,
             )
         except Exception as exc:
             p.error = f"submit: {type(exc).__name__}: {exc}"

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dlcp import ipc
+from dlcp.errors import DlcpError, LocalError
 from dlcp.shim.arena import Arena
 from dlcp.shim.client import DaemonClient
+from dlcp.shim.placement import Placement
 from dlcp.shim.rendezvous import Membership, Store, all_gather, first_failure, job_secret
 from dlcp.shim.rendezvous import plan_membership as plan
 
@@ -29,19 +32,18 @@ class Link:
     membership: Membership
     arena: Arena
     mode: str = "transpose"
-    # mode "switch", rank 0: its connection to the switch's aggregator, which
-    # holds the job there (the aggregator drops a job when its last client goes)
-    switch: DaemonClient | None = None
+    # rank 0: its connections to the switch's aggregator (mode "switch") or to
+    # the dedicated servers (mode "ps"), which hold the job there (a daemon
+    # drops a job when its last client goes)
+    held: tuple[DaemonClient, ...] = ()
 
     @property
     def alive(self) -> bool:
-        return self.client.alive and (self.switch is None or self.switch.alive)
+        return self.client.alive and all(c.alive for c in self.held)
 
     def close(self, *, leave: bool = True) -> None:
         """Leave the job (best effort) and drop the connection and segments."""
-        for client in (self.client, self.switch):
-            if client is None:
-                continue
+        for client in (self.client, *self.held):
             if leave and client.alive:
                 with contextlib.suppress(Exception):
                     client.call("leave", timeout=2.0, job=self.membership.job)
@@ -51,9 +53,11 @@ class Link:
 
 @dataclass(frozen=True)
 class AttachFailed:
-    """Why the job is not attached (the same reason on every rank)."""
+    """Why the job is not attached (the same reason on every rank); `fatal`:
+    the settings cannot work (retrying will not help)."""
 
     reason: str
+    fatal: bool = False
 
 
 def _hello(socket: str, fallbacks: int, timeout: float) -> tuple[DaemonClient, dict[str, Any]]:
@@ -75,6 +79,40 @@ def _hello(socket: str, fallbacks: int, timeout: float) -> tuple[DaemonClient, d
     return client, dict(daemon)
 
 
+def _close(clients: Sequence[DaemonClient | None]) -> None:
+    for c in clients:
+        if c is not None:
+            c.close()
+
+
+def _hold(
+    mode: str, switch_socket: str | None, placement: Placement | None, timeout: float
+) -> tuple[list[DaemonClient], dict[str, Any]]:
+    """Rank 0's hellos to the daemons it puts the job on (the switch's
+    aggregator, the dedicated servers), and their descriptors for the entry."""
+    held: list[DaemonClient] = []
+    what = f"switch aggregator {switch_socket}"
+    try:
+        if mode == "switch":
+            if not switch_socket:
+                raise ValueError("no socket: pass switch_socket= or set DLCP_SWITCH_SOCKET")
+            client, switch = _hello(switch_socket, 0, timeout)
+            held.append(client)
+            return held, {"switch": switch}
+        servers = []
+        for k, sock in enumerate(placement.servers if placement is not None else ()):
+            what = f"server {k} ({sock})"
+            client, daemon = _hello(sock, 0, timeout)
+            held.append(client)
+            servers.append(daemon)
+        return held, {"servers": servers} if servers else {}
+    except BaseException as exc:
+        _close(held)
+        if not isinstance(exc, Exception):
+            raise
+        raise DlcpError(f"{what}: {exc}") from exc
+
+
 def attach(
     *,
     socket: str,
@@ -87,6 +125,7 @@ def attach(
     fallbacks: int = 0,
     mode: str = "transpose",
     switch_socket: str | None = None,
+    placement: Placement | None = None,
     timeout: float = 10.0,
     store_timeout: float = 300.0,
 ) -> Link | AttachFailed:
@@ -96,10 +135,11 @@ def attach(
     mapped) makes every rank return the same `AttachFailed`. `prefix` must be
     new for every attempt and the same on every rank. In mode "switch" rank 0
     also puts the job on the switch's aggregator (`switch_socket`), as a
-    switch's controller would, and holds it there.
+    switch's controller would, and in mode "ps" on each dedicated server of
+    `placement` (`dlcp.shim.placement`), and holds it there.
     """
     client: DaemonClient | None = None
-    switch: DaemonClient | None = None
+    held: list[DaemonClient] = []
     entry: dict[str, Any]
     try:
         client, daemon = _hello(socket, fallbacks, timeout)
@@ -108,19 +148,16 @@ def attach(
         entry = {"ok": False, "error": f"{socket}: {type(exc).__name__}: {exc}"}
     if rank == 0:
         entry["secret"] = job_secret()
-        if mode == "switch" and entry["ok"]:
+        if entry["ok"]:
             try:
-                if not switch_socket:
-                    raise ValueError("no socket: pass switch_socket= or set DLCP_SWITCH_SOCKET")
-                switch, entry["switch"] = _hello(switch_socket, 0, timeout)
-            except Exception as exc:
-                entry = {"ok": False, "error": f"switch aggregator {switch_socket}: {exc}"}
+                held, found = _hold(mode, switch_socket, placement, timeout)
+                entry.update(found)
+            except DlcpError as exc:
+                entry = {"ok": False, "error": str(exc)}
     entries = all_gather(store, f"{prefix}/hello", rank, world, entry, store_timeout)
     failed = first_failure(entries)
     if failed is not None:
-        for c in (client, switch):
-            if c is not None:
-                c.close()
+        _close([client, *held])
         return AttachFailed(f"daemon unavailable ({failed})")
     assert client is not None
 
@@ -128,13 +165,23 @@ def attach(
     try:
         first = entries[0]
         membership = plan(
-            [e["daemon"] for e in entries], rank, first["secret"], first.get("switch")
+            [e["daemon"] for e in entries],
+            rank,
+            first["secret"],
+            first.get("switch"),
+            first.get("servers", ()),
+            placement is not None and placement.colocate,
         )
-        if switch is not None:
-            switch.call("join", timeout=timeout, **membership.join_fields(mode, at_switch=True))
+    except LocalError as exc:  # the same on every rank: nothing to gather
+        _close([client, *held])
+        return AttachFailed(str(exc), fatal=True)
+    try:
+        for k, at in enumerate(held):  # rank 0's: the switch's aggregator or the servers
+            there = {"at_switch": True} if mode == "switch" else {"server": k}
+            at.call("join", timeout=timeout, **membership.join_fields(mode, **there))
         client.call("join", timeout=timeout, **membership.join_fields(mode))
         arena = Arena(client, segment_name, segment_bytes)
-        link = Link(client, daemon, membership, arena, mode, switch)
+        link = Link(client, daemon, membership, arena, mode, tuple(held))
         result: dict[str, Any] = {"ok": True}
     except Exception as exc:
         result = {"ok": False, "error": f"join: {type(exc).__name__}: {exc}"}
@@ -144,9 +191,7 @@ def attach(
         if link is not None:
             link.close()
         else:
-            for c in (client, switch):
-                if c is not None:
-                    c.close()
+            _close([client, *held])
         return AttachFailed(f"could not join ({failed})")
     assert link is not None
     return link

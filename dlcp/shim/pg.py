@@ -7,24 +7,69 @@ shim calls them only at points all ranks reach in the same state (see
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "average", "fallback_all_reduce", "global_max", "group_rank", "group_size"]
+__all__ = [
+    "DirectGroup",
+    "agree",
+    "average",
+    "fallback_all_reduce",
+    "global_max",
+    "group_rank",
+    "group_size",
+]
 
-Group = dist.ProcessGroup | None
+
+class DirectGroup:
+    """A process group object that torch.distributed's registry does not know
+    (dlcp's torch.distributed backend keeps its own Gloo groups inside it),
+    called directly instead of through `dist.*(group=...)`."""
+
+    __slots__ = ("pg", "rank", "size")
+
+    def __init__(self, pg: Any, rank: int, size: int) -> None:
+        self.pg, self.rank, self.size = pg, rank, size
+
+    def all_reduce(self, t: torch.Tensor, op: Any, *, async_op: bool = False) -> Any:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        work = self.pg.allreduce([t], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+Group = dist.ProcessGroup | DirectGroup | None
 
 
 def group_size(group: Group) -> int:
+    if isinstance(group, DirectGroup):
+        return group.size
     return dist.get_world_size(group)
 
 
 def group_rank(group: Group) -> int:
+    if isinstance(group, DirectGroup):
+        return group.rank
     return dist.get_rank(group)
+
+
+def _all_reduce(
+    t: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM, *, async_op: bool = False
+) -> Any:
+    if isinstance(group, DirectGroup):
+        return group.all_reduce(t, op, async_op=async_op)
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
 def _device(group: Group) -> torch.device:
     """Where small control tensors live: CUDA for NCCL groups, the CPU otherwise."""
+    if isinstance(group, DirectGroup):
+        return torch.device("cpu")  # dlcp's own groups are Gloo's
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -38,7 +83,7 @@ def agree(failed: bool, maxima: torch.Tensor | None, group: Group) -> tuple[bool
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32)
     parts = [flag] if maxima is None else [flag, maxima.reshape(-1).to("cpu", torch.float32)]
     t = torch.cat(parts).to(_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _all_reduce(t, group, dist.ReduceOp.MAX)
     out = t.cpu()
     return bool(out[0] > 0.0), out[1:]
 
@@ -46,7 +91,7 @@ def agree(failed: bool, maxima: torch.Tensor | None, group: Group) -> tuple[bool
 def global_max(values: torch.Tensor, group: Group) -> torch.Tensor:
     """The element-wise max of `values` over all ranks (float32, CPU)."""
     t = values.reshape(-1).to(_device(group), torch.float32, copy=True)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _all_reduce(t, group, dist.ReduceOp.MAX)
     return t.cpu()
 
 
@@ -54,18 +99,20 @@ def average(values: torch.Tensor, group: Group) -> torch.Tensor:
     """The element-wise mean of `values` over all ranks (float32, CPU); every rank
     gets the same bytes (one all-reduce)."""
     t = values.reshape(-1).to(_device(group), torch.float32, copy=True)
-    dist.all_reduce(t, group=group)
+    _all_reduce(t, group)
     return t.cpu() / group_size(group)
 
 
 def fallback_all_reduce(
-    tensor: torch.Tensor, group: Group, *, async_op: bool = False
+    tensor: torch.Tensor, group: Group, *, async_op: bool = False, average: bool = True
 ) -> torch.futures.Future[torch.Tensor] | None:
     """Average `tensor` in place over the group exactly as PyTorch's default hook
-    does (divide by the group size first, then sum). With `async_op`, returns a
-    future holding the tensor; otherwise waits."""
-    tensor.div_(group_size(group))
-    work = dist.all_reduce(tensor, group=group, async_op=async_op)
+    does (divide by the group size first, then sum), or sum it (`average`
+    False). With `async_op`, returns a future holding the tensor; otherwise
+    waits."""
+    if average:
+        tensor.div_(group_size(group))
+    work = _all_reduce(tensor, group, async_op=async_op)
     if not async_op:
         return None
     assert work is not None

@@ -18,7 +18,8 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from dlcp.core.records import SWITCH_SHARDS
-from dlcp.errors import DlcpError
+from dlcp.errors import DlcpError, LocalError
+from dlcp.shim.placement import ps_fields
 
 __all__ = ["Membership", "Store", "all_gather", "job_secret", "plan_membership"]
 
@@ -45,25 +46,60 @@ class Membership:
     # mode "switch": the aggregator in the switch ({"addresses", "udp_port"}),
     # the job's last host after the training hosts
     switch: dict[str, Any] | None = None
+    # mode "ps" (`dlcp.shim.placement`): the dedicated servers' daemons, after
+    # the training hosts, and whether the training hosts aggregate too
+    servers: tuple[dict[str, Any], ...] = ()
+    colocated: bool = False
+
+    @property
+    def ps(self) -> bool:
+        return bool(self.servers) or self.colocated
+
+    @property
+    def job_hosts(self) -> list[dict[str, Any]]:
+        """Every daemon of the job: the training hosts, then the switch's
+        aggregator or the dedicated servers."""
+        return [*self.hosts, *([self.switch] if self.switch is not None else []), *self.servers]
+
+    @property
+    def ps_fields(self) -> dict[str, Any]:
+        """Mode "ps": the job's aggregators, contributors and shards in a join."""
+        return ps_fields(len(self.hosts), len(self.servers), self.colocated)
+
+    @property
+    def aggregators(self) -> list[int]:
+        """Mode "ps": the job's hosts that own shards (the servers, then the
+        training hosts when co-located)."""
+        aggs: list[int] = self.ps_fields["aggregators"]
+        return aggs
 
     @property
     def shards(self) -> int:
         """How the job's buckets are cut (the daemons' `JobSpec` owners)."""
-        return SWITCH_SHARDS if self.switch is not None else len(self.hosts)
+        if self.switch is not None:
+            return SWITCH_SHARDS
+        return int(self.ps_fields["shards"]) if self.ps else len(self.hosts)
 
-    def join_fields(self, mode: str, *, at_switch: bool = False) -> dict[str, Any]:
+    def join_fields(
+        self, mode: str, *, at_switch: bool = False, server: int | None = None
+    ) -> dict[str, Any]:
         """The `join` of this rank at its daemon, or (`at_switch`) the job's
-        join at the switch's aggregator."""
-        hosts = self.hosts if self.switch is None else [*self.hosts, self.switch]
-        return {
+        join at the switch's aggregator, or at dedicated server `server`."""
+        me = self.me
+        if at_switch or server is not None:
+            me = len(self.hosts) + (server or 0)
+        fields = {
             "job": self.job,
             "key": self.key,
-            "hosts": hosts,
-            "me": len(self.hosts) if at_switch else self.me,
-            "local_ranks": 1 if at_switch else self.local_ranks,
+            "hosts": self.job_hosts,
+            "me": me,
+            "local_ranks": self.local_ranks if me == self.me else 1,
             "mode": mode,
             "payload": self.payload,
         }
+        if self.ps:
+            fields.update(self.ps_fields)
+        return fields
 
 
 def job_secret() -> dict[str, Any]:
@@ -104,10 +140,14 @@ def plan_membership(
     rank: int,
     secret: dict[str, Any],
     switch: dict[str, Any] | None = None,
+    servers: Sequence[dict[str, Any]] = (),
+    colocated: bool = False,
 ) -> Membership:
     """Hosts, this rank's host index and its host's rank count, from every rank's
-    daemon descriptor (rank order). Pure: the same inputs give every rank the
-    same hosts in the same order."""
+    daemon descriptor (rank order), and in mode "ps" the dedicated servers'
+    descriptors (`servers`, after the hosts). Pure: the same inputs give every
+    rank the same hosts in the same order. A server that is another server's
+    daemon or a training host's is a `LocalError` (a placement that cannot work)."""
     if not 0 <= rank < len(daemons):
         raise DlcpError(f"rank {rank} outside the {len(daemons)} descriptors")
     host_ids: list[str] = []  # in order of lowest rank
@@ -129,6 +169,14 @@ def plan_membership(
     if switch is not None:
         at_switch = {"addresses": list(switch["addresses"]), "udp_port": int(switch["udp_port"])}
         payloads.append(int(switch["payload"]))
+    seen = {did: f"training host {i}" for i, did in enumerate(host_ids)}
+    for k, d in enumerate(servers):
+        did = str(d["id"])
+        if did in seen:
+            also = " (to aggregate there, pass colocate=True)" if did in index else ""
+            raise LocalError(f"mode='ps': server {k} is the same daemon as {seen[did]}{also}")
+        seen[did] = f"server {k}"
+        payloads.append(int(d["payload"]))
     return Membership(
         job=int(secret["job"]),
         key=str(secret["key"]),
@@ -138,4 +186,8 @@ def plan_membership(
         payload=min(payloads),
         host_of_rank=[index[str(d["id"])] for d in daemons],
         switch=at_switch,
+        servers=tuple(
+            {"addresses": list(d["addresses"]), "udp_port": int(d["udp_port"])} for d in servers
+        ),
+        colocated=colocated,
     )

@@ -21,12 +21,13 @@ one rank takes the fallback and another does not):
   step while detached).
 
 THC needs one scale per packet that every rank shares (`scale_mode`):
-"exact" (default) agrees this round's per-packet maxima before encoding, with
-one all-reduce (MAX) per bucket, so nothing saturates; "bucket" and "packet"
-reuse the previous round's maxima (of the bucket, or of each packet) times
-`scale_margin`, carried by the step's agreement all-reduce, and clamp what
-exceeds them (error feedback resends it). A bucket's first round always
-agrees exactly. The decision to run these collectives depends only on state
+"packet" (default) and "bucket" reuse the previous round's maxima (of each
+packet, or of the bucket) times `scale_margin`, carried by the step's
+agreement all-reduce, and clamp what exceeds them (error feedback resends
+it); "exact" agrees this round's per-packet maxima before encoding, so
+nothing saturates, at the price of a probe encode (THC's rotation) and one
+blocking all-reduce (MAX) per bucket inside DDP's backward. A bucket's
+first round always agrees exactly. The decision to run these collectives depends only on state
 every rank shares, so every rank issues them, failed or not.
 
 The sketch codec takes two daemon rounds a bucket (`dlcp.shim.sketch_round`):
@@ -56,6 +57,7 @@ import math
 import os
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -69,9 +71,13 @@ from dlcp.errors import LocalError
 from dlcp.shim import auto_steps, pg
 from dlcp.shim.auto import AUTO, AutoCodec
 from dlcp.shim.client import default_socket
+from dlcp.shim.fields import CONFIG as _CONFIG
+from dlcp.shim.fields import PERSISTENT as _PERSISTENT
+from dlcp.shim.fields import RUNTIME as _RUNTIME
 from dlcp.shim.launch import BucketLaunch
 from dlcp.shim.layers import LayerMap
 from dlcp.shim.link import AttachFailed, Link, attach
+from dlcp.shim.placement import placement
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.staging import Staging
 from dlcp.shim.stepend import StepEnd
@@ -88,64 +94,6 @@ _MODES = ("transpose", "ps", "switch")
 # bucket max / per-packet maxima times the margin (see the module docstring).
 _SCALE_MODES = ("exact", "bucket", "packet")
 
-# Fields that survive pickling (the rest is rebuilt or reconnected lazily).
-_CONFIG = (
-    "codec",
-    "codec_options",
-    "loss_bound",
-    "socket",
-    "strict",
-    "retry_steps",
-    "retry_s",
-    "round_timeout_s",
-    "connect_timeout_s",
-    "rendezvous_timeout_s",
-    "scale_margin",
-    "scale_mode",
-    "mode",
-    "switch_socket",
-    "segment_bytes",
-    "link_bps",
-    "auto_options",
-)
-_PERSISTENT = (
-    "round",
-    "fallbacks",
-    "rounds",
-    "attaches",
-    "failures",
-    "lost_lanes",
-    "total_lanes",
-    "saturated",
-    "last_error",
-    "_unreported",
-    "_ef",
-    "_scales",
-    "_detached_round",
-    "_auto",
-)
-_RUNTIME = (
-    "_group",
-    "_store",
-    "_layers",
-    "_link",
-    "_finalizer",
-    "_staging",
-    "_generators",
-    "_codecs",
-    "_pending",
-    "_layer_cache",
-    "_attach_due",
-    "_instance",
-    "_attempts",
-    "_last_attempt",
-    "_warned",
-    "_auto_used",
-    "_status",
-    "_timeline",
-    "__weakref__",
-)
-
 
 def _check_fraction(name: str, value: float, hi: float) -> float:
     v = float(value)
@@ -161,7 +109,8 @@ class DlcpState(BucketLaunch, StepEnd):
     retry_steps, retry_s, round_timeout_s, connect_timeout_s,
     rendezvous_timeout_s, scale_margin, scale_mode, mode (transpose: host to
     host; switch: summed by the aggregator in the switch, whose socket is
-    switch_socket, default DLCP_SWITCH_SOCKET; ps), segment_bytes,
+    switch_socket, default DLCP_SWITCH_SOCKET; ps: summed by parameter servers,
+    `servers=` sockets and/or `colocate=`, `dlcp.shim.placement`), segment_bytes,
     link_bps and auto_options (for codec="auto": `dlcp.shim.auto.AutoCodec`).
     Stats: round (all-reduce steps so far), rounds (bucket rounds the daemon
     completed), fallbacks (buckets sent over the process group), attaches,
@@ -180,7 +129,7 @@ class DlcpState(BucketLaunch, StepEnd):
         loss_bound: float = 0.0,
         socket: str | None = None,
         strict: bool = False,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: pg.Group = None,
         store: Store | None = None,
         model: torch.nn.Module | None = None,
         retry_steps: int | None = 50,
@@ -189,9 +138,11 @@ class DlcpState(BucketLaunch, StepEnd):
         connect_timeout_s: float = 10.0,
         rendezvous_timeout_s: float = 300.0,
         scale_margin: float = 1.25,
-        scale_mode: str = "exact",
+        scale_mode: str = "packet",
         mode: str = "transpose",
         switch_socket: str | None = None,
+        servers: Sequence[str] | str | None = None,
+        colocate: bool | None = None,
         segment_bytes: int | None = None,
         codec_options: dict[str, Any] | None = None,
         link_bps: float | str | None = None,
@@ -239,6 +190,7 @@ class DlcpState(BucketLaunch, StepEnd):
         self.mode = mode
         # mode "switch": the switch aggregator's socket (rank 0 puts the job there)
         self.switch_socket = switch_socket or os.environ.get("DLCP_SWITCH_SOCKET")
+        self.placement = placement(mode, servers, colocate)  # mode "ps": its aggregators
         self.segment_bytes = segment_bytes
         if segment_bytes is None and model is not None:
             self.segment_bytes = segment_for(model)
@@ -263,7 +215,7 @@ class DlcpState(BucketLaunch, StepEnd):
 
     def _init_runtime(
         self,
-        group: dist.ProcessGroup | None,
+        group: pg.Group,
         store: Store | None,
         model: torch.nn.Module | None,
     ) -> None:
@@ -285,6 +237,7 @@ class DlcpState(BucketLaunch, StepEnd):
         self._auto_used = False
         self._status: Future[dict[str, Any]] | None = None
         self._timeline = Timeline()
+        self._overlap: Any = None  # dlcp.shim.overlap.OverlapOptimizer, when one runs
 
     # -- pickling (checkpoints) -------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -299,6 +252,7 @@ class DlcpState(BucketLaunch, StepEnd):
             "auto_options": {},
             "_auto": None,
             "switch_socket": None,
+            "placement": None,
             **state,
         }
         for name in _CONFIG + _PERSISTENT:
@@ -403,10 +357,13 @@ class DlcpState(BucketLaunch, StepEnd):
             fallbacks=self._unreported,
             mode=self.mode,
             switch_socket=self.switch_socket,
+            placement=self.placement,
             timeout=self.connect_timeout_s,
             store_timeout=self.rendezvous_timeout_s,
         )
         if isinstance(result, AttachFailed):
+            if result.fatal:  # the same on every rank: settings that cannot work
+                raise LocalError(result.reason)
             self._fail(result.reason)
             return False
         self._unreported = 0
@@ -436,6 +393,9 @@ class DlcpState(BucketLaunch, StepEnd):
     ) -> torch.futures.Future[torch.Tensor]:
         """What `dlcp.shim.hook` does with one DDP bucket."""
         handed = time.perf_counter()
+        ov = self._overlap  # overlap mode: the last step's buckets resolved first
+        if ov is not None:
+            ov.bucket_entered()
         if self._attach_due and not self._pending:
             self.attach()
         buf = bucket.buffer()
@@ -445,8 +405,12 @@ class DlcpState(BucketLaunch, StepEnd):
             fut = pg.fallback_all_reduce(buf, self._group, async_op=True)
             assert fut is not None
             self._count_fallbacks(1)
+            if ov is not None:
+                ov.plain_bucket(bucket)
             if last:
                 self._end_step()
+                if ov is not None:
+                    ov.backward_done()
             return fut
         name = codec or self.codec
         auto = self._auto_for(name)
@@ -465,6 +429,10 @@ class DlcpState(BucketLaunch, StepEnd):
             lambda plan: self._packet_layers(bucket, flat, plan),
             times,
         )
+        if ov is not None and ov.active:
+            return ov.handed(p, bucket, last)
+        if ov is not None:
+            ov.plain_bucket(bucket)
         p.future = torch.futures.Future()
         if auto is not None:
             auto_steps.time_exchange(p)
@@ -472,16 +440,28 @@ class DlcpState(BucketLaunch, StepEnd):
         times.left = time.perf_counter()
         if last:
             self._finish_step()
+            if ov is not None:
+                ov.backward_done()
         return p.future
 
     def all_reduce(
-        self, tensor: torch.Tensor, *, codec: str | None = None, key: object | None = None
+        self,
+        tensor: torch.Tensor,
+        *,
+        codec: str | None = None,
+        key: object | None = None,
+        average: bool = True,
     ) -> torch.Tensor:
         """Average `tensor` over the ranks in place (blocking); returns it.
 
         `key` names the tensor across calls, so THC keeps its error feedback and
         scale for it; without a key every call agrees a fresh scale.
+        `average` False: the sum instead (fp32 and fp16 only; exact in fp32
+        with loss bound 0, the fallback's sum too).
         """
+        name = codec or self.codec
+        if not average and name not in ("fp32", "fp16"):
+            raise LocalError(f"a sum through dlcp needs codec fp32 or fp16, not {name!r}")
         if self._pending:
             raise LocalError("dlcp all_reduce called while a DDP step is in flight")
         if not tensor.is_floating_point():
@@ -492,11 +472,10 @@ class DlcpState(BucketLaunch, StepEnd):
             return tensor
         if self._link is None:
             self._require_fallback()
-            pg.fallback_all_reduce(tensor, self._group)
+            pg.fallback_all_reduce(tensor, self._group, average=average)
             self._count_fallbacks(1)
             self._end_step()
             return tensor
-        name = codec or self.codec
         auto = self._auto_for(name)
         if auto is not None:
             auto.bucket_entered(tensor.numel(), time.perf_counter())
@@ -504,6 +483,7 @@ class DlcpState(BucketLaunch, StepEnd):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         ef_key: Key | None = ("all_reduce", name, key) if key is not None else None
         p = self._launch(flat, 0, name, ef_key, lambda plan: np.zeros(plan.packets, np.uint16))
+        p.average = average
         if auto is not None:
             auto_steps.time_exchange(p)
             auto.bucket_left(time.perf_counter())

@@ -18,7 +18,6 @@ import weakref
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 
 from dlcp.shim import auto_steps, pg
 from dlcp.shim.arena import Arena
@@ -50,7 +49,7 @@ class StepEnd:
         _auto_used: bool
         _detached_round: int | None
         _finalizer: weakref.finalize[Any, Any] | None
-        _group: dist.ProcessGroup | None
+        _group: pg.Group
         _last_attempt: float
         _layers: LayerMap
         _link: Link | None
@@ -78,8 +77,9 @@ class StepEnd:
         def _scale_from(self, maxima: torch.Tensor) -> torch.Tensor: ...
 
     # -- the end of a step -----------------------------------------------------------
-    def _wait_replies(self, deadline: float) -> None:
-        for p in self._pending:
+    def _wait_replies(self, deadline: float, pending: list[_Pending] | None = None) -> None:
+        """Wait for the replies of `pending` (the step's buckets by default)."""
+        for p in self._pending if pending is None else pending:
             if p.sub is None or p.error is not None or p.reply is not None:
                 continue
             try:
@@ -160,33 +160,45 @@ class StepEnd:
     def _step_done(self, maxima: torch.Tensor) -> None:
         at = 0
         for p in self._pending:
-            assert p.sub is not None and p.reply is not None
-            plan = p.sub.plan
-            if p.times is not None:
-                p.times.decoding = time.perf_counter()
-            dec = decode_round(plan, p.sub.region, p.buffer.device, self._staging, p.buffer)
-            if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
-                plan.codec.learn(
-                    p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
-                )
-            if dec.mean is not p.buffer:
-                p.buffer.copy_(dec.mean.to(p.buffer.dtype))
-            if p.times is not None:
-                p.times.decoded = time.perf_counter()
-            self.rounds += 1
-            self.lost_lanes += int(p.reply.get("lost_lanes", 0))
-            self.total_lanes += int(p.reply.get("total_lanes", 0))
-            self.saturated += p.sub.saturated
-            if plan.scaled and self.scale_mode != "exact":
-                n = plan.packets if self.scale_mode == "packet" else 1
-                if p.keep:
-                    seen = maxima[at : at + n].expand(plan.packets)
-                    self._scales[p.key] = self._scale_from(seen)
-                at += n
-            if p.future is not None:
-                p.future.set_result(p.buffer)
-            if p.times is not None:
-                p.times.completed = time.perf_counter()
+            at, _ = self._bucket_done(p, maxima, at, p.buffer)
+
+    def _bucket_done(
+        self, p: _Pending, maxima: torch.Tensor, at: int, into: torch.Tensor
+    ) -> tuple[int, torch.Tensor]:
+        """One agreed bucket: its mean decoded into `into` (the bucket in plain
+        mode; overlap mode's own tensor, `dlcp.shim.overlap`), its counters and
+        next scale (from `maxima[at:]`), its future completed. Returns where its
+        successor's maxima start, and the mean."""
+        assert p.sub is not None and p.reply is not None
+        plan = p.sub.plan
+        if p.times is not None:
+            p.times.decoding = time.perf_counter()
+        dec = decode_round(
+            plan, p.sub.region, p.buffer.device, self._staging, into, average=p.average
+        )
+        if p.ef is not None and dec.sums is not None:  # fft: the next coefficient set
+            plan.codec.learn(
+                p.ef, dec.sums, dec.counts, per_packet=plan.per_packet, maxima=dec.maxima
+            )
+        if dec.mean is not into:
+            into.copy_(dec.mean.to(into.dtype))
+        if p.times is not None:
+            p.times.decoded = time.perf_counter()
+        self.rounds += 1
+        self.lost_lanes += int(p.reply.get("lost_lanes", 0))
+        self.total_lanes += int(p.reply.get("total_lanes", 0))
+        self.saturated += p.sub.saturated
+        if plan.scaled and self.scale_mode != "exact":
+            n = plan.packets if self.scale_mode == "packet" else 1
+            if p.keep:
+                seen = maxima[at : at + n].expand(plan.packets)
+                self._scales[p.key] = self._scale_from(seen)
+            at += n
+        if p.future is not None:
+            p.future.set_result(p.buffer)
+        if p.times is not None:
+            p.times.completed = time.perf_counter()
+        return at, into
 
     def _step_failed(self, reason: str) -> None:
         for p in self._pending:
@@ -202,7 +214,7 @@ class StepEnd:
                 raise err
             return
         for p in self._pending:
-            pg.fallback_all_reduce(p.buffer, self._group)
+            pg.fallback_all_reduce(p.buffer, self._group, average=p.average)
             self._count_fallbacks(1)
             if p.future is not None:
                 p.future.set_result(p.buffer)

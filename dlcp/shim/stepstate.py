@@ -60,3 +60,4 @@ class _Pending:
     sent_at: float | None = None  # when submitted, and when the reply came (auto)
     replied_at: float | None = None
     times: BucketTimes | None = None  # the bucket's timeline (DDP buckets)
+    average: bool = True  # False: the sums, not the mean (a float codec only)

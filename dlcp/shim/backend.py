@@ -1,0 +1,376 @@
+"""dlcp as a torch.distributed backend: `init_process_group("cpu:dlcp,cuda:dlcp")`.
+
+Importing `dlcp.shim` registers the backend "dlcp". Its process group carries
+the collectives that move gradients and parameters through the daemons:
+
+- `all_reduce` (SUM and AVG) of floating tensors: one daemon round each;
+- `reduce_scatter_tensor` (FSDP's gradient reduction): a round of the whole
+  input, of which each rank keeps its chunk;
+- `all_gather_into_tensor` (FSDP's parameter all-gather): a round summing each
+  rank's input placed in its slot among zeros, exact in fp32 (x + 0 = x) and
+  with loss bound 0 whatever the group's, so the gathered parameters are the
+  ranks' bytes.
+
+Everything else (broadcast, barrier, send/recv, gather/scatter, the object
+collectives, all_reduce of integers or with MIN/MAX/PRODUCT) is delegated to
+a Gloo group made from the same store: dlcp does not carry it. The codec and
+loss bound are the backend's options (`set_options`, or DLCP_BACKEND_CODEC /
+DLCP_BACKEND_LOSS_BOUND in the environment): exact fp32 with bound 0 by
+default, as FSDP's all-gather needs. If the daemon is unreachable the
+collectives fall back to the Gloo group, as the DDP hook does.
+
+The daemon's rounds are blocking in the shim, so `async_op=True` work runs on
+one thread of the group, in the order it was issued (every rank issues the
+same order); `Work.wait()` and `get_future()` behave as Gloo's. The shim's
+own agreement runs on a second Gloo group, so it never interleaves with the
+delegated collectives issued from the caller's thread.
+
+Not the ideal yet: a reduce-scatter moves the whole input through both legs
+of a round (an all-reduce's bytes, twice a reduce-scatter's), and so does an
+all-gather; one leg of a round each is what the transpose protocol allows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d  # Work from a future, AllgatherOptions
+
+from dlcp.errors import LocalError
+from dlcp.shim.pg import DirectGroup
+
+__all__ = ["BACKEND", "DlcpProcessGroup", "groups", "options", "register", "set_options"]
+
+BACKEND = "dlcp"
+_SUM_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # gathered through fp32 sums
+_options: dict[str, Any] = {}
+_groups: weakref.WeakSet[DlcpProcessGroup] = weakref.WeakSet()
+
+
+def groups() -> list[DlcpProcessGroup]:
+    """This process's dlcp process groups (their `state` has the shim's stats)."""
+    return list(_groups)
+
+
+def set_options(*, codec: str = "fp32", loss_bound: float = 0.0, **state_options: Any) -> None:
+    """The codec, loss bound and other `DlcpState` settings of process groups
+    made after this call (before `init_process_group`)."""
+    from dlcp.codecs import CODEC_NAMES
+
+    if codec not in CODEC_NAMES:
+        raise LocalError(f"unknown codec {codec!r}; valid: {', '.join(CODEC_NAMES)}")
+    _options.clear()
+    _options.update(state_options, codec=codec, loss_bound=float(loss_bound))
+
+
+def options() -> dict[str, Any]:
+    """The settings a new dlcp process group takes: `set_options`' or the
+    environment's (DLCP_BACKEND_CODEC, DLCP_BACKEND_LOSS_BOUND) or fp32, bound 0."""
+    if _options:
+        return dict(_options)
+    return {
+        "codec": os.environ.get("DLCP_BACKEND_CODEC", "fp32"),
+        "loss_bound": float(os.environ.get("DLCP_BACKEND_LOSS_BOUND", "0")),
+    }
+
+
+_c10d_any: Any = _c10d  # (not in the stubs)
+_work_from_future: Callable[[torch.futures.Future[Any]], dist.Work] = (
+    _c10d_any._create_work_from_future
+)
+
+
+def _done(result: Any) -> dist.Work:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(result)
+    return _work_from_future(fut)
+
+
+class _Worker:
+    """One thread running the group's dlcp collectives in issue order."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future[Any]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dlcp-collectives", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> dist.Work:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        self._jobs.put((fn, fut))
+        return _work_from_future(fut)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+# the stubs' overloads of ProcessGroup's methods are the C++ ones (with `root`,
+# `timeout`, ...): a Python group implements the option-object forms
+_ProcessGroup: Any = dist.ProcessGroup
+
+
+class DlcpProcessGroup(_ProcessGroup):
+    """The process group of backend "dlcp" (see the module's docstring)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        # delegated collectives (the caller's thread) and the shim's agreement
+        # (the worker's) on groups of their own: their orders never mix
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        self._gloo: Any = gloo
+        agree = dist.ProcessGroupGloo(dist.PrefixStore("agree", store), rank, size, timeout)
+        self._agree = DirectGroup(agree, rank, size)
+        self._store = dist.PrefixStore("shim", store)
+        self._options = options()
+        self._state: Any = None
+        self._group_name = self._group_desc = ""
+        self._worker = _Worker()
+        _groups.add(self)
+
+    # -- what torch.distributed asks of a group ---------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    # a Python group has no C++ backends to keep these (DeviceMesh reads them)
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    @property
+    def state(self) -> Any:
+        """The shim's state behind this group (attached on first use): stats,
+        timeline, fallbacks."""
+        if self._state is None:
+            from dlcp.shim.state import DlcpState
+
+            self._state = DlcpState(process_group=self._agree, store=self._store, **self._options)
+        return self._state
+
+    @contextlib.contextmanager
+    def _exact(self) -> Iterator[None]:
+        """Loss bound 0 for one collective (the all-gather's parameters are
+        the ranks' bytes whatever bound the gradients get). The state is the
+        worker thread's alone, so this changes nothing anyone else reads."""
+        state = self.state
+        bound, state.loss_bound = state.loss_bound, 0.0
+        try:
+            yield
+        finally:
+            state.loss_bound = bound
+
+    def _dlcp(self, fn: Callable[[], Any]) -> dist.Work:
+        return self._worker.submit(fn)
+
+    # -- all-reduce -------------------------------------------------------------------
+    def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> dist.Work:
+        op = _op(opts)
+        if op not in _SUM_OPS or not all(t.is_floating_point() for t in tensors):
+            return self._gloo.allreduce(list(tensors), _allreduce_opts(op))
+        average = op == dist.ReduceOp.AVG
+
+        def run() -> list[torch.Tensor]:
+            for t in tensors:
+                self._reduce_in_place(t, average)
+            return list(tensors)
+
+        return self._dlcp(run)
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self.allreduce(tensors, opts)
+
+    def _reduce_in_place(self, t: torch.Tensor, average: bool) -> None:
+        flat = t.detach().reshape(-1)
+        work = flat if flat.dtype == torch.float32 and flat.data_ptr() == t.data_ptr() else None
+        buf = work if work is not None else flat.to(torch.float32, copy=True)
+        if average or self.state.codec in ("fp32", "fp16"):
+            self.state.all_reduce(buf, average=average)
+        else:  # a lossy codec averages: the sum is that mean times the ranks
+            self.state.all_reduce(buf)
+            buf.mul_(self._size)
+        if work is None:
+            t.detach().copy_(buf.view_as(t))
+
+    # -- FSDP's two ------------------------------------------------------------------
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
+        op = _op(opts)
+        if op not in _SUM_OPS or not input.is_floating_point():
+            return self._gloo._reduce_scatter_base(output, input, _rs_opts(op))
+        if input.numel() != output.numel() * self._size:
+            raise LocalError(
+                f"reduce_scatter_tensor: input of {input.numel()} values for {self._size} "
+                f"ranks' outputs of {output.numel()}"
+            )
+        average = op == dist.ReduceOp.AVG
+
+        def run() -> torch.Tensor:
+            buf = input.detach().reshape(-1).to(torch.float32, copy=True)
+            self._reduce_in_place(buf, average)
+            n = output.numel()
+            output.detach().copy_(buf[self._rank * n : (self._rank + 1) * n].view_as(output))
+            return output
+
+        return self._dlcp(run)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        pairs = zip(outputs, inputs, strict=True)
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in pairs]
+        return works[-1] if works else _done(None)
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
+        if input.dtype not in _EXACT_IN_FP32:
+            return self._gloo._allgather_base(output, input)
+        if output.numel() != input.numel() * self._size:
+            raise LocalError(
+                f"all_gather_into_tensor: output of {output.numel()} values for {self._size} "
+                f"ranks' inputs of {input.numel()}"
+            )
+
+        def run() -> torch.Tensor:
+            n = input.numel()
+            buf = torch.zeros(output.numel(), dtype=torch.float32)
+            buf[self._rank * n : (self._rank + 1) * n] = input.detach().reshape(-1)
+            # exact: every value is one rank's plus zeros, summed in fp32, none lost
+            with self._exact():
+                self.state.all_reduce(buf, average=False, codec="fp32")
+            output.detach().copy_(buf.view_as(output))
+            return output
+
+        return self._dlcp(run)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        pairs = zip(outputs, inputs, strict=True)
+        works = [self._allgather_base(o, i, opts) for o, i in pairs]
+        return works[-1] if works else _done(None)
+
+    # the names torch.distributed calls them by (2.13: *_single; before: *_base)
+    reduce_scatter_single = _reduce_scatter_base
+    all_gather_single = _allgather_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    # -- delegated to Gloo: dlcp does not carry these ----------------------------------
+    def _after_dlcp(self) -> None:
+        """Wait for the dlcp collectives issued before a delegated one: a caller
+        that reads their tensors after, say, a barrier sees them done."""
+        self._worker.submit(lambda: None).wait()
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.barrier(dist.BarrierOptions() if opts is None else opts)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        opts = dist.BroadcastOptions() if opts is None else opts
+        return self._gloo.broadcast(list(tensors), opts)
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
+
+    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.allgather_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
+
+    def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.gather(outputs, inputs, dist.GatherOptions() if opts is None else opts)
+
+    def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.scatter(outputs, inputs, dist.ScatterOptions() if opts is None else opts)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.reduce(tensors, dist.ReduceOptions() if opts is None else opts)
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.reduce_scatter(outputs, inputs, opts or dist.ReduceScatterOptions())
+
+    def alltoall_base(self, *args: Any) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.alltoall_base(*args)
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
+        self._after_dlcp()
+        return self._gloo.recv_anysource(tensors, tag)
+
+    def shutdown(self) -> None:
+        self._worker.stop()
+        if self._state is not None:
+            self._state.close()
+
+
+def _op(opts: Any) -> Any:
+    """The options' reduction as a ReduceOp.RedOpType (a ReduceOp object compares
+    equal to one, but not the other way round: `in` a tuple of them fails)."""
+    op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+    return getattr(op, "op", op)
+
+
+def _allreduce_opts(op: Any) -> Any:
+    o = dist.AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def _rs_opts(op: Any) -> Any:
+    o = dist.ReduceScatterOptions()
+    o.reduceOp = op
+    return o
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> DlcpProcessGroup:
+    return DlcpProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Register backend "dlcp" with torch.distributed (once; `import dlcp.shim` does)."""
+    if hasattr(dist.Backend, BACKEND.upper()):
+        return
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
