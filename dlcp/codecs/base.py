@@ -88,9 +88,17 @@ class CodecState:
     # what every rank derived alike from the bucket's last result (fft: the
     # agreed coefficient set); not checkpointed: a restored state starts over
     shared: object | None = None
+    # the residual before the last encode's: a codec writes the next residual
+    # into it instead of a new tensor (`spare_for`), so a bucket's rounds do
+    # not allocate (and page-fault) a bucket-sized tensor each. A residual is
+    # overwritten only by the second encode after it replaced: a caller may
+    # keep it over one encode to restore the state (the shim does when a step
+    # fails). Not checkpointed.
+    spare: torch.Tensor | None = None
 
-    def take(self, x: torch.Tensor) -> torch.Tensor:
-        """x plus the residual (x itself on the first round)."""
+    def take(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """x plus the residual (x itself on the first round), written into
+        `into` where given (1-D float32 of x's size, not the residual)."""
         r = self.residual
         if r is None:
             return x
@@ -98,16 +106,49 @@ class CodecState:
             raise LocalError(
                 f"error-feedback state holds {r.numel()} values, bucket has {x.numel()}"
             )
+        if into is not None:
+            return torch.add(x, r.to(x.device), out=into)
         return x + r.to(x.device)
+
+    def spare_for(self, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+        """A float32 buffer of `numel` values (like's) on like's device for the
+        next residual: the previous residual's, where it fits and is not the
+        current one; a new tensor else."""
+        n = like.numel() if numel is None else numel
+        b, r = self.spare, self.residual
+        self.spare = None
+        if (
+            b is None
+            or b.numel() < n
+            or b.dtype != torch.float32
+            or b.device != like.device
+            or not b.is_contiguous()
+            or (r is not None and _shares_memory(b, r))
+        ):
+            return torch.empty(n, dtype=torch.float32, device=like.device)
+        return b.reshape(-1)[:n]
+
+    def keep(self, residual: torch.Tensor) -> None:
+        """Make `residual` the state's, the one it replaces the next spare."""
+        old, self.residual = self.residual, residual
+        if old is not None and not _shares_memory(old, residual):
+            self.spare = old
 
     def reset(self) -> None:
         self.residual = None
         self.rounds = 0
         self.saturated = 0
         self.shared = None
+        self.spare = None
 
     def state_dict(self) -> dict[str, object]:
-        return {"residual": self.residual, "rounds": self.rounds, "saturated": self.saturated}
+        # a copy: the codec reuses the residual's memory two rounds later
+        r = self.residual
+        return {
+            "residual": None if r is None else r.clone(),
+            "rounds": self.rounds,
+            "saturated": self.saturated,
+        }
 
     def load_state_dict(self, d: dict[str, object]) -> None:
         residual = d["residual"]
@@ -117,6 +158,12 @@ class CodecState:
         self.rounds = int(d["rounds"])  # type: ignore[call-overload]
         self.saturated = int(d["saturated"])  # type: ignore[call-overload]
         self.shared = None
+        self.spare = None
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors use the same storage (a view of the other, say)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class Codec(ABC):
@@ -215,8 +262,40 @@ class Codec(ABC):
         seed, scale: those of the round's encode (THC; ignored by fp codecs).
         """
 
+    def encode_into(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        per_packet: int,
+        seed: int = 0,
+        scale: Scale | None = None,
+        state: CodecState | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Encoded:
+        """`encode`, its lanes written into `out` (a uint8 tensor of at least
+        the lanes' bytes on x's device: a view of the shim's shared-memory
+        segment, say); the `Encoded.lanes` returned are `out`'s first bytes.
+        Codecs that can write their lanes there directly (no lanes tensor and
+        copy after) override it."""
+        enc = self.encode(
+            x, per_packet=per_packet, seed=seed, scale=scale, state=state, generator=generator
+        )
+        dst = lanes_out(out, enc.lanes.numel())
+        dst.copy_(enc.lanes)
+        enc.lanes = dst
+        return enc
+
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
+
+
+def lanes_out(out: torch.Tensor, nbytes: int) -> torch.Tensor:
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        raise LocalError("encode_into wants a contiguous 1-D uint8 tensor")
+    if out.numel() < nbytes:
+        raise LocalError(f"{out.numel()} bytes for {nbytes} bytes of lanes")
+    return out[:nbytes]
 
 
 def check_per_packet(per_packet: int) -> None:

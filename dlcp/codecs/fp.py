@@ -12,6 +12,7 @@ DDP's backward, more than its copy into the segment.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -23,6 +24,7 @@ from dlcp.codecs.base import (
     check_per_packet,
     contributors_per_lane,
     flat_float,
+    lanes_out,
     le_bytes,
     per_packet_norms,
     per_packet_view,
@@ -42,6 +44,17 @@ class FloatCodec(Codec):
         check_per_packet(per_packet)
         return numel
 
+    def _wide(self, like: torch.Tensor) -> torch.Tensor:
+        """A float32 scratch tensor of like's size on its device, kept for the
+        next encodes (grown, never shrunk; a codec is used by one thread at a time)."""
+        cache: dict[torch.device, torch.Tensor] = self.__dict__.setdefault("_scratch", {})
+        cur = cache.get(like.device)
+        if cur is None or cur.numel() < like.numel():
+            cur = cache[like.device] = torch.empty(
+                like.numel(), dtype=torch.float32, device=like.device
+            )
+        return cur[: like.numel()]
+
     def encode(
         self,
         x: torch.Tensor,
@@ -52,23 +65,70 @@ class FloatCodec(Codec):
         state: CodecState | None = None,
         generator: torch.Generator | None = None,
     ) -> Encoded:
+        return self._encode(x, None, per_packet, state)
+
+    def encode_into(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        per_packet: int,
+        seed: int = 0,
+        scale: Scale | None = None,
+        state: CodecState | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Encoded:
+        """`encode` with the cast written straight into `out` (one pass, no
+        lanes tensor); little-endian hosts only, else through `encode`."""
+        if sys.byteorder != "little" or out.device != x.device:
+            return super().encode_into(x, out, per_packet=per_packet, state=state)
+        nbytes = x.numel() * self.dtype.itemsize
+        return self._encode(x, lanes_out(out, nbytes).view(self.dtype), per_packet, state)
+
+    def _encode(
+        self,
+        x: torch.Tensor,
+        wire: torch.Tensor | None,
+        per_packet: int,
+        state: CodecState | None,
+    ) -> Encoded:
+        """The lanes of `x` (plus the residual) in `dtype`, into `wire` where given.
+
+        With error feedback, x + residual goes into the state's spare buffer and
+        the new residual is computed in place there (`CodecState.spare_for`):
+        no bucket-sized tensor is allocated after the first rounds."""
         check_per_packet(per_packet)
         v = flat_float(x)
-        if state is not None:
-            v = state.take(v)
-        wire = v.to(self.dtype)
+        own = False  # whether v is a buffer of ours, free to overwrite
+        if state is not None and state.residual is not None:
+            v = state.take(v, into=state.spare_for(v))
+            own = True
+        if wire is None:
+            wire = v.to(self.dtype)
+        else:
+            wire.copy_(v)
         saturated = 0
         if self.dtype == torch.float32:
             block_max = v.new_zeros(-(-v.numel() // per_packet))
         else:
             block_max = per_packet_norms(v, per_packet, math.inf) if v.numel() else v.new_zeros(0)
-            # only a bucket whose max exceeds the half range can overflow (one sync)
-            if block_max.numel() and float(block_max.max()) > torch.finfo(self.dtype).max:
+            # only a bucket whose max exceeds the half range can overflow (one
+            # sync); NaN, inf or overflow: the only buckets whose residual is
+            # not finite everywhere
+            top = float(block_max.max()) if block_max.numel() else 0.0
+            clean = top <= torch.finfo(self.dtype).max
+            if top > torch.finfo(self.dtype).max:
                 saturated = int((torch.isinf(wire) & torch.isfinite(v)).sum())
             if state is not None:
                 # rounding error only: an overflow or a non-finite input is not carried
-                r = v - wire.to(torch.float32)
-                state.residual = torch.where(torch.isfinite(r), r, 0.0)
+                # v - wire, the halves widened into scratch memory first (a
+                # mixed-dtype sub would make a bucket-sized float32 copy each time)
+                wide = self._wide(v)
+                wide.copy_(wire)
+                r = v.sub_(wide) if own else torch.sub(v, wide, out=state.spare_for(v))
+                if not clean:
+                    r = torch.where(torch.isfinite(r), r, 0.0)
+                state.keep(r)
         if state is not None:
             if self.dtype == torch.float32:
                 state.residual = None  # exact: the residual just taken has gone out
@@ -112,6 +172,10 @@ def mean_of_float_sums(
     check_per_packet(per_packet)
     if sums.numel() != numel:
         raise LocalError(f"{sums.numel()} summed lanes for a bucket of {numel} values")
+    if out is not None and isinstance(contributors, int) and sums.dtype != torch.float32:
+        # fp16 sums: widened into `out` and divided there (no float32 copy of them)
+        out.copy_(sums.reshape(-1))
+        return out.div_(contributors) if contributors > 0 else out.zero_()
     s = sums.reshape(-1).to(torch.float32)
     if numel == 0:
         return s

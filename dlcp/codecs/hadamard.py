@@ -22,7 +22,7 @@ import torch
 
 from dlcp.errors import LocalError
 
-__all__ = ["check_block", "fwht", "rotate", "signs", "unrotate"]
+__all__ = ["check_block", "fwht", "fwht_", "rotate", "signs", "unrotate"]
 
 _MAX_FACTOR_BITS = 6  # Hadamard factors of at most 64 x 64
 
@@ -90,9 +90,33 @@ def _fwht_matmul(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _fwht_butterfly(x: torch.Tensor) -> torch.Tensor:
+def _fwht_matmul_(x: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """`_fwht_matmul` with no new tensor: each factor's product goes into the
+    other of `x` and `work` (same shape; both overwritten); returns the one
+    that holds the transform. The same products, so the same bits."""
     rows, n = x.shape
-    y = x.clone()
+    src, dst = x, work
+    left = rows
+    right = n
+    for b in _split_bits(n.bit_length() - 1):
+        k = 1 << b
+        right //= k
+        h = _factor(k, x.device)
+        if right == 1:
+            torch.matmul(src.view(-1, k), h, out=dst.view(-1, k))
+        else:
+            torch.matmul(h, src.view(left, k, right), out=dst.view(left, k, right))
+        left *= k
+        src, dst = dst, src
+    return src
+
+
+def _fwht_butterfly(x: torch.Tensor) -> torch.Tensor:
+    return _fwht_butterfly_(x.clone())
+
+
+def _fwht_butterfly_(y: torch.Tensor) -> torch.Tensor:
+    rows, n = y.shape
     h = 1
     while h < n:
         v = y.view(rows, n // (2 * h), 2, h)
@@ -125,6 +149,18 @@ def fwht(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
     else:
         raise LocalError(f"unknown Hadamard method {method!r}: auto, matmul or butterfly")
     return out.reshape(x.shape)
+
+
+def fwht_(x: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """`fwht` of the contiguous float32 (rows, B) `x` without new tensors: `x`
+    and `work` (of x's shape) are overwritten; returns the one holding the
+    transform (bit for bit `fwht(x)`)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise LocalError("fwht_ wants a contiguous 2-D float32 tensor")
+    check_block(x.shape[-1])
+    if _exact_matmul(x.device):
+        return _fwht_matmul_(x, work.view(x.shape))
+    return _fwht_butterfly_(x)
 
 
 def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:

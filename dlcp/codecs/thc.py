@@ -6,6 +6,10 @@ stochastically and without bias to one of L + 1 = 2^b levels over [-s, s]:
 
     q = floor((clamp(y, -s, s) + s) * L / (2 s) + U),   U ~ uniform[0, 1)
 
+(U private to the worker: on a CPU from numpy's SFC64, seeded by one draw of
+the caller's torch generator, `_uniform_`; torch's own CPU generator was a
+third of an encode.)
+
 so E[q] * 2s/L - s = y wherever |y| <= s. Values beyond the scale are clamped
 (counted in `saturated`; error feedback carries what was cut). Aggregators add
 the integer lanes; the sum of c contributions decodes to their mean as
@@ -26,6 +30,7 @@ identical errors, which no longer average out across workers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -38,9 +43,9 @@ from dlcp.codecs.base import (
     Scale,
     contributors_per_lane,
     flat_float,
-    per_packet_view,
+    lanes_out,
 )
-from dlcp.codecs.hadamard import check_block, rotate, unrotate
+from dlcp.codecs.hadamard import check_block, fwht_, signs
 from dlcp.errors import LocalError
 from dlcp.wire.header import Codec as WireCodec
 
@@ -62,6 +67,31 @@ def _shared_dither(seed: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.rand(n, generator=gen).to(device)
 
 
+@dataclass(frozen=True)
+class _Scratch:
+    """A codec's bucket-sized float32 scratch tensors (see `ThcCodec._scratch`)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+
+
+def _uniform_(u: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill `u` with uniforms in [0, 1), independent per call, from `generator`.
+
+    On a CPU from numpy's SFC64, seeded by one draw of `generator` (default:
+    torch's global one): about 3x faster than torch's own CPU generator
+    (mt19937), which was a third of a thc8 encode. float32 uniforms of
+    24-bit resolution, as torch's are; the rounding stays unbiased and
+    private to the worker, so only the encoded bytes differ from torch's
+    draw. CUDA tensors draw on their device."""
+    if u.device.type != "cpu" or not u.is_contiguous():
+        return u.uniform_(0.0, 1.0, generator=generator)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    np.random.Generator(np.random.SFC64(seed)).random(dtype=np.float32, out=u.numpy().reshape(-1))
+    return u
+
+
 class ThcCodec(Codec):
     """THC with `bits` (8 or 4) per lane.
 
@@ -79,18 +109,11 @@ class ThcCodec(Codec):
         self.dither = dither
         self.name = f"thc{bits}"
         self.wire = _WIRE[bits]
+        self._work: dict[torch.device, _Scratch] = {}
 
     def n_lanes(self, numel: int, per_packet: int) -> int:
         check_block(per_packet)
         return -(-numel // per_packet) * per_packet
-
-    def _to_rotated(self, v: torch.Tensor, per_packet: int, seed: int) -> torch.Tensor:
-        blocks = per_packet_view(v, per_packet)
-        return rotate(blocks, seed) if self.rotate else blocks.clone()
-
-    def _from_rotated(self, y: torch.Tensor, numel: int, seed: int) -> torch.Tensor:
-        x = unrotate(y, seed) if self.rotate else y
-        return x.reshape(-1)[:numel]
 
     def _scale(
         self, scale: Scale, blocks: int, device: torch.device
@@ -121,14 +144,62 @@ class ThcCodec(Codec):
         state: CodecState | None = None,
         generator: torch.Generator | None = None,
     ) -> Encoded:
+        return self._encode(x, None, per_packet, seed, scale, state, generator)
+
+    def encode_into(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        per_packet: int,
+        seed: int = 0,
+        scale: Scale | None = None,
+        state: CodecState | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Encoded:
+        """`encode` with the lanes written straight into `out` (no lanes tensor)."""
+        if out.device != x.device:
+            return super().encode_into(
+                x,
+                out,
+                per_packet=per_packet,
+                seed=seed,
+                scale=scale,
+                state=state,
+                generator=generator,
+            )
+        return self._encode(x, out, per_packet, seed, scale, state, generator)
+
+    def _encode(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor | None,
+        per_packet: int,
+        seed: int,
+        scale: Scale | None,
+        state: CodecState | None,
+        generator: torch.Generator | None,
+    ) -> Encoded:
+        """The encode of the module docstring, every bucket-sized step into
+        the codec's scratch tensors (`_Scratch`) and the state's spare buffer
+        instead of new tensors: the same operations in the same order, so the
+        same lanes, maxima and residual bit for bit as their plain form."""
         check_block(per_packet)
         v = flat_float(x)
         numel = v.numel()
-        if state is not None:
-            v = state.take(v)
-        y = self._to_rotated(v, per_packet, seed)
-        blocks = y.shape[0]
-        block_max = y.abs().amax(dim=1)
+        blocks = -(-numel // per_packet)
+        n = blocks * per_packet
+        work = self._scratch(v.device, n)
+        # the padded blocks, with the residual added, into `a`
+        a = work.a[:n]
+        if state is not None and state.residual is not None:
+            state.take(v, into=a[:numel])
+        else:
+            a[:numel].copy_(v)
+        a[numel:].zero_()
+        y = self._rotated_(a.view(blocks, per_packet), work.b[:n].view(blocks, per_packet), seed)
+        t = (work.b if y.data_ptr() == work.a.data_ptr() else work.a)[:n].view(y.shape)
+        block_max = torch.abs(y, out=t).amax(dim=1)
         gmax = block_max.max() if blocks else y.new_zeros(())
         bad: torch.Tensor | None = None
         if scale is None:  # this worker's own max
@@ -145,26 +216,31 @@ class ThcCodec(Codec):
             raise LocalError(f"{self.name} cannot encode non-finite gradient values")
         if bad is not None and reported[2]:
             raise LocalError("per-packet THC scales must be finite and >= 0")
-        saturated = int((y.abs() > s).sum()) if reported[1] else 0
+        saturated = int((torch.abs(y, out=t) > s).sum()) if reported[1] else 0
 
         top = float(self.levels)
-        t = torch.clamp(y, -s, s).add_(s).mul_(top / (2 * s))
-        if self.dither:
-            u = _shared_dither(seed, t.numel(), t.device).view(t.shape)
+        if reported[1]:  # some value beyond the scale: clamp (else clamping changes nothing)
+            torch.clamp(y, -s, s, out=t)
+            t.add_(s)
         else:
-            u = torch.rand(t.shape, device=t.device, generator=generator)
+            torch.add(y, s, out=t)
+        t.mul_(top / (2 * s))
+        u = work.c[:n].view(y.shape)
+        if self.dither:
+            u.copy_(_shared_dither(seed, n, t.device).view(t.shape))
+        else:
+            _uniform_(u, generator)
         q = t.add_(u).floor_().clamp_(0.0, top)
         if state is not None:
-            own = (q - u).add_(0.5) if self.dither else q.clone()
+            own = torch.sub(q, u, out=u).add_(0.5) if self.dither else u.copy_(q)
             own.mul_(2 * s / top).sub_(s)
-            state.residual = self._from_rotated(y.sub_(own), numel, seed)
+            y.sub_(own)
+            residual = state.spare_for(v)
+            self._unrotated_into(y, u, seed, residual)  # (u is free again; t holds q)
+            state.keep(residual)
             state.rounds += 1
             state.saturated += saturated
-        lanes = q.to(torch.uint8).reshape(-1)
-        if self.bits == 4:
-            if lanes.numel() % 2:
-                lanes = torch.nn.functional.pad(lanes, (0, 1))
-            lanes = lanes[0::2] | (lanes[1::2] << 4)
+        lanes = self._pack(q, out)
         out_scale: Scale
         if scale is None:
             out_scale = float(np.float32(reported[0]))
@@ -174,11 +250,64 @@ class ThcCodec(Codec):
             out_scale = float(np.float32(float(scale)))
         return Encoded(
             lanes=lanes,
-            n_lanes=y.numel(),
+            n_lanes=n,
             scale=out_scale,
             block_max=block_max,
             saturated=saturated,
         )
+
+    def _pack(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The integer levels `q` as lanes: a byte each (thc8), two a byte low
+        nibble first (thc4); into `out` where given."""
+        n = q.numel()
+        if self.bits == 8:
+            if out is None:
+                return q.to(torch.uint8).reshape(-1)
+            dst = lanes_out(out, n)
+            dst.view(q.shape).copy_(q)
+            return dst
+        lanes = q.to(torch.uint8).reshape(-1)
+        if lanes.numel() % 2:
+            lanes = torch.nn.functional.pad(lanes, (0, 1))
+        if out is None:
+            return lanes[0::2] | (lanes[1::2] << 4)
+        dst = lanes_out(out, lanes.numel() // 2)
+        return torch.bitwise_or(lanes[0::2], lanes[1::2] << 4, out=dst)
+
+    def _rotated_(self, blocks: torch.Tensor, work: torch.Tensor, seed: int) -> torch.Tensor:
+        """The padded `blocks` rotated (`hadamard.rotate`) in place: returns
+        `blocks` or `work`, whichever holds them."""
+        if not self.rotate:
+            return blocks
+        blocks.mul_(signs(seed, blocks.shape[-1], blocks.device))
+        return fwht_(blocks, work)
+
+    def _unrotated_into(
+        self, y: torch.Tensor, work: torch.Tensor, seed: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`hadamard.unrotate(y)`, its first `out.numel()` values written into
+        the 1-D `out` (y and work overwritten)."""
+        numel = out.numel()
+        per_packet = y.shape[-1]
+        if not self.rotate:
+            return out.copy_(y.reshape(-1)[:numel])
+        z = fwht_(y, work)
+        d = signs(seed, per_packet, y.device)
+        whole, tail = divmod(numel, per_packet)
+        torch.mul(z[:whole], d, out=out[: whole * per_packet].view(whole, per_packet))
+        if tail:
+            torch.mul(z[whole, :tail], d[:tail], out=out[whole * per_packet :])
+        return out
+
+    def _scratch(self, device: torch.device, n: int) -> _Scratch:
+        """Three float32 tensors of at least `n` values on `device`, kept for the
+        codec's next encodes and decodes (grown, never shrunk); a codec is used
+        by one thread at a time."""
+        cur = self._work.get(device)
+        if cur is None or cur.a.numel() < n:
+            cur = _Scratch(*(torch.empty(n, dtype=torch.float32, device=device) for _ in "abc"))
+            self._work[device] = cur
+        return cur
 
     def decode(
         self,
@@ -190,6 +319,24 @@ class ThcCodec(Codec):
         seed: int = 0,
         scale: Scale | None = None,
     ) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32, device=sums.device)
+        return self.decode_into(
+            sums, contributors, out, numel=numel, per_packet=per_packet, seed=seed, scale=scale
+        )
+
+    def decode_into(
+        self,
+        sums: torch.Tensor,
+        contributors: torch.Tensor | int,
+        out: torch.Tensor,
+        *,
+        numel: int,
+        per_packet: int,
+        seed: int = 0,
+        scale: Scale | None = None,
+    ) -> torch.Tensor:
+        """`decode` written into `out` (1-D float32 of `numel` on sums' device:
+        the bucket itself, say), through the codec's scratch tensors."""
         n_lanes = self.n_lanes(numel, per_packet)
         if scale is None:
             raise LocalError(f"{self.name} decode needs the scale the round was encoded with")
@@ -197,13 +344,20 @@ class ThcCodec(Codec):
             raise LocalError(
                 f"{sums.numel()} summed lanes; a bucket of {numel} values has {n_lanes}"
             )
+        if out.numel() != numel or out.dtype != torch.float32 or out.device != sums.device:
+            raise LocalError(f"decode into {out.dtype} of {out.numel()}: want float32 of {numel}")
         device = sums.device
         blocks = n_lanes // per_packet
-        total = sums.reshape(blocks, per_packet).to(torch.float32, copy=True)
+        work = self._scratch(device, n_lanes)
+        total = work.a[:n_lanes].view(blocks, per_packet)
+        total.copy_(sums.reshape(blocks, per_packet))
         c = contributors_per_lane(contributors, n_lanes, per_packet, device)
         s, _ = self._scale(scale, blocks, device)
         mean = total.div_(c.clamp(min=1))
         if self.dither:
             mean.sub_(_shared_dither(seed, n_lanes, device).view(blocks, per_packet)).add_(0.5)
-        y = torch.where(c > 0, mean.mul_(2 * s / self.levels).sub_(s), 0.0)
-        return self._from_rotated(y, numel, seed)
+        y = mean.mul_(2 * s / self.levels).sub_(s)
+        if c.numel() > 1 or not bool(c > 0):  # some packets nobody sent: 0 there
+            y = torch.where(c > 0, y, 0.0)
+        self._unrotated_into(y.contiguous(), work.b[:n_lanes].view(blocks, per_packet), seed, out)
+        return out

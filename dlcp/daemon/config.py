@@ -15,6 +15,7 @@ from dlcp.core.layout import DEFAULT_PAYLOAD
 from dlcp.core.rate import RateConfig
 from dlcp.core.timing import Timing
 from dlcp.daemon.flow import WINDOW_MIN
+from dlcp.daemon.mtu import MIN_MTU, link_mtu, payload_for
 from dlcp.errors import LocalError
 from dlcp.ipc import DEFAULT_SOCKET
 from dlcp.policies import DEFAULT_DSCP, check_dscp_table
@@ -72,6 +73,10 @@ class Config:
     # [network]
     addresses: tuple[str, ...] = ("127.0.0.1",)
     udp_port: int = 7400
+    # The links' MTU: a number, or found from the routes to the peers
+    # ("auto", dlcp.daemon.mtu); None: not known (DEFAULT_PAYLOAD, a 1500-byte
+    # link). `payload`, unless given, follows it.
+    mtu: int | None = None
     payload: int = DEFAULT_PAYLOAD
     gso: bool = True
     gro: bool = True
@@ -139,6 +144,7 @@ _SECTIONS = {
     "network": {
         "addresses",
         "udp_port",
+        "mtu",
         "payload",
         "gso",
         "gro",
@@ -283,7 +289,6 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
     if "addresses" in n:
         cfg.addresses = _addresses(n["addresses"], "network.addresses")
     cfg.udp_port = _int(n.get("udp_port", cfg.udp_port), "network.udp_port", 1, 65535)
-    cfg.payload = _int(n.get("payload", cfg.payload), "network.payload", 64, 65443)
     for flag in ("gso", "gro"):
         if flag in n:
             _need(isinstance(n[flag], bool), f"network.{flag} must be true or false")
@@ -326,6 +331,7 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
     peers = n.get("peers", [])
     _need(isinstance(peers, list), "network.peers must be a list of tables")
     cfg.peers = tuple(_peer(v, f"network.peers[{i}]", cfg.udp_port) for i, v in enumerate(peers))
+    _link_size(cfg, n)
     for kind in ("priority", "drop", "balance"):
         if kind in p:
             setattr(cfg, kind, _policy(p[kind], f"policies.{kind}"))
@@ -356,6 +362,20 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
     for kind in ("priority", "drop", "balance"):
         from_config(kind, getattr(cfg, kind))
     return cfg
+
+
+def _link_size(cfg: Config, n: dict[str, Any]) -> None:
+    """`mtu` (given, or "auto": from the routes to the peers) and the payload,
+    given or following the MTU (`dlcp.daemon.mtu`)."""
+    mtu = n.get("mtu", "auto")
+    if mtu == "auto":
+        cfg.mtu = link_mtu(a for peer in cfg.peers for a in peer.addresses)
+    else:
+        cfg.mtu = _int(mtu, "network.mtu", MIN_MTU, 65535)
+    if "payload" in n:
+        cfg.payload = _int(n["payload"], "network.payload", 64, 65443)
+    elif cfg.mtu is not None:
+        cfg.payload = payload_for(cfg.mtu, cfg.addresses[0])
 
 
 def load(path: str | Path) -> Config:

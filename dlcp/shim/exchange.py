@@ -18,6 +18,7 @@ import torch
 
 from dlcp.codecs import Codec, CodecState, block_norms
 from dlcp.codecs.fp import FloatCodec, mean_of_float_sums
+from dlcp.codecs.thc import ThcCodec
 from dlcp.core.layout import Layout
 from dlcp.errors import LocalError
 from dlcp.shim.arena import Region
@@ -26,7 +27,15 @@ from dlcp.shim.regions import read_out, region_sizes, write_meta
 from dlcp.shim.staging import Staging
 from dlcp.shim.timeline import BucketTimes
 
-__all__ = ["Decoded", "RoundPlan", "Submitted", "decode_round", "round_seed", "submit_round"]
+__all__ = [
+    "Decoded",
+    "RoundPlan",
+    "Submitted",
+    "decode_round",
+    "encode_into",
+    "round_seed",
+    "submit_round",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -126,27 +135,16 @@ def submit_round(
     `region`, and submit it. The reply future completes when the round ends.
     `times`: stamped as the bucket is encoded, written, submitted and replied.
     `n_layers`: the model's layer count, which the daemon ranks `layers` against."""
-    if region.sizes != region_sizes(plan.layout):
-        raise ValueError("region was cut for another layout")
-    if plan.scaled and plan.scale is None:
-        raise ValueError(f"{plan.codec.name} needs the agreed per-packet scale")
-    enc = plan.codec.encode(
+    block_max, saturated = encode_into(
+        region,
+        plan,
         x,
-        per_packet=plan.per_packet,
-        seed=plan.seed,
-        scale=plan.scale,
+        layers=layers,
         state=state,
         generator=generator,
+        staging=staging,
+        times=times,
     )
-    block_max = enc.block_max.detach().to("cpu", torch.float32)
-    norms = (enc.norms if enc.norms is not None else block_norms(x, plan.per_packet)).cpu().numpy()
-    if times is not None:
-        times.encoded = time.perf_counter()
-    direct = enc.lanes.is_cuda and region.segment.pin_for_cuda()
-    staging.write(region.data_view(), enc.lanes, direct=direct)
-    write_meta(region.meta_view(), layers, norms, block_max.numpy())
-    if times is not None:
-        times.written = time.perf_counter()
     extra = {} if n_layers is None else {"layers": int(n_layers)}
     reply = client.submit(
         **extra,
@@ -162,7 +160,50 @@ def submit_round(
     if times is not None:
         times.submitted = time.perf_counter()
         reply.add_done_callback(lambda _: _stamp_replied(times))
-    return Submitted(plan, region, reply, block_max, enc.saturated)
+    return Submitted(plan, region, reply, block_max, saturated)
+
+
+def encode_into(
+    region: Region,
+    plan: RoundPlan,
+    x: torch.Tensor,
+    *,
+    layers: npt.NDArray[np.uint16],
+    state: CodecState | None,
+    generator: torch.Generator | None,
+    staging: Staging,
+    times: BucketTimes | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Encode `x` (left unchanged) and write its lanes and metadata into
+    `region`: the rank's side of a submit. Returns the block maxima (CPU
+    float32) and the values saturated. `times`: encoded and written stamped."""
+    if region.sizes != region_sizes(plan.layout):
+        raise ValueError("region was cut for another layout")
+    if plan.scaled and plan.scale is None:
+        raise ValueError(f"{plan.codec.name} needs the agreed per-packet scale")
+    args: dict[str, Any] = {
+        "per_packet": plan.per_packet,
+        "seed": plan.seed,
+        "scale": plan.scale,
+        "state": state,
+        "generator": generator,
+    }
+    if x.is_cuda:
+        enc = plan.codec.encode(x, **args)
+    else:  # the lanes straight into the segment (fp: the cast is the copy)
+        data = torch.from_numpy(np.frombuffer(region.data_view(), dtype=np.uint8))
+        enc = plan.codec.encode_into(x, data, **args)
+    block_max = enc.block_max.detach().to("cpu", torch.float32)
+    norms = (enc.norms if enc.norms is not None else block_norms(x, plan.per_packet)).cpu().numpy()
+    if times is not None:
+        times.encoded = time.perf_counter()
+    if x.is_cuda:
+        direct = enc.lanes.is_cuda and region.segment.pin_for_cuda()
+        staging.write(region.data_view(), enc.lanes, direct=direct)
+    write_meta(region.meta_view(), layers, norms, block_max.numpy())
+    if times is not None:
+        times.written = time.perf_counter()
+    return block_max, enc.saturated
 
 
 def _stamp_replied(times: BucketTimes) -> None:
@@ -224,6 +265,24 @@ def decode_round(
     ):
         mean_of_float_sums(
             sums, counts, numel=plan.numel, per_packet=plan.per_packet, out=into.view(-1)
+        )
+        return Decoded(mean=into, counts=out.counts, maxima=out.maxima, sums=out.sums)
+    if (
+        into is not None
+        and isinstance(plan.codec, ThcCodec)
+        and into.dtype == torch.float32
+        and into.device == sums.device
+        and into.is_contiguous()
+        and into.numel() == plan.numel
+    ):  # THC: rotated back straight into the bucket
+        plan.codec.decode_into(
+            sums,
+            counts,
+            into.view(-1),
+            numel=plan.numel,
+            per_packet=plan.per_packet,
+            seed=plan.seed,
+            scale=plan.scale,
         )
         return Decoded(mean=into, counts=out.counts, maxima=out.maxima, sums=out.sums)
     extra = {} if plan.union is None else {"union": plan.union}  # sketch

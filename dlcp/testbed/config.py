@@ -33,8 +33,6 @@ def daemon_config(
         "network": {
             "addresses": [host_address(host, p) for p in range(spec.paths)],
             "udp_port": spec.udp_port,
-            # 20 IPv4 + 8 UDP + 64 dlcp header below the MTU
-            **({"payload": spec.mtu - 92} if spec.mtu != 1500 else {}),
             "peers": [
                 {"index": i, "addresses": [host_address(i, p) for p in range(spec.paths)]}
                 for i in range(spec.hosts)
