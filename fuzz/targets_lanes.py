@@ -96,10 +96,8 @@ def bulk_pick(inp: Input) -> None:
         np.int64,
     )
     items: list[bytes] | tuple[bytes, ...] = dgs if inp.chance(2) else tuple(dgs)
-    try:
-        want = [bytes(items[i]) for i in order.tolist()]
-    except IndexError:
-        want = None
+    positions = order.tolist()
+    want = None if any(not 0 <= i < n for i in positions) else [bytes(items[i]) for i in positions]
     try:
         got = [bytes(x) for x in batch_mod.picked(items, order)]
     except IndexError:

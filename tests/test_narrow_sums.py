@@ -113,3 +113,18 @@ def test_a_data_packet_with_a_narrow_codec_is_refused() -> None:
     dg = encode(h, bytes(1024), mac_state(KEY, "blake2b"))
     assert e.receive(dg, 0.0, src=1) is None
     assert e.rejects[Reason.BAD_CODEC] == 1
+
+
+def test_narrow_runs_check_each_payloads_length_not_just_their_total() -> None:
+    """A run whose payloads' lengths add up but are not each a packet's (1 byte
+    for 0 lanes, 4 for 4 ten-bit lanes that take 5) is BAD_LENGTH, as the C
+    store says; the one-pass unpack once checked only the total (found by the
+    bulk_store_lanes fuzz target)."""
+    from dlcp.errors import RemoteError
+
+    for native in (False, True):
+        dest = np.zeros(16, np.uint16)
+        starts, counts = np.array([0, 0], np.int64), np.array([0, 4], np.int64)
+        with pytest.raises(RemoteError, match="bad_length"):
+            payloads = [b"\x01", b"\x02" * 4]
+            lanes.store_runs(dest, Codec.THC8_SUM10, True, starts, counts, payloads, native=native)

@@ -383,10 +383,9 @@ def _store_narrow(
     bits = LANE_BITS[codec][1]
     if any(c * bits % 8 for c in counts):
         return False
-    joined = b"".join(payloads)
-    want = sum(c * bits // 8 for c in counts)
-    if len(joined) != want:
+    if any(len(p) != c * bits // 8 for p, c in zip(payloads, counts, strict=True)):
         return False  # one of them has the wrong length: store_many says which
+    joined = b"".join(payloads)
     lanes = _unpack_narrow(codec, joined, sum(counts))
     at = 0
     for start, count in zip(starts, counts, strict=True):

@@ -211,10 +211,15 @@ T = TypeVar("T")
 def picked(items: Sequence[T], order: np.ndarray) -> Sequence[T]:
     """`[items[i] for i in order]`: one C call (`_bulk.pick`) for a list, a
     tuple or a receive drain's `Datagrams` (then another `Datagrams`, no
-    object a datagram)."""
+    object a datagram). `order` holds positions 0..len-1: anything else (a
+    negative index included) is an IndexError."""
     if _bulk is not None and isinstance(items, list | tuple | _bulk.Datagrams):
         return _bulk.pick(items, np.ascontiguousarray(order, dtype=np.int64))
-    return [items[i] for i in np.asarray(order).tolist()]
+    positions = np.asarray(order).tolist()
+    for i in positions:  # positions, not Python's negative indices (as the C)
+        if not 0 <= i < len(items):
+            raise IndexError(f"index {i} of {len(items)} datagrams")
+    return [items[i] for i in positions]
 
 
 def split_segments(buf: bytes | memoryview, segment: int) -> list[memoryview]:
