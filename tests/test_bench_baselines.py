@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,8 +86,9 @@ def test_gloo_uses_every_interface_of_a_two_path_testbed() -> None:
     assert rec["paths"] == 2 and rec["gloo_ifnames"] == "eth0,eth1"
 
 
-def test_the_hooks_register_and_reduce_in_ddp() -> None:
-    """World of one over Gloo in this process: every hook runs past PowerSGD's start."""
+def _hooks_in_ddp(out: str) -> None:
+    """World of one over Gloo in a child process (a process group's Gloo
+    threads in pytest's own process abort it when a later test forks)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -105,13 +107,29 @@ def test_the_hooks_register_and_reduce_in_ddp() -> None:
                 ddp.zero_grad()
                 ddp(x).square().sum().backward()
             grads[hook] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.save(grads, out)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_hooks_register_and_reduce_in_ddp(tmp_path: Path) -> None:
+    """Every hook runs past PowerSGD's start, in DDP over a world of one."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "grads.pt")
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_hooks_in_ddp, args=(out,))
+    child.start()
+    child.join(300)
+    assert child.exitcode == 0
+    grads = torch.load(out)
     exact = grads["default"]
     for hook in ("fp16", "bf16"):
         err = float((grads[hook] - exact).norm() / exact.norm())
         assert 0 < err < (1e-3 if hook == "fp16" else 1e-2), (hook, err)
     assert torch.isfinite(grads["powersgd"]).all() and not torch.equal(grads["powersgd"], exact)
+    from dlcp.bench.hooks import register
+
     with pytest.raises(ValueError, match="unknown hook"):
         register(None, "fp8")
 
