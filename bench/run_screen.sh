@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The runs behind BENCHMARKS.md's first screen: the commands of the targets, as
-# a user runs them, one after another on a quiet machine (about 40 minutes on
+# a user runs them, one after another on a quiet machine (about 15 minutes on
 # 2 cores; needs root). Every command writes its JSON under OUT and its output
 # goes to OUT/run.log.
 # Usage: sudo bash bench/run_screen.sh [OUT] [PART...]
