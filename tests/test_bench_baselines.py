@@ -88,7 +88,8 @@ def test_gloo_uses_every_interface_of_a_two_path_testbed() -> None:
 
 def _hooks_in_ddp(out: str) -> None:
     """World of one over Gloo in a child process (a process group's Gloo
-    threads in pytest's own process abort it when a later test forks)."""
+    threads in pytest's own process abort it when a later test forks), which
+    ends without interpreter finalization (Gloo's threads abort that too)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -110,6 +111,9 @@ def _hooks_in_ddp(out: str) -> None:
         torch.save(grads, out)
     finally:
         dist.destroy_process_group()
+    from dlcp.shim.leave import exit_process
+
+    exit_process(0)  # no finalization racing Gloo's threads (dlcp.shim.leave)
 
 
 def test_the_hooks_register_and_reduce_in_ddp(tmp_path: Path) -> None:
