@@ -6,17 +6,13 @@ at positions (`_bulk.pick`) against the list comprehension it stands in for."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from dlcp.codecs import lanes
 from dlcp.codecs.lanes_native import native_kind
-from dlcp.errors import RemoteError
 from dlcp.wire import batch as batch_mod
 from dlcp.wire.header import Codec, lane_bytes
 from fuzz.harness import Input, pack_datagrams, target
-from fuzz.targets_wire import _as_datagrams, _lane_seeds, _same_error
+from fuzz.targets_wire import _as_datagrams, _lane_seeds, _same_error, _store
 
 # (codec, summed, accumulator dtype) where a run's lanes are unpacked in C
 _UNPACKED = [
@@ -40,22 +36,6 @@ def _runs(inp: Input, size: int, codec: int, summed: bool) -> tuple[np.ndarray, 
         counts.append(count)
         payloads.append(inp.take(max(n, 0)).ljust(max(n, 0), b"\x5a"))
     return np.array(starts, np.int64), np.array(counts, np.int64), payloads
-
-
-def _store(
-    dest: np.ndarray,
-    codec: int,
-    summed: bool,
-    s: np.ndarray,
-    c: np.ndarray,
-    p: Any,
-    native: bool,
-) -> BaseException | None:
-    try:
-        lanes.store_runs(dest, codec, summed, s, c, p, native=native)
-    except (RemoteError, IndexError) as exc:
-        return exc
-    return None
 
 
 @target("bulk_store_lanes", covers=("_bulk.store_lanes",), seeds=lambda: _lane_seeds(2))
