@@ -21,6 +21,7 @@ C_FILES = {
     "_udp": ROOT / "dlcp/daemon/_udp.c",
     "_bulk": ROOT / "dlcp/wire/_bulk.c",
     "_ghash": ROOT / "dlcp/wire/_ghash.c",
+    "_thc": ROOT / "dlcp/codecs/_thc.c",
 }
 _CODE = re.compile(r"`([^`]+)`")
 _TWIN = re.compile(r"^[a-z_][\w.]*:[A-Za-z_][\w.]*$")  # module:qualified.name

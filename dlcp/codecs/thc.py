@@ -6,9 +6,15 @@ stochastically and without bias to one of L + 1 = 2^b levels over [-s, s]:
 
     q = floor((clamp(y, -s, s) + s) * L / (2 s) + U),   U ~ uniform[0, 1)
 
-(U private to the worker: on a CPU from numpy's SFC64, seeded by one draw of
-the caller's torch generator, `_uniform_`; torch's own CPU generator was a
-third of an encode.)
+(U private to the worker: on a CPU a keyed hash of the value's place, keyed
+by one draw of the caller's torch generator, `_uniform_` and `noise_of`;
+computed in C where it is used, never written out. torch's own CPU
+generator, then numpy's SFC64, were a third and then most of an encode.)
+
+On a CPU the rotation, the rounding and the decode run in C a block at a
+time (`dlcp.codecs._thc`, `ThcCodec.native`): torch's operations in the same
+order, on the butterfly form of the transform (torch's CPU default is a
+matmul), tested bit for bit in tests/test_thc_native.py.
 
 so E[q] * 2s/L - s = y wherever |y| <= s. Values beyond the scale are clamped
 (counted in `saturated`; error feedback carries what was cut). Aggregators add
@@ -30,6 +36,7 @@ identical errors, which no longer average out across workers.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,6 +55,13 @@ from dlcp.codecs.base import (
 from dlcp.codecs.hadamard import check_block, fwht_, signs
 from dlcp.errors import LocalError
 from dlcp.wire.header import Codec as WireCodec
+
+try:  # THC's passes a block at a time (dlcp/codecs/_thc.c); off with DLCP_NATIVE_THC=0
+    from dlcp.codecs import _thc as _native_thc
+except ImportError:  # pragma: no cover - the extension is optional
+    _native_thc = None
+if os.environ.get("DLCP_NATIVE_THC", "1") == "0":
+    _native_thc = None
 
 __all__ = ["ThcCodec"]
 
@@ -76,20 +90,61 @@ class _Scratch:
     c: torch.Tensor
 
 
+_MIX1, _MIX2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """The lowbias32 mix (Wellons) of uint32 `x`, in place."""
+    x ^= x >> np.uint32(16)
+    x *= _MIX1
+    x ^= x >> np.uint32(15)
+    x *= _MIX2
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def _noise_key(generator: torch.Generator | None) -> int:
+    """The 64-bit key of one encode's rounding noise: one draw of `generator`
+    (default: torch's global one)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
+def noise_of(key: int, n: int) -> np.ndarray:
+    """The rounding noise of the values 0..n-1 under `key`: uniforms in [0, 1)
+    of 24 bits, each a keyed hash of its place (two rounds of lowbias32, the
+    key's low half added before the first, its high half xored before the
+    second). What `_thc.quantize` computes per value (numpy's form of it)."""
+    i = np.arange(n, dtype=np.uint32)
+    i += np.uint32(key & 0xFFFFFFFF)
+    h = _mix32(_mix32(i) ^ np.uint32(key >> 32))
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+
+
 def _uniform_(u: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Fill `u` with uniforms in [0, 1), independent per call, from `generator`.
 
-    On a CPU from numpy's SFC64, seeded by one draw of `generator` (default:
-    torch's global one): about 3x faster than torch's own CPU generator
-    (mt19937), which was a third of a thc8 encode. float32 uniforms of
-    24-bit resolution, as torch's are; the rounding stays unbiased and
-    private to the worker, so only the encoded bytes differ from torch's
-    draw. CUDA tensors draw on their device."""
+    On a CPU the keyed hash of each value's place (`noise_of`, in C by
+    `_thc.uniforms` where built), keyed by one draw of `generator`: the same
+    noise `_thc.quantize` makes without writing it, and 24-bit float32
+    uniforms as torch's are; the rounding stays unbiased and private to the
+    worker. CUDA tensors draw on their device."""
     if u.device.type != "cpu" or not u.is_contiguous():
         return u.uniform_(0.0, 1.0, generator=generator)
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    np.random.Generator(np.random.SFC64(seed)).random(dtype=np.float32, out=u.numpy().reshape(-1))
+    key = _noise_key(generator)
+    if _native_thc is not None:
+        _native_thc.uniforms(u.numpy().reshape(-1), key)
+    else:
+        u.numpy().reshape(-1)[:] = noise_of(key, u.numel())
     return u
+
+
+def _out_scale(scale: Scale | None, gmax: float) -> Scale:
+    """The scale an encode reports: its own max (float32) when it chose it."""
+    if scale is None:
+        return float(np.float32(gmax))
+    if isinstance(scale, torch.Tensor) and scale.dim() > 0:
+        return scale
+    return float(np.float32(float(scale)))
 
 
 class ThcCodec(Codec):
@@ -110,6 +165,9 @@ class ThcCodec(Codec):
         self.name = f"thc{bits}"
         self.wire = _WIRE[bits]
         self._work: dict[torch.device, _Scratch] = {}
+        # the rotation, rounding and decode in C on a CPU (the butterflies'
+        # bits; False: torch's passes, whose CPU transform is a matmul)
+        self.native = _native_thc is not None and rotate and not dither
 
     def n_lanes(self, numel: int, per_packet: int) -> int:
         check_block(per_packet)
@@ -197,9 +255,18 @@ class ThcCodec(Codec):
         else:
             a[:numel].copy_(v)
         a[numel:].zero_()
-        y = self._rotated_(a.view(blocks, per_packet), work.b[:n].view(blocks, per_packet), seed)
-        t = (work.b if y.data_ptr() == work.a.data_ptr() else work.a)[:n].view(y.shape)
-        block_max = torch.abs(y, out=t).amax(dim=1)
+        native = self.native and v.device.type == "cpu"
+        if native:  # rotated in place, a block at a time, with each block's max
+            y = a.view(blocks, per_packet)
+            block_max = torch.empty(blocks, dtype=torch.float32)
+            d = signs(seed, per_packet)
+            _native_thc.rotate(a.numpy(), d.numpy(), block_max.numpy())
+        else:
+            y = self._rotated_(
+                a.view(blocks, per_packet), work.b[:n].view(blocks, per_packet), seed
+            )
+            t = (work.b if y.data_ptr() == work.a.data_ptr() else work.a)[:n].view(y.shape)
+            block_max = torch.abs(y, out=t).amax(dim=1)
         gmax = block_max.max() if blocks else y.new_zeros(())
         bad: torch.Tensor | None = None
         if scale is None:  # this worker's own max
@@ -216,6 +283,10 @@ class ThcCodec(Codec):
             raise LocalError(f"{self.name} cannot encode non-finite gradient values")
         if bad is not None and reported[2]:
             raise LocalError("per-packet THC scales must be finite and >= 0")
+        if native:
+            return self._encode_native(
+                y, s, d, out, state, generator, v, work, block_max, reported[0], scale
+            )
         saturated = int((torch.abs(y, out=t) > s).sum()) if reported[1] else 0
 
         top = float(self.levels)
@@ -241,17 +312,56 @@ class ThcCodec(Codec):
             state.rounds += 1
             state.saturated += saturated
         lanes = self._pack(q, out)
-        out_scale: Scale
-        if scale is None:
-            out_scale = float(np.float32(reported[0]))
-        elif isinstance(scale, torch.Tensor) and scale.dim() > 0:
-            out_scale = scale
-        else:
-            out_scale = float(np.float32(float(scale)))
         return Encoded(
             lanes=lanes,
             n_lanes=n,
-            scale=out_scale,
+            scale=_out_scale(scale, reported[0]),
+            block_max=block_max,
+            saturated=saturated,
+        )
+
+    def _encode_native(
+        self,
+        y: torch.Tensor,
+        s: torch.Tensor,
+        d: torch.Tensor,
+        out: torch.Tensor | None,
+        state: CodecState | None,
+        generator: torch.Generator | None,
+        v: torch.Tensor,
+        work: _Scratch,
+        block_max: torch.Tensor,
+        gmax: float,
+        scale: Scale | None,
+    ) -> Encoded:
+        """The rest of `_encode` in C (`_thc.quantize`, `_thc.unrotate`): the
+        same noise, levels, lanes and residual as torch's passes on the
+        butterfly transform's `y`."""
+        n = y.numel()
+        key = _noise_key(generator)
+        nbytes = n if self.bits == 8 else (n + 1) // 2
+        lanes = torch.empty(nbytes, dtype=torch.uint8) if out is None else lanes_out(out, nbytes)
+        scales = s.reshape(-1).contiguous()
+        flat = y.reshape(-1)
+        saturated = _native_thc.quantize(
+            flat.numpy(),
+            scales.numpy(),
+            key,
+            self.levels,
+            self.bits,
+            lanes.numpy(),
+            state is not None,
+        )
+        if state is not None:
+            residual = state.spare_for(v)
+            _native_thc.unrotate(flat.numpy(), d.numpy(), residual.numpy())
+            state.keep(residual)
+            state.rounds += 1
+            state.saturated += saturated
+        return Encoded(
+            lanes=lanes,
+            n_lanes=n,
+            scale=_out_scale(scale, gmax),
             block_max=block_max,
             saturated=saturated,
         )
@@ -353,6 +463,21 @@ class ThcCodec(Codec):
         total.copy_(sums.reshape(blocks, per_packet))
         c = contributors_per_lane(contributors, n_lanes, per_packet, device)
         s, _ = self._scale(scale, blocks, device)
+        if (
+            self.native
+            and device.type == "cpu"
+            and out.is_contiguous()
+            and c.numel() in (1, blocks)
+        ):  # the rest a block at a time in C (`_thc.dequantize`)
+            _native_thc.dequantize(
+                total.reshape(-1).numpy(),
+                c.reshape(-1).contiguous().numpy(),
+                s.reshape(-1).contiguous().numpy(),
+                self.levels,
+                signs(seed, per_packet).numpy(),
+                out.numpy(),
+            )
+            return out
         mean = total.div_(c.clamp(min=1))
         if self.dither:
             mean.sub_(_shared_dither(seed, n_lanes, device).view(blocks, per_packet)).add_(0.5)
