@@ -2,16 +2,17 @@
 dlcp.daemon._keys (the outbox's packet identities), dlcp.daemon._udp (GSO
 sends in batches of sendmmsg, GRO receives split), dlcp.wire._bulk (the
 receive path's per-datagram header gathers, header checks and lane copies, one
-call a batch) dlcp.daemon._arenas (freed object arenas kept for reuse) and dlcp.codecs._thc
-(THC's rotation, rounding and decode, a block at a time).
+call a batch) dlcp.daemon._arenas (freed object arenas kept for reuse), dlcp.codecs._thc
+(THC's rotation, rounding and decode, a block at a time) and dlcp.codecs._fp16
+(the fp16 encode in one pass).
 
-Everything else is in pyproject.toml. All six are optional: without a C compiler
+Everything else is in pyproject.toml. All seven are optional: without a C compiler
 or OpenSSL's headers the install goes on. `dlcp.wire.mac` then falls back to the
 `cryptography` package (the same tags, slower; `dlcp status` and the daemon's
 log say which one runs), the outbox to its Python definitions and the UDP
 paths to one sendmsg per GSO super-datagram and a Python split of receives,
 the header gathers and lane copies to Python loops, the daemon's object
-arenas come and go as CPython makes them, and THC runs in torch.
+arenas come and go as CPython makes them, and THC and the fp16 encode run in torch.
 """
 
 from setuptools import Extension, setup
@@ -77,6 +78,12 @@ setup(
             # torch rounds every product and sum: no fused multiply-adds; no FP traps
             # assumed, so that the clamps and maxima vectorise (the same values)
             extra_compile_args=[*_CFLAGS, "-O3", "-ffp-contract=off", "-fno-trapping-math"],
+            optional=True,
+        ),
+        Extension(
+            "dlcp.codecs._fp16",
+            sources=["dlcp/codecs/_fp16.c"],
+            extra_compile_args=[*_CFLAGS, "-O3"],
             optional=True,
         ),
         Extension(

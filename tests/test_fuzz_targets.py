@@ -34,6 +34,8 @@ NOT_FUZZED = {
     ("_thc", "unrotate"): "the rank's own float32 gradients, in its own process: no input bytes",
     ("_thc", "dequantize"): "the rank's own decode of its daemon's sums, sizes checked in Python",
     ("_thc", "uniforms"): "fills a float32 buffer from a key: no input bytes",
+    ("_fp16", "encode"): "the rank's own float32 gradients, in its own process: no input bytes",
+    ("_fp16", "available"): "reads the CPU's features: no input bytes",
 }
 
 

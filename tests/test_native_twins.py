@@ -22,11 +22,12 @@ C_FILES = {
     "_bulk": ROOT / "dlcp/wire/_bulk.c",
     "_ghash": ROOT / "dlcp/wire/_ghash.c",
     "_thc": ROOT / "dlcp/codecs/_thc.c",
+    "_fp16": ROOT / "dlcp/codecs/_fp16.c",
 }
 _CODE = re.compile(r"`([^`]+)`")
 _TWIN = re.compile(r"^[a-z_][\w.]*:[A-Za-z_][\w.]*$")  # module:qualified.name
 _TEST = re.compile(r"^(tests/\w+\.py)::(test_\w+)$")
-_C_NAME = re.compile(r"^(_[a-z]+)\.([A-Za-z_][\w.]*)$")
+_C_NAME = re.compile(r"^(_[a-z][a-z0-9]*)\.([A-Za-z_][\w.]*)$")
 _SWITCH = re.compile(r"^(DLCP_[A-Z0-9_]+)=0$")
 _TABLE = re.compile(r"static\s+PyMethodDef\s+\w+\[\]\s*=\s*\{(.*?)\n\};", re.S)
 _ENTRY = re.compile(r'\{\s*"(\w+)"\s*,')
