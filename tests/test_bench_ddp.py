@@ -12,7 +12,7 @@ import pytest
 
 from dlcp.bench import cli as bench_cli
 from dlcp.bench.common import BenchError
-from dlcp.bench.ddp import DDP_KEYS, DdpOptions, format_table, save, summarize
+from dlcp.bench.ddp import DDP_KEYS, DdpOptions, format_table, save, step_bound, summarize
 from dlcp.bench.ddp_worker import build_model, mlp_width
 from dlcp.cli import build_parser as parser
 
@@ -120,6 +120,27 @@ def test_a_step_takes_its_slowest_rank_and_dlcp_counts_its_daemons() -> None:
         rec.update(cpu_bound=False, idle_frac=0.5, runq_wait_frac=0.1, machine_cpu_s=3.0)
     table = format_table([dlcp, gloo])
     assert "2.50x" in table and "bucket medians" in table and "in_flight 2" in table
+
+
+def test_each_backend_is_judged_by_the_machine_within_its_own_steps() -> None:
+    """The alternated run was 30 % idle, but within dlcp's steps the machine
+    was 2 % idle and within Gloo's 55 %: dlcp's record is CPU-bound, Gloo's not
+    (the run's one figure said neither)."""
+    recs = []
+    for busy, idle in ((9.8, 0.2), (4.5, 5.5)):
+        rec: dict[str, Any] = {"idle_frac": 0.3, "runq_wait_frac": 0.1, "cpu_bound": False}
+        step_bound(rec, [{"machine_s": [busy, idle]}, {"machine_s": [1.0, 99.0]}])
+        recs.append(rec)
+    dlcp, gloo = recs
+    assert dlcp["cpu_bound"] and dlcp["step_idle_frac"] == pytest.approx(0.02)
+    assert not gloo["cpu_bound"] and gloo["step_idle_frac"] == pytest.approx(0.55)
+    assert dlcp["run_idle_frac"] == 0.3 and dlcp["step_machine_cpu_s"] == pytest.approx(9.8)
+    waited: dict[str, Any] = {"idle_frac": 0.3, "runq_wait_frac": 0.9}
+    step_bound(waited, [{"machine_s": [4.5, 5.5]}])
+    assert waited["cpu_bound"]  # a process waiting most of the run still says so
+    old: dict[str, Any] = {"idle_frac": 0.3, "cpu_bound": False}
+    step_bound(old, [{}])
+    assert old == {"idle_frac": 0.3, "cpu_bound": False}  # no readings: the run's verdict
 
 
 def test_records_are_written_with_the_keys_first(tmp_path: Path) -> None:

@@ -45,9 +45,11 @@ __all__ = [
     "bound",
     "children",
     "load",
+    "machine_s",
     "mark",
     "processes_cpu_s",
     "snapshot",
+    "window_bound",
 ]
 
 
@@ -92,6 +94,22 @@ def _machine(proc: Path) -> tuple[float, float]:
     idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
     hz = os.sysconf("SC_CLK_TCK")
     return (total - idle) / hz, idle / hz
+
+
+def machine_s(*, proc: Path = Path("/proc")) -> tuple[float, float]:
+    """The machine's (busy, idle) CPU seconds since boot, every core summed:
+    two readings around a span of time give its idle share (`window_bound`)."""
+    return _machine(proc)
+
+
+def window_bound(busy_s: float, idle_s: float) -> dict[str, Any]:
+    """The machine-load keys of the spans of one backend summed (busy and
+    idle CPU seconds within them): `step_machine_cpu_s`, `step_idle_frac`."""
+    total = busy_s + idle_s
+    return {
+        "step_machine_cpu_s": busy_s,
+        "step_idle_frac": idle_s / total if total > 0 else 1.0,
+    }
 
 
 def children(pids: Iterable[int], *, proc: Path = Path("/proc")) -> list[int]:

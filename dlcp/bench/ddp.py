@@ -11,10 +11,13 @@ else runs weighs on all alike); the -prio backends, whose TCP is marked into
 the top class, alternate in a second worker group after the others. The
 scenario (loss, bursts, background traffic) is on from the first timed step.
 A step is forward, backward and the update; its time is the slowest rank's.
-The CPU-load keys (`cpu_bound`, ...) are the alternated run's; dlcp's `cpu_s`
-adds its daemons' CPU to its ranks'. The dlcp record also carries the shim's
-timeline (`dlcp.shim.timeline`): medians per phase of where a
-bucket's time went between DDP handing it over and its future completing.
+`cpu_bound` is each backend's own: the machine's idle share within its
+steps (`step_idle_frac`, read around each step by the first rank), with the
+alternated run's wait share; `idle_frac` and `machine_cpu_s` are the whole
+alternated run's. dlcp's `cpu_s` adds its daemons' CPU to its ranks'. The
+dlcp record also carries the shim's timeline (`dlcp.shim.timeline`): medians
+per phase of where a bucket's time went between DDP handing it over and its
+future completing.
 """
 
 from __future__ import annotations
@@ -290,6 +293,23 @@ def _run_workers(
         rec.update(load)  # the machine's, over the whole alternated run
         runs = [r["runs"][rec["backend"]] for r in results]
         summarize(rec, runs, daemon_cpu if TABLE[rec["backend"]].is_dlcp else None)
+        step_bound(rec, runs)
+
+
+def step_bound(rec: dict[str, Any], runs: Sequence[dict[str, Any]]) -> None:
+    """Whether this backend's own steps were CPU-bound: the machine's idle
+    share within them (the first rank's readings around each of its steps),
+    not over the alternated run, whose idle share is every backend's at once
+    (dlcp's steps saturating the cores while Gloo's left them idle read as
+    one figure for both). The run's wait share still counts."""
+    spans = [r["machine_s"] for r in runs if r.get("machine_s")]
+    if not spans:
+        return
+    busy, idle = (float(v) for v in spans[0])
+    rec["run_idle_frac"] = rec.get("idle_frac")
+    rec.update(cpuload.window_bound(busy, idle))
+    wait = float(rec.get("runq_wait_frac") or 0.0)
+    rec["cpu_bound"] = cpuload.bound(rec["step_idle_frac"], wait)
 
 
 def summarize(

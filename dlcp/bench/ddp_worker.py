@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dlcp.bench.backends import TABLE
+from dlcp.bench.cpuload import machine_s
 from dlcp.shim.timeline import StepTimes
 
 __all__ = ["build_model", "main", "mlp_width"]
@@ -145,9 +146,11 @@ class _Trainer:
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-4)
         self.times: list[float] = []
         self.cpu = 0.0
+        self.machine = [0.0, 0.0]  # busy and idle CPU seconds of the machine in the steps
         self.spans: list[dict[str, float]] = []
 
     def step(self, xb: torch.Tensor, yb: torch.Tensor) -> float:
+        m0 = machine_s()
         c0, ts = cpu_s(), time.perf_counter()
         loss = torch.nn.functional.cross_entropy(self.ddp(xb), yb)
         self.opt.zero_grad(set_to_none=False)
@@ -155,12 +158,16 @@ class _Trainer:
         self.opt.step()
         te = time.perf_counter()
         self.cpu += cpu_s() - c0
+        m1 = machine_s()  # the machine within this backend's step: its own load
+        self.machine[0] += m1[0] - m0[0]
+        self.machine[1] += m1[1] - m0[1]
         if self.state is not None and self.state.timeline.steps:
             self.spans.append(step_spans(self.state.timeline.steps[-1], ts, te))
         return te - ts
 
     def reset(self) -> None:
         self.times, self.cpu, self.spans = [], 0.0, []
+        self.machine = [0.0, 0.0]
         if self.state is not None:
             self.state.timeline.clear()
 
@@ -218,7 +225,12 @@ def run(a: argparse.Namespace) -> None:
             stats["daemon_counters"] = {
                 k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)
             }
-        results[t.backend] = {"step_times_s": t.times, "cpu_s": t.cpu, "stats": stats}
+        results[t.backend] = {
+            "step_times_s": t.times,
+            "cpu_s": t.cpu,
+            "machine_s": t.machine,
+            "stats": stats,
+        }
     dist.barrier()  # leave the daemon's job only when every rank is done
     for t in trainers:
         if t.state is not None:
