@@ -4,7 +4,9 @@
 # 2 cores; needs root). Every command writes its JSON under OUT and its output
 # goes to OUT/run.log.
 # Usage: sudo bash bench/run_screen.sh [OUT] [PART...]
-#   PART: ddp, cpu, demo, train (default: all four)
+#   PART: ddp, cpu, demo, train (default: these four), and fsdp, overlap (the
+#   targets of the torch.distributed backend and of overlap mode, about 8
+#   minutes more)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/screen}
@@ -56,8 +58,22 @@ for part in $PARTS; do
                 --no-progress --json "$OUT/train-loss5-$codec.json"
         done
         ;;
+    fsdp)
+        # FSDP2 through dlcp's torch.distributed backend against Gloo's
+        run fsdp-clean $DLCP bench train --model gpt --fsdp --hosts 3 --rate 200mbit \
+            --backends dlcp,gloo --steps 50 --no-progress --json "$OUT/fsdp-clean.json"
+        run fsdp-loss5 $DLCP bench train --model gpt --fsdp --hosts 3 --rate 200mbit \
+            --backends dlcp,gloo --steps 50 --scenario loss --loss 5 --no-progress \
+            --json "$OUT/fsdp-loss5.json"
+        ;;
+    overlap)
+        # overlap mode against the same codec without it, and DDP's own hooks
+        run overlap-cnn $DLCP bench train --model cnn --hosts 3 --rate 200mbit --codec thc8 \
+            --overlap on --backends dlcp,dlcp-nooverlap,gloo,gloo-fp16 --no-progress \
+            --json "$OUT/overlap-cnn.json"
+        ;;
     *)
-        echo "unknown part $part (ddp, cpu, demo, train)" >&2
+        echo "unknown part $part (ddp, cpu, demo, train, fsdp, overlap)" >&2
         exit 2
         ;;
     esac
