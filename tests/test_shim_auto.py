@@ -82,7 +82,7 @@ def feed_step(
 
 
 def decide(ranks: Sequence[AutoCodec], hosts: int = 3) -> list[str]:
-    """The agreement as `auto_steps.step` runs it: average, pick, MAX."""
+    """The agreement as `AutoDriver.step` runs it: average, pick, MAX."""
     vectors = [r.local_times(hosts) for r in ranks]
     mean = torch.tensor(vectors, dtype=torch.float32).sum(0) / len(ranks)
     times = mean.tolist()
