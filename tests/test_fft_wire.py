@@ -316,7 +316,7 @@ def _fft_worker(rank: int, world: int, sockets: list[str], steps: int) -> dict[s
     model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
     model.register_comm_hook(state, dlcp.hook)
     grads = train_steps(model, rank, steps)
-    kinds = sorted({type(s.shared).__name__ for s in state._ef.values()})
+    kinds = sorted({type(s.shared).__name__ for s in state.error_feedback.values()})
     counters = state.daemon_counters()
     stats = state.stats()
     state.close()

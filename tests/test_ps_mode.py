@@ -201,7 +201,7 @@ def _ddp_worker(
     grads = train_steps(model, rank, 4)
     t = torch.arange(1000.0) * (rank + 1)
     dlcp.all_reduce(t)
-    link = state._link
+    link = state.link
     out = {
         "grads": grads,
         "ref": ref,
@@ -311,7 +311,7 @@ def _switch_worker(rank: int, world: int, sockets: list[str], switch: str) -> di
     model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
     model.register_comm_hook(state, dlcp.hook)
     grads = train_steps(model, rank, 2)
-    link = state._link
+    link = state.link
     out = {
         "grads": grads,
         "ref": ref,

@@ -3,6 +3,7 @@ state's spare residual): bit for bit the plain formulas they replace."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -155,7 +156,7 @@ def test_the_shim_writes_the_lanes_encode_makes_and_decodes_into_the_bucket(name
     plan = RoundPlan.make(codec, numel, shards=2, payload=1408, round_=3, bucket=1)
     if plan.scaled:
         scale = torch.full((plan.packets,), 4.0)
-        plan = RoundPlan(**{**plan.__dict__, "scale": scale})
+        plan = dataclasses.replace(plan, scale=scale)
     sizes = region_sizes(plan.layout)
     seg = Segment(f"dlcp-rankside-test-{name}", align(sizes.total) + 4096)
     try:

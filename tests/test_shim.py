@@ -468,8 +468,8 @@ def test_state_pickles_without_sockets_and_restores_feedback() -> None:
     state = dlcp.DlcpState(codec="thc8", loss_bound=0.02, retry_steps=3, model=make_model())
     state.round = 12
     state.fallbacks = 5
-    state._ef[("ddp", "thc8", 0, 10)] = CodecState(residual=torch.arange(10.0), rounds=3)
-    state._scales[("ddp", "thc8", 0, 10)] = torch.ones(1)
+    state.error_feedback[("ddp", "thc8", 0, 10)] = CodecState(residual=torch.arange(10.0), rounds=3)
+    state.scales.by_key[("ddp", "thc8", 0, 10)] = torch.ones(1)
     for load in (
         lambda s: pickle.loads(pickle.dumps(s)),
         lambda s: torch.load(_saved(s), weights_only=False),
@@ -478,11 +478,11 @@ def test_state_pickles_without_sockets_and_restores_feedback() -> None:
         assert isinstance(copy, dlcp.DlcpState)
         assert (copy.codec, copy.loss_bound, copy.retry_steps) == ("thc8", 0.02, 3)
         assert (copy.round, copy.fallbacks) == (12, 5)
-        ef = copy._ef[("ddp", "thc8", 0, 10)]
+        ef = copy.error_feedback[("ddp", "thc8", 0, 10)]
         torch.testing.assert_close(ef.residual, torch.arange(10.0))
         assert ef.rounds == 3
-        assert not copy.attached and copy._attach_due  # reconnects on first use
-        assert copy._link is None and copy._group is None and copy._store is None
+        assert not copy.attached and copy.attachment.due  # reconnects on first use
+        assert copy.link is None and copy.attachment.group is None and copy.attachment.store is None
 
 
 def _saved(obj: object) -> io.BytesIO:

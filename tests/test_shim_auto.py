@@ -8,6 +8,7 @@ averaging their vectors here as `DlcpState` does over the process group.
 
 from __future__ import annotations
 
+import copyreg
 import math
 import pickle
 import statistics
@@ -34,6 +35,7 @@ from dlcp.shim.auto import (
     payback_step,
     pick,
 )
+from dlcp.shim.auto_measure import Measurements
 from tests.daemons import loopback_daemons
 from tests.test_shim import make_model, reference_grads, spawn, train_steps
 
@@ -82,7 +84,7 @@ def feed_step(
 
 
 def decide(ranks: Sequence[AutoCodec], hosts: int = 3) -> list[str]:
-    """The agreement as `auto_steps.step` runs it: average, pick, MAX."""
+    """The agreement as `AutoDriver.step` runs it: average, pick, MAX."""
     vectors = [r.local_times(hosts) for r in ranks]
     mean = torch.tensor(vectors, dtype=torch.float32).sum(0) / len(ranks)
     times = mean.tolist()
@@ -713,6 +715,25 @@ def test_state_accepts_auto_and_pickles_its_decisions() -> None:
     assert restored.stats()["auto"]["chosen"] == "thc8"
     assert restored.stats()["codec"] == "auto"
     assert dlcp.DlcpState(codec="fp32").auto is None
+
+
+def test_an_auto_pickled_with_its_measurements_in_its_own_fields_loads() -> None:
+    # (as AutoCodec pickled before dlcp.shim.auto_measure.Measurements held them)
+    auto = AutoCodec(link_bps=200e6)
+    auto.calibration = calibration()
+    feed_step(auto)
+    feed_step(auto)
+    old = {k: v for k, v in vars(auto).items() if k != "seen"}
+    old.update({k: v for k, v in vars(auto.seen).items() if k != "window"})
+
+    class Old:  # unpickles as such an AutoCodec
+        def __reduce__(self) -> Any:
+            return (copyreg._reconstructor, (AutoCodec, object, None), old)
+
+    loaded = pickle.loads(pickle.dumps(Old()))
+    assert isinstance(loaded, AutoCodec) and isinstance(loaded.seen, Measurements)
+    assert loaded.profile() == auto.profile() and loaded.profile() is not None
+    assert loaded.describe() == auto.describe()
 
 
 def test_auto_settings_are_checked_when_the_state_is_made() -> None:

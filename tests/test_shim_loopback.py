@@ -6,6 +6,7 @@ gradients must match PyTorch's default all-reduce hook.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import warnings
@@ -171,7 +172,7 @@ def test_daemon_killed_mid_training_falls_back_and_reattaches(tmp_path: Path) ->
             _daemon_dies_worker,
             3,
             tmp_path,
-            daemons=[Daemon(**{**d.__dict__, "proc": None}) for d in ds],
+            daemons=[dataclasses.replace(d, proc=None) for d in ds],
             victim_pid=ds[1].proc.pid,
             steps=10,
             kill_at=3,

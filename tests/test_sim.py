@@ -5,6 +5,7 @@ through the real engines, determinism for a seed, the CLI's argument errors."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -134,7 +135,7 @@ def test_same_seed_same_run_another_seed_another() -> None:
     s = Settings(hosts=3, rate_bps=100e6, size_bytes=200_000, iters=2, warmup=0, scenario=loss)
     a = simulate(s, ["dlcp", "ring"])
     b = simulate(s, ["dlcp", "ring"])
-    c = simulate(Settings(**{**s.__dict__, "seed": 1}), ["dlcp", "ring"])
+    c = simulate(dataclasses.replace(s, seed=1), ["dlcp", "ring"])
     for x, y in zip(a, b, strict=True):
         assert x["times_s"] == y["times_s"] and x["drops_per_class"] == y["drops_per_class"]
         assert x["random_losses"] == y["random_losses"] and x["events"] == y["events"]

@@ -1,5 +1,7 @@
 """One benchmark's emulated cluster: the testbed, the scenario's disturbances,
-Gloo's DSCP marking and dlcp's daemons per backend.
+Gloo's DSCP marking and dlcp's daemons per backend. What it runs on is a
+`dlcp.bench.setup.Setup` (re-exported here); the disturbances' threads are
+`dlcp.bench.disturb`'s.
 
     with Cluster(Setup(hosts=3, rate_bps=10**9, scenario="loss", loss_pct=5.0)) as c:
         c.start_dlcp("dlcp")
@@ -16,15 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import math
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,9 +30,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from dlcp.bench.common import SCENARIOS, BenchError, format_rate
+from dlcp.bench.common import BenchError
+from dlcp.bench.disturb import Burster, PortCutter
+from dlcp.bench.setup import (
+    BURST,
+    CONGESTION,
+    PATH_DOWN,
+    Burst,
+    Congestion,
+    PathDown,
+    Setup,
+    dlcp_daemon_config,
+)
 from dlcp.testbed import Host, Testbed, TestbedSpec
-from dlcp.testbed.config import merge_config
 from dlcp.testbed.plan import IPERF_BASE_PORT
 from dlcp.testbed.switchagg import SWITCH_ROLE
 from dlcp.testbed.system import require_root, require_tools
@@ -58,151 +66,8 @@ __all__ = [
 GLOO_PRIO_DSCP = "cs5"  # the top gradient class of the default DSCP table (class 1)
 CONTROL_DSCP = "cs6"  # class 0: dlcp's control traffic
 MARK_TABLE = "dlcp_bench"
-PACING: tuple[str, ...] = ("link", "share")
-# dlcp's: host to host, summed in the switch, or by parameter servers
-MODES: tuple[str, ...] = ("transpose", "switch", "ps")
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Burst:
-    """Every `period_s`, `length_s` of `pct` % loss on one switch port (host `host`'s)."""
-
-    period_s: float = 2.0
-    length_s: float = 0.3
-    pct: float = 50.0
-    host: int = 0
-
-
-@dataclass(frozen=True)
-class Congestion:
-    """Background traffic toward every host: `tcp_streams` TCP streams and
-    `udp_share` of the link in UDP (iperf3, unmarked DSCP 0), from the previous
-    host ("ring"), which is 4 TCP + 600 Mbit/s UDP per 1 Gbit/s port by default."""
-
-    tcp_streams: int = 4
-    udp_share: float = 0.6
-
-
-@dataclass(frozen=True)
-class PathDown:
-    """`after_s` into a backend's run, host `host`'s switch port on `path` goes
-    down for `length_s` (no carrier, nothing crosses it; 0: until the run
-    ends), then up again. Path 0 is the one a single-path transport (Gloo's
-    TCP) uses."""
-
-    after_s: float = 4.0
-    length_s: float = 6.0
-    host: int = 0
-    path: int = 0
-
-
-BURST = Burst()
-PATH_DOWN = PathDown()
-CONGESTION = Congestion()
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What a benchmark invocation runs on."""
-
-    hosts: int = 3
-    rate_bps: int | None = 10**9
-    scenario: str = "clean"
-    loss_pct: float = 1.0  # scenario "loss"
-    paths: int | None = None  # default: 2 for "multipath" and "pathdown", else 1
-    mtu: int = 1500
-    # dlcp's pacing: "link" is the daemon's default with the link rate
-    # configured (AIMD per peer up to the link over the hosts that send to
-    # it); "share" (diagnosis) also makes that share the floor and start.
-    pacing: str = "link"
-    # dlcp's mode; "switch" also gives the testbed its aggregator (--switch-aggregator)
-    mode: str = "transpose"
-    # mode "ps": dedicated servers (testbed hosts after the training hosts, with
-    # daemons and no ranks), and whether the training hosts aggregate too
-    servers: int = 0
-    colocate: bool = False
-    name: str | None = None  # testbed name; default "bench-<pid>"
-    burst: Burst = BURST
-    congestion: Congestion = CONGESTION
-    path_down: PathDown = PATH_DOWN
-
-    def __post_init__(self) -> None:
-        if self.scenario not in SCENARIOS:
-            raise BenchError(f"unknown scenario {self.scenario!r}; valid: {', '.join(SCENARIOS)}")
-        if self.hosts < 2:
-            raise BenchError(f"--hosts must be at least 2, not {self.hosts}")
-        if not (math.isfinite(self.loss_pct) and 0 <= self.loss_pct <= 100):
-            raise BenchError(f"--loss must be a percentage 0..100, not {self.loss_pct}")
-        if self.paths is not None and self.paths < 1:
-            raise BenchError(f"paths must be >= 1, not {self.paths}")
-        if self.scenario == "pathdown" and self.n_paths < 2:
-            raise BenchError("the pathdown scenario needs at least 2 paths")
-        if self.scenario == "pathdown" and not 0 <= self.path_down.path < self.n_paths:
-            raise BenchError(
-                f"--down-path {self.path_down.path}: the paths are 0..{self.n_paths - 1}"
-            )
-        if self.pacing not in PACING:
-            raise BenchError(f"pacing must be one of {', '.join(PACING)}, not {self.pacing!r}")
-        if self.mode not in MODES:
-            raise BenchError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.mode != "ps" and (self.servers or self.colocate):
-            raise BenchError("--servers and --colocate are for --mode ps")
-        if self.mode == "ps" and not (self.servers >= 1 or (self.servers == 0 and self.colocate)):
-            raise BenchError(f"--mode ps needs --servers N >= 1 or --colocate, not {self.servers}")
-
-    @property
-    def n_paths(self) -> int:
-        if self.paths is not None:
-            return self.paths
-        return 2 if self.scenario in ("multipath", "pathdown") else 1
-
-    @property
-    def testbed_name(self) -> str:
-        return self.name or f"bench-{os.getpid()}"
-
-    def describe(self) -> str:
-        what = self.scenario
-        if self.scenario == "loss":
-            what += f" {self.loss_pct:g}%"
-        return (
-            f"{self.hosts} hosts, {format_rate(self.rate_bps)} links, "
-            f"{self.n_paths} path(s), {what}"
-            + (f", {self.servers} parameter server(s)" if self.servers else "")
-        )
-
-
-def dlcp_daemon_config(setup: Setup, variant: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
-    """The daemons' extra config for backend `variant` (dlcp or an ablation).
-
-    Pacing on, and the daemons told their link rate (a path's: the testbed's
-    rate): the daemon's own default pacing. The diagnostic `--pacing share`
-    also fixes each peer's floor and start at the link over (hosts - 1).
-    """
-    rate: dict[str, Any] = {"pacing": True}
-    if setup.rate_bps is not None:
-        rate["link_rate_bps"] = float(setup.rate_bps)
-        if setup.pacing == "share":
-            share = float(setup.rate_bps / (setup.hosts - 1))
-            # Random and droppable-class losses are not congestion here: the
-            # switch's strict priorities protect the gradient classes.
-            rate["min_rate_bps"] = share
-            rate["initial_rate_bps"] = share
-    # DLCP_BENCH_DAEMON_CONFIG: JSON merged into every daemon's config (tuning)
-    extra = json.loads(os.environ.get("DLCP_BENCH_DAEMON_CONFIG") or "{}")
-    policies: dict[str, Any] = {"balance": "spray"}
-    if variant == "dlcp-noprio":
-        policies["priority"] = "flow"
-    if variant == "dlcp-nobound":
-        policies["drop"] = "none"
-    config = {
-        "daemon": {"log_level": os.environ.get("DLCP_BENCH_DAEMON_LOG", "warning")},
-        "rate": rate,
-        "policies": policies,
-        "timing": {"timeout": timeout_s},
-    }
-    return merge_config(config, extra)
 
 
 def _iperf_ports(hosts: int) -> str:
@@ -239,7 +104,7 @@ class Cluster:
         self.daemons_running = False
         self.variant: str | None = None
         self.log_dir: Path | None = None  # where to keep logs (default: nowhere)
-        self.cut: _PortCutter | None = None  # the last run's path cut (scenario pathdown)
+        self.cut: PortCutter | None = None  # the last run's path cut (scenario pathdown)
 
     # -- lifetime -----------------------------------------------------------
     def __enter__(self) -> Cluster:
@@ -434,14 +299,14 @@ class Cluster:
             finally:
                 tb.set_loss_all(0.0)
         elif s.scenario == "burst":
-            burster = _Burster(tb, s.burst)
+            burster = Burster(tb, s.burst)
             burster.start()
             try:
                 yield
             finally:
                 burster.stop()
         elif s.scenario == "pathdown":
-            cut = self.cut = _PortCutter(tb, s.path_down)
+            cut = self.cut = PortCutter(tb, s.path_down)
             cut.start()
             try:
                 yield
@@ -463,89 +328,6 @@ class Cluster:
                 tb.stop_background()
         else:
             yield
-
-
-class _Disturber:
-    """A thread that changes the testbed during a run (`_disturb`) and puts
-    it back when the run ends (`_restore`); an error is kept in `.error`."""
-
-    name = "dlcp-bench-disturb"
-
-    def __init__(self, tb: Testbed) -> None:
-        self.tb = tb
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._restore()
-
-    def _run(self) -> None:
-        try:
-            self._disturb()
-        except BaseException as exc:  # reported by whoever reads .error
-            self.error = exc
-
-    def _disturb(self) -> None:
-        raise NotImplementedError
-
-    def _restore(self) -> None:
-        raise NotImplementedError
-
-
-class _Burster(_Disturber):
-    """Toggles bursts of loss on one switch port."""
-
-    name = "dlcp-bench-burst"
-
-    def __init__(self, tb: Testbed, burst: Burst) -> None:
-        super().__init__(tb)
-        self.burst = burst
-        self.bursts = 0
-
-    def _disturb(self) -> None:
-        b = self.burst
-        while not self._stop.wait(max(0.0, b.period_s - b.length_s)):
-            self.tb.set_loss(b.host, b.pct)
-            self.bursts += 1
-            self._stop.wait(b.length_s)
-            self.tb.set_loss(b.host, 0.0)
-
-    def _restore(self) -> None:
-        self.tb.set_loss(self.burst.host, 0.0)
-
-
-class _PortCutter(_Disturber):
-    """Sets one switch port down `after_s` into a run and up again
-    `length_s` later (or when the run ends first)."""
-
-    name = "dlcp-bench-pathdown"
-
-    def __init__(self, tb: Testbed, down: PathDown) -> None:
-        super().__init__(tb)
-        self.down = down
-        self.down_at: float | None = None  # time.monotonic() when the port went down
-        self.up_at: float | None = None  # ... and up again
-
-    def _disturb(self) -> None:
-        d = self.down
-        if self._stop.wait(d.after_s):
-            return
-        self.tb.set_port(d.host, d.path, False)
-        self.down_at = time.monotonic()
-        if d.length_s > 0:  # else down until the run ends
-            self._stop.wait(d.length_s)
-            self.tb.set_port(d.host, d.path, True)
-            self.up_at = time.monotonic()
-
-    def _restore(self) -> None:
-        if self.down_at is not None and self.up_at is None:
-            self.tb.set_port(self.down.host, self.down.path, True)
 
 
 def cut_steps(

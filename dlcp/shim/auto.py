@@ -3,17 +3,8 @@
 `AutoCodec` is the decision logic without sockets or collectives (time comes
 in as `now`); `DlcpState` feeds it and runs the two small collectives.
 
-* Learning: every step through auto, the hook reports each bucket's size and
-  when it entered and left the hook. The time from one bucket leaving the hook
-  to the next entering it is backward compute (encoding and submitting are
-  inside the hook, so they are not counted); the first bucket's share is
-  extrapolated by its size. The profile is the latest step's bucket sizes with
-  the element-wise median ready times of the last `window` steps of that shape.
-* Measuring: a codec that has run is judged by what it measurably took: the
-  median of its last `window` iterations as the model counts them (from
-  backward's start, extrapolated, to the step's results decoded). The first
-  step of the run and the first step after every switch are left out (they
-  carry one-off costs: start-up, a new codec's first scale agreement).
+* Learning and measuring: `dlcp.shim.auto_measure` (bucket sizes, backward
+  timing, iteration times and goodput of the last steps).
 * Predicting: `dlcp.costmodel.model.predict` per candidate (the wire codecs
   the daemon carries) with this host's calibration (`host_calibration`, cached
   per host) and the network: the link rate (the daemon's per-peer rates from
@@ -22,22 +13,9 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   steps (`measure`): bytes on the wire over the time buckets were in flight
   between submit and reply; a codec not run yet is given the best goodput
   measured so far.
-* Correcting: a calibration taken on an idle host and a link rate say little
-  about a host whose daemons and ranks share a few cores, so the model's
-  absolute times are off. Auto corrects them online (`correction`): one
-  factor, measured / predicted, while one codec has been measured; from two
-  on, one factor for the codec steps' CPU time (how many processes share the
-  cores) and one for the rest (the transport), fitted to the measured codecs.
-  A codec not run yet is judged by its corrected prediction.
-* Counting the error: compression pays only if it saves more than it costs,
-  accuracy included. Every time a decision compares (measured or predicted)
-  is multiplied by `error_penalty` of the codec's calibrated one-round
-  relative error e: 1 + `error_cost` * e**2, the steps of that codec that make
-  the progress of one exact step (compressed SGD's (1 + omega) bound; error
-  feedback recovers part of it, so this is the pessimistic end). With the
-  default `error_cost` 1: fp16 (e 3e-4) +0 %, thc8 (e 0.12) +1.5 %, thc4 (e 1.7)
-  x3.9, so thc4 runs only where it is measured or predicted ~4x faster.
-  `max_rel_error` still drops a codec outright.
+* Correcting, counting the error and paying for a trial: the arithmetic
+  and its reasons are `dlcp.shim.auto_model`'s (`correction`,
+  `error_penalty`, `payback_step`); `due` applies them.
 * Exploring: an untried codec is worth trying only when its corrected
   prediction is within a margin of the best measured time (it enters the
   choice as corrected prediction / (1 + margin), optimistic by the model's
@@ -48,24 +26,6 @@ in as `now`); `DlcpState` feeds it and runs the two small collectives.
   the prediction, speaks for it).
   `explored_steps` counts the steps spent in codecs that were tried and then
   left, the cost of exploring.
-* Paying for a trial (`due`): a trial costs its `probe` + 1 steps if the
-  codec proves no faster (in time, and in accuracy for a lossy one), and the
-  model is often wrong on a busy host, so once some codec has been measured a
-  trial must also pay for itself. (1) Payback, the ski-rental rule
-  (`payback_step`): steps run since the last link change x the codec's
-  predicted relative gain >= `payback` x its trial's steps; a small predicted
-  gain waits long, a large one briefly, and either regret (trying a codec
-  that loses, or not trying one that wins) stays within about twice the
-  other. (2) Budget: failed trials' steps (`explored_steps`), with the one to
-  come, stay within `explore_budget` of all steps run, so exploring never
-  costs more than that fraction of the steps (a failed trial's step costs
-  up to ~2 steps of the best codec: ~2x that in time), and never falls in
-  the first steps of training, where accuracy moves fastest. A deferred
-  codec is checked again at the reviews (`warmup` x 2**k steps after the
-  last link change: at most twice as late as it came due) and at the other
-  decisions; `deferred` lists, per untried codec, the step from which it may
-  run. The first decision after a link change has nothing measured on the
-  new link: the model alone decides, at once, as before.
 * Agreeing: at a decision every rank averages its vector of times (measured,
   or corrected predictions; float32 all-reduce), takes `pick` of the average
   (the first candidate, in the fixed order fp32, fp16, thc8, thc4, fft, within
@@ -97,16 +57,15 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from dlcp.codecs import CODEC_NAMES
 from dlcp.costmodel.calibrate import Calibration
-from dlcp.costmodel.model import DEFAULT_PULL_S, DEFAULT_PUSH_S, Network, parse_link, predict
-from dlcp.costmodel.profile import Bucket, ModelProfile
+from dlcp.costmodel.model import Network, parse_link, predict
+from dlcp.costmodel.profile import ModelProfile
 from dlcp.errors import LocalError
+from dlcp.shim.auto_measure import Measurements
 from dlcp.shim.auto_model import (
     UNAVAILABLE_S,
     _positive_int,
@@ -250,17 +209,10 @@ class AutoCodec:
         self.correction: tuple[float, float] | None = None
         self.explored_steps = 0
         self.deferred: dict[str, float] = {}  # untried codec -> step (of the epoch) it pays back
-        # this step's buckets, and the last steps' (sizes, ready times)
-        self._sizes: list[int] = []
-        self._gaps: list[float] = []
-        self._left: float | None = None
-        self._seen: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=self.window)
-        self._goodput: dict[str, deque[float]] = {}  # bytes/s of the last steps, per codec
-        self._iteration: dict[str, deque[float]] = {}  # seconds of the last steps, per codec
+        self.seen = Measurements(self.window)  # what the steps showed
         self._tried: set[str] = {self.warmup_codec}  # since the last link change (shared)
         self._epoch = 0  # the step of the last link change (shared)
         self._followup: int | None = None  # step of a decision after a switch
-        self._first_in: float | None = None  # when this step's first bucket entered
         self._fresh = True  # the step under way is the run's or a new codec's first
         self._trial: str | None = None  # the codec on trial (tried, not yet judged)
         self._trial_steps = 0
@@ -277,14 +229,10 @@ class AutoCodec:
         return self.fixed_link_bps is None
 
     def bucket_entered(self, numel: int, now: float) -> None:
-        if not self._sizes:
-            self._first_in = now
-        if self._left is not None and self._sizes:
-            self._gaps.append(max(0.0, now - self._left))
-        self._sizes.append(int(numel))
+        self.seen.bucket_entered(numel, now)
 
     def bucket_left(self, now: float) -> None:
-        self._left = now
+        self.seen.bucket_left(now)
 
     def end_step(
         self,
@@ -296,68 +244,32 @@ class AutoCodec:
         """The step's last bucket is done and decoded (at `now`): keep what it
         showed. `exchanges`: per bucket (values, submitted at, reply at) through
         the daemon, `hosts` hosts."""
-        self._learn_goodput(exchanges, hosts)
-        sizes, gaps, first_in = self._sizes, self._gaps, self._first_in
-        self._sizes, self._gaps, self._left, self._first_in = [], [], None, None
+        cal = self.calibration
+        cost = cal.codecs.get(self.current) if cal is not None else None
         first_step, self._fresh = self._fresh, False
+        self.seen.end_step(self.current, cost, exchanges, hosts, now, timed=not first_step)
         self.steps += 1
         if self._trial is not None:
             self._trial_steps += 1
-        if not sizes or len(gaps) != len(sizes) - 1:
-            return
-        total = sum(sizes)
-        rest = total - sizes[0]
-        first = sum(gaps) * sizes[0] / rest if rest > 0 and gaps else 0.0
-        ready = [first]
-        for g in gaps:
-            ready.append(ready[-1] + g)
-        self._seen.append((tuple(sizes), tuple(ready)))
-        if now is not None and first_in is not None and not first_step:
-            seen = self._iteration.setdefault(self.current, deque(maxlen=self.window))
-            seen.append(first + max(0.0, now - first_in))
-
-    def _learn_goodput(self, exchanges: Sequence[tuple[int, float, float]], hosts: int) -> None:
-        """Bytes each host sent and received in this step's exchanges (as the cost
-        model counts them, for the codec in use) over the time at least one of
-        them was in flight, less the model's fixed time per exchange."""
-        cal = self.calibration
-        cost = cal.codecs.get(self.current) if cal is not None else None
-        if cost is None or hosts < 2 or not exchanges:
-            return
-        per_value = (sum(cost.push) + sum(cost.pull)) * (hosts - 1) / hosts
-        wire = 0.0
-        busy = 0.0
-        free_at = -math.inf
-        for numel, sent, replied in sorted(exchanges, key=lambda e: e[1]):
-            wire += numel * per_value
-            busy += max(0.0, replied - max(sent, free_at))
-            free_at = max(free_at, replied)
-        net = max(busy - len(exchanges) * (DEFAULT_PUSH_S + DEFAULT_PULL_S), 0.1 * busy)
-        if net > 0 and wire > 0:
-            seen = self._goodput.setdefault(self.current, deque(maxlen=self.window))
-            seen.append(wire / net)
 
     def measured(self, codec: str) -> float | None:
         """The iteration seconds measured with `codec` (median of its last steps)."""
-        seen = self._iteration.get(codec)
-        return statistics.median(seen) if seen else None
+        return self.seen.measured(codec)
 
     def forget(self) -> None:
         """Drop every measurement (the link changed); every rank calls it at once."""
-        self._goodput.clear()
-        self._iteration.clear()
+        self.seen.forget()
         self._tried = {self.current}
         self._epoch = self.steps
 
     def goodput(self, codec: str) -> float | None:
         """The goodput (bytes/s) measured with `codec` (median of its last steps)."""
-        seen = self._goodput.get(codec)
-        return statistics.median(seen) if seen else None
+        return self.seen.goodput(codec)
 
     @property
     def goodput_bps(self) -> dict[str, float]:
         """The measured goodput per codec, bits/s."""
-        return {c: 8.0 * g for c in self._goodput if (g := self.goodput(c)) is not None}
+        return self.seen.goodput_bps
 
     def network(self, codec: str | None = None) -> Network:
         """The network the predictions for `codec` assume: the link rate, capped
@@ -368,15 +280,14 @@ class AutoCodec:
             return nominal
         rate = self.goodput(codec or self.current)
         if rate is None:
-            rates = [g for c in self._goodput if (g := self.goodput(c)) is not None]
-            rate = max(rates) if rates else None
+            rate = self.seen.best_goodput()
         if rate is None or rate >= nominal.push_bytes_s:
             return nominal
         return Network(rate, rate, nominal.push_s, nominal.pull_s, self.link_bps)
 
     def discard_step(self) -> None:
         """Forget a step that did not complete (it is not counted)."""
-        self._sizes, self._gaps, self._left, self._first_in = [], [], None, None
+        self.seen.discard_step()
 
     def observe_link(self, bps: float | None) -> None:
         """A link rate read from the daemon (ignored with a fixed rate)."""
@@ -433,14 +344,7 @@ class AutoCodec:
     # -- deciding --------------------------------------------------------------------------
     def profile(self) -> ModelProfile | None:
         """What the last steps showed, as the cost model's profile (None before any)."""
-        if not self._seen:
-            return None
-        sizes = self._seen[-1][0]
-        rows = [ready for s, ready in self._seen if s == sizes]
-        ready = [statistics.median(col) for col in zip(*rows, strict=True)]
-        backward = ready[-1]
-        buckets = tuple(Bucket(n, min(r, backward)) for n, r in zip(sizes, ready, strict=True))
-        return ModelProfile("ddp", buckets, 0.0, backward)
+        return self.seen.profile()
 
     def local_times(self, hosts: int) -> list[float]:
         """This rank's iteration seconds per candidate: measured for codecs that
@@ -550,6 +454,23 @@ class AutoCodec:
             del self.history[:-64]
         return before or self.warmup_codec
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "seen" not in state:  # pickled before `Measurements` held these
+            seen = Measurements(state["window"])
+            for name in (
+                "_sizes",
+                "_gaps",
+                "_left",
+                "_first_in",
+                "_seen",
+                "_goodput",
+                "_iteration",
+            ):
+                if name in state:
+                    setattr(seen, name, state.pop(name))
+            state["seen"] = seen
+        self.__dict__.update(state)
+
     def describe(self) -> dict[str, Any]:
         """For `DlcpState.stats()`, logs and benchmark records."""
         return {
@@ -561,7 +482,7 @@ class AutoCodec:
             "link_bps": self.link_bps,
             "decided_link_bps": self.decided_link_bps,
             "goodput_bps": self.goodput_bps,
-            "measured_s": {c: m for c in self._iteration if (m := self.measured(c)) is not None},
+            "measured_s": self.seen.measured_s,
             "predicted_s": {c: (t if available(t) else None) for c, t in self.predicted.items()},
             "correction": self.correction,
             "explored_steps": self.explored_steps,

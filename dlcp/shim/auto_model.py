@@ -6,6 +6,43 @@ decision compares (`judge`), what a lossy codec's error costs in steps
 (`error_penalty`), when a switch pays back (`payback_step`), and reading the
 link rate and this host's codec calibration (`link_from_status`,
 `host_calibration`).
+
+Why, as `dlcp.shim.auto.AutoCodec` uses them:
+
+* Correcting: a calibration taken on an idle host and a link rate say little
+  about a host whose daemons and ranks share a few cores, so the model's
+  absolute times are off. Auto corrects them online (`correction`): one
+  factor, measured / predicted, while one codec has been measured; from two
+  on, one factor for the codec steps' CPU time (how many processes share the
+  cores) and one for the rest (the transport), fitted to the measured codecs.
+  A codec not run yet is judged by its corrected prediction.
+* Counting the error: compression pays only if it saves more than it costs,
+  accuracy included. Every time a decision compares (measured or predicted)
+  is multiplied by `error_penalty` of the codec's calibrated one-round
+  relative error e: 1 + `error_cost` * e**2, the steps of that codec that make
+  the progress of one exact step (compressed SGD's (1 + omega) bound; error
+  feedback recovers part of it, so this is the pessimistic end). With the
+  default `error_cost` 1: fp16 (e 3e-4) +0 %, thc8 (e 0.12) +1.5 %, thc4 (e 1.7)
+  x3.9, so thc4 runs only where it is measured or predicted ~4x faster.
+  `max_rel_error` still drops a codec outright.
+* Paying for a trial (`due`): a trial costs its `probe` + 1 steps if the
+  codec proves no faster (in time, and in accuracy for a lossy one), and the
+  model is often wrong on a busy host, so once some codec has been measured a
+  trial must also pay for itself. (1) Payback, the ski-rental rule
+  (`payback_step`): steps run since the last link change x the codec's
+  predicted relative gain >= `payback` x its trial's steps; a small predicted
+  gain waits long, a large one briefly, and either regret (trying a codec
+  that loses, or not trying one that wins) stays within about twice the
+  other. (2) Budget: failed trials' steps (`explored_steps`), with the one to
+  come, stay within `explore_budget` of all steps run, so exploring never
+  costs more than that fraction of the steps (a failed trial's step costs
+  up to ~2 steps of the best codec: ~2x that in time), and never falls in
+  the first steps of training, where accuracy moves fastest. A deferred
+  codec is checked again at the reviews (`warmup` x 2**k steps after the
+  last link change: at most twice as late as it came due) and at the other
+  decisions; `deferred` lists, per untried codec, the step from which it may
+  run. The first decision after a link change has nothing measured on the
+  new link: the model alone decides, at once, as before.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ maxima), its region of the rank's segment (grown once between steps when
 outgrown), its packets' layers, and its submission to the daemon (the
 sketch's two rounds through `dlcp.shim.sketch_round`).
 
-A part of `dlcp.shim.state.DlcpState` (a mixin, no slots of its own); what
-it reads of the state is declared below for the type checker.
+`BucketLauncher` owns the error feedback of every bucket (pickled with the
+state) and the caches a launch needs (codecs, generators, packet layers).
 """
 
 from __future__ import annotations
@@ -14,59 +14,66 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from dlcp.codecs import Codec, CodecState, get_codec, next_scale
+from dlcp.codecs import Codec, CodecState, get_codec
 from dlcp.codecs.sketch import SketchCodec
 from dlcp.shim import pg
 from dlcp.shim.arena import Region
+from dlcp.shim.attachment import Attachment
 from dlcp.shim.exchange import RoundPlan, submit_round
 from dlcp.shim.layers import LayerMap, packet_layers, param_offsets
-from dlcp.shim.link import Link
 from dlcp.shim.regions import RegionSizes, region_sizes
+from dlcp.shim.scales import Scales
+from dlcp.shim.settings import ShimSettings
 from dlcp.shim.sketch_round import submit_sketch
 from dlcp.shim.staging import Staging
-from dlcp.shim.stepstate import Key, _Pending, with_headroom
+from dlcp.shim.stepstate import Key, StepBuckets, _Pending, with_headroom
 from dlcp.shim.timeline import BucketTimes
 
-__all__ = ["BucketLaunch"]
+__all__ = ["BucketLauncher"]
 
 
-class BucketLaunch:
-    """Planning, encoding and submitting one bucket's round."""
+class BucketLauncher:
+    """Planning, encoding and submitting one bucket's round into the step."""
 
-    if not TYPE_CHECKING:  # no slots of its own (DlcpState has them); mypy checks the declarations
-        __slots__ = ()
+    def __init__(
+        self,
+        settings: ShimSettings,
+        attachment: Attachment,
+        step: StepBuckets,
+        scales: Scales,
+        staging: Staging,
+        layers: LayerMap,
+        ef: dict[Key, CodecState] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._attachment = attachment
+        self._step = step
+        self._scales = scales
+        self._staging = staging
+        self.layers = layers
+        self.ef: dict[Key, CodecState] = {} if ef is None else ef  # error feedback, per bucket
+        self._codecs: dict[str, Codec] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._layer_cache: dict[Key, npt.NDArray[np.uint16]] = {}
 
-    if TYPE_CHECKING:
-        _codecs: dict[str, Codec]
-        _ef: dict[Key, CodecState]
-        _generators: dict[torch.device, torch.Generator]
-        _group: pg.Group
-        _layer_cache: dict[Key, npt.NDArray[np.uint16]]
-        _layers: LayerMap
-        _link: Link | None
-        _pending: list[_Pending]
-        _scales: dict[Key, torch.Tensor]
-        _staging: Staging
-        codec_options: dict[str, Any]
-        loss_bound: float
-        round: int
-        round_timeout_s: float
-        scale_margin: float
-        scale_mode: str
+    def set_layers(self, layers: LayerMap) -> None:
+        """Take layer indices from `layers` from now on."""
+        self.layers = layers
+        self._layer_cache.clear()
 
-        def _wait_replies(
-            self, deadline: float, pending: list[_Pending] | None = None
-        ) -> None: ...
+    def drop_codec(self, codec: str) -> None:
+        """Forget the error feedback of `codec`'s buckets (auto left it)."""
+        for k in [k for k in self.ef if len(k) > 2 and k[1] == codec]:
+            del self.ef[k]
 
     # -- one bucket -------------------------------------------------------------
-    def _launch(
+    def launch(
         self,
         flat: torch.Tensor,
         bucket: int,
@@ -74,43 +81,48 @@ class BucketLaunch:
         key: Key | None,
         layers: Callable[[RoundPlan], npt.NDArray[np.uint16]],
         times: BucketTimes | None = None,
+        *,
+        round_: int,
     ) -> _Pending:
-        """Plan, encode and submit one bucket; failures are recorded, not raised.
+        """Plan, encode and submit one bucket of step `round_` (it joins the
+        step's buckets); failures are recorded, not raised.
 
         `key` names the bucket across steps (error feedback, THC scale); None
         for a one-off tensor.
         """
-        link = self._link
+        link = self._attachment.link
         assert link is not None
         numel = flat.numel()
         state_key: Key = (*(key or ("once", name, bucket)), numel)
         m = link.membership
-        ef = self._ef.get(state_key) if key is not None else None
+        ef = self.ef.get(state_key) if key is not None else None
         if ef is None and key is not None and name != "fp32":
-            ef = self._ef.setdefault(state_key, CodecState())
+            ef = self.ef.setdefault(state_key, CodecState())
         # fft: this round's codec from what every rank learnt from the last result
         codec = self._codec(name).for_round(ef)
         # the same inputs on every rank: an error here is raised on every rank
         plan = RoundPlan.make(
-            codec, numel, shards=m.shards, payload=m.payload, round_=self.round, bucket=bucket
+            codec, numel, shards=m.shards, payload=m.payload, round_=round_, bucket=bucket
         )
         p = _Pending(bucket=bucket, buffer=flat, key=state_key, keep=key is not None, times=times)
-        self._pending.append(p)
+        earlier = self._step.first_error()
+        self._step.add(p)
         p.ef = ef
         if plan.scaled:
-            scale = self._scales.get(state_key) if key is not None else None
-            if scale is None or scale.numel() != plan.packets or self.scale_mode == "exact":
+            scale = self._scales.known(state_key, plan.packets) if key is not None else None
+            if scale is None:
                 # first round of this bucket (or exact mode): agree a scale (collective)
                 scale = self._first_scale(codec, flat, plan, p)
             plan = dataclasses.replace(plan, scale=scale)
         p.plan = plan
-        if any(q.error for q in self._pending) or not link.alive:
+        if earlier is not None or p.error is not None or not link.alive:
             p.error = p.error or "skipped after an earlier failure in this step"
             if not link.alive:
                 p.error = f"lost the daemon: {link.client.error}"
             elif isinstance(codec, SketchCodec):  # the others wait for its union now
                 self._submit_sketch(p, plan, flat, None, layers, times, stand_in=p.error)
             return p
+        s = self._settings
         try:
             if ef is not None:
                 p.snapshot = (ef.residual, ef.rounds, ef.saturated)
@@ -124,13 +136,13 @@ class BucketLaunch:
                 plan,
                 flat,
                 job=m.job,
-                bound=self.loss_bound,
+                bound=s.loss_bound,
                 layers=layers(plan),
                 state=ef,
                 generator=self._generator(flat.device),
                 staging=self._staging,
                 times=times,
-                n_layers=self._layers.n_layers,
+                n_layers=self.layers.n_layers,
             )
         except Exception as exc:
             p.error = f"submit: {type(exc).__name__}: {exc}"
@@ -148,7 +160,7 @@ class BucketLaunch:
     ) -> None:
         """The sketch's two rounds (`sketch_round.submit_sketch`); a failure,
         or taking part with zeros (`stand_in`), is recorded in `p.error`."""
-        link = self._link
+        link = self._attachment.link
         assert link is not None
         try:
             p.sub = submit_sketch(
@@ -157,11 +169,11 @@ class BucketLaunch:
                 plan,
                 flat,
                 job=link.membership.job,
-                bound=self.loss_bound,
+                bound=self._settings.loss_bound,
                 layers=layers,
                 state=ef,
                 staging=self._staging,
-                timeout=self.round_timeout_s,
+                timeout=self._settings.round_timeout_s,
                 times=times,
                 stand_in=stand_in,
             )
@@ -172,10 +184,11 @@ class BucketLaunch:
     def _take_region(self, sizes: RegionSizes) -> Region:
         """A region of the segment for one submit, growing the segment (after
         the step's buckets in flight are in) when it is full."""
-        link = self._link
+        link = self._attachment.link
         assert link is not None
         if not link.arena.fits(sizes):
-            self._wait_replies(time.monotonic() + self.round_timeout_s)
+            timeout = self._settings.round_timeout_s
+            self._step.wait(time.monotonic() + timeout, timeout)
             link.arena.grow(with_headroom(sizes.total))
         return link.arena.take(sizes)
 
@@ -199,20 +212,12 @@ class BucketLaunch:
             p.error = f"encode: {type(exc).__name__}: {exc}"
             local = torch.zeros(plan.packets)
         local = torch.nan_to_num(local, nan=0.0, posinf=0.0)
-        return self._scale_from(pg.global_max(local, self._group))
-
-    def _scale_from(self, maxima: torch.Tensor) -> torch.Tensor:
-        clean = torch.nan_to_num(maxima.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        clean = clean.clamp(min=0.0)
-        if self.scale_mode == "bucket" and clean.numel():
-            clean = clean.max().expand(clean.numel())
-        margin = 1.0 if self.scale_mode == "exact" else self.scale_margin
-        return next_scale(clean, margin)
+        return self._scales.from_maxima(pg.global_max(local, self._attachment.group))
 
     def _codec(self, name: str) -> Codec:
         codec = self._codecs.get(name)
         if codec is None:
-            codec = self._codecs[name] = get_codec(name, **self.codec_options)
+            codec = self._codecs[name] = get_codec(name, **self._settings.codec_options)
         return codec
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -223,9 +228,10 @@ class BucketLaunch:
             self._generators[device] = gen
         return gen
 
-    def _packet_layers(
+    def packet_layers(
         self, bucket: dist.GradBucket, buf: torch.Tensor, plan: RoundPlan
     ) -> npt.NDArray[np.uint16]:
+        """The layer of each of the round's packets (for the daemon's priorities)."""
         params = bucket.parameters()
         span = plan.codec.packet_span(plan.per_packet)  # bucket values a packet stands for
         key: Key = (
@@ -233,14 +239,14 @@ class BucketLaunch:
             buf.numel(),
             plan.per_packet,
             span,
-            self._layers.version,
+            self.layers.version,
             tuple(id(p) for p in params),
         )
         cached = self._layer_cache.get(key)
         if cached is None:
             grads = bucket.gradients()
             offsets = param_offsets(buf, grads)
-            layers = self._layers.layers_of(params)
+            layers = self.layers.layers_of(params)
             spans = [(o, g.numel(), lay) for o, g, lay in zip(offsets, grads, layers, strict=True)]
             cached = packet_layers(spans, buf.numel(), span, plan.packets)
             if len(self._layer_cache) > 1024:

@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 
 from dlcp.errors import LocalError
-from dlcp.shim import pg
 from dlcp.shim.auto import AUTO
 from dlcp.shim.layers import param_offsets
 from dlcp.shim.overlap_optim import (
@@ -114,8 +113,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         )
         self._kind = optimizer
         self._functionals = [
-            functional_for(optimizer, list(g["params"]), g, self.state)
-            for g in self.param_groups
+            functional_for(optimizer, list(g["params"]), g, self.state) for g in self.param_groups
         ]
         pairs = zip(self._functionals, self.param_groups, strict=True)
         self._fn_of = {id(p): f for f, g in pairs for p in g["params"]}
@@ -134,7 +132,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             for m in module.modules()
             if any(True for _ in m.parameters(recurse=False))
         ]
-        state._overlap = self
+        state.overlap_optimizer = self
 
     # -- what the state's hook calls --------------------------------------------------
     @property
@@ -167,7 +165,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
             self._where[id(param)] = b
         if last:
             self.backward_done()
-            self._dlcp._end_step()
+            self._dlcp.finisher.end_step()
         fut: torch.futures.Future[Any] = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
@@ -183,9 +181,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._backwards += 1
         self._in_backward = False
         if self._current.buckets:
-            st = self._dlcp
-            held = {id(x.pending) for x in self._current.buckets}
-            st._pending = [q for q in st._pending if id(q) not in held]
+            self._dlcp.step_buckets.release(x.pending for x in self._current.buckets)
             self._inflight.append(self._current)
             self._current = _Step()
 
@@ -238,8 +234,8 @@ class OverlapOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._dlcp._overlap is self:
-            self._dlcp._overlap = None
+        if self._dlcp.overlap_optimizer is self:
+            self._dlcp.overlap_optimizer = None
 
     # -- resolving buckets --------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -258,30 +254,25 @@ class OverlapOptimizer(torch.optim.Optimizer):
     def _resolve(self, b: _Bucket) -> None:
         """Wait for one bucket, agree it, decode it, apply its parameters' updates."""
         st, p, step = self._dlcp, b.pending, b.step
+        finisher = st.finisher
         b.resolved = True
         for param in b.params:
             if self._where.get(id(param)) is b:
                 del self._where[id(param)]
-        st._wait_replies(time.monotonic() + st.round_timeout_s, [p])
-        local = p.error
-        failed, maxima = pg.agree(local is not None, st._maxima([p]), st._group)
-        if failed:
-            if p.ef is not None and p.snapshot is not None:
-                p.ef.residual, p.ef.rounds, p.ef.saturated = p.snapshot
-            reason = local or "another rank could not use dlcp for a bucket"
+        reason, maxima = finisher.agree_one(p)
+        if reason is not None:
             step.failure = step.failure or reason
             if st.strict:
                 self._end(step)
                 raise ShimError(f"dlcp all-reduce failed: {reason}")
             grad = b.local
-            pg.fallback_all_reduce(grad, st._group)
-            st._count_fallbacks(1)
+            finisher.fallback(grad)
         else:
             key = (p.bucket, p.buffer.numel())
             into = self._scratch.get(key)
             if into is None or into.dtype != p.buffer.dtype or into.device != p.buffer.device:
                 into = self._scratch[key] = torch.empty_like(p.buffer)
-            _, grad = st._bucket_done(p, maxima, 0, into)
+            _, grad = finisher.bucket_done(p, maxima, 0, into)
         if step.due:
             for param, off in zip(b.params, b.offsets, strict=True):
                 f = self._fn_of.get(id(param))  # None: a parameter this optimizer does not hold
@@ -295,12 +286,10 @@ class OverlapOptimizer(torch.optim.Optimizer):
         if step in self._inflight:
             self._inflight.remove(step)
         st = self._dlcp
-        link = st._link
-        if link is not None:
-            st._reserve_for_next_step(link.arena)
-        st._timeline.end_step(time.perf_counter() - step.began)
-        if step.failure is not None and st._link is not None:
-            st._fail(step.failure)
+        st.attachment.reserve_for_next_step()
+        st.timeline.end_step(time.perf_counter() - step.began)
+        if step.failure is not None and st.attached:
+            st.finisher.fail(step.failure)
 
 
 def overlap(

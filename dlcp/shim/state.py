@@ -20,15 +20,7 @@ one rank takes the fallback and another does not):
   `retry_s`, when any rank's clock says so (one more tiny all-reduce per
   step while detached).
 
-THC needs one scale per packet that every rank shares (`scale_mode`):
-"packet" (default) and "bucket" reuse the previous round's maxima (of each
-packet, or of the bucket) times `scale_margin`, carried by the step's
-agreement all-reduce, and clamp what exceeds them (error feedback resends
-it); "exact" agrees this round's per-packet maxima before encoding, so
-nothing saturates, at the price of a probe encode (THC's rotation) and one
-blocking all-reduce (MAX) per bucket inside DDP's backward. A bucket's
-first round always agrees exactly. The decision to run these collectives depends only on state
-every rank shares, so every rank issues them, failed or not.
+THC's scales, the same on every rank, are `dlcp.shim.scales`'s.
 
 The sketch codec takes two daemon rounds a bucket (`dlcp.shim.sketch_round`):
 its index union, waited for in the hook (the cells' count depends on it),
@@ -42,67 +34,52 @@ average their time per codec (measured where the codec has run, else the
 model's prediction corrected by the measured ones) and switch together at
 the step boundary.
 
-`DlcpState` is made of parts: this module holds the state, attaching,
-pickling and the hook's entry (`run_bucket`, `all_reduce`);
-`dlcp.shim.launch` plans and submits a bucket's round, `dlcp.shim.stepend`
-ends a step (replies, the agreement, decode or fallback), and
-`dlcp.shim.stepstate` holds what a step keeps of its buckets.
+`DlcpState` is a facade over small objects that each own what they change,
+in the style of PyTorch's comm-hook state classes: `ShimSettings` (the
+hyperparameters, `dlcp.shim.settings`), an `Attachment` (the link to the
+daemon, failing over and reattaching, `dlcp.shim.attachment`), the step's
+`StepBuckets` (`dlcp.shim.stepstate`), `Scales` (THC's, `dlcp.shim.scales`),
+a `BucketLauncher` (plans and submits a bucket's round, and owns its error
+feedback, `dlcp.shim.launch`), a `StepFinisher` (replies, the agreement,
+decode or fallback, `dlcp.shim.stepend`) and an `AutoDriver` (codec="auto",
+`dlcp.shim.auto_steps`). This module builds them, pickles their state and
+holds the hook's entry (`run_bucket`, `all_reduce`).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
-import os
 import time
-import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from dlcp.codecs import CODEC_NAMES, Codec, CodecState, get_codec
+from dlcp.codecs import CodecState
 from dlcp.errors import LocalError
-from dlcp.shim import auto_steps, pg
+from dlcp.shim import pg
+from dlcp.shim.attachment import Attachment
 from dlcp.shim.auto import AUTO, AutoCodec
-from dlcp.shim.client import default_socket
-from dlcp.shim.fields import CONFIG as _CONFIG
-from dlcp.shim.fields import PERSISTENT as _PERSISTENT
-from dlcp.shim.fields import RUNTIME as _RUNTIME
-from dlcp.shim.launch import BucketLaunch
+from dlcp.shim.fields import SLOTS as _SLOTS
+from dlcp.shim.fields import assemble, saved
 from dlcp.shim.layers import LayerMap
-from dlcp.shim.link import AttachFailed, Link, attach
-from dlcp.shim.placement import placement
+from dlcp.shim.link import Link
+from dlcp.shim.placement import Placement
 from dlcp.shim.rendezvous import Store
-from dlcp.shim.staging import Staging
-from dlcp.shim.stepend import StepEnd
-from dlcp.shim.stepstate import Key, ShimError, _Pending, segment_for
+from dlcp.shim.scales import Scales
+from dlcp.shim.settings import Owned, Setting, ShimSettings
+from dlcp.shim.stepend import StepFinisher
+from dlcp.shim.stepstate import Key, ShimError, StepBuckets, segment_for
 from dlcp.shim.timeline import Timeline
 
 __all__ = ["DlcpState", "ShimError", "segment_for"]
 
 log = logging.getLogger("dlcp.shim")
 
-_INSTANCES = itertools.count()
-_MODES = ("transpose", "ps", "switch")
-# THC scale: this round's exact per-packet maxima, or the previous round's
-# bucket max / per-packet maxima times the margin (see the module docstring).
-_SCALE_MODES = ("exact", "bucket", "packet")
 
-
-def _check_fraction(name: str, value: float, hi: float) -> float:
-    v = float(value)
-    if not (math.isfinite(v) and 0.0 <= v <= hi):
-        raise LocalError(f"{name} must be in 0..{hi}, got {value!r}")
-    return v
-
-
-class DlcpState(BucketLaunch, StepEnd):
+class DlcpState:
     """The state a DDP communication hook gets (`register_comm_hook(state, hook)`).
 
     Hyperparameters: codec, codec_options, loss_bound, socket, strict,
@@ -120,7 +97,23 @@ class DlcpState(BucketLaunch, StepEnd):
     group (like `PowerSGDState`); a restored state reattaches on its next use.
     """
 
-    __slots__ = _CONFIG + _PERSISTENT + _RUNTIME
+    __slots__ = _SLOTS
+
+    codec = Setting[str]()
+    codec_options = Setting[dict[str, Any]]()
+    loss_bound = Setting[float]()
+    socket = Setting[str | None]()
+    strict = Setting[bool]()
+    retry_steps = Setting[int | None]()
+    retry_s = Setting[float | None]()
+    round_timeout_s = Setting[float]()
+    connect_timeout_s = Setting[float]()
+    rendezvous_timeout_s = Setting[float]()
+    mode = Setting[str]()
+    switch_socket = Setting[str | None]()
+    placement = Setting[Placement | None]()
+    link_bps = Setting[float | str | None]()
+    auto_options = Setting[dict[str, Any]]()
 
     def __init__(
         self,
@@ -148,148 +141,95 @@ class DlcpState(BucketLaunch, StepEnd):
         link_bps: float | str | None = None,
         auto_options: dict[str, Any] | None = None,
     ) -> None:
-        if codec not in CODEC_NAMES and codec != AUTO:
-            raise LocalError(
-                f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}, {AUTO}"
-            )
-        if mode not in _MODES:
-            raise LocalError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
-        if retry_steps is not None and (not isinstance(retry_steps, int) or retry_steps < 1):
-            raise LocalError(f"retry_steps must be a positive int or None, got {retry_steps!r}")
-        if retry_s is not None and not (math.isfinite(retry_s) and retry_s >= 0):
-            raise LocalError(f"retry_s must be >= 0 or None, got {retry_s!r}")
-        for name, value in (
-            ("round_timeout_s", round_timeout_s),
-            ("connect_timeout_s", connect_timeout_s),
-            ("rendezvous_timeout_s", rendezvous_timeout_s),
-        ):
-            if not (math.isfinite(value) and value > 0):
-                raise LocalError(f"{name} must be > 0, got {value!r}")
-        if not (math.isfinite(scale_margin) and scale_margin >= 1.0):
-            raise LocalError(f"scale_margin must be >= 1, got {scale_margin!r}")
-        if scale_mode not in _SCALE_MODES:
-            raise LocalError(
-                f"scale_mode must be one of {', '.join(_SCALE_MODES)}, not {scale_mode!r}"
-            )
-        self.codec = codec
-        self.codec_options = dict(codec_options or {})
-        if codec != AUTO:
-            get_codec(codec, **self.codec_options)  # fail early on bad options
-        self.link_bps = link_bps
-        self.auto_options = dict(auto_options or {})
-        self.loss_bound = _check_fraction("loss_bound", loss_bound, 0.5)
-        self.socket = socket
-        self.strict = bool(strict)
-        self.retry_steps = retry_steps
-        self.retry_s = retry_s
-        self.round_timeout_s = float(round_timeout_s)
-        self.connect_timeout_s = float(connect_timeout_s)
-        self.rendezvous_timeout_s = float(rendezvous_timeout_s)
-        self.scale_margin = float(scale_margin)
-        self.scale_mode = scale_mode
-        self.mode = mode
-        # mode "switch": the switch aggregator's socket (rank 0 puts the job there)
-        self.switch_socket = switch_socket or os.environ.get("DLCP_SWITCH_SOCKET")
-        self.placement = placement(mode, servers, colocate)  # mode "ps": its aggregators
-        self.segment_bytes = segment_bytes
+        settings = ShimSettings.checked(
+            codec=codec,
+            loss_bound=loss_bound,
+            socket=socket,
+            strict=strict,
+            retry_steps=retry_steps,
+            retry_s=retry_s,
+            round_timeout_s=round_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            rendezvous_timeout_s=rendezvous_timeout_s,
+            mode=mode,
+            switch_socket=switch_socket,
+            servers=servers,
+            colocate=colocate,
+            codec_options=codec_options,
+            link_bps=link_bps,
+            auto_options=auto_options,
+        )
         if segment_bytes is None and model is not None:
-            self.segment_bytes = segment_for(model)
-
-        self.round = 0
-        self.fallbacks = 0
-        self.rounds = 0
-        self.attaches = 0
-        self.failures = 0
-        self.lost_lanes = 0
-        self.total_lanes = 0
-        self.saturated = 0
-        self.last_error: str | None = None
-        self._unreported = 0
-        self._ef: dict[Key, CodecState] = {}
-        self._scales: dict[Key, torch.Tensor] = {}
-        self._detached_round: int | None = None
-        self._auto: AutoCodec | None = None
-        if codec == AUTO:
-            self._auto = self._new_auto()  # fail early on bad settings
-        self._init_runtime(process_group, store, model)
-
-    def _init_runtime(
-        self,
-        group: pg.Group,
-        store: Store | None,
-        model: torch.nn.Module | None,
-    ) -> None:
-        self._group = group
-        self._store = store
-        self._layers = LayerMap(model)
-        self._link: Link | None = None
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._staging = Staging()
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._codecs: dict[str, Codec] = {}
-        self._pending: list[_Pending] = []
-        self._layer_cache: dict[Key, npt.NDArray[np.uint16]] = {}
-        self._attach_due = True
-        self._instance = next(_INSTANCES)
-        self._attempts = 0
-        self._last_attempt = -math.inf
-        self._warned = False
-        self._auto_used = False
-        self._status: Future[dict[str, Any]] | None = None
-        self._timeline = Timeline()
+            segment_bytes = segment_for(model)
+        kept = {
+            "scale_margin": scale_margin,
+            "scale_mode": scale_mode,
+            "segment_bytes": segment_bytes,
+        }
+        self._settings = settings
+        self._parts = assemble(settings, kept, process_group, store, model, auto_now=codec == AUTO)
         self._overlap: Any = None  # dlcp.shim.overlap.OverlapOptimizer, when one runs
 
     # -- pickling (checkpoints) -------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        if self._pending:
+        if self._parts.step:
             raise LocalError("cannot pickle a DlcpState in the middle of a step")
-        return {name: getattr(self, name) for name in _CONFIG + _PERSISTENT}
+        return saved(self._settings, self._parts)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # settings newer than a checkpoint take their defaults
-        state = {
-            "link_bps": None,
-            "auto_options": {},
-            "_auto": None,
-            "switch_socket": None,
-            "placement": None,
-            **state,
-        }
-        for name in _CONFIG + _PERSISTENT:
-            setattr(self, name, state[name])
-        self._init_runtime(None, None, None)
+        names = {f for f in ShimSettings.__dataclass_fields__ if f in state}
+        self._settings = ShimSettings(**{name: state[name] for name in names})
+        self._parts = assemble(self._settings, state, None, None, None)
+        self._overlap = None
 
     # -- public -----------------------------------------------------------------
     @property
     def attached(self) -> bool:
-        return self._link is not None
+        return self._parts.attachment.link is not None
 
     @property
     def world_size(self) -> int:
-        return pg.group_size(self._group)
+        return pg.group_size(self._parts.attachment.group)
 
     @property
     def auto(self) -> AutoCodec | None:
         """The decision state of `codec="auto"` (None until auto is first used)."""
-        return self._auto
+        return self._parts.auto.codec
 
     @property
     def auto_codec(self) -> str | None:
         """The codec auto runs now (None when auto is not in use)."""
-        return None if self._auto is None else self._auto.current
+        auto = self._parts.auto.codec
+        return None if auto is None else auto.current
+
+    # stats, and what the parts own
+    round = Owned[int]("finisher")
+    rounds = Owned[int]("finisher")
+    lost_lanes = Owned[int]("finisher")
+    total_lanes = Owned[int]("finisher")
+    saturated = Owned[int]("finisher")
+    fallbacks = Owned[int]("attachment")
+    attaches = Owned[int]("attachment")
+    failures = Owned[int]("attachment")
+    last_error = Owned[str | None]("attachment")
+    segment_bytes = Owned[int | None]("attachment")
+    scale_mode = Owned[str]("scales", "mode")
+    scale_margin = Owned[float]("scales", "margin")
 
     def set_model(self, model: torch.nn.Module) -> None:
         """Take layer indices from `model`'s parameter order (e.g. after unpickling),
         and size the segment for its gradients now (not collective), so that
         the next step does not grow it (`init(model=...)` does both at once)."""
-        self._layers = LayerMap(model)
-        self._layer_cache.clear()
-        self.segment_bytes = max(self.segment_bytes or 0, segment_for(model))
-        if self._link is not None and not self._pending:
-            self._link.arena.reserve(self.segment_bytes)
+        self._parts.launcher.set_layers(LayerMap(model))
+        if self._parts.step:
+            self._parts.attachment.segment_bytes = max(self.segment_bytes or 0, segment_for(model))
+        else:
+            self._parts.attachment.reserve(segment_for(model))
 
     def stats(self) -> dict[str, Any]:
         """Counters, for logs and tests."""
+        link = self._parts.attachment.link
         return {
             "attached": self.attached,
             "round": self.round,
@@ -302,29 +242,29 @@ class DlcpState(BucketLaunch, StepEnd):
             "saturated": self.saturated,
             "last_error": self.last_error,
             # the segment page-locked for CUDA: GPU buckets move in one DMA
-            "segment_pinned": self._link is not None and self._link.arena.segment.pinned,
+            "segment_pinned": link is not None and link.arena.segment.pinned,
             # the segment's size, and how often it grew since attaching (a step
             # that grows it first waits for its buckets in flight)
-            "segment_bytes": None if self._link is None else self._link.arena.segment.size,
-            "segment_grows": 0 if self._link is None else self._link.arena.grows,
+            "segment_bytes": None if link is None else link.arena.segment.size,
+            "segment_grows": 0 if link is None else link.arena.grows,
             "codec": self.codec,
-            "auto": None if self._auto is None else self._auto.describe(),
+            "auto": None if self.auto is None else self.auto.describe(),
         }
 
     @property
     def timeline(self) -> Timeline:
         """Per-bucket stamps of the last steps through the daemon (`dlcp.shim.timeline`)."""
-        return self._timeline
+        return self._parts.timeline
 
     def timeline_summary(self, last: int | None = None) -> dict[str, Any]:
         """Medians per phase of the last `last` steps' buckets, in seconds
         (`dlcp.shim.timeline.Timeline.summary`)."""
-        return self._timeline.summary(last)
+        return self._parts.timeline.summary(last)
 
     def daemon_counters(self, timeout: float = 5.0) -> dict[str, int]:
         """The local daemon's counters (`status`: datagrams, NACKs, retransmissions,
         ...; the whole host's, every job's), or {} when not attached."""
-        link = self._link
+        link = self._parts.attachment.link
         if link is None:
             return {}
         status = link.client.call("status", timeout=timeout)["status"]
@@ -336,56 +276,57 @@ class DlcpState(BucketLaunch, StepEnd):
         On failure: raises `ShimError` when strict, else warns and stays on the
         fallback.
         """
-        if self._pending:
+        if self._parts.step:
             raise LocalError("cannot attach in the middle of a step")
-        self._attach_due = False
-        self._close_link()
-        if not dist.is_initialized():
-            raise LocalError("dlcp.shim needs torch.distributed: call init_process_group first")
-        self._attempts += 1
-        self._last_attempt = time.monotonic()
-        rank, world = pg.group_rank(self._group), pg.group_size(self._group)
-        prefix = f"dlcp/{self._instance}/{self._attempts}"
-        result = attach(
-            socket=self.socket or default_socket(),
-            store=self._get_store(),
-            rank=rank,
-            world=world,
-            prefix=prefix,
-            segment_name=f"dlcp-{os.getpid()}-{self._instance}-{self._attempts}",
-            segment_bytes=self.segment_bytes or 0,
-            fallbacks=self._unreported,
-            mode=self.mode,
-            switch_socket=self.switch_socket,
-            placement=self.placement,
-            timeout=self.connect_timeout_s,
-            store_timeout=self.rendezvous_timeout_s,
-        )
-        if isinstance(result, AttachFailed):
-            if result.fatal:  # the same on every rank: settings that cannot work
-                raise LocalError(result.reason)
-            self._fail(result.reason)
+        if not self._parts.attachment.attach(self._parts.finisher.round):
             return False
-        self._unreported = 0
-        self._link = result
-        self._finalizer = weakref.finalize(self, result.close)
-        self._detached_round = None
-        self.attaches += 1
-        log.info(
-            "dlcp: attached job %d as host %d of %d (%d local ranks)",
-            result.membership.job,
-            result.membership.me,
-            len(result.membership.hosts),
-            result.membership.local_ranks,
-        )
-        if self._auto is not None:
-            auto_steps.prepare(self)
+        self._parts.auto.prepare(self._parts.attachment.link)
         return True
 
     def close(self) -> None:
         """Leave the job and drop the connection (not collective)."""
-        self._close_link()
-        self._attach_due = False
+        self._parts.attachment.close()
+        self._parts.attachment.due = False
+
+    # -- what overlap mode works with (`dlcp.shim.overlap`) ----------------------------
+    @property
+    def overlap_optimizer(self) -> Any:
+        """The `dlcp.shim.overlap.OverlapOptimizer` running on this state, if any."""
+        return self._overlap
+
+    @overlap_optimizer.setter
+    def overlap_optimizer(self, opt: Any) -> None:
+        self._overlap = opt
+
+    @property
+    def step_buckets(self) -> StepBuckets:
+        """The buckets of the step under way."""
+        return self._parts.step
+
+    @property
+    def finisher(self) -> StepFinisher:
+        """What ends steps and agrees buckets."""
+        return self._parts.finisher
+
+    @property
+    def attachment(self) -> Attachment:
+        """The link to the daemon and its lifecycle."""
+        return self._parts.attachment
+
+    @property
+    def error_feedback(self) -> dict[Key, CodecState]:
+        """Error feedback per bucket key (pickled; `dlcp.shim.launch`)."""
+        return self._parts.launcher.ef
+
+    @property
+    def scales(self) -> Scales:
+        """THC's scales per bucket key (pickled; `dlcp.shim.scales`)."""
+        return self._parts.scales
+
+    @property
+    def link(self) -> Link | None:
+        """The link to the daemon (None while detached)."""
+        return self._parts.attachment.link
 
     # -- the hook and all_reduce ---------------------------------------------------
     def run_bucket(
@@ -396,38 +337,42 @@ class DlcpState(BucketLaunch, StepEnd):
         ov = self._overlap  # overlap mode: the last step's buckets resolved first
         if ov is not None:
             ov.bucket_entered()
-        if self._attach_due and not self._pending:
+        a, finisher = self._parts.attachment, self._parts.finisher
+        if a.due and not self._parts.step:
             self.attach()
         buf = bucket.buffer()
         last = bucket.is_last()
-        if self._link is None:
-            self._require_fallback()
-            fut = pg.fallback_all_reduce(buf, self._group, async_op=True)
+        if a.link is None:
+            a.require_fallback()
+            fut = pg.fallback_all_reduce(buf, a.group, async_op=True)
             assert fut is not None
-            self._count_fallbacks(1)
+            a.count_fallbacks(1)
             if ov is not None:
                 ov.plain_bucket(bucket)
             if last:
-                self._end_step()
+                finisher.end_step()
                 if ov is not None:
                     ov.backward_done()
             return fut
         name = codec or self.codec
-        auto = self._auto_for(name)
+        auto = self._parts.auto.for_name(name, a.link)
         if auto is not None:
             auto.bucket_entered(buf.numel(), time.perf_counter())
             name = auto.current
-        params = bucket.parameters()
-        self._layers.observe(params)
+        launcher = self._parts.launcher
+        launcher.layers.observe(bucket.parameters())
         flat = buf.reshape(-1)
-        times = self._timeline.bucket(bucket.index(), flat.numel() * flat.element_size(), handed)
-        p = self._launch(
+        times = self._parts.timeline.bucket(
+            bucket.index(), flat.numel() * flat.element_size(), handed
+        )
+        p = launcher.launch(
             flat,
             bucket.index(),
             name,
             ("ddp", name, bucket.index()),
-            lambda plan: self._packet_layers(bucket, flat, plan),
+            lambda plan: launcher.packet_layers(bucket, flat, plan),
             times,
+            round_=finisher.round,
         )
         if ov is not None and ov.active:
             return ov.handed(p, bucket, last)
@@ -435,11 +380,10 @@ class DlcpState(BucketLaunch, StepEnd):
             ov.plain_bucket(bucket)
         p.future = torch.futures.Future()
         if auto is not None:
-            auto_steps.time_exchange(p)
-            auto.bucket_left(time.perf_counter())
+            self._parts.auto.handed(p)
         times.left = time.perf_counter()
         if last:
-            self._finish_step()
+            finisher.finish()
             if ov is not None:
                 ov.backward_done()
         return p.future
@@ -462,51 +406,38 @@ class DlcpState(BucketLaunch, StepEnd):
         name = codec or self.codec
         if not average and name not in ("fp32", "fp16"):
             raise LocalError(f"a sum through dlcp needs codec fp32 or fp16, not {name!r}")
-        if self._pending:
+        if self._parts.step:
             raise LocalError("dlcp all_reduce called while a DDP step is in flight")
         if not tensor.is_floating_point():
             raise LocalError(f"dlcp all_reduce averages floating tensors, not {tensor.dtype}")
-        if self._attach_due:
+        a, finisher = self._parts.attachment, self._parts.finisher
+        if a.due:
             self.attach()
         if tensor.numel() == 0:
             return tensor
-        if self._link is None:
-            self._require_fallback()
-            pg.fallback_all_reduce(tensor, self._group, average=average)
-            self._count_fallbacks(1)
-            self._end_step()
+        if a.link is None:
+            a.require_fallback()
+            finisher.fallback(tensor, average=average)
+            finisher.end_step()
             return tensor
-        auto = self._auto_for(name)
+        auto = self._parts.auto.for_name(name, a.link)
         if auto is not None:
             auto.bucket_entered(tensor.numel(), time.perf_counter())
             name = auto.current
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         ef_key: Key | None = ("all_reduce", name, key) if key is not None else None
-        p = self._launch(flat, 0, name, ef_key, lambda plan: np.zeros(plan.packets, np.uint16))
+        p = self._parts.launcher.launch(
+            flat,
+            0,
+            name,
+            ef_key,
+            lambda plan: np.zeros(plan.packets, np.uint16),
+            round_=finisher.round,
+        )
         p.average = average
         if auto is not None:
-            auto_steps.time_exchange(p)
-            auto.bucket_left(time.perf_counter())
-        self._finish_step()
+            self._parts.auto.handed(p)
+        finisher.finish()
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
-
-    # -- codec="auto" ------------------------------------------------------------------
-    def _new_auto(self) -> AutoCodec:
-        return AutoCodec(link_bps=self.link_bps, **self.auto_options)
-
-    def _auto_for(self, name: str) -> AutoCodec | None:
-        """The auto state when `name` is auto (made on first use); marks the step."""
-        if name != AUTO:
-            return None
-        if self._auto is None:
-            self._auto = self._new_auto()
-            auto_steps.prepare(self)
-        self._auto_used = True
-        return self._auto
-
-    def _get_store(self) -> Store:
-        if self._store is None:
-            self._store = dist.distributed_c10d._get_default_store()
-        return self._store

@@ -39,6 +39,7 @@ __all__ = [
     "TestbedSpec",
     "background_flows",
     "bridge_name",
+    "check_path",
     "format_rate",
     "host_address",
     "host_ifname",
@@ -253,6 +254,13 @@ def parse_host(host: str | int, hosts: int) -> int:
     if index >= hosts:
         raise TestbedError(f"no host {text!r}: the testbed has h0..h{hosts - 1}")
     return index
+
+
+def check_path(path: int, paths: int) -> int:
+    """`path`, checked against the testbed's number of paths."""
+    if not 0 <= path < paths:
+        raise TestbedError(f"no path {path}: the testbed has paths 0..{paths - 1}")
+    return path
 
 
 # --- random loss (nftables) ---------------------------------------------------

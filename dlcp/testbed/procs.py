@@ -2,9 +2,10 @@
 namespace with the testbed's environment, the background traffic (iperf3
 flows), and one dlcp daemon per host.
 
-`HostProcesses` is a part of `dlcp.testbed.testbed.Testbed` (a mixin) that
-holds no state of its own: it records what it starts in the testbed's state
-file, so that another process attached to the testbed can stop it.
+`HostProcesses` is the testbed's set of processes: it records what it
+starts in the testbed's state file (`StateRecord`), so that another process
+attached to the testbed can stop it, and keeps the `Popen`s it started
+itself, so that `down` reaps them.
 """
 
 from __future__ import annotations
@@ -14,25 +15,29 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dlcp
 from dlcp.testbed import system
 from dlcp.testbed.config import daemon_config, merge_config, to_toml
+from dlcp.testbed.host import Host
 from dlcp.testbed.plan import (
     IperfFlow,
     TestbedSpec,
     background_flows,
+    check_path,
     host_address,
     iperf_client_argv,
     iperf_server_argv,
+    parse_host,
 )
+from dlcp.testbed.state import StateRecord
 from dlcp.testbed.switchagg import SWITCH_ROLE
 
 if TYPE_CHECKING:
-    from dlcp.testbed.testbed import Host
+    from dlcp.testbed.switchagg import SwitchAggregator
 
 __all__ = ["DEFAULT_DAEMON_COMMAND", "HostProcesses"]
 
@@ -49,31 +54,23 @@ DEFAULT_DAEMON_COMMAND: tuple[str, ...] = (
 class HostProcesses:
     """Running, starting and stopping processes in the hosts."""
 
-    if TYPE_CHECKING:
-        _popens: list[subprocess.Popen[Any]]
-        hosts: tuple[Host, ...]
-        spec: TestbedSpec
-        state_dir: Path
+    def __init__(
+        self,
+        spec: TestbedSpec,
+        hosts: tuple[Host, ...],
+        state_dir: Path,
+        record: StateRecord,
+        switch: SwitchAggregator,
+    ) -> None:
+        self.spec = spec
+        self.hosts = hosts
+        self.state_dir = state_dir
+        self._record = record
+        self._switch = switch  # its socket is in the hosts' environment; its daemon ours
+        self.popens: list[subprocess.Popen[Any]] = []  # started here: `down` reaps them
 
-        def _path(self, path: int) -> int: ...
-
-        def _state(self) -> dict[str, Any]: ...
-
-        def _update(self, change: Callable[[dict[str, Any]], object]) -> None: ...
-
-        def host(self, host: str | int) -> Host: ...
-
-        @property
-        def switch_socket(self) -> Path | None: ...
-
-        def start_switch_daemon(
-            self,
-            extra_config: Mapping[str, Any],
-            command: Sequence[str],
-            env: Mapping[str, str],
-            deadline: float,
-            timeout_s: float,
-        ) -> None: ...
+    def host(self, host: str | int) -> Host:
+        return self.hosts[parse_host(host, self.spec.hosts)]
 
     # --- processes in hosts -------------------------------------------------------
 
@@ -82,8 +79,8 @@ class HostProcesses:
         DLCP_SWITCH_SOCKET where the testbed has a switch aggregator)."""
         env = dict(os.environ)
         env["DLCP_SOCKET"] = str(self.host(host).socket)
-        if self.switch_socket is not None:
-            env["DLCP_SWITCH_SOCKET"] = str(self.switch_socket)
+        if self._switch.socket is not None:
+            env["DLCP_SWITCH_SOCKET"] = str(self._switch.socket)
         env.update(extra or {})
         return env
 
@@ -123,10 +120,10 @@ class HostProcesses:
         proc = subprocess.Popen(
             system.netns_argv(h.netns, argv), env=self.env(h.index, env), **kwargs
         )
-        self._popens.append(proc)
+        self.popens.append(proc)
         return proc
 
-    def _spawn(
+    def spawn(
         self,
         role: str,
         host: int,
@@ -148,7 +145,7 @@ class HostProcesses:
                 start_new_session=True,
                 env=environ,
             )
-        self._popens.append(proc)
+        self.popens.append(proc)
         start = system.proc_start_time(proc.pid)
         record = {
             "role": role,
@@ -158,27 +155,27 @@ class HostProcesses:
             "argv": list(argv),
             "log": str(log),
         }
-        self._update(lambda st: st["processes"].append(record))
+        self._record.update(lambda st: st["processes"].append(record))
         return (proc.pid, start)
 
     def processes(self, role: str | None = None) -> list[dict[str, Any]]:
         """Recorded processes (optionally of one role), each with "alive"."""
-        procs = [p for p in self._state().get("processes", []) if role in (None, p["role"])]
+        procs = [p for p in self._record.read().get("processes", []) if role in (None, p["role"])]
         return [{**p, "alive": system.is_alive((p["pid"], p["start"]))} for p in procs]
 
     def _stop(self, roles: Sequence[str], *, grace_s: float) -> None:
-        recorded = [p for p in self._state().get("processes", []) if p["role"] in roles]
+        recorded = [p for p in self._record.read().get("processes", []) if p["role"] in roles]
         system.terminate([(p["pid"], p["start"]) for p in recorded], grace_s=grace_s, group=True)
         self._reap()
         pids = {p["pid"] for p in recorded}
-        self._update(
+        self._record.update(
             lambda st: st.update(processes=[p for p in st["processes"] if p["pid"] not in pids])
         )
 
     def _reap(self) -> None:
-        for proc in list(self._popens):
+        for proc in list(self.popens):
             if proc.poll() is not None:
-                self._popens.remove(proc)
+                self.popens.remove(proc)
 
     # --- background traffic -------------------------------------------------------
 
@@ -203,7 +200,11 @@ class HostProcesses:
         """
         system.require_tools(["iperf3"])
         self.stop_background()
-        chosen = list(range(self.spec.paths)) if paths is None else [self._path(p) for p in paths]
+        chosen = (
+            list(range(self.spec.paths))
+            if paths is None
+            else [check_path(p, self.spec.paths) for p in paths]
+        )
         flows = background_flows(
             self.spec.hosts,
             chosen,
@@ -217,7 +218,7 @@ class HostProcesses:
             servers = [
                 (
                     flow,
-                    self._spawn(
+                    self.spawn(
                         "background-server",
                         flow.dst,
                         iperf_server_argv(flow),
@@ -235,7 +236,7 @@ class HostProcesses:
                 )
             for flow in flows:
                 argv = iperf_client_argv(flow, duration_s=duration_s, parallel=parallel)
-                self._spawn("background-client", flow.src, argv, logs / f"{flow.label}.log")
+                self.spawn("background-client", flow.src, argv, logs / f"{flow.label}.log")
         except BaseException:
             self.stop_background()
             raise
@@ -271,11 +272,13 @@ class HostProcesses:
                 extra = merge_config(extra_config or {}, (host_config or {}).get(h.index, {}))
                 settings = daemon_config(self.spec, h.index, h.socket, extra)
                 files = (h.config, h.socket, h.log)
-                proc = self._launch_daemon("daemon", h.index, files, settings, command, env)
+                proc = self.launch_daemon("daemon", h.index, files, settings, command, env)
                 started.append((h, proc))
             deadline = time.monotonic() + timeout_s
             if self.spec.switch_aggregator:
-                self.start_switch_daemon(extra_config or {}, command, env, deadline, timeout_s)
+                self._switch.start_daemon(
+                    self, extra_config or {}, command, env, deadline, timeout_s
+                )
             for h, proc in started:
                 system.wait_socket(
                     proc, h.socket, f"daemon of {h.name}", h.log, deadline, timeout_s
@@ -284,7 +287,7 @@ class HostProcesses:
             self.stop_daemons()
             raise
 
-    def _launch_daemon(
+    def launch_daemon(
         self,
         role: str,
         host: int,
@@ -313,12 +316,12 @@ class HostProcesses:
             .replace("{host}", name)
             for a in command
         ]
-        return self._spawn(role, host, argv, log, env, netns=netns)
+        return self.spawn(role, host, argv, log, env, netns=netns)
 
     def stop_daemons(self, *, timeout_s: float = 10.0) -> None:
         """SIGTERM the daemons (they drain), SIGKILL after `timeout_s`."""
         self._stop(("daemon", SWITCH_ROLE), grace_s=timeout_s)
-        for socket in (*(h.socket for h in self.hosts), self.switch_socket):
+        for socket in (*(h.socket for h in self.hosts), self._switch.socket):
             if socket is not None:
                 with contextlib.suppress(FileNotFoundError):
                     socket.unlink()

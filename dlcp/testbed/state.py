@@ -11,13 +11,24 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dlcp.testbed.plan import TestbedError
+from dlcp.testbed.plan import TestbedError, TestbedSpec
 
-__all__ = ["DEFAULT_ROOT", "STATE_ENV", "load_state", "locked", "save_state", "state_dir"]
+__all__ = [
+    "DEFAULT_ROOT",
+    "STATE_ENV",
+    "StateRecord",
+    "load_state",
+    "locked",
+    "save_state",
+    "state_dir",
+]
+
+STATE_VERSION = 1
 
 STATE_ENV = "DLCP_TESTBED_DIR"
 DEFAULT_ROOT = Path("/run/dlcp-testbed")
@@ -63,3 +74,35 @@ def locked(directory: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class StateRecord:
+    """The state file of one testbed: what its parts made, read and changed
+    under the directory's lock (other processes attached to the testbed
+    read and change it too)."""
+
+    def __init__(self, directory: Path, spec: TestbedSpec) -> None:
+        self.directory = directory
+        self.spec = spec
+
+    def fresh(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "name": self.spec.name,
+            "spec": self.spec.to_json(),
+            "created": time.time(),
+            "complete": False,
+            "netns": [],
+            "loss_permille": {},
+            "processes": [],
+        }
+
+    def read(self) -> dict[str, Any]:
+        return load_state(self.directory) or self.fresh()
+
+    def update(self, change: Callable[[dict[str, Any]], object]) -> None:
+        """Apply `change` to the recorded state, atomically among processes."""
+        with locked(self.directory):
+            data = self.read()
+            change(data)
+            save_state(self.directory, data)

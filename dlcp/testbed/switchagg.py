@@ -20,8 +20,9 @@ What stays honest about the links:
 - random loss on a port's "in" direction drops traffic into the aggregator
   too (the nft ingress hook runs again when the ifb hands a packet back).
 
-`SwitchAggregator` is a part of `dlcp.testbed.testbed.Testbed` (a mixin)
-holding no state of its own.
+`SwitchAggregator` is the testbed's aggregator: its files and addresses, its
+wiring and shaping in the switch namespace (recorded in the testbed's state
+file), and its daemon (started through the hosts' `HostProcesses`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlcp.testbed import system
 from dlcp.testbed.config import merge_config
+from dlcp.testbed.host import Host
 from dlcp.testbed.plan import (
     PREFIX_LEN,
     TestbedError,
@@ -44,9 +46,10 @@ from dlcp.testbed.plan import (
     switch_mac,
     uplink_ifb,
 )
+from dlcp.testbed.state import StateRecord
 
 if TYPE_CHECKING:
-    from dlcp.testbed.testbed import Host
+    from dlcp.testbed.procs import HostProcesses
 
 __all__ = ["SWITCH_ROLE", "SwitchAggregator", "switch_config"]
 
@@ -123,60 +126,45 @@ def uplink_commands(
 
 
 class SwitchAggregator:
-    """Wiring, shaping and running the switch aggregator of a testbed."""
+    """Wiring, shaping and running the switch aggregator of a testbed (its
+    properties are None or empty where the testbed has none)."""
 
-    if TYPE_CHECKING:
-        hosts: tuple[Host, ...]
-        spec: TestbedSpec
-        state_dir: Path
-        switch_netns: str
-
-        def _say(self, message: str) -> None: ...
-
-        def _update(self, change: Callable[[dict[str, Any]], object]) -> None: ...
-
-        def _state(self) -> dict[str, Any]: ...
-
-        def _launch_daemon(
-            self,
-            role: str,
-            host: int,
-            files: tuple[Path, Path, Path],
-            settings: Mapping[str, Any],
-            command: Sequence[str],
-            env: Mapping[str, str],
-            *,
-            label: str | None = None,
-            netns: str | None = None,
-        ) -> system.Proc: ...
+    def __init__(
+        self,
+        spec: TestbedSpec,
+        hosts: tuple[Host, ...],
+        state_dir: Path,
+        switch_netns: str,
+        record: StateRecord,
+    ) -> None:
+        self.spec = spec
+        self.hosts = hosts
+        self.switch_netns = switch_netns
+        self._record = record
+        self.socket: Path | None = (
+            state_dir / SWITCH_LABEL / "dlcpd.sock" if spec.switch_aggregator else None
+        )
 
     @property
-    def switch_socket(self) -> Path | None:
-        """The switch aggregator daemon's socket (None: the testbed has none)."""
-        if not self.spec.switch_aggregator:
-            return None
-        return self.state_dir / SWITCH_LABEL / "dlcpd.sock"
+    def log(self) -> Path | None:
+        """The aggregator daemon's log (None: the testbed has none)."""
+        return None if self.socket is None else self.socket.parent / "dlcpd.log"
 
     @property
-    def switch_log(self) -> Path | None:
-        """The switch aggregator daemon's log (None: the testbed has none)."""
-        socket = self.switch_socket
-        return None if socket is None else socket.parent / "dlcpd.log"
-
-    @property
-    def switch_addresses(self) -> tuple[str, ...]:
+    def addresses(self) -> tuple[str, ...]:
         if not self.spec.switch_aggregator:
             return ()
         return tuple(switch_address(p) for p in range(self.spec.paths))
 
-    def _wire_switch_aggregator(self) -> None:
+    def wire(self) -> None:
+        """The bridges' addresses and static neighbours, both ways."""
         system.batch("ip", self.switch_netns, switch_link_commands(self.spec))
         for h in self.hosts:
             system.batch("ip", h.netns, host_neigh_commands(self.spec, host_ifname))
 
-    def _shape_uplinks(self, tc_plan: Any, tc_apply: Any, rate: int, **tc_options: Any) -> None:
+    def shape_uplinks(self, tc_plan: Any, tc_apply: Any, rate: int, **tc_options: Any) -> None:
         """Each host's traffic into the aggregator, through an ifb shaped as its port."""
-        made = set(self._state().get("uplinks", []))
+        made = set(self._record.read().get("uplinks", []))
         for h in self.hosts:
             for p, port in enumerate(h.switch_ports):
                 ifb = uplink_ifb(h.index, p)
@@ -184,24 +172,25 @@ class SwitchAggregator:
                     ip, tc = uplink_commands(self.spec, h.index, p, port)
                     system.batch("ip", self.switch_netns, ip)
                     system.batch("tc", self.switch_netns, tc)
-                    self._update(_recorder(ifb))
+                    self._record.update(_recorder(ifb))
                 plan = tc_plan.build_plan(tc_plan.TcConfig(dev=ifb, rate_bps=rate, **tc_options))
                 tc_apply.apply_plan(plan, netns=self.switch_netns, force=True)
 
-    def start_switch_daemon(
+    def start_daemon(
         self,
+        procs: HostProcesses,
         extra_config: Mapping[str, Any],
         command: Sequence[str],
         env: Mapping[str, str],
         deadline: float,
         timeout_s: float,
     ) -> None:
-        """Start the aggregator daemon (`command` as for the hosts' daemons,
-        "{host}" the word "switch") and wait for its socket."""
-        socket, log = self.switch_socket, self.switch_log
+        """Start the aggregator daemon through `procs` (`command` as for the
+        hosts' daemons, "{host}" the word "switch") and wait for its socket."""
+        socket, log = self.socket, self.log
         if socket is None or log is None:
             raise TestbedError("this testbed has no switch aggregator (up --switch-aggregator)")
-        proc = self._launch_daemon(
+        proc = procs.launch_daemon(
             SWITCH_ROLE,
             SWITCH_INDEX,
             (socket.parent / "dlcpd.toml", socket, log),
@@ -212,6 +201,19 @@ class SwitchAggregator:
             netns=self.switch_netns,
         )
         system.wait_socket(proc, socket, "the switch aggregator", log, deadline, timeout_s)
+
+    def show(self, procs: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """For `Testbed.show`: the aggregator and its daemon among `procs`."""
+        if self.socket is None:
+            return None
+        daemon = next((p for p in procs if p["role"] == SWITCH_ROLE), None)
+        return {
+            "addresses": list(self.addresses),
+            "udp_port": self.spec.udp_port,
+            "socket": str(self.socket),
+            "daemon_pid": None if daemon is None else daemon["pid"],
+            "daemon_alive": False if daemon is None else daemon["alive"],
+        }
 
 
 def _recorder(ifb: str) -> Callable[[dict[str, Any]], None]:
