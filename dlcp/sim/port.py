@@ -135,12 +135,6 @@ class Port:
             self.busy = True
             loop.push(self.free_at if self.free_at > now else now, self._serve_cb, ())
 
-    def offer_many(self, pkts: Sequence[Packet]) -> None:
-        """`offer` each of `pkts`, in order, at one instant (a host's send)."""
-        offer = self.offer
-        for pkt in pkts:
-            offer(pkt)
-
     def _start(self, pkt: Packet) -> None:
         """Put `pkt` on the wire now; the port is busy until its last bit is out."""
         assert self.rate_bps is not None
