@@ -8,6 +8,7 @@ parts (`engine_out`, `engine_in`, `bookkeeping`) share them from here.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -155,8 +156,9 @@ class JobSpec:
         if self.mac not in MAC_ALGORITHMS:
             raise LocalError(f"job {self.job}: MAC {self.mac!r} is not one of {MAC_ALGORITHMS}")
 
-    @property
+    @functools.cached_property
     def members(self) -> frozenset[int]:
+        """Every node of the job (kept: the engine asks once a control packet)."""
         return frozenset(self.contributors) | frozenset(self.owners)
 
     def senders_to(self, node: int) -> frozenset[int]:

@@ -75,9 +75,9 @@ class DlcpRun:
             rate = None
             if node >= H and s.mode == "switch":
                 rate = hpl * s.rate_bps  # the ToR's own aggregator: its whole host bandwidth
-            spec = self._spec(node, n)
             link = rate or s.rate_bps
             config = daemon_config(n, link, s.balance)
+            spec = self._spec(node, n, config.mac)
             h = DlcpHost(self.fabric, spec, s.mode, config, n, paths, self._on_event)
             got = self.fabric.add_endpoint(
                 leaf, h.on_packet, rate_bps=rate, uplink_bps=rate,
@@ -103,15 +103,16 @@ class DlcpRun:
         self.rng = random.Random(f"{s.seed}/skew")
         self.results: dict[tuple[int, int, int], Any] = {}  # (step, bucket, node) -> event
 
-    def _spec(self, me: int, n: int) -> JobSpec:
+    def _spec(self, me: int, n: int, mac: str) -> JobSpec:
+        """The job as `RoundsMixin._make_job` builds it, with the daemon's MAC."""
         s = self.s
         if s.mode == "transpose":
-            return JobSpec.transpose(JOB, KEY, me, n, payload=1408)
+            return JobSpec.transpose(JOB, KEY, me, n, payload=1408, mac=mac)
         if s.mode == "switch" and len(self.aggs) == 1:
-            return JobSpec.switch(JOB, KEY, me, n, payload=1408)
+            return JobSpec.switch(JOB, KEY, me, n, payload=1408, mac=mac)
         return JobSpec(
             job=JOB, key=KEY, me=me, contributors=tuple(range(s.hosts)),
-            owners=tuple(self.aggs), payload=1408,
+            owners=tuple(self.aggs), payload=1408, mac=mac,
         )  # fmt: skip
 
     # -- driving ---------------------------------------------------------------

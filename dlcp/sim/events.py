@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EventLoop", "TooManyEvents"]
+__all__ = ["EventLoop", "Timer", "TooManyEvents"]
 
 
 class TooManyEvents(RuntimeError):
@@ -34,23 +34,69 @@ class EventLoop:
         """Call `fn(*args)` at virtual time `t` (not before now)."""
         heapq.heappush(self._heap, (t if t > self.now else self.now, next(self._seq), fn, args))
 
+    def push(self, t: float, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        """`at` for callers that know `t` is not before now (the ports: a
+        packet's times are now plus what it takes): no clamp, no varargs."""
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
     def run(self, until: float, done: Callable[[], bool] | None = None, check: int = 4096) -> None:
         """Handle events until none is left, `until` is passed, or `done()`
         (asked every `check` events)."""
         heap, pop = self._heap, heapq.heappop
-        n = 0
         while heap and heap[0][0] <= until:
-            t, _, fn, args = pop(heap)
-            self.now = t
-            fn(*args)
-            n += 1
-            if n % check == 0:
-                self.events += check
-                if self.events > self.max_events:
-                    raise TooManyEvents(f"more than {self.max_events} events by t={t:.6f} s")
-                if done is not None and done():
-                    break
-        self.events += n % check
+            n = 0
+            while n < check and heap and heap[0][0] <= until:  # a chunk, then the checks
+                t, _, fn, args = pop(heap)
+                self.now = t
+                fn(*args)
+                n += 1
+            self.events += n
+            if self.events > self.max_events:
+                raise TooManyEvents(f"more than {self.max_events} events by t={self.now:.6f} s")
+            if done is not None and n == check and done():
+                break
 
     def pending(self) -> int:
         return len(self._heap)
+
+
+class Timer:
+    """One deadline that is moved often (a retransmission timer re-armed by
+    every ACK): `fn()` is called at the last deadline `set`, unless `cancel`ed.
+    The heap holds one event for it, not one a `set`: a deadline moved later
+    is found when the earlier event comes due and pushed again then; moved
+    earlier, it gets an event of its own (the later one is then stale)."""
+
+    __slots__ = ("_fire", "_queued", "deadline", "fn", "loop")
+
+    def __init__(self, loop: EventLoop, fn: Callable[[], None]) -> None:
+        self.loop, self.fn = loop, fn
+        self.deadline: float | None = None
+        self._queued: float | None = None  # the earliest event in the heap for it
+        self._fire = self._due
+
+    def set(self, t: float) -> None:
+        self.deadline = t
+        q = self._queued
+        if q is None or t < q:
+            self._queued = t
+            self.loop.push(t if t > self.loop.now else self.loop.now, self._fire, (t,))
+
+    def cancel(self) -> None:
+        self.deadline = None
+
+    def _due(self, t: float) -> None:
+        if self._queued == t:
+            self._queued = None
+        d = self.deadline
+        if d is None:
+            return
+        if d > t:  # moved later since this event was pushed
+            if self._queued is None or d < self._queued:
+                self._queued = d
+                self.loop.push(d, self._fire, (d,))
+            return
+        if d < t:  # an earlier event of its own fired before this one (a stale one)
+            return
+        self.deadline = None
+        self.fn()

@@ -143,6 +143,16 @@ class Fabric:
         route = self.route(src, dst, spine)
         route[0].offer(Packet(cls, wire, src, dst, route, data))
 
+    def send_frames(
+        self, src: int, dst: int, cls: int, frames: Sequence[bytes], overhead: int, spine: int = 0
+    ) -> None:
+        """`send` of each of `frames` in order (wire bytes: its length plus
+        `overhead`), the route looked up once: a host's batch of datagrams."""
+        route = self.route(src, dst, spine)
+        offer = route[0].offer
+        for b in frames:
+            offer(Packet(cls, len(b) + overhead, src, dst, route, b))
+
     def ports(self) -> list[Port]:
         out = [*self.up, *self.down]
         for row in (*self.leaf_up, *self.spine_down):

@@ -33,6 +33,7 @@ from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.daemon.probing import Prober
 from dlcp.daemon.transport import UdpPath
 from dlcp.policies import from_config
+from dlcp.sim.events import Timer
 from dlcp.sim.port import Packet
 from dlcp.wire import PacketType
 from dlcp.wire.header import HEADER_SIZE, header_of_valid
@@ -75,10 +76,9 @@ class _Path:
         h = self.host
         dst = h.node_of[dest[0]]
         cls = h.class_of_tos.get(tos & 0xFC, 6)
-        send, me, spine = h.fabric.send, h.me, self.path
-        for dg in datagrams:  # read now, as the kernel copies a datagram when sent
-            b = dg if isinstance(dg, bytes) else bytes(dg)
-            send(me, dst, cls, len(b) + WIRE_OVERHEAD, b, spine)
+        # read now, as the kernel copies a datagram when sent
+        frames = [dg if isinstance(dg, bytes) else bytes(dg) for dg in datagrams]
+        h.fabric.send_frames(h.me, dst, cls, frames, WIRE_OVERHEAD, self.path)
         return len(datagrams)
 
 
@@ -133,7 +133,7 @@ class DlcpHost:
         self.polling = False
         self.poll_at: float | None = None
         self.wake_pending = False
-        self.armed: float | None = None
+        self.timer = Timer(self.loop, self._on_timer)  # `Daemon._arm`'s wake-up
         self.drains = 0
         self.stalls = 0
 
@@ -152,10 +152,7 @@ class DlcpHost:
             self._moderate(True, taken >= MODERATION_BYTES, now)
         self.pump(now)
 
-    def _on_timer(self, t: float) -> None:
-        if self.armed != t:  # armed again since
-            return
-        self.armed = None
+    def _on_timer(self) -> None:
         now = self.loop.now
         taken = self._drain(now)
         due = self.engine.get_timer()
@@ -268,9 +265,8 @@ class DlcpHost:
                 probe = self.prober.next_timer()
                 if probe is not None and (t is None or probe < t):
                     t = probe
-        if t is not None and t != self.armed:
-            self.armed = t
-            self.loop.at(max(t, now), self._on_timer, t)
+        if t is not None and t != self.timer.deadline:
+            self.timer.set(t)
 
 
 def _ignore(_name: str) -> None:

@@ -43,6 +43,8 @@ class Port:
     idle port sends at once; a serve event is due only while packets wait."""
 
     __slots__ = (
+        "_arrive_cb",
+        "_serve_cb",
         "busy",
         "busy_s",
         "delay",
@@ -94,6 +96,8 @@ class Port:
         self.sent_bytes = 0
         self.sent_packets = 0
         self.busy_s = 0.0
+        self._arrive_cb = self._arrive  # (bound once: one a packet costs an allocation)
+        self._serve_cb = self._serve
 
     def offer(self, pkt: Packet) -> None:
         """A packet arrives at this port: sent at once when the port is idle
@@ -102,25 +106,34 @@ class Port:
             self.drops[pkt.cls] += 1
             return
         loop = self.loop
-        if self.rate_bps is None:
+        now = loop.now
+        rate = self.rate_bps
+        if rate is None:
             self.sent_bytes += pkt.wire
             self.sent_packets += 1
-            loop.at(loop.now + self.delay, self._arrive, pkt)
+            loop.push(now + self.delay, self._arrive_cb, (pkt,))
             return
-        if not self.queued and loop.now >= self.free_at:
-            self._start(pkt)
+        if not self.queued and now >= self.free_at:  # idle: on the wire now
+            tx = pkt.wire * 8 / rate
+            self.busy_s += tx
+            self.sent_bytes += pkt.wire
+            self.sent_packets += 1
+            self.free_at = done = now + tx
+            loop.push(done + self.delay, self._arrive_cb, (pkt,))
             return
-        q = self.queues[pkt.cls]
-        if len(q) >= self.limits[pkt.cls]:
-            self.drops[pkt.cls] += 1
+        cls = pkt.cls
+        q = self.queues[cls]
+        n = len(q)
+        if n >= self.limits[cls]:
+            self.drops[cls] += 1
             return
         q.append(pkt)
-        if len(q) > self.depth[pkt.cls]:
-            self.depth[pkt.cls] = len(q)
+        if n >= self.depth[cls]:
+            self.depth[cls] = n + 1
         self.queued += 1
         if not self.busy:  # (busy: a serve is due at free_at)
             self.busy = True
-            loop.at(self.free_at, self._serve)
+            loop.push(self.free_at if self.free_at > now else now, self._serve_cb, ())
 
     def _start(self, pkt: Packet) -> None:
         """Put `pkt` on the wire now; the port is busy until its last bit is out."""
@@ -131,7 +144,7 @@ class Port:
         self.sent_bytes += pkt.wire
         self.sent_packets += 1
         self.free_at = done = loop.now + tx
-        loop.at(done + self.delay, self._arrive, pkt)
+        loop.push(done + self.delay, self._arrive_cb, (pkt,))
 
     def _serve(self) -> None:
         """The wire is free: the first packet of the highest class waiting;
@@ -146,15 +159,17 @@ class Port:
                 break
         if self.queued:
             self.busy = True
-            self.loop.at(self.free_at, self._serve)
+            self.loop.push(self.free_at, self._serve_cb, ())
 
     def _arrive(self, pkt: Packet) -> None:
         if self.loss and self.rng.random() < self.loss:
             self.lost += 1
             return
-        pkt.hop += 1
-        if pkt.hop < len(pkt.route):
-            pkt.route[pkt.hop].offer(pkt)
+        hop = pkt.hop + 1
+        pkt.hop = hop
+        route = pkt.route
+        if hop < len(route):
+            route[hop].offer(pkt)
         else:
             self.deliver(pkt)
 

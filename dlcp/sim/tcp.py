@@ -23,6 +23,7 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dlcp.sim.events import Timer
 from dlcp.sim.port import Packet
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class TcpFlow:
         self.rttvar = 0.0
         self.rto = INIT_RTO
         self.rto_at: float | None = None
+        # one heap event each however often they are re-armed (an ACK re-arms both)
+        self._rto_timer = Timer(self.loop, self._on_rto)
+        self._tlp_timer = Timer(self.loop, self._on_probe)
         self.sacked: set[int] = set()  # segments (seq // MSS) reported held beyond una
         self.high_sack = -1
         self.rtx_k = 0  # the next hole to retransmit in recovery
@@ -94,16 +98,25 @@ class TcpFlow:
             self._arm()
 
     def _arm(self) -> None:
+        """The RTO from now, and the tail-loss probe's timer before it (none
+        when the probe would not come first)."""
         now = self.loop.now
         self.rto_at = now + self.rto
-        self.loop.at(self.rto_at, self._on_rto, self.rto_at)
+        self._rto_timer.set(self.rto_at)
         pto = max(2 * self.srtt, TLP_MIN) if self.srtt is not None else INIT_RTO
         if pto < self.rto:
-            self.loop.at(now + pto, self._on_probe, self.rto_at)
+            self._tlp_timer.set(now + pto)
+        else:
+            self._tlp_timer.cancel()
 
-    def _on_probe(self, at: float) -> None:
+    def _disarm(self) -> None:
+        self.rto_at = None
+        self._rto_timer.cancel()
+        self._tlp_timer.cancel()
+
+    def _on_probe(self) -> None:
         """Tail-loss probe: the last segment sent goes again."""
-        if self.rto_at != at or self.una >= self.nxt or self.recover is not None:
+        if self.una >= self.nxt or self.recover is not None:
             return
         last = self.nxt - 1
         self._segment(last - last % MSS if last - last % MSS >= self.una else self.una)
@@ -159,7 +172,7 @@ class TcpFlow:
                 self.cwnd += min(acked, MSS)
             else:
                 self.cwnd += MSS * MSS / self.cwnd
-            self.rto_at = None
+            self._disarm()
             if self.nxt > self.una:
                 self._arm()
         elif ack == self.una and self.nxt > self.una:
@@ -180,8 +193,10 @@ class TcpFlow:
                 self._holes(2)
         self._send_new()
 
-    def _on_rto(self, at: float) -> None:
-        if self.rto_at != at or self.una >= self.nxt:
+    def _on_rto(self) -> None:
+        self._tlp_timer.cancel()
+        if self.una >= self.nxt:
+            self.rto_at = None
             return
         self.timeouts += 1
         self.ssthresh = max((self.nxt - self.una) / 2, 2.0 * MSS)
@@ -192,7 +207,7 @@ class TcpFlow:
         self.sacked.clear()
         self.high_sack = -1
         self.rto = min(2 * self.rto, 60.0)
-        self.rto_at = None
+        self._disarm()
         self._segment(self.una)
         self.retransmits += 1
         self.nxt = min(self.una - self.una % MSS + MSS, self.written)
