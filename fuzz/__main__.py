@@ -3,7 +3,8 @@
 - list: the targets, one a line, and the C entry points each covers.
 - seeds: (re)write fuzz/corpus/NAME/ from each target's seeds (regress-* files,
   the inputs of findings, are kept).
-- replay: every seed (or the files given after --files) through its target once.
+- replay [NAME...] [--files FILE...]: every seed (or each file given) through
+  its target (of NAME; one, with --files) once.
 - run: coverage-guided fuzzing of one target under atheris (libFuzzer's
   arguments follow: corpus directories, -max_total_time=S, ...). With
   $DLCP_FUZZ_LIB set, the C extensions come from that sanitized build.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from pathlib import Path
 
 from fuzz import harness
 
@@ -41,13 +43,14 @@ def main(argv: list[str]) -> int:
                 (d / hashlib.sha1(s).hexdigest()[:16]).write_bytes(s)
         return 0
     if cmd == "replay":
-        names = rest or list(targets)
+        given = rest.index("--files") if "--files" in rest else len(rest)
+        names, paths = rest[:given] or list(targets), rest[given + 1 :]
         for name in names:
             t = targets[name]
-            files = harness.seed_files(name)
+            files = [Path(f) for f in paths] if paths else harness.seed_files(name)
             for f in files:
                 t.run(f.read_bytes())
-            print(f"{name}: {len(files)} seeds replayed")
+            print(f"{name}: {len(files)} {'files' if paths else 'seeds'} replayed")
         return 0
     if cmd == "run":
         import atheris  # only here: the other commands need no fuzzer

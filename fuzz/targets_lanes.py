@@ -12,7 +12,7 @@ from dlcp.codecs.lanes_native import native_kind
 from dlcp.wire import batch as batch_mod
 from dlcp.wire.header import Codec, lane_bytes
 from fuzz.harness import Input, pack_datagrams, target
-from fuzz.targets_wire import _as_datagrams, _lane_seeds, _same_error, _store
+from fuzz.targets_wire import _as_datagrams, _lane_seeds, _outside, _same_error, _store
 
 # (codec, summed, accumulator dtype) where a run's lanes are unpacked in C
 _UNPACKED = [
@@ -48,7 +48,7 @@ def bulk_store_lanes(inp: Input) -> None:
     p = _as_datagrams(inp, payloads)
     fast = np.zeros(size, dtype)
     ref = fast.copy()
-    outside = bool(((s < 0) | (s + c > size)).any())
+    outside = _outside(s, c, size)
     wrong = any(
         len(x) != lane_bytes(codec, k, summed) for x, k in zip(payloads, c.tolist(), strict=True)
     )
@@ -71,9 +71,13 @@ def _pick_seeds() -> list[bytes]:
 def bulk_pick(inp: Input) -> None:
     dgs = inp.datagrams(limit=32, longest=300)
     n = len(dgs)
+    # up to 40 positions, 3 bytes each: below(n + 2), less 1 for one byte in
+    # 16 (the reads of `Input.below` and `Input.chance`, one slice for all)
+    k = inp.uint(1) % 40
+    r = inp.take(3 * k).ljust(3 * k, b"\0")
+    m = n + 2
     order = np.array(
-        [inp.below(n + 2) - (1 if inp.chance(16) else 0) for _ in range(inp.uint(1) % 40)],
-        np.int64,
+        [(r[i] | r[i + 1] << 8) % m - (r[i + 2] % 16 == 0) for i in range(0, 3 * k, 3)], np.int64
     )
     items: list[bytes] | tuple[bytes, ...] = dgs if inp.chance(2) else tuple(dgs)
     positions = order.tolist()

@@ -164,13 +164,16 @@ def _runs(inp: Input, size: int, itemsize: int) -> tuple[np.ndarray, np.ndarray,
     return np.array(starts, np.int64), np.array(counts, np.int64), payloads
 
 
-def _both_errors(s: np.ndarray, c: np.ndarray, payloads: list[bytes], size: int, item: int) -> bool:
-    """Whether the runs have both a run outside `size` lanes and a payload of
-    the wrong length (either error may then come first)."""
-    outside = ((s < 0) | (s + c > size)).any()
-    return bool(outside) and any(
-        len(p) != k * item for p, k in zip(payloads, c.tolist(), strict=True)
-    )
+def _outside(s: np.ndarray, c: np.ndarray, size: int) -> bool:
+    """Whether a run lies outside `size` lanes (in Python: at most 16 runs,
+    fewer objects than numpy's masks)."""
+    return any(a < 0 or a + k > size for a, k in zip(s.tolist(), c.tolist(), strict=True))
+
+
+def _both_errors(c: np.ndarray, payloads: list[bytes], item: int, outside: bool) -> bool:
+    """Whether the runs have both a run outside the lanes (`outside`) and a
+    payload of the wrong length (either error may then come first)."""
+    return outside and any(len(p) != k * item for p, k in zip(payloads, c.tolist(), strict=True))
 
 
 def _as_datagrams(inp: Input, payloads: list[bytes]) -> list[bytes] | Payloads:
@@ -214,11 +217,12 @@ def bulk_copy_runs(inp: Input) -> None:
     s, c, payloads = _runs(inp, size, dtype.itemsize)
     p = _as_datagrams(inp, payloads)
     fast = np.zeros(size, dtype)
-    ref = fast.copy()
-    both = _both_errors(s, c, payloads, size, dtype.itemsize)
+    ref = np.zeros(size, dtype)
+    outside = _outside(s, c, size)
+    both = _both_errors(c, payloads, dtype.itemsize, outside)
     e_fast = _store(fast, codec, summed, s, c, p, True)
     _same_error(e_fast, _store(ref, codec, summed, s, c, p, False), both)
-    if not ((s < 0) | (s + c > size)).any():
+    if not outside:
         assert fast.tobytes() == ref.tobytes()
 
 
@@ -250,7 +254,7 @@ def bulk_add_runs(inp: Input) -> None:
     ref = fast.copy()
     with np.errstate(all="ignore"):
         e_ref = _add(ref, own, Codec.FP32, summed, s, c, p, False)
-    both = _both_errors(s, c, payloads, size, 4)
+    both = _both_errors(c, payloads, 4, _outside(s, c, size))
     _same_error(_add(fast, own, Codec.FP32, summed, s, c, p, True), e_ref, both)
     if e_ref is None:  # NaN payloads' bits aside, the same sums
         a, b = fast.view(np.uint32), ref.view(np.uint32)
