@@ -13,7 +13,7 @@ from dlcp.core.layout import Layout
 from dlcp.core.pathhealth import HealthConfig
 from dlcp.core.rate import WIRE_OVERHEAD, RateConfig
 from dlcp.daemon import outbox as outbox_mod
-from dlcp.daemon import reroute, sending
+from dlcp.daemon import pathloss, reroute, sending
 from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Flags, Header, PacketType, decode, encode
@@ -191,7 +191,7 @@ def test_adaptive_shifts_away_from_the_lossy_path() -> None:
 
 
 def test_tracking_is_bounded(monkeypatch: Any) -> None:
-    monkeypatch.setattr(outbox_mod, "TRACKED_PER_GENERATION", 8)
+    monkeypatch.setattr(pathloss, "TRACKED_PER_GENERATION", 8)
     ob, peer, _ = make(2)
     lay = layout()
     for dg in data_packets(lay, 1):

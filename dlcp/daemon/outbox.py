@@ -26,9 +26,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
-from dlcp.core.layout import Layout
 from dlcp.core.pathhealth import HealthConfig, PathHealth
 from dlcp.core.rate import Pacer, PathRates, RateConfig
 from dlcp.daemon.flow import WINDOW_MIN
@@ -37,31 +34,33 @@ from dlcp.daemon.packet_keys import (
     _DATA,
     _DONE,
     _DR,
-    _F_RESULT_LEG,
     _RESULT,
     _barrier_key,
     _by_class,
     _clamped_classes,
     _identities,
-    _identities_heads,
     _identity,
     _shard_keys,
 )
+from dlcp.daemon.pathloss import charge_nack
 from dlcp.daemon.peer import (
     _F_RETRANSMIT,
     _NOT_DR_TABLE,
     FRONT,
     N_CLASSES,
+    SHARDS_TRACKED,
     Peer,
     _append,
+    _left,
     _next_queue,
     _took,
     _urgent,
+    _watch,
 )
 from dlcp.daemon.sending import SendingHalf
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import LocalError
-from dlcp.wire.header import HEADER_SIZE, Flags, Header
+from dlcp.wire.header import Flags, Header
 
 __all__ = ["Outbox", "Peer"]
 
@@ -75,8 +74,6 @@ _F_DROPPABLE = int(Flags.DROPPABLE)
 _DROPPABLE_TABLE = bytes(f & _F_DROPPABLE for f in range(256))
 _RETRANSMIT_TABLE = bytes(1 if f & _F_RETRANSMIT else 0 for f in range(256))
 _MIN_RUN = 4  # shorter runs of DATA/RESULT packets are queued one by one
-TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
-SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 # pacer burst: one batch (or BURST_SECONDS at the rate, if more). Senders
 # converging on a port that they fill to `rate.utilization` leave it a queue
 # of their bursts, drained only by the rest of the link, and a strict
@@ -173,7 +170,7 @@ class Outbox(SendingHalf):
         if datagram[3] != _DONE:
             key = _identity(datagram)
             if datagram[3] in _DR and key[:_BKEY] not in peer.watched:
-                self._watch(peer, key[:_BKEY])
+                _watch(peer, key[:_BKEY])
             if key in peer.pending:
                 self.repeats += 1
                 return False
@@ -190,19 +187,6 @@ class Outbox(SendingHalf):
             self._step += 1
             step = peer.step_of[bkey] = self._step
         return step
-
-    @staticmethod
-    def _watch(peer: Peer, bkey: bytes) -> None:
-        """Keep the identities of shard and leg `bkey`'s DATA/RESULT packets in
-        `pending` from now on until none is queued; those queued already are
-        looked up in the queues (see `Peer.pending`)."""
-        peer.watched.add(bkey)
-        if not peer.inflight.get(bkey):
-            return
-        for q in peer.queues:
-            if q:
-                ids, heads = _identities_heads(list(q))
-                peer.pending.update([i for i, h in zip(ids, heads, strict=True) if h == bkey])
 
     def _queue(self, peer: Peer, datagram: bytes, cls: int) -> None:
         """Put a datagram that is not a repeat (already in `pending` and `queued`)
@@ -261,7 +245,7 @@ class Outbox(SendingHalf):
             # and the identities of all but the DONEs are looked up
             for b in distinct if distinct is not None else dict.fromkeys(bkeys):
                 if b is not None and b not in watched:
-                    self._watch(peer, b)
+                    _watch(peer, b)
             kept = self._not_repeats(peer, datagrams, types)
             checked = True
             if kept is not None:
@@ -481,33 +465,9 @@ class Outbox(SendingHalf):
                     _took(peer, i, 1)
                 peer.pending.discard(_identity(dg))
                 peer.queued -= 1
-                self._left(peer, dg)
+                _left(peer, dg)
             if peer.queued == 0:
                 self.backlog.discard(peer)
-
-    @staticmethod
-    def _left(peer: Peer, datagram: bytes) -> None:
-        """`datagram` left the queue: release DONEs it was holding back."""
-        if datagram[3] in _DR:
-            Outbox._release(peer, _barrier_key(datagram), 1)
-
-    @staticmethod
-    def _release(peer: Peer, bkey: bytes, n: int) -> None:
-        """`n` DATA/RESULT packets of shard and leg `bkey` left the queue: release
-        the DONEs they were holding back once none is left."""
-        inflight = peer.inflight
-        left = inflight[bkey] - n
-        if left > 0:
-            inflight[bkey] = left
-            return
-        del inflight[bkey]
-        peer.step_of.pop(bkey, None)
-        peer.watched.discard(bkey)  # none queued: nothing to repeat
-        held = peer.held.pop(bkey, None)
-        if held:
-            trail = peer.trail_class.get(bkey)
-            for dg, cls in held:
-                peer.queues[FRONT + (cls if trail is None else trail)].append(dg)
 
     def on_nack(
         self,
@@ -519,76 +479,9 @@ class Outbox(SendingHalf):
         payload: int,
         now: float,
     ) -> None:
-        """Tell the peer's balancer which paths lost the packets an accepted NACK names.
-
-        `datagram` is the NACK as received (its payload lists shard-local packet
-        indices, u32 big endian); `shards` and `payload` are the job's, for the
-        bucket's layout. Each named packet is
-        looked up by (job, round, bucket, shard, offset, type) among the
-        packets recently sent to this peer and charged to the path it took;
-        the entry is forgotten, so a repeated NACK does not count it twice.
-        Packets never sent or no longer remembered are not charged, and
-        neither are retransmissions (`_send` does not remember them): a
-        receiver repeats a NACK once the peer's usual answer time has passed
-        (NackClock), so a repeat may cross a retransmission still in flight,
-        and charging it would count a loss on a path that lost nothing.
-        """
-        n = nack.count
-        if n <= 0:
-            return
-        paths = peer.paths
-        if len(paths) == 1:
-            self._charge(peer, 0, n, now)
-            return
-        try:
-            layout = Layout(nack.total, nack.codec, shards, payload)
-            idx = np.frombuffer(datagram, ">u4", n, HEADER_SIZE).astype(np.int64)
-        except (LocalError, ValueError):
-            return
-        first = layout.shard_packets(nack.shard).start
-        per = layout.per_packet
-        if nack.flags & _F_RESULT_LEG:
-            split = layout.result_split
-            step = -(-per // split)
-            offsets = (first + idx // split) * per + (idx % split) * step
-            kind = bytes((_RESULT,))
-        else:
-            offsets = (first + idx) * per
-            kind = bytes((_DATA,))
-        prefix = bytes(datagram[8:22])  # job, round, bucket, shard: where every header has them
-        lost = [0] * len(paths)
-        for p in peer.sent_paths.pop(kind + prefix, offsets.astype(">u4").tobytes()):
-            if 0 <= p < len(lost):
-                lost[p] += 1
-        for p, k in enumerate(lost):
-            if k:
-                self._charge(peer, p, k, now)
-
-    @staticmethod
-    def _track(
-        peer: Peer,
-        notes: Iterable[tuple[bytes, bytes]],
-        per_shard: Iterable[tuple[bytes, int]],
-        path: int,
-    ) -> None:
-        """Remember the path of DATA/RESULT datagrams that went on `path` (`notes`:
-        (barrier key, offset fields) of each run of one shard and leg, as
-        `on_nack` looks them up), and count them per shard and
-        path for the shard's DONE (`per_shard`: (barrier key, packets), in order
-        of first appearance)."""
-        sent = peer.sent_paths
-        for bkey, offsets in notes:
-            sent.note(bkey, offsets, path)
-        shard_paths = peer.shard_paths
-        for bkey, k in per_shard:
-            counts = shard_paths.get(bkey)
-            if counts is None:
-                counts = shard_paths[bkey] = [0] * len(peer.paths)
-            counts[path] += k
-        if len(shard_paths) > SHARDS_TRACKED:  # DONEs that never went: forget the oldest
-            for bkey in list(shard_paths)[: len(shard_paths) // 2]:
-                del shard_paths[bkey]
-        sent.rotate(TRACKED_PER_GENERATION)
+        """Charge the losses an accepted NACK names to the paths they went on
+        (`pathloss.charge_nack`)."""
+        charge_nack(peer, nack, datagram, shards=shards, payload=payload, now=now)
 
     def queued(self) -> int:
         return sum(p.queued for p in self.peers.values())

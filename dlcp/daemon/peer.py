@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 
 from dlcp.core.pathhealth import PathHealth
 from dlcp.core.rate import Pacer, PathRates
-from dlcp.daemon.packet_keys import _DATA, _DR, _RESULT, NATIVE_KEYS, _keys
+from dlcp.daemon.packet_keys import (
+    _DATA,
+    _DR,
+    _RESULT,
+    NATIVE_KEYS,
+    _barrier_key,
+    _identities_heads,
+    _keys,
+)
 from dlcp.daemon.sentpaths import SentPaths
 from dlcp.daemon.transport import UdpPath
 from dlcp.policies import LoadBalancer, PathState
@@ -39,6 +47,7 @@ def _new_queue() -> deque[bytes]:
     and pop without a step per datagram) where built, else a deque."""
     return _keys.Fifo() if NATIVE_KEYS else deque()
 
+SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
 
 @dataclass(eq=False)
 class Peer:
@@ -198,3 +207,40 @@ def _next_queue(peer: Peer) -> int:
 def _urgent(datagram: bytes) -> bool:
     """Whether a datagram is not a first transmission of DATA/RESULT."""
     return datagram[3] not in _DR or bool(datagram[4] & _F_RETRANSMIT)
+
+
+def _watch(peer: Peer, bkey: bytes) -> None:
+    """Keep the identities of shard and leg `bkey`'s DATA/RESULT packets in
+    `pending` from now on until none is queued; those queued already are
+    looked up in the queues (see `Peer.pending`)."""
+    peer.watched.add(bkey)
+    if not peer.inflight.get(bkey):
+        return
+    for q in peer.queues:
+        if q:
+            ids, heads = _identities_heads(list(q))
+            peer.pending.update([i for i, h in zip(ids, heads, strict=True) if h == bkey])
+
+
+def _left(peer: Peer, datagram: bytes) -> None:
+    """`datagram` left the queue: release DONEs it was holding back."""
+    if datagram[3] in _DR:
+        _release(peer, _barrier_key(datagram), 1)
+
+
+def _release(peer: Peer, bkey: bytes, n: int) -> None:
+    """`n` DATA/RESULT packets of shard and leg `bkey` left the queue: release
+    the DONEs they were holding back once none is left."""
+    inflight = peer.inflight
+    left = inflight[bkey] - n
+    if left > 0:
+        inflight[bkey] = left
+        return
+    del inflight[bkey]
+    peer.step_of.pop(bkey, None)
+    peer.watched.discard(bkey)  # none queued: nothing to repeat
+    held = peer.held.pop(bkey, None)
+    if held:
+        trail = peer.trail_class.get(bkey)
+        for dg, cls in held:
+            peer.queues[FRONT + (cls if trail is None else trail)].append(dg)
