@@ -73,7 +73,6 @@ def _join(parts: list[Sequence[memoryview]]) -> Sequence[memoryview]:
 class NetworkIn:
     """The receive half of the daemon: socket drains to `Engine.receive_many`."""
 
-
     def __init__(
         self,
         *,

@@ -47,7 +47,9 @@ def _new_queue() -> deque[bytes]:
     and pop without a step per datagram) where built, else a deque."""
     return _keys.Fifo() if NATIVE_KEYS else deque()
 
+
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
+
 
 @dataclass(eq=False)
 class Peer:

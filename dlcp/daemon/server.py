@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlcp import ipc
-from dlcp.core.engine import Engine, RoundComplete, SendBatch
+from dlcp.core.engine import Engine, RoundComplete
 from dlcp.core.pathhealth import health_config
 from dlcp.daemon import notify, status
 from dlcp.daemon.config import Config
@@ -47,7 +47,8 @@ from dlcp.daemon.netin import (
     MODERATION_BYTES,
     NetworkIn,
 )
-from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.daemon.netout import NetworkOut
+from dlcp.daemon.outbox import Outbox
 from dlcp.daemon.probing import Prober
 from dlcp.daemon.requests import RequestError
 from dlcp.daemon.rounds import RoundLifecycle
@@ -131,6 +132,9 @@ class Daemon:
             credit=self.credits.send,
             watch=self._watch,
         )
+        self.netout = NetworkOut(
+            jobs=self.lifecycle.jobs, outbox=outbox, credits=self.credits, counters=self.counters
+        )
         self.shim = ShimService(
             config=config,
             engine=engine,
@@ -167,10 +171,6 @@ class Daemon:
     def draining(self) -> bool:
         return self.shim.draining
 
-    @property
-    def rx_grant(self) -> int:
-        return self.credits.rx_grant
-
     def describe(self) -> dict[str, Any]:
         return self.shim.describe()
 
@@ -183,10 +183,7 @@ class Daemon:
     def _make_job(self, **kw: Any) -> JobState:
         return self.lifecycle.make_job(**kw)
 
-    def _credit(self, peer: Peer, job: JobState) -> None:
-        self.credits.send(peer, job)
-
-    def _size_windows(self) -> None:
+    def _size_windows(self) -> None:  # the lifecycle is made before the credits
         self.credits.size_windows()
 
     # -- the event loop, for the parts ----------------------------------------
@@ -371,7 +368,7 @@ class Daemon:
         engine = self.engine
         sends = engine.send_batches()
         if sends:
-            self._enqueue(sends, now)
+            self.netout.enqueue(sends, now)
         lifecycle = self.lifecycle
         while (ev := engine.next_event()) is not None:
             if isinstance(ev, RoundComplete):
@@ -380,64 +377,13 @@ class Daemon:
                 lifecycle.failed(ev)
         if self.outbox.multipath:
             for peer, path in self.prober.run(now):
-                self._path_down(peer, path, now)
+                self.netout.path_down(peer, path, now)
         if self.outbox.backlog and not self.outbox.blocked:
-            try:
-                self.outbox.flush(now)
-            except OSError as exc:  # never let a send error wedge the loop
-                log.error("send failed, dropping the batch at the head: %s", exc)
-                self.counters["send_errors"] += 1
-                self.outbox.drop_head()
+            self.netout.flush(now)
             if self.outbox.blocked:
                 self._wait_writable()
         self._arm(now)
         engine.drop_settled()  # the ranks are told and the peers sent to: now free
-
-    def _enqueue(self, batches: list[SendBatch], now: float) -> None:
-        """Queue the engine's datagrams: each run of consecutive batches for the
-        same peer at once (`Outbox.push_many`, as `push` one by one, in order).
-        A batch's datagrams all belong to one job: its id is read once."""
-        jobs = self.jobs
-        run: Peer | None = None
-        parts: list[SendBatch] = []
-        for b in batches:
-            if not b.datagrams:
-                continue
-            job = jobs.get(_JOB.unpack(b.datagrams[0][8:12])[0])  # bytes or Gathered
-            peer = None if job is None else job.peers.get(b.node)
-            if peer is None:
-                continue
-            if peer.health is not None:  # its paths are probed while it has traffic
-                assert job is not None
-                peer.tx_job = job.spec.job
-                peer.health.touch(now)
-            if peer is not run:
-                if run is not None:
-                    self._push_run(run, parts)
-                run, parts = peer, []
-            parts.append(b)
-        if run is not None:
-            self._push_run(run, parts)
-
-    def _push_run(self, peer: Peer, parts: list[SendBatch]) -> None:
-        if len(parts) == 1:  # the usual case: the lists as the engine made them
-            self.outbox.push_many(peer, parts[0].datagrams, parts[0].priorities)
-            return
-        # new lists: the engine keeps some of its batches' lists (result
-        # datagrams); joined by list extends, no Python step a datagram
-        dgs: list[bytes] = []
-        prios: list[int] = []
-        for b in parts:
-            dgs += b.datagrams
-            prios += b.priorities
-        self.outbox.push_many(peer, dgs, prios)
-
-    def _path_down(self, peer: Peer, path: int, now: float) -> None:
-        """`path` to `peer` was found down: what urgent went on it lately goes
-        again on the live paths, and so does a credit (credits go on the
-        first path in use, which may have been this one)."""
-        self.outbox.path_down(peer, path, now)
-        self.credits.path_down(peer)
 
     def _wait_writable(self) -> None:
         assert self._loop is not None
