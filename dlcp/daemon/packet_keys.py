@@ -116,7 +116,7 @@ def _py_unqueue(
     `pending` (of the DATA/RESULT packets, only those of shards and legs in
     `watched`, when given: `Peer.watched`), `popleft` (the queue's, which the
     batch heads) takes them off it, and the DATA/RESULT packets among them are
-    counted per shard and leg for `Outbox._release` (`_py_shards_left`)."""
+    counted per shard and leg for `peer._release` (`_py_shards_left`)."""
     if not isinstance(pending, set):
         raise TypeError(f"pending must be a set, not {type(pending).__name__}")
     if watched is not None and not isinstance(watched, (set, frozenset)):

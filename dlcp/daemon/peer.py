@@ -96,7 +96,7 @@ class Peer:
     held: dict[bytes, list[tuple[bytes, int]]] = field(default_factory=dict)
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
-    # path of recently sent DATA/RESULT packets, as `Outbox._track` notes them
+    # path of recently sent DATA/RESULT packets, as `pathloss.track` notes them
     # (multi-path peers only): a chunk a send, in two generations
     sent_paths: SentPaths = field(default_factory=SentPaths)
     # packets per path of each recent shard and leg (barrier key), multi-path peers
