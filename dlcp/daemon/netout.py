@@ -87,8 +87,8 @@ class NetworkOut:
         self.credits.path_down(peer)
 
     def flush(self, now: float) -> None:
-        """`Outbox.flush`; a send error is logged and counted, and the batch at
-        the head dropped: it never wedges the loop."""
+        """`Outbox.flush` (`Sending.flush`); a send error is logged and
+        counted, and the batch at the head dropped: it never wedges the loop."""
         try:
             self.outbox.flush(now)
         except OSError as exc:

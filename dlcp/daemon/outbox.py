@@ -57,7 +57,7 @@ from dlcp.daemon.peer import (
     _urgent,
     _watch,
 )
-from dlcp.daemon.sending import SendingHalf
+from dlcp.daemon.sending import Sending
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import LocalError
 from dlcp.wire.header import Flags, Header
@@ -89,7 +89,9 @@ BURST_BYTES = 64 * 1024
 BURST_SECONDS = 0.004
 
 
-class Outbox(SendingHalf):
+class Outbox:
+    """The send queues of every peer; `sending` flushes them."""
+
     def __init__(
         self,
         paths: Sequence[UdpPath],
@@ -107,20 +109,59 @@ class Outbox(SendingHalf):
         self.health = health
         self.paths = paths
         self.window_bytes = window_bytes
-        self.credits = 0  # credits taken
-        self.tos = [int(d) << 2 for d in dscp]
         self.rate_config = rate
         self.pacing = pacing
         self._balancer_factory = balancer_factory
         self.peers: dict[tuple[tuple[str, ...], int], Peer] = {}
         self.multipath: list[Peer] = []  # the peers whose paths are probed (`Peer.health`)
-        self.backlog: set[Peer] = set()
-        self.blocked = False  # a socket was full: wait for writability
-        self.next_wake: float | None = None
+        self._backlog: set[Peer] = set()  # the peers with datagrams queued
         self.repeats = 0
         self._step = 0  # the last step given to a shard and leg (see `Peer.steps`)
         self.loss_interval = 0.05  # at most one rate cut per path in this many seconds
-        self.resent_on_down = 0  # urgent datagrams queued again when their path went down
+        self.sending = Sending(
+            backlog=self._backlog, tos=[int(d) << 2 for d in dscp], push=self.push
+        )
+        self.flush = self.sending.flush  # the sending half's, without a hop a call
+        self.path_down = self.sending.path_down
+        self.on_credit = self.sending.on_credit
+        self.on_loss = self.sending.on_loss
+
+    # -- the sending half's state, by the names the daemon and tests read -----
+    @property
+    def backlog(self) -> set[Peer]:
+        return self._backlog
+
+    @backlog.setter
+    def backlog(self, peers: set[Peer]) -> None:  # a simulation's own set
+        self._backlog = self.sending.backlog = peers
+
+    @property
+    def blocked(self) -> bool:
+        return self.sending.blocked
+
+    @blocked.setter
+    def blocked(self, blocked: bool) -> None:  # the socket is writable again
+        self.sending.blocked = blocked
+
+    @property
+    def next_wake(self) -> float | None:
+        return self.sending.next_wake
+
+    @property
+    def tos(self) -> list[int]:
+        return self.sending.tos
+
+    @tos.setter
+    def tos(self, tos: list[int]) -> None:  # a reload's DSCP table
+        self.sending.tos = tos
+
+    @property
+    def credits(self) -> int:
+        return self.sending.credits
+
+    @property
+    def resent_on_down(self) -> int:
+        return self.sending.resent_on_down
 
     def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
         key = (addresses, port)
@@ -176,7 +217,7 @@ class Outbox(SendingHalf):
                 return False
             peer.pending.add(key)
         peer.queued += 1
-        self.backlog.add(peer)
+        self._backlog.add(peer)
         self._queue(peer, datagram, min(max(priority, 0), N_CLASSES - 1))
         return True
 
@@ -261,7 +302,7 @@ class Outbox(SendingHalf):
         # watched); its other packets (DONEs, never repeats, and the odd ACK or
         # NACK, looked up one by one below) come between them
         peer.queued += n
-        self.backlog.add(peer)
+        self._backlog.add(peer)
         # one pass (in C): whether all are one class, and each into range
         priorities, uniform = _clamped_classes(
             priorities if isinstance(priorities, list) else list(priorities), N_CLASSES
@@ -457,7 +498,7 @@ class Outbox(SendingHalf):
     def drop_head(self) -> None:
         """After a send error: drop the first datagram of the class every
         backlogged peer sends next (the one that failed), so the queue moves on."""
-        for peer in list(self.backlog):
+        for peer in list(self._backlog):
             i = _next_queue(peer)
             if i >= 0:
                 dg = peer.queues[i].popleft()
@@ -467,7 +508,7 @@ class Outbox(SendingHalf):
                 peer.queued -= 1
                 _left(peer, dg)
             if peer.queued == 0:
-                self.backlog.discard(peer)
+                self._backlog.discard(peer)
 
     def on_nack(
         self,

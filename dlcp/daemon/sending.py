@@ -6,16 +6,15 @@ what it put on a path that is down to the live ones); NACKs' losses cut the
 rates (`pathloss.charge`), and a path found down has its recent urgent datagrams
 queued again (`path_down`).
 
-A part of `dlcp.daemon.outbox.Outbox` (a mixin) that holds no state of its
-own; what it reads of the outbox is declared below for the type checker.
+`Sending` is the outbox's (`dlcp.daemon.outbox.Outbox.sending`), given the
+outbox's backlog and `push`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -48,7 +47,7 @@ from dlcp.daemon.reroute import RESEND_HORIZON, remember, reroute
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS
 from dlcp.policies import PathState
 
-__all__ = ["SendingHalf"]
+__all__ = ["Sending"]
 
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
 
@@ -155,18 +154,29 @@ def _least_lossy(paths: Sequence[PathState]) -> int:
     return min(used, key=lambda p: paths[p].loss_rate)
 
 
-class SendingHalf:
-    """Flushing the queues to the sockets; rate cuts from losses; credits."""
+class Sending:
+    """Flushing the queues to the sockets; rate cuts from losses; credits.
 
-    if TYPE_CHECKING:
-        backlog: set[Peer]
-        blocked: bool
-        credits: int
-        next_wake: float | None
-        resent_on_down: int
-        tos: list[int]
+    Owns what a flush finds out (`blocked`, `next_wake`) and counts (`credits`,
+    `resent_on_down`), and the TOS byte of each class (`tos`); it is given the
+    outbox's set of peers with datagrams queued (`backlog`, which a flush
+    empties as their queues do) and its `push` (what a path found down had
+    in flight is queued again)."""
 
-        def push(self, peer: Peer, datagram: bytes, priority: int) -> bool: ...
+    def __init__(
+        self,
+        *,
+        backlog: set[Peer],
+        tos: list[int],
+        push: Callable[[Peer, bytes, int], bool],
+    ) -> None:
+        self.backlog = backlog
+        self.tos = tos
+        self.push = push
+        self.blocked = False  # a socket was full: wait for writability
+        self.next_wake: float | None = None
+        self.credits = 0  # credits taken
+        self.resent_on_down = 0  # urgent datagrams queued again when their path went down
 
     def on_loss(self, peer: Peer, n: int, now: float) -> None:
         """A peer's NACK named `n` packets: counted. The rates are cut per path by
