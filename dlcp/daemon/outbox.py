@@ -26,9 +26,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from dlcp.core.pathhealth import HealthConfig, PathHealth
-from dlcp.core.rate import Pacer, PathRates, RateConfig
-from dlcp.daemon.flow import WINDOW_MIN
+from dlcp.core.pathhealth import HealthConfig
+from dlcp.core.rate import RateConfig
 from dlcp.daemon.packet_keys import (
     _BKEY,
     _DATA,
@@ -38,8 +37,8 @@ from dlcp.daemon.packet_keys import (
     _barrier_key,
     _by_class,
     _clamped_classes,
-    _identities,
     _identity,
+    _not_repeats,
     _shard_keys,
 )
 from dlcp.daemon.pathloss import charge_nack
@@ -56,6 +55,7 @@ from dlcp.daemon.peer import (
     _took,
     _urgent,
     _watch,
+    new_peer,
 )
 from dlcp.daemon.sending import Sending
 from dlcp.daemon.transport import UdpPath
@@ -65,8 +65,6 @@ from dlcp.wire.header import Flags, Header
 __all__ = ["Outbox", "Peer"]
 
 
-_DONE_BYTE = bytes((_DONE,))
-_DONE_TOKEN = b"\xff"  # + position: a DONE's key in push_many (no identity starts with it)
 _F_DROPPABLE = int(Flags.DROPPABLE)
 
 
@@ -74,19 +72,6 @@ _F_DROPPABLE = int(Flags.DROPPABLE)
 _DROPPABLE_TABLE = bytes(f & _F_DROPPABLE for f in range(256))
 _RETRANSMIT_TABLE = bytes(1 if f & _F_RETRANSMIT else 0 for f in range(256))
 _MIN_RUN = 4  # shorter runs of DATA/RESULT packets are queued one by one
-# pacer burst: one batch (or BURST_SECONDS at the rate, if more). Senders
-# converging on a port that they fill to `rate.utilization` leave it a queue
-# of their bursts, drained only by the rest of the link, and a strict
-# priority starves the droppable class, whose queue is short, behind it:
-# bursts of 256 KB from 2 senders kept 300-500 KB queued at a 200 Mbit/s
-# port for a whole phase of a round, and half the droppable packets were lost
-# there. So are a sender's batches no larger than its tokens (below) and an
-# idle path's burst a PACING_QUANTUM (`flush`).
-BURST_BYTES = 64 * 1024
-# ... or this long at the path's rate, if more: the daemon's loop comes back to
-# send only every millisecond or few when busy receiving; a fixed burst lost
-# the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
-BURST_SECONDS = 0.004
 
 
 class Outbox:
@@ -164,36 +149,24 @@ class Outbox:
         return self.sending.resent_on_down
 
     def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
+        """The peer at `addresses`:`port`, made on first use (`peer.new_peer`)."""
         key = (addresses, port)
         p = self.peers.get(key)
         if p is None:
-            n_paths = max(1, min(len(addresses), len(self.paths)))
-            rate = PathRates(n_paths, self.rate_config, decrease_interval=self.loss_interval)
-            pacers = (
-                [
-                    # no burst to start with: the H - 1 senders of a job's
-                    # first round towards one port start at once
-                    Pacer(
-                        rate_bps=r,
-                        burst_bytes=BURST_BYTES,
-                        now=now,
-                        burst_seconds=BURST_SECONDS,
-                        tokens=0.0,
-                    )
-                    for r in rate.rates()
-                ]
-                if self.pacing
-                else None
+            p = new_peer(
+                addresses,
+                port,
+                self.paths,
+                self.rate_config,
+                pacing=self.pacing,
+                balancer=self._balancer_factory(),  # type: ignore[operator]
+                window_bytes=self.window_bytes,
+                health=self.health,
+                loss_interval=self.loss_interval,
+                now=now,
             )
-            balancer = self._balancer_factory()  # type: ignore[operator]
-            p = Peer(addresses, port, self.paths, rate, pacers, balancer)
-            p.window = self.window_bytes
-            if self.health is not None and len(p.paths) > 1:
-                p.health = PathHealth(len(p.paths), self.health)
+            if p.health is not None:
                 self.multipath.append(p)
-            # until its first credit says what it grants (it may be sent to by
-            # hosts this daemon does not know of): the least window
-            p.granted = WINDOW_MIN if self.window_bytes else 0
             self.peers[key] = p
         return p
 
@@ -287,7 +260,8 @@ class Outbox:
             for b in distinct if distinct is not None else dict.fromkeys(bkeys):
                 if b is not None and b not in watched:
                     _watch(peer, b)
-            kept = self._not_repeats(peer, datagrams, types)
+            kept, repeats = _not_repeats(peer.pending, datagrams, types)
+            self.repeats += repeats
             checked = True
             if kept is not None:
                 if not kept:
@@ -348,45 +322,6 @@ class Outbox:
             return False
         peer.pending.add(key)
         return True
-
-    def _not_repeats(
-        self, peer: Peer, datagrams: Sequence[bytes], types: bytes
-    ) -> list[int] | None:
-        """Put the identities of `datagrams` (their type bytes `types`) but
-        DONEs in `pending`, leaving out (and counting) a repeat: one already
-        queued, or earlier in the batch. Returns the positions of those that are
-        not repeats, or None when all of them are new."""
-        pending = peer.pending
-        ids = _identities(datagrams)
-        k = types.find(_DONE_BYTE)
-        if k >= 0:  # a DONE is never a repeat (see `push`): a key of its own, not kept
-            tokens = []
-            while k >= 0:
-                ids[k] = _DONE_TOKEN + k.to_bytes(4, "little")
-                tokens.append(ids[k])
-                k = types.find(_DONE_BYTE, k + 1)
-        else:
-            tokens = None
-        before = len(pending)
-        kept: list[int] | None = None
-        if pending.isdisjoint(ids):
-            pending.update(ids)
-            if len(pending) - before != len(ids):  # a repeat within the batch
-                pending.difference_update(ids)  # all of them were new
-                kept = []
-        else:
-            kept = []
-        if kept is not None:
-            seen: set[bytes] = set()
-            for k, key in enumerate(ids):
-                if key not in pending and key not in seen:
-                    seen.add(key)
-                    kept.append(k)
-            self.repeats += len(ids) - len(kept)
-            pending.update(seen)
-        if tokens:
-            pending.difference_update(tokens)
-        return kept
 
     def _push_each(self, peer: Peer, datagrams: Sequence[bytes], priorities: Sequence[int]) -> int:
         push = self.push

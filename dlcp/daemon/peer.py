@@ -11,8 +11,9 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dlcp.core.pathhealth import PathHealth
-from dlcp.core.rate import Pacer, PathRates
+from dlcp.core.pathhealth import HealthConfig, PathHealth
+from dlcp.core.rate import Pacer, PathRates, RateConfig
+from dlcp.daemon.flow import WINDOW_MIN
 from dlcp.daemon.packet_keys import (
     _DATA,
     _DR,
@@ -49,6 +50,20 @@ def _new_queue() -> deque[bytes]:
 
 
 SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
+
+# pacer burst: one batch (or BURST_SECONDS at the rate, if more). Senders
+# converging on a port that they fill to `rate.utilization` leave it a queue
+# of their bursts, drained only by the rest of the link, and a strict
+# priority starves the droppable class, whose queue is short, behind it:
+# bursts of 256 KB from 2 senders kept 300-500 KB queued at a 200 Mbit/s
+# port for a whole phase of a round, and half the droppable packets were lost
+# there. So are a sender's batches no larger than its tokens (below) and an
+# idle path's burst a PACING_QUANTUM (`flush`).
+BURST_BYTES = 64 * 1024
+# ... or this long at the path's rate, if more: the daemon's loop comes back to
+# send only every millisecond or few when busy receiving; a fixed burst lost
+# the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
+BURST_SECONDS = 0.004
 
 
 @dataclass(eq=False)
@@ -246,3 +261,47 @@ def _release(peer: Peer, bkey: bytes, n: int) -> None:
         trail = peer.trail_class.get(bkey)
         for dg, cls in held:
             peer.queues[FRONT + (cls if trail is None else trail)].append(dg)
+
+
+def new_peer(
+    addresses: tuple[str, ...],
+    port: int,
+    paths: Sequence[UdpPath],
+    rate_config: RateConfig,
+    *,
+    pacing: bool,
+    balancer: LoadBalancer,
+    window_bytes: int,
+    health: HealthConfig | None,
+    loss_interval: float,
+    now: float,
+) -> Peer:
+    """A peer at `addresses`:`port` reached over the daemon's `paths`: a rate
+    controller per path, a pacer each with `pacing`, path health where it has
+    two or more paths and `health` is given, and the flow-control window."""
+    n_paths = max(1, min(len(addresses), len(paths)))
+    rate = PathRates(n_paths, rate_config, decrease_interval=loss_interval)
+    pacers = (
+        [
+            # no burst to start with: the H - 1 senders of a job's
+            # first round towards one port start at once
+            Pacer(
+                rate_bps=r,
+                burst_bytes=BURST_BYTES,
+                now=now,
+                burst_seconds=BURST_SECONDS,
+                tokens=0.0,
+            )
+            for r in rate.rates()
+        ]
+        if pacing
+        else None
+    )
+    p = Peer(addresses, port, paths, rate, pacers, balancer)
+    p.window = window_bytes
+    if health is not None and len(p.paths) > 1:
+        p.health = PathHealth(len(p.paths), health)
+    # until its first credit says what it grants (it may be sent to by
+    # hosts this daemon does not know of): the least window
+    p.granted = WINDOW_MIN if window_bytes else 0
+    return p
