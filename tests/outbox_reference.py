@@ -127,7 +127,7 @@ class Peer:
     held: dict[bytes, list[tuple[bytes, int]]] = field(default_factory=dict)
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
-    # path of recently sent DATA/RESULT packets, keyed as in `Outbox._track` (multi-path
+    # path of recently sent DATA/RESULT packets, keyed as in `pathloss.track` (multi-path
     # peers only); two generations: when `tracked` fills up it becomes `tracked_old`
     tracked: dict[bytes, int] = field(default_factory=dict)
     tracked_old: dict[bytes, int] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """Frozen copies of the receive path as it was before the per-buffer and
 vectorised versions (main at 027d2bc): `decode_batch` (dlcp/wire/batch.py,
-three numpy calls per header check, per-packet indexing) and `Daemon._receive`
+three numpy calls per header check, per-packet indexing) and `NetworkIn._receive`
 (dlcp/daemon/server.py, one Python step per datagram). The references that
 tests/test_receive_fast.py holds the new code to, datagram for datagram. Not
 used by dlcp itself; do not change them to follow the code.
@@ -144,7 +144,7 @@ def reference_decode_batch(
 
 
 def reference_receive(self: Any, path: Any) -> None:
-    """`Daemon._receive` as it was (`self`: the daemon; `path.receive` yields datagrams)."""
+    """`NetworkIn._receive` as it was (`self`: the daemon; `path.receive` yields datagrams)."""
     now = self.now
     engine = self.engine
     jobs = self.jobs

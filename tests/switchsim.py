@@ -152,7 +152,7 @@ class SimHost:
             n: self.outbox.peer(tuple(address(n, p) for p in range(sim.n_paths)), PORT, 0.0)
             for n in others
         }
-        # `Daemon._size_windows`' pacing cap: each peer hears from the others
+        # `Credits.size_windows`' pacing cap: each peer hears from the others
         cap = config.rate.fan_in_rate(len(others))
         if cap is not None:
             for peer in self.peers.values():
@@ -163,7 +163,7 @@ class SimHost:
         self.stalls = 0
 
     def receive(self, src: int, dg: bytes, now: float) -> None:
-        """`Daemon._receive` of one datagram: the engine, then a NACK to the
+        """`NetworkIn._receive` of one datagram: the engine, then a NACK to the
         outbox, the bytes of an acknowledging packet to the peer's rate."""
         h = self.engine.receive(dg, now, src=src)
         peer = self.peers[src]
@@ -396,7 +396,7 @@ class SwitchSim:
 def contribution(
     x: np.ndarray, lay: Layout, bound: float, config: Config
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(classes, droppable, layers) of a host's bucket as `Daemon._start_round`
+    """(classes, droppable, layers) of a host's bucket as `RoundLifecycle._start_round`
     makes them with its policies: the benchmark's N_LAYERS equal layers,
     per-packet L2 norms, droppable packets chosen per shard within `bound`."""
     n, per = lay.packets, lay.per_packet

@@ -564,7 +564,7 @@ def test_ps_mode_with_a_dedicated_aggregator_daemon(tmp_path: Path) -> None:
 def test_a_rank_gets_an_input_buffer_of_its_own() -> None:
     from dlcp.daemon.server import INPUT_BUFFERS, Client
 
-    a, b = Client(None, None), Client(None, None)  # type: ignore[arg-type]
+    a, b = Client(None), Client(None)  # type: ignore[arg-type]
     assert a.inputs is not b.inputs and a.inputs.max_buffers == INPUT_BUFFERS
     first = a.inputs.take(1000)
     addr = first.ctypes.data

@@ -82,11 +82,15 @@ def test_install_traces_a_real_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from dlcp.core.engine import Engine
     from dlcp.daemon.config import Config
+    from dlcp.daemon.netin import NetworkIn
+    from dlcp.daemon.rounds import RoundLifecycle
     from dlcp.daemon.server import Daemon
     from dlcp.daemon.transport import UdpPath
 
-    for name in ("_start_round", "_receive", "_pump"):  # monkeypatch puts them back
-        monkeypatch.setattr(Daemon, name, getattr(Daemon, name))
+    # monkeypatch puts them back
+    monkeypatch.setattr(RoundLifecycle, "_start_round", RoundLifecycle._start_round)
+    monkeypatch.setattr(NetworkIn, "_receive", NetworkIn._receive)
+    monkeypatch.setattr(Daemon, "_pump", Daemon._pump)
     monkeypatch.setattr(Engine, "submit", Engine.submit)
     out = StringIO()
     install(out)

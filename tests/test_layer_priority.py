@@ -5,6 +5,7 @@ against the model's layer count that the shim sends with every bucket
 from __future__ import annotations
 
 import os
+from collections import Counter
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 
 from dlcp.codecs import get_codec
 from dlcp.core.layout import Layout
+from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import LocalPart, LocalRound
 from dlcp.daemon.rounds import RoundLifecycle
 from dlcp.policies import from_config
@@ -26,21 +28,21 @@ from dlcp.wire.header import Codec
 PAYLOAD = 1408
 
 
-class _Rounds(RoundLifecycle):
-    """The daemon's round start alone: what the engine is handed is kept."""
-
-    def __init__(self) -> None:
-        self.priority = from_config("priority", "layer_magnitude")
-        self.drop = from_config("drop", "smallest_norm")
-        self.submitted: list[dict[str, Any]] = []
-        self.engine = SimpleNamespace(submit=lambda **kw: self.submitted.append(kw))
-
-    @property
-    def now(self) -> float:
-        return 0.0
-
-    def _pump(self) -> None:
-        pass
+def _rounds(submitted: list[dict[str, Any]]) -> RoundLifecycle:
+    """The daemon's round start alone: what the engine is handed goes to `submitted`."""
+    return RoundLifecycle(
+        config=Config(),
+        engine=SimpleNamespace(submit=lambda **kw: submitted.append(kw)),  # type: ignore[arg-type]
+        outbox=None,  # type: ignore[arg-type]
+        priority=from_config("priority", "layer_magnitude"),
+        drop=from_config("drop", "smallest_norm"),
+        counters=Counter(),
+        requests=Counter(),
+        clock=lambda: 0.0,
+        pump=lambda: None,
+        call_later=lambda *a: None,
+        windows_changed=lambda: None,
+    )
 
 
 def _classes(layers: list[int], n_layers: int | None) -> np.ndarray:
@@ -49,7 +51,8 @@ def _classes(layers: list[int], n_layers: int | None) -> np.ndarray:
     n = len(layers)
     total = n * (PAYLOAD // 4)
     assert Layout(total, Codec.FP32, 1, PAYLOAD).packets == n
-    rounds = _Rounds()
+    submitted: list[dict[str, Any]] = []
+    rounds = _rounds(submitted)
     part = LocalPart(
         client=SimpleNamespace(segment=None),
         rid=1,
@@ -64,7 +67,7 @@ def _classes(layers: list[int], n_layers: int | None) -> np.ndarray:
     lr.parts.append(part)
     job = SimpleNamespace(spec=SimpleNamespace(owners=(0,), payload=PAYLOAD))
     rounds._start_round(lr, job)  # type: ignore[arg-type]
-    return np.asarray(rounds.submitted[0]["classes"])
+    return np.asarray(submitted[0]["classes"])
 
 
 FRONT = [0, 1, 2, 3]  # a 10-layer model's first bucket

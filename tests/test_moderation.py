@@ -66,18 +66,18 @@ def test_a_busy_wake_up_polls_and_an_idle_poll_watches_again(
     d._on_readable(path)
     assert d.counters["rx_packets"] == 3  # taken (and rejected: not dlcp datagrams)
     # busy: the socket is no longer watched; the next wake-up is the poll
-    assert d._polling and not _registered(loop, path)
+    assert d.netin.polling and not _registered(loop, path)
     assert d._timer is not None
-    assert d._poll_at >= before + d.config.moderation_s
-    assert d._timer_at == d._poll_at
+    assert d.netin.poll_at >= before + d.config.moderation_s
+    assert d._timer_at == d.netin.poll_at
     # a poll that finds datagrams keeps polling
     _send(d.config.udp_port, [100])
     d._on_timer()
     assert d.counters["rx_packets"] == 4
-    assert d._polling and not _registered(loop, path)
+    assert d.netin.polling and not _registered(loop, path)
     # a poll with nothing to take or send watches the socket again
     d._on_timer()
-    assert not d._polling and _registered(loop, path)
+    assert not d.netin.polling and _registered(loop, path)
     assert d._timer is None  # nothing to time: an idle daemon sleeps
     # counted by what woke the daemon (dlcp_wakeups_total)
     assert (d.counters["wakeups_readable"], d.counters["wakeups_poll"]) == (1, 2)
@@ -92,19 +92,19 @@ def test_a_poll_that_takes_a_fast_links_worth_comes_back_at_once(
     _send(d.config.udp_port, [60_000] * n)
     d._on_readable(path)
     assert d.counters["rx_bytes"] >= MODERATION_BYTES
-    assert d._polling
-    assert d._poll_at <= d.now  # due now, not after the interval
+    assert d.netin.polling
+    assert d.netin.poll_at <= d.now  # due now, not after the interval
 
 
 def test_without_moderation_the_socket_stays_watched(
     daemon: tuple[Daemon, UdpPath, asyncio.AbstractEventLoop],
 ) -> None:
     d, path, loop = daemon
-    d._moderation = 0.0
+    d.netin.moderation = 0.0
     _send(d.config.udp_port, [100])
     d._on_readable(path)
     assert d.counters["rx_packets"] == 1
-    assert not d._polling and _registered(loop, path)
+    assert not d.netin.polling and _registered(loop, path)
 
 
 @pytest.mark.parametrize("moderation", [0.0, 0.002])

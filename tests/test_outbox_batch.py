@@ -20,7 +20,7 @@ import pytest
 
 from dlcp.core.rate import RateConfig
 from dlcp.daemon import outbox as outbox_mod
-from dlcp.daemon import packet_keys
+from dlcp.daemon import packet_keys, pathloss
 from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Flags, Header, PacketType, encode
@@ -254,14 +254,14 @@ def test_push_many_is_push_one_by_one(
 ) -> None:
     ops = script(seed)
     want = replay(ops, n_paths, paced, seed, one_by_one, outbox_reference.Outbox)
-    watch = Outbox._watch
+    watch = outbox_mod._watch
     watched: list[bool] = []  # per call: whether some of the shard was queued (at_once's)
 
     def counted(peer: Peer, bkey: bytes) -> None:
         watched.append(bool(peer.inflight.get(bkey)))
         watch(peer, bkey)
 
-    monkeypatch.setattr(Outbox, "_watch", staticmethod(counted))
+    monkeypatch.setattr(outbox_mod, "_watch", counted)
     for push in (one_by_one, at_once):
         watched.clear()
         got = replay(ops, n_paths, paced, seed, push)
@@ -304,7 +304,8 @@ def test_an_ack_among_a_fresh_shard_is_looked_up_alone() -> None:
 def test_push_many_with_a_small_trail_and_tracking(monkeypatch: Any) -> None:
     # the oldest shards' trail classes and tracked paths are forgotten on the way
     monkeypatch.setattr(outbox_mod, "SHARDS_TRACKED", 4)
-    monkeypatch.setattr(outbox_mod, "TRACKED_PER_GENERATION", 16)
+    monkeypatch.setattr(pathloss, "SHARDS_TRACKED", 4)
+    monkeypatch.setattr(pathloss, "TRACKED_PER_GENERATION", 16)
     monkeypatch.setattr(outbox_reference, "SHARDS_TRACKED", 4)
     monkeypatch.setattr(outbox_reference, "TRACKED_PER_GENERATION", 16)
     ops = script(7)

@@ -12,8 +12,8 @@ import pytest
 from dlcp.core.layout import Layout
 from dlcp.core.pathhealth import HealthConfig
 from dlcp.core.rate import WIRE_OVERHEAD, RateConfig
-from dlcp.daemon import outbox as outbox_mod
-from dlcp.daemon import reroute, sending
+from dlcp.daemon import pathloss, reroute, sending
+from dlcp.daemon import peer as peer_mod
 from dlcp.daemon.outbox import Outbox, Peer
 from dlcp.policies import from_config
 from dlcp.wire import Flags, Header, PacketType, decode, encode
@@ -191,7 +191,7 @@ def test_adaptive_shifts_away_from_the_lossy_path() -> None:
 
 
 def test_tracking_is_bounded(monkeypatch: Any) -> None:
-    monkeypatch.setattr(outbox_mod, "TRACKED_PER_GENERATION", 8)
+    monkeypatch.setattr(pathloss, "TRACKED_PER_GENERATION", 8)
     ob, peer, _ = make(2)
     lay = layout()
     for dg in data_packets(lay, 1):
@@ -226,7 +226,7 @@ def run_paced(
 
 
 def test_each_path_is_paced_and_cut_on_its_own(monkeypatch: Any) -> None:
-    monkeypatch.setattr(outbox_mod, "BURST_BYTES", 3000)
+    monkeypatch.setattr(peer_mod, "BURST_BYTES", 3000)
     cfg = RateConfig(initial_rate_bps=8e6, min_rate_bps=1e6, loss_tolerance=0.15)
     ob, peer, paths = make(2, rate=cfg)
     # 40 % of path 1's recent packets lost: congestion, path 1 alone is cut
@@ -243,7 +243,7 @@ def test_each_path_is_paced_and_cut_on_its_own(monkeypatch: Any) -> None:
     assert sent[0] / sent[1] == pytest.approx(2.0, rel=0.05)
     for nbytes, rate in zip(sent, peer.rate.rates(), strict=True):
         # the burst and the last batch (sent into debt) are all it runs ahead
-        burst = max(3000, rate * outbox_mod.BURST_SECONDS / 8)  # the pacer's burst
+        burst = max(3000, rate * peer_mod.BURST_SECONDS / 8)  # the pacer's burst
         assert rate * end / 8 <= nbytes <= rate * end / 8 + burst + sending.BATCH_BYTES
     # once a path was cut the rates tell the balancer what the paths carry
     assert [ps.rate_bps for ps in peer.paths] == [8e6, 4e6]
@@ -266,7 +266,7 @@ def test_a_fast_path_is_woken_once_a_quantum_and_keeps_its_rate() -> None:
     assert min(wakes) >= sending.PACING_QUANTUM
     # what the wire carries (pacers count each datagram's headers too)
     nbytes = sum(len(d) + WIRE_OVERHEAD for d in paths[0].sent)
-    burst = max(outbox_mod.BURST_BYTES, 1e9 * outbox_mod.BURST_SECONDS / 8)
+    burst = max(peer_mod.BURST_BYTES, 1e9 * peer_mod.BURST_SECONDS / 8)
     # the rate still holds both ways: the tokens earned while asleep are spent
     # at the wake-up (the burst holds a quantum's worth), none beyond them; a
     # new path starts with no tokens, and the last wake-up, a quantum after
@@ -288,7 +288,7 @@ def test_a_late_daemon_keeps_its_rate_within_the_catch_up(late: float) -> None:
     wakes: list[float] = []
     now = run_paced(ob, waits=wakes, late=late)
     nbytes = sum(len(d) for d in paths[0].sent)
-    burst = max(outbox_mod.BURST_BYTES, rate * outbox_mod.BURST_SECONDS / 8)
+    burst = max(peer_mod.BURST_BYTES, rate * peer_mod.BURST_SECONDS / 8)
     catch_up = rate * sending.CATCH_UP_SECONDS / 8
     kept = min(late, sending.CATCH_UP_SECONDS)  # per wake-up, of the lateness
     # never ahead of the rate by more than the burst, the catch-up and a batch
@@ -301,7 +301,7 @@ def test_a_late_daemon_keeps_its_rate_within_the_catch_up(late: float) -> None:
 
 
 def test_flow_waits_for_its_own_path(monkeypatch: Any) -> None:
-    monkeypatch.setattr(outbox_mod, "BURST_BYTES", 3000)
+    monkeypatch.setattr(peer_mod, "BURST_BYTES", 3000)
     ob, peer, paths = make(2, "flow", rate=RateConfig(initial_rate_bps=8e6, min_rate_bps=1e6))
     lay = layout(400 * 352)
     for dg in data_packets(lay, 1):

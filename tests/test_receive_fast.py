@@ -4,7 +4,7 @@ code they replaced (tests/receive_reference.py), datagram for datagram:
 - `decode_batch` (header checks as one stack of masks, one job's MAC without
   per-packet indexing) on batches of real traffic with forged, truncated,
   extended, duplicated and foreign packets, for both MACs;
-- `Daemon._receive` (per GRO buffer: the job ids as one strided view, the
+- `NetworkIn._receive` (per GRO buffer: the job ids as one strided view, the
   control packets from the type bytes) on buffers of one or several jobs,
   sources outside the job, truncated last segments and single datagrams:
   the same datagrams and nodes reach the engine, the same rejects are
@@ -27,7 +27,7 @@ from dlcp.core import runs as runs_mod
 from dlcp.core.engine import Engine, JobSpec, RoundComplete
 from dlcp.core.runs import sources as _sources
 from dlcp.daemon import netin, server, transport
-from dlcp.daemon.server import Daemon
+from dlcp.daemon.netin import NetworkIn
 from dlcp.daemon.transport import Split, UdpPath, split_gro
 from dlcp.wire import Codec, Flags, PacketType
 from dlcp.wire import batch as batch_mod
@@ -292,7 +292,7 @@ def test_field_checks_in_c_are_the_numpy_ones() -> None:
     assert c.field_checks(b"", np.zeros(0, np.int64), batch_mod._CHECK_TABLES, *args) is None
 
 
-# --- Daemon._receive ----------------------------------------------------------
+# --- NetworkIn._receive ----------------------------------------------------------
 
 
 class _Rate:
@@ -358,11 +358,6 @@ class _Engine:
         return np.asarray(ok, dtype=np.int64)
 
 
-class _Loop:
-    def time(self) -> float:
-        return 1.5
-
-
 class _Path:
     """Buffers as recvmsg returned them; `receive_split` splits them in Python
     (`transport.split_gro`) or, with `native`, in C (`_udp.split_gro`), and
@@ -392,25 +387,27 @@ class _Path:
 
 
 def _daemon(log: list[Any]) -> Any:
-    d: Any = object.__new__(Daemon)
-    d.__dict__.update(
-        engine=_Engine(log),
-        jobs={
-            JOB_A: _Job(log, "a", {"10.0.0.1": 0, "10.0.0.2": 1}),
-            JOB_B: _Job(log, "b", {"10.0.0.2": 1, "10.0.0.3": 2}),  # node 2: no peer
-        },
-        daemon_rejects=Counter(),
-        counters=Counter(),
-        outbox=_Outbox(log),
-        _loop=_Loop(),
-    )
-
     def credit(peer: _Peer, job: _Job) -> None:
         log.append(("credit", peer.name, peer.rx_bytes))
         peer.rx_credited = peer.rx_bytes
 
-    d.__dict__["_credit"] = credit
-    return d
+    return NetworkIn(
+        engine=_Engine(log),  # type: ignore[arg-type]
+        paths=[],
+        jobs={
+            JOB_A: _Job(log, "a", {"10.0.0.1": 0, "10.0.0.2": 1}),
+            JOB_B: _Job(log, "b", {"10.0.0.2": 1, "10.0.0.3": 2}),  # node 2: no peer
+        },  # type: ignore[dict-item]
+        outbox=_Outbox(log),  # type: ignore[arg-type]
+        prober=None,  # type: ignore[arg-type]
+        counters=Counter(),
+        daemon_rejects=Counter(),
+        moderation_s=0.0,
+        clock=lambda: 1.5,
+        pump=lambda: None,
+        credit=credit,  # type: ignore[arg-type]
+        watch=lambda on: None,
+    )
 
 
 def _packet(rng: np.random.Generator, job: int, size: int) -> bytes:
@@ -545,7 +542,7 @@ def test_daemon_receive_matches_the_reference(
         reference_receive(daemons[0], _Path(part))
         path = _Path(part, native, runs)
         joined += len(part) - len(path.receive_split(len(part)))
-        Daemon._receive(daemons[1], _Path(part, native, runs))  # type: ignore[arg-type]
+        NetworkIn._receive(daemons[1], _Path(part, native, runs))  # type: ignore[arg-type]
     assert (joined > 0) == (runs and drain > 1)
     assert logs[1] == logs[0]
     assert daemons[1].daemon_rejects == daemons[0].daemon_rejects
@@ -569,7 +566,7 @@ def test_datagrams_rejected_before_the_engine_are_still_counted_as_received(
         assert os.environ.get("DLCP_ALLOW_NO_NATIVE") == "1", "dlcp.daemon._udp was not built"
         pytest.skip("dlcp.daemon._udp is not built (DLCP_ALLOW_NO_NATIVE=1)")
     dgs = _traffic(JOB_A, "ghash-aes", 0)[:5]
-    for d, receive in ((_daemon([]), reference_receive), (_daemon([]), Daemon._receive)):
+    for d, receive in ((_daemon([]), reference_receive), (_daemon([]), NetworkIn._receive)):
         log = d.engine.log
         receive(d, _Path([(dg, 0, "10.9.9.9") for dg in dgs], native))  # not in job A
         assert d.daemon_rejects == {"bad_address": 5}
@@ -586,7 +583,7 @@ def test_a_nack_that_asks_only_for_the_done_reports_no_loss() -> None:
         h = Header(PacketType.NACK, JOB_A, 1, 0, shard=1, flags=Flags.NEED_MANIFEST, count=count)
         dgs.append(h.pack() + bytes(16) + bytes(4 * count))
     for dg in dgs:
-        Daemon._receive(d, _Path([(dg, 0, "10.0.0.2")]))  # type: ignore[arg-type]
+        NetworkIn._receive(d, _Path([(dg, 0, "10.0.0.2")]))  # type: ignore[arg-type]
     assert [e[0] for e in log] == ["nack", "loss", "nack"]
     assert log[1][1:3] == ("a/1", 3)  # only the NACK that names packets counts them
 
@@ -599,21 +596,21 @@ def test_a_daemon_with_datagrams_to_send_takes_one_flush_of_buffers_at_a_time() 
     rng = np.random.default_rng(0)
     d = _daemon([])
     path = _Path(_buffers(rng, 300))
-    assert Daemon._receive(d, path)  # type: ignore[arg-type]
+    assert NetworkIn._receive(d, path)  # type: ignore[arg-type]
     assert len(path.buffers) == 300 - server._RX_BUDGET
     d.outbox.backlog.add(object())  # the outbox has datagrams queued: sending comes first
     gro = [(_packet(rng, JOB_A, 1500) * 43, 1500, "10.0.0.2")] * 40  # 64 KB each
     path = _Path(gro)
-    assert Daemon._receive(d, path)  # type: ignore[arg-type]
+    assert NetworkIn._receive(d, path)  # type: ignore[arg-type]
     assert 40 - len(path.buffers) == server._RX_SENDING  # 16 x 64.5 KB: over the bytes
     single = [(_packet(rng, JOB_A, 1500), 0, "10.0.0.2")] * 1000
     path = _Path(single)
-    assert Daemon._receive(d, path)  # type: ignore[arg-type]
+    assert NetworkIn._receive(d, path)  # type: ignore[arg-type]
     taken = 1000 - len(path.buffers)
     assert taken % server._RX_SENDING == 0
     assert (taken - server._RX_SENDING) * 1500 < server._RX_SENDING_BYTES <= taken * 1500
     path = _Path(single[:100])  # less than the budget: all of it, and nothing waits
-    assert not Daemon._receive(d, path)  # type: ignore[arg-type]
+    assert not NetworkIn._receive(d, path)  # type: ignore[arg-type]
     assert path.buffers == []
     assert 0 < server._RX_SENDING < server._RX_BUDGET
 

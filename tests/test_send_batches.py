@@ -6,19 +6,20 @@ without looking at each datagram:
   and droppable flag their headers carry, in the order the per-datagram form
   (`datagrams_to_send`) gives; none is for the node that made it (a collector
   waiting for its own shard does not NACK itself for the DONE);
-- `Daemon._enqueue` pushes each run of consecutive batches for one peer in one
+- `NetworkOut.enqueue` pushes each run of consecutive batches for one peer in one
   `push_many`, in order, skips batches for unknown jobs or nodes, and never
   changes the lists the engine keeps (a finished shard's result datagrams).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, Send, SendBatch
-from dlcp.daemon.server import Daemon
+from dlcp.daemon.netout import NetworkOut
 from dlcp.wire import Codec, Flags, PacketType
 from dlcp.wire.batch import HEADER_DTYPE
 from dlcp.wire.header import HEADER_SIZE, Header
@@ -140,8 +141,9 @@ def _dg(job: int, tag: int) -> bytes:
 
 
 def test_enqueue_pushes_each_peers_run_of_batches_at_once() -> None:
-    d: Any = object.__new__(Daemon)
-    d.__dict__.update(jobs={1: _Job([1, 2]), 2: _Job([1])}, outbox=_Outbox())
+    jobs: Any = {1: _Job([1, 2]), 2: _Job([1])}
+    outbox = _Outbox()
+    out = NetworkOut(jobs=jobs, outbox=outbox, credits=None, counters=Counter())  # type: ignore[arg-type]
     kept = [_dg(1, 0), _dg(1, 1)]  # an engine's retained list (result datagrams)
     kept_prios = [3, 4]
     batches = [
@@ -154,12 +156,13 @@ def test_enqueue_pushes_each_peers_run_of_batches_at_once() -> None:
         SendBatch(2, [_dg(1, 6), _dg(1, 7)], [5, 6], [True, False], "data"),
         SendBatch(2, [_dg(1, 8)], [2], [False], "data"),
     ]
-    Daemon._enqueue(d, batches, 0.0)
-    got = [(peer.name, [dg[-1] for dg in dgs], prios) for peer, dgs, prios in d.outbox.calls]
+    out.enqueue(batches, 0.0)
+    calls = outbox.calls
+    got = [(peer.name, [dg[-1] for dg in dgs], prios) for peer, dgs, prios in calls]
     assert got == [
         ("peer1", [0, 1, 2], [3, 4, 0]),
         ("peer1", [3], [0]),
         ("peer2", [6, 7, 8], [5, 6, 2]),
     ]
-    assert d.outbox.calls[1][0] is d.jobs[2].peers[1]
+    assert calls[1][0] is jobs[2].peers[1]
     assert len(kept) == 2 and kept_prios == [3, 4]  # the engine's lists are untouched

@@ -10,7 +10,7 @@ from dlcp.daemon.sentpaths import SentPaths
 
 
 class DictModel:
-    """The definition: what `Outbox._track` and `on_nack` kept before."""
+    """The definition: what `pathloss.track` and `on_nack` kept before."""
 
     def __init__(self) -> None:
         self.new: dict[bytes, int] = {}

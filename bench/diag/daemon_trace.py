@@ -7,9 +7,9 @@ As a daemon it is `dlcp.daemon`'s main with four methods wrapped; each call
 appends a line to TRACE: when it ended (perf_counter seconds), which method,
 how long it took (us), the datagrams it took off the sockets, of which DATA
 and RESULT packets the engine accepted, the datagrams it sent, and the peers
-with datagrams still queued after it. The methods: `Daemon._start_round` (a
+with datagrams still queued after it. The methods: `RoundLifecycle._start_round` (a
 round's local contribution is in: the policies, the engine's `submit`, the
-first flush), `Engine.submit` within it, `Daemon._receive` (one drain of a
+first flush), `Engine.submit` within it, `NetworkIn._receive` (one drain of a
 socket) and `Daemon._pump` (the engine's output queued and flushed; also
 called within `_start_round`). A call costs about 3 us more traced (an idle
 daemon's `_pump`: 2.7 us plain, 5.7 traced); a round makes a few dozen.
@@ -137,10 +137,14 @@ def _sent(daemon: Any) -> int:
 def install(out: TextIO) -> None:
     """Wrap the traced methods of `Daemon` and `Engine` to write to `out`."""
     from dlcp.core.engine import Engine
+    from dlcp.daemon.netin import NetworkIn
+    from dlcp.daemon.rounds import RoundLifecycle
     from dlcp.daemon.server import Daemon
 
     clock = time.perf_counter
-    owner: list[Any] = []  # the daemon whose engine `submit` is (one a process)
+    # the daemon's part whose engine `submit` is (one a process): each traced
+    # part has the daemon's engine, counters and outbox
+    owner: list[Any] = []
 
     def state(d: Any) -> tuple[int, int, int, int]:
         st = d.engine.stats
@@ -155,8 +159,8 @@ def install(out: TextIO) -> None:
         fn = getattr(cls, name)
 
         def call(self: Any, *args: Any, **kw: Any) -> Any:
-            d = self if cls is Daemon else owner[0]
-            if cls is Daemon and not owner:
+            d = owner[0] if cls is Engine else self
+            if cls is not Engine and not owner:
                 owner.append(self)
             before = state(d)
             t = clock()
@@ -172,8 +176,9 @@ def install(out: TextIO) -> None:
 
         setattr(cls, name, call)
 
-    for name in ("_start_round", "_receive", "_pump"):
-        traced(Daemon, name)
+    traced(RoundLifecycle, "_start_round")
+    traced(NetworkIn, "_receive")
+    traced(Daemon, "_pump")
     traced(Engine, "submit")
 
 

@@ -8,7 +8,7 @@ as results), and timed through:
 - `decode_batch` in batches of 448 with the ghash-aes MAC (in C where
   dlcp.wire._ghash is built, and through the cryptography package), and with
   the verdicts replaced by precomputed ones (the rest of decode_batch alone);
-- `Daemon._receive` on 64 of those buffers a call (its recvmsg budget) with
+- `NetworkIn._receive` on 64 of those buffers a call (its recvmsg budget) with
   the engine stubbed out (it accepts every datagram): splitting (`_udp`'s C
   split where built), job and node lookup, control packets.
 Prints medians (and the fastest call for the daemon) in us per datagram. Run
@@ -34,7 +34,7 @@ if not os.environ.get("PYTHONPATH"):  # else the checkout PYTHONPATH names (to t
     sys.path.insert(0, str(ROOT))
 
 from dlcp.core.engine import Engine, JobSpec  # noqa: E402
-from dlcp.daemon.server import Daemon  # noqa: E402
+from dlcp.daemon.netin import NetworkIn  # noqa: E402
 from dlcp.daemon.transport import _udp, split_gro  # noqa: E402
 from dlcp.wire import Codec  # noqa: E402
 from dlcp.wire.batch import decode_batch  # noqa: E402
@@ -42,7 +42,7 @@ from dlcp.wire.mac import GhashAesKey, mac_state  # noqa: E402
 
 BATCH = 448  # datagrams a decode_batch call
 GRO_BYTES = 65535  # a GRO buffer holds as many datagrams as fit in this
-READS = 64  # buffers a timed Daemon._receive call (its recvmsg budget)
+READS = 64  # buffers a timed NetworkIn._receive call (its recvmsg budget)
 
 
 class _CachedVerdicts:
@@ -177,21 +177,25 @@ def main() -> int:
     t = statistics.median(_time(dec(cached), reps))
     print(f"decode_batch, MAC precomputed: {t / n * 1e6:.3f} us per datagram")
 
-    d: Any = object.__new__(Daemon)
-    d.__dict__.update(
-        engine=_Engine(),
-        jobs={1: _Job()},
-        daemon_rejects=Counter(),
+    d = NetworkIn(
+        engine=_Engine(),  # type: ignore[arg-type]
+        paths=[],
+        jobs={1: _Job()},  # type: ignore[dict-item]
+        outbox=_Outbox(),  # type: ignore[arg-type]
+        prober=None,  # type: ignore[arg-type]
         counters=Counter(),
-        outbox=_Outbox(),
-        _loop=_Loop(),
-        _credit=lambda peer, job: None,  # no sockets: the credits a drain sends are not sent
+        daemon_rejects=Counter(),
+        moderation_s=0.0,
+        clock=_Loop().time,
+        pump=lambda: None,
+        credit=lambda peer, job: None,  # no sockets: the credits a drain sends are not sent
+        watch=lambda on: None,
     )
     path = _Path(buffers[:READS])
     m = sum(len(b) // seg for b, _, _ in path.buffers)
-    ts = _time(lambda: Daemon._receive(d, path), a.calls)  # type: ignore[arg-type]
+    ts = _time(lambda: d._receive(path), a.calls)  # type: ignore[arg-type]
     print(
-        f"Daemon._receive, engine stubbed: median {statistics.median(ts) / m * 1e6:.3f}, "
+        f"NetworkIn._receive, engine stubbed: median {statistics.median(ts) / m * 1e6:.3f}, "
         f"fastest {min(ts) / m * 1e6:.3f} us per datagram ({m} a call)"
     )
     return 0

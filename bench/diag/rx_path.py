@@ -127,7 +127,7 @@ def main() -> None:
     clock.wrap(agg_mod.ShardAggregator, "on_data_run", "on_data_run")
     clock.wrap(agg_mod, "run_slots", "_run_slots")
     clock.wrap(Engine, "_receive_run", "_receive_run")
-    clock.wrap(Daemon, "_credit", "credit")
+    clock.wrap(d.netin, "_credit", "credit")  # `Credits.send`, as the drain holds it
     rows = []
     for rnd in range(a.rounds + 2):
         d.engine.submit(

@@ -2,19 +2,19 @@
 datagrams to the engine in one call, and acts on the control packets it
 accepted (NACKs, credits, probes).
 
-A part of `dlcp.daemon.server.Daemon` (a mixin): it holds no state of its
-own; the attributes it reads are the daemon's, declared below for the type
-checker. Receive moderation (`_moderate`) lives here too: while a drain
-finds work, the sockets are polled on a timer instead of watched.
+`NetworkIn` is given its collaborators (the engine, the daemon's paths and
+jobs, the outbox, the prober, the counters) and the daemon's callbacks: its
+clock, `pump` (the engine's output out), `credit` (`Credits.send`) and
+`watch` (the sockets watched by the event loop, or not). It owns receive
+moderation (`moderate`): while a drain finds work, the sockets are polled
+on a timer instead of watched.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ _RX_BUDGET = 64
 # at the end of the data leg, waiting for the rest of its shard.
 _RX_SENDING = 16
 _RX_SENDING_BYTES = 1_000_000  # ... taken again while a drain is smaller (16 GRO buffers are more)
-# A poll that takes this much or more comes back at once (`_take_from`): the
+# A poll that takes this much or more comes back at once (`take_from`): the
 # link brings more than a batch per poll interval (1 Gbit/s and faster), and
 # waiting would leave it idle with data queued rather than save wake-ups.
 MODERATION_BYTES = 256 * 1024
@@ -73,33 +73,51 @@ def _join(parts: list[Sequence[memoryview]]) -> Sequence[memoryview]:
 class NetworkIn:
     """The receive half of the daemon: socket drains to `Engine.receive_many`."""
 
-    if TYPE_CHECKING:
-        _loop: asyncio.AbstractEventLoop | None
-        _moderation: float
-        _poll_at: float
-        _polling: bool
-        counters: Counter[str]
-        daemon_rejects: Counter[str]
-        engine: Engine
-        jobs: dict[int, JobState]
-        outbox: Outbox
-        paths: list[UdpPath]
-        prober: Prober
-        rx_grant: int
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        paths: Sequence[UdpPath],
+        jobs: dict[int, JobState],
+        outbox: Outbox,
+        prober: Prober,
+        counters: Counter[str],
+        daemon_rejects: Counter[str],
+        moderation_s: float,
+        clock: Callable[[], float],
+        pump: Callable[[], None],
+        credit: Callable[[Peer, JobState], None],
+        watch: Callable[[bool], None],
+    ) -> None:
+        self.engine = engine
+        self.paths = paths  # the daemon's list (its sockets)
+        self.jobs = jobs  # read only: the round lifecycle keeps it
+        self.outbox = outbox
+        self.prober = prober
+        self.counters = counters
+        self.daemon_rejects = daemon_rejects
+        self._clock = clock
+        self._pump = pump
+        self._credit = credit
+        self._watch = watch
+        # receive moderation (`moderate`): while busy, the sockets are not
+        # watched and a poll comes every `moderation` seconds, the next at `poll_at`
+        self.moderation = moderation_s
+        self.polling = False
+        self.poll_at = 0.0
 
-        @property
-        def now(self) -> float: ...
+    @property
+    def now(self) -> float:
+        return self._clock()
 
-        def _pump(self) -> None: ...
-
-    def _on_readable(self, path: UdpPath) -> None:
+    def on_readable(self, path: UdpPath) -> None:
         self.counters["wakeups_readable"] += 1
-        _, full = self._take_from((path,))
-        if self._moderation > 0:
-            self._moderate(True, full, self.now)
+        _, full = self.take_from((path,))
+        if self.moderation > 0:
+            self.moderate(True, full, self.now)
         self._pump()
 
-    def _take_from(self, paths: Sequence[UdpPath]) -> tuple[int, bool]:
+    def take_from(self, paths: Sequence[UdpPath]) -> tuple[int, bool]:
         """`_receive` on each of `paths`: the bytes taken, and whether there is
         likely more (a drain took its whole budget, or MODERATION_BYTES: the
         link is fast enough that a poll interval holds more than one batch)."""
@@ -132,24 +150,21 @@ class NetworkIn:
             if taken >= _RX_SENDING_BYTES:
                 return out, True
 
-    def _moderate(self, busy: bool, full: bool, now: float) -> None:
+    def moderate(self, busy: bool, full: bool, now: float) -> None:
         """Interrupt moderation: after a wake-up that found work the daemon
         stops watching its sockets and polls them every `moderation` seconds
         (at once when a drain took its whole budget), taking what arrived
         meanwhile in one drain and sending what the pacers earned in one
         flush; a poll that finds nothing to take or send goes back to
         watching the sockets."""
-        assert self._loop is not None
         if busy:
-            if not self._polling:
-                self._polling = True
-                for p in self.paths:
-                    self._loop.remove_reader(p.fileno())
-            self._poll_at = now if full else now + self._moderation
-        elif self._polling:
-            self._polling = False
-            for p in self.paths:
-                self._loop.add_reader(p.fileno(), self._on_readable, p)
+            if not self.polling:
+                self.polling = True
+                self._watch(False)
+            self.poll_at = now if full else now + self.moderation
+        elif self.polling:
+            self.polling = False
+            self._watch(True)
 
     def _receive(self, path: UdpPath) -> bool:
         """Take what waits on `path`'s socket: each recvmsg buffer (a GRO
@@ -277,29 +292,6 @@ class NetworkIn:
             runs.append(1)
             sizes.append(len(dg))
             lasts.append(len(dg))
-
-    def _credit(self, peer: Peer, job: JobState) -> None:
-        """Tell `peer` how many of its bytes this daemon has taken from its
-        sockets, and whether they are empty now (a CONTROL packet of `job`,
-        sent at once, past the queues: a credit must never wait for the window
-        it opens)."""
-        drained = all(p.empty() for p in self.paths)
-        dg = self.engine.credit_datagram(
-            job.spec.job, peer.rx_epoch, peer.rx_bytes, drained, self.rx_grant
-        )
-        if dg is None:
-            return
-        try:
-            live = peer.live_path()  # path 0 unless it is out of use
-            sent = peer.local[live].send([dg], peer.dest(live), self.outbox.tos[0])
-        except OSError:
-            sent = 0
-        if not sent:  # socket full or an error: a later credit says as much (a count)
-            self.counters["credits_unsent"] += 1
-            return
-        peer.rx_credited = peer.rx_bytes
-        peer.rx_granted = self.rx_grant
-        self.counters["credits_sent"] += 1
 
     def _on_control(
         self,

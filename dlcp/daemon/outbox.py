@@ -26,48 +26,45 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
-from dlcp.core.layout import Layout
-from dlcp.core.pathhealth import HealthConfig, PathHealth
-from dlcp.core.rate import Pacer, PathRates, RateConfig
-from dlcp.daemon.flow import WINDOW_MIN
+from dlcp.core.pathhealth import HealthConfig
+from dlcp.core.rate import RateConfig
 from dlcp.daemon.packet_keys import (
     _BKEY,
     _DATA,
     _DONE,
     _DR,
-    _F_RESULT_LEG,
     _RESULT,
     _barrier_key,
     _by_class,
     _clamped_classes,
-    _identities,
-    _identities_heads,
     _identity,
+    _not_repeats,
     _shard_keys,
 )
+from dlcp.daemon.pathloss import charge_nack
 from dlcp.daemon.peer import (
     _F_RETRANSMIT,
     _NOT_DR_TABLE,
     FRONT,
     N_CLASSES,
+    SHARDS_TRACKED,
     Peer,
     _append,
+    _left,
     _next_queue,
     _took,
     _urgent,
+    _watch,
+    new_peer,
 )
-from dlcp.daemon.sending import SendingHalf
+from dlcp.daemon.sending import Sending
 from dlcp.daemon.transport import UdpPath
 from dlcp.errors import LocalError
-from dlcp.wire.header import HEADER_SIZE, Flags, Header
+from dlcp.wire.header import Flags, Header
 
 __all__ = ["Outbox", "Peer"]
 
 
-_DONE_BYTE = bytes((_DONE,))
-_DONE_TOKEN = b"\xff"  # + position: a DONE's key in push_many (no identity starts with it)
 _F_DROPPABLE = int(Flags.DROPPABLE)
 
 
@@ -75,24 +72,11 @@ _F_DROPPABLE = int(Flags.DROPPABLE)
 _DROPPABLE_TABLE = bytes(f & _F_DROPPABLE for f in range(256))
 _RETRANSMIT_TABLE = bytes(1 if f & _F_RETRANSMIT else 0 for f in range(256))
 _MIN_RUN = 4  # shorter runs of DATA/RESULT packets are queued one by one
-TRACKED_PER_GENERATION = 1 << 15  # sent packets whose path is remembered (two generations)
-SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
-# pacer burst: one batch (or BURST_SECONDS at the rate, if more). Senders
-# converging on a port that they fill to `rate.utilization` leave it a queue
-# of their bursts, drained only by the rest of the link, and a strict
-# priority starves the droppable class, whose queue is short, behind it:
-# bursts of 256 KB from 2 senders kept 300-500 KB queued at a 200 Mbit/s
-# port for a whole phase of a round, and half the droppable packets were lost
-# there. So are a sender's batches no larger than its tokens (below) and an
-# idle path's burst a PACING_QUANTUM (`flush`).
-BURST_BYTES = 64 * 1024
-# ... or this long at the path's rate, if more: the daemon's loop comes back to
-# send only every millisecond or few when busy receiving; a fixed burst lost
-# the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
-BURST_SECONDS = 0.004
 
 
-class Outbox(SendingHalf):
+class Outbox:
+    """The send queues of every peer; `sending` flushes them."""
+
     def __init__(
         self,
         paths: Sequence[UdpPath],
@@ -110,52 +94,79 @@ class Outbox(SendingHalf):
         self.health = health
         self.paths = paths
         self.window_bytes = window_bytes
-        self.credits = 0  # credits taken
-        self.tos = [int(d) << 2 for d in dscp]
         self.rate_config = rate
         self.pacing = pacing
         self._balancer_factory = balancer_factory
         self.peers: dict[tuple[tuple[str, ...], int], Peer] = {}
         self.multipath: list[Peer] = []  # the peers whose paths are probed (`Peer.health`)
-        self.backlog: set[Peer] = set()
-        self.blocked = False  # a socket was full: wait for writability
-        self.next_wake: float | None = None
+        self._backlog: set[Peer] = set()  # the peers with datagrams queued
         self.repeats = 0
         self._step = 0  # the last step given to a shard and leg (see `Peer.steps`)
         self.loss_interval = 0.05  # at most one rate cut per path in this many seconds
-        self.resent_on_down = 0  # urgent datagrams queued again when their path went down
+        self.sending = Sending(
+            backlog=self._backlog, tos=[int(d) << 2 for d in dscp], push=self.push
+        )
+        self.flush = self.sending.flush  # the sending half's, without a hop a call
+        self.path_down = self.sending.path_down
+        self.on_credit = self.sending.on_credit
+        self.on_loss = self.sending.on_loss
+
+    # -- the sending half's state, by the names the daemon and tests read -----
+    @property
+    def backlog(self) -> set[Peer]:
+        return self._backlog
+
+    @backlog.setter
+    def backlog(self, peers: set[Peer]) -> None:  # a simulation's own set
+        self._backlog = self.sending.backlog = peers
+
+    @property
+    def blocked(self) -> bool:
+        return self.sending.blocked
+
+    @blocked.setter
+    def blocked(self, blocked: bool) -> None:  # the socket is writable again
+        self.sending.blocked = blocked
+
+    @property
+    def next_wake(self) -> float | None:
+        return self.sending.next_wake
+
+    @property
+    def tos(self) -> list[int]:
+        return self.sending.tos
+
+    @tos.setter
+    def tos(self, tos: list[int]) -> None:  # a reload's DSCP table
+        self.sending.tos = tos
+
+    @property
+    def credits(self) -> int:
+        return self.sending.credits
+
+    @property
+    def resent_on_down(self) -> int:
+        return self.sending.resent_on_down
 
     def peer(self, addresses: tuple[str, ...], port: int, now: float) -> Peer:
+        """The peer at `addresses`:`port`, made on first use (`peer.new_peer`)."""
         key = (addresses, port)
         p = self.peers.get(key)
         if p is None:
-            n_paths = max(1, min(len(addresses), len(self.paths)))
-            rate = PathRates(n_paths, self.rate_config, decrease_interval=self.loss_interval)
-            pacers = (
-                [
-                    # no burst to start with: the H - 1 senders of a job's
-                    # first round towards one port start at once
-                    Pacer(
-                        rate_bps=r,
-                        burst_bytes=BURST_BYTES,
-                        now=now,
-                        burst_seconds=BURST_SECONDS,
-                        tokens=0.0,
-                    )
-                    for r in rate.rates()
-                ]
-                if self.pacing
-                else None
+            p = new_peer(
+                addresses,
+                port,
+                self.paths,
+                self.rate_config,
+                pacing=self.pacing,
+                balancer=self._balancer_factory(),  # type: ignore[operator]
+                window_bytes=self.window_bytes,
+                health=self.health,
+                loss_interval=self.loss_interval,
+                now=now,
             )
-            balancer = self._balancer_factory()  # type: ignore[operator]
-            p = Peer(addresses, port, self.paths, rate, pacers, balancer)
-            p.window = self.window_bytes
-            if self.health is not None and len(p.paths) > 1:
-                p.health = PathHealth(len(p.paths), self.health)
+            if p.health is not None:
                 self.multipath.append(p)
-            # until its first credit says what it grants (it may be sent to by
-            # hosts this daemon does not know of): the least window
-            p.granted = WINDOW_MIN if self.window_bytes else 0
             self.peers[key] = p
         return p
 
@@ -173,13 +184,13 @@ class Outbox(SendingHalf):
         if datagram[3] != _DONE:
             key = _identity(datagram)
             if datagram[3] in _DR and key[:_BKEY] not in peer.watched:
-                self._watch(peer, key[:_BKEY])
+                _watch(peer, key[:_BKEY])
             if key in peer.pending:
                 self.repeats += 1
                 return False
             peer.pending.add(key)
         peer.queued += 1
-        self.backlog.add(peer)
+        self._backlog.add(peer)
         self._queue(peer, datagram, min(max(priority, 0), N_CLASSES - 1))
         return True
 
@@ -190,19 +201,6 @@ class Outbox(SendingHalf):
             self._step += 1
             step = peer.step_of[bkey] = self._step
         return step
-
-    @staticmethod
-    def _watch(peer: Peer, bkey: bytes) -> None:
-        """Keep the identities of shard and leg `bkey`'s DATA/RESULT packets in
-        `pending` from now on until none is queued; those queued already are
-        looked up in the queues (see `Peer.pending`)."""
-        peer.watched.add(bkey)
-        if not peer.inflight.get(bkey):
-            return
-        for q in peer.queues:
-            if q:
-                ids, heads = _identities_heads(list(q))
-                peer.pending.update([i for i, h in zip(ids, heads, strict=True) if h == bkey])
 
     def _queue(self, peer: Peer, datagram: bytes, cls: int) -> None:
         """Put a datagram that is not a repeat (already in `pending` and `queued`)
@@ -261,8 +259,9 @@ class Outbox(SendingHalf):
             # and the identities of all but the DONEs are looked up
             for b in distinct if distinct is not None else dict.fromkeys(bkeys):
                 if b is not None and b not in watched:
-                    self._watch(peer, b)
-            kept = self._not_repeats(peer, datagrams, types)
+                    _watch(peer, b)
+            kept, repeats = _not_repeats(peer.pending, datagrams, types)
+            self.repeats += repeats
             checked = True
             if kept is not None:
                 if not kept:
@@ -277,7 +276,7 @@ class Outbox(SendingHalf):
         # watched); its other packets (DONEs, never repeats, and the odd ACK or
         # NACK, looked up one by one below) come between them
         peer.queued += n
-        self.backlog.add(peer)
+        self._backlog.add(peer)
         # one pass (in C): whether all are one class, and each into range
         priorities, uniform = _clamped_classes(
             priorities if isinstance(priorities, list) else list(priorities), N_CLASSES
@@ -323,45 +322,6 @@ class Outbox(SendingHalf):
             return False
         peer.pending.add(key)
         return True
-
-    def _not_repeats(
-        self, peer: Peer, datagrams: Sequence[bytes], types: bytes
-    ) -> list[int] | None:
-        """Put the identities of `datagrams` (their type bytes `types`) but
-        DONEs in `pending`, leaving out (and counting) a repeat: one already
-        queued, or earlier in the batch. Returns the positions of those that are
-        not repeats, or None when all of them are new."""
-        pending = peer.pending
-        ids = _identities(datagrams)
-        k = types.find(_DONE_BYTE)
-        if k >= 0:  # a DONE is never a repeat (see `push`): a key of its own, not kept
-            tokens = []
-            while k >= 0:
-                ids[k] = _DONE_TOKEN + k.to_bytes(4, "little")
-                tokens.append(ids[k])
-                k = types.find(_DONE_BYTE, k + 1)
-        else:
-            tokens = None
-        before = len(pending)
-        kept: list[int] | None = None
-        if pending.isdisjoint(ids):
-            pending.update(ids)
-            if len(pending) - before != len(ids):  # a repeat within the batch
-                pending.difference_update(ids)  # all of them were new
-                kept = []
-        else:
-            kept = []
-        if kept is not None:
-            seen: set[bytes] = set()
-            for k, key in enumerate(ids):
-                if key not in pending and key not in seen:
-                    seen.add(key)
-                    kept.append(k)
-            self.repeats += len(ids) - len(kept)
-            pending.update(seen)
-        if tokens:
-            pending.difference_update(tokens)
-        return kept
 
     def _push_each(self, peer: Peer, datagrams: Sequence[bytes], priorities: Sequence[int]) -> int:
         push = self.push
@@ -473,7 +433,7 @@ class Outbox(SendingHalf):
     def drop_head(self) -> None:
         """After a send error: drop the first datagram of the class every
         backlogged peer sends next (the one that failed), so the queue moves on."""
-        for peer in list(self.backlog):
+        for peer in list(self._backlog):
             i = _next_queue(peer)
             if i >= 0:
                 dg = peer.queues[i].popleft()
@@ -481,33 +441,9 @@ class Outbox(SendingHalf):
                     _took(peer, i, 1)
                 peer.pending.discard(_identity(dg))
                 peer.queued -= 1
-                self._left(peer, dg)
+                _left(peer, dg)
             if peer.queued == 0:
-                self.backlog.discard(peer)
-
-    @staticmethod
-    def _left(peer: Peer, datagram: bytes) -> None:
-        """`datagram` left the queue: release DONEs it was holding back."""
-        if datagram[3] in _DR:
-            Outbox._release(peer, _barrier_key(datagram), 1)
-
-    @staticmethod
-    def _release(peer: Peer, bkey: bytes, n: int) -> None:
-        """`n` DATA/RESULT packets of shard and leg `bkey` left the queue: release
-        the DONEs they were holding back once none is left."""
-        inflight = peer.inflight
-        left = inflight[bkey] - n
-        if left > 0:
-            inflight[bkey] = left
-            return
-        del inflight[bkey]
-        peer.step_of.pop(bkey, None)
-        peer.watched.discard(bkey)  # none queued: nothing to repeat
-        held = peer.held.pop(bkey, None)
-        if held:
-            trail = peer.trail_class.get(bkey)
-            for dg, cls in held:
-                peer.queues[FRONT + (cls if trail is None else trail)].append(dg)
+                self._backlog.discard(peer)
 
     def on_nack(
         self,
@@ -519,76 +455,9 @@ class Outbox(SendingHalf):
         payload: int,
         now: float,
     ) -> None:
-        """Tell the peer's balancer which paths lost the packets an accepted NACK names.
-
-        `datagram` is the NACK as received (its payload lists shard-local packet
-        indices, u32 big endian); `shards` and `payload` are the job's, for the
-        bucket's layout. Each named packet is
-        looked up by (job, round, bucket, shard, offset, type) among the
-        packets recently sent to this peer and charged to the path it took;
-        the entry is forgotten, so a repeated NACK does not count it twice.
-        Packets never sent or no longer remembered are not charged, and
-        neither are retransmissions (`_send` does not remember them): a
-        receiver repeats a NACK once the peer's usual answer time has passed
-        (NackClock), so a repeat may cross a retransmission still in flight,
-        and charging it would count a loss on a path that lost nothing.
-        """
-        n = nack.count
-        if n <= 0:
-            return
-        paths = peer.paths
-        if len(paths) == 1:
-            self._charge(peer, 0, n, now)
-            return
-        try:
-            layout = Layout(nack.total, nack.codec, shards, payload)
-            idx = np.frombuffer(datagram, ">u4", n, HEADER_SIZE).astype(np.int64)
-        except (LocalError, ValueError):
-            return
-        first = layout.shard_packets(nack.shard).start
-        per = layout.per_packet
-        if nack.flags & _F_RESULT_LEG:
-            split = layout.result_split
-            step = -(-per // split)
-            offsets = (first + idx // split) * per + (idx % split) * step
-            kind = bytes((_RESULT,))
-        else:
-            offsets = (first + idx) * per
-            kind = bytes((_DATA,))
-        prefix = bytes(datagram[8:22])  # job, round, bucket, shard: where every header has them
-        lost = [0] * len(paths)
-        for p in peer.sent_paths.pop(kind + prefix, offsets.astype(">u4").tobytes()):
-            if 0 <= p < len(lost):
-                lost[p] += 1
-        for p, k in enumerate(lost):
-            if k:
-                self._charge(peer, p, k, now)
-
-    @staticmethod
-    def _track(
-        peer: Peer,
-        notes: Iterable[tuple[bytes, bytes]],
-        per_shard: Iterable[tuple[bytes, int]],
-        path: int,
-    ) -> None:
-        """Remember the path of DATA/RESULT datagrams that went on `path` (`notes`:
-        (barrier key, offset fields) of each run of one shard and leg, as
-        `on_nack` looks them up), and count them per shard and
-        path for the shard's DONE (`per_shard`: (barrier key, packets), in order
-        of first appearance)."""
-        sent = peer.sent_paths
-        for bkey, offsets in notes:
-            sent.note(bkey, offsets, path)
-        shard_paths = peer.shard_paths
-        for bkey, k in per_shard:
-            counts = shard_paths.get(bkey)
-            if counts is None:
-                counts = shard_paths[bkey] = [0] * len(peer.paths)
-            counts[path] += k
-        if len(shard_paths) > SHARDS_TRACKED:  # DONEs that never went: forget the oldest
-            for bkey in list(shard_paths)[: len(shard_paths) // 2]:
-                del shard_paths[bkey]
-        sent.rotate(TRACKED_PER_GENERATION)
+        """Charge the losses an accepted NACK names to the paths they went on
+        (`pathloss.charge_nack`)."""
+        charge_nack(peer, nack, datagram, shards=shards, payload=payload, now=now)
 
     def queued(self) -> int:
         return sum(p.queued for p in self.peers.values())

@@ -116,7 +116,7 @@ def _py_unqueue(
     `pending` (of the DATA/RESULT packets, only those of shards and legs in
     `watched`, when given: `Peer.watched`), `popleft` (the queue's, which the
     batch heads) takes them off it, and the DATA/RESULT packets among them are
-    counted per shard and leg for `Outbox._release` (`_py_shards_left`)."""
+    counted per shard and leg for `peer._release` (`_py_shards_left`)."""
     if not isinstance(pending, set):
         raise TypeError(f"pending must be a set, not {type(pending).__name__}")
     if watched is not None and not isinstance(watched, (set, frozenset)):
@@ -267,3 +267,48 @@ def _py_take(q: deque[bytes], nbytes: int, count: int) -> tuple[list[bytes], Seq
 
 
 _take = _keys.take if NATIVE_KEYS else _py_take
+
+
+_DONE_BYTE = bytes((_DONE,))
+_DONE_TOKEN = b"\xff"  # + position: a DONE's key in push_many (no identity starts with it)
+
+
+def _not_repeats(
+    pending: set[bytes], datagrams: Sequence[bytes], types: bytes
+) -> tuple[list[int] | None, int]:
+    """Put the identities of `datagrams` (their type bytes `types`) but
+    DONEs in `pending`, leaving out (and counting) a repeat: one already
+    queued, or earlier in the batch. Returns the positions of those that are
+    not repeats, or None when all of them are new, and how many repeats
+    there were (`Outbox.push_many`)."""
+    ids = _identities(datagrams)
+    k = types.find(_DONE_BYTE)
+    if k >= 0:  # a DONE is never a repeat (see `push`): a key of its own, not kept
+        tokens = []
+        while k >= 0:
+            ids[k] = _DONE_TOKEN + k.to_bytes(4, "little")
+            tokens.append(ids[k])
+            k = types.find(_DONE_BYTE, k + 1)
+    else:
+        tokens = None
+    before = len(pending)
+    repeats = 0
+    kept: list[int] | None = None
+    if pending.isdisjoint(ids):
+        pending.update(ids)
+        if len(pending) - before != len(ids):  # a repeat within the batch
+            pending.difference_update(ids)  # all of them were new
+            kept = []
+    else:
+        kept = []
+    if kept is not None:
+        seen: set[bytes] = set()
+        for k, key in enumerate(ids):
+            if key not in pending and key not in seen:
+                seen.add(key)
+                kept.append(k)
+        repeats = len(ids) - len(kept)
+        pending.update(seen)
+    if tokens:
+        pending.difference_update(tokens)
+    return kept, repeats

@@ -11,9 +11,18 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dlcp.core.pathhealth import PathHealth
-from dlcp.core.rate import Pacer, PathRates
-from dlcp.daemon.packet_keys import _DATA, _DR, _RESULT, NATIVE_KEYS, _keys
+from dlcp.core.pathhealth import HealthConfig, PathHealth
+from dlcp.core.rate import Pacer, PathRates, RateConfig
+from dlcp.daemon.flow import WINDOW_MIN
+from dlcp.daemon.packet_keys import (
+    _DATA,
+    _DR,
+    _RESULT,
+    NATIVE_KEYS,
+    _barrier_key,
+    _identities_heads,
+    _keys,
+)
 from dlcp.daemon.sentpaths import SentPaths
 from dlcp.daemon.transport import UdpPath
 from dlcp.policies import LoadBalancer, PathState
@@ -38,6 +47,23 @@ def _new_queue() -> deque[bytes]:
     """A class's send queue: a `_keys.Fifo` (what `_take` and `_unqueue` read
     and pop without a step per datagram) where built, else a deque."""
     return _keys.Fifo() if NATIVE_KEYS else deque()
+
+
+SHARDS_TRACKED = 4096  # shards (and legs) whose packets per path are counted for their DONE
+
+# pacer burst: one batch (or BURST_SECONDS at the rate, if more). Senders
+# converging on a port that they fill to `rate.utilization` leave it a queue
+# of their bursts, drained only by the rest of the link, and a strict
+# priority starves the droppable class, whose queue is short, behind it:
+# bursts of 256 KB from 2 senders kept 300-500 KB queued at a 200 Mbit/s
+# port for a whole phase of a round, and half the droppable packets were lost
+# there. So are a sender's batches no larger than its tokens (below) and an
+# idle path's burst a PACING_QUANTUM (`flush`).
+BURST_BYTES = 64 * 1024
+# ... or this long at the path's rate, if more: the daemon's loop comes back to
+# send only every millisecond or few when busy receiving; a fixed burst lost
+# the tokens beyond it and held a 10 Gbit/s rate to a fraction of that
+BURST_SECONDS = 0.004
 
 
 @dataclass(eq=False)
@@ -85,7 +111,7 @@ class Peer:
     held: dict[bytes, list[tuple[bytes, int]]] = field(default_factory=dict)
     sent_packets: Counter[tuple[int, int]] = field(default_factory=Counter)  # (class, path)
     sent_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
-    # path of recently sent DATA/RESULT packets, as `Outbox._track` notes them
+    # path of recently sent DATA/RESULT packets, as `pathloss.track` notes them
     # (multi-path peers only): a chunk a send, in two generations
     sent_paths: SentPaths = field(default_factory=SentPaths)
     # packets per path of each recent shard and leg (barrier key), multi-path peers
@@ -198,3 +224,84 @@ def _next_queue(peer: Peer) -> int:
 def _urgent(datagram: bytes) -> bool:
     """Whether a datagram is not a first transmission of DATA/RESULT."""
     return datagram[3] not in _DR or bool(datagram[4] & _F_RETRANSMIT)
+
+
+def _watch(peer: Peer, bkey: bytes) -> None:
+    """Keep the identities of shard and leg `bkey`'s DATA/RESULT packets in
+    `pending` from now on until none is queued; those queued already are
+    looked up in the queues (see `Peer.pending`)."""
+    peer.watched.add(bkey)
+    if not peer.inflight.get(bkey):
+        return
+    for q in peer.queues:
+        if q:
+            ids, heads = _identities_heads(list(q))
+            peer.pending.update([i for i, h in zip(ids, heads, strict=True) if h == bkey])
+
+
+def _left(peer: Peer, datagram: bytes) -> None:
+    """`datagram` left the queue: release DONEs it was holding back."""
+    if datagram[3] in _DR:
+        _release(peer, _barrier_key(datagram), 1)
+
+
+def _release(peer: Peer, bkey: bytes, n: int) -> None:
+    """`n` DATA/RESULT packets of shard and leg `bkey` left the queue: release
+    the DONEs they were holding back once none is left."""
+    inflight = peer.inflight
+    left = inflight[bkey] - n
+    if left > 0:
+        inflight[bkey] = left
+        return
+    del inflight[bkey]
+    peer.step_of.pop(bkey, None)
+    peer.watched.discard(bkey)  # none queued: nothing to repeat
+    held = peer.held.pop(bkey, None)
+    if held:
+        trail = peer.trail_class.get(bkey)
+        for dg, cls in held:
+            peer.queues[FRONT + (cls if trail is None else trail)].append(dg)
+
+
+def new_peer(
+    addresses: tuple[str, ...],
+    port: int,
+    paths: Sequence[UdpPath],
+    rate_config: RateConfig,
+    *,
+    pacing: bool,
+    balancer: LoadBalancer,
+    window_bytes: int,
+    health: HealthConfig | None,
+    loss_interval: float,
+    now: float,
+) -> Peer:
+    """A peer at `addresses`:`port` reached over the daemon's `paths`: a rate
+    controller per path, a pacer each with `pacing`, path health where it has
+    two or more paths and `health` is given, and the flow-control window."""
+    n_paths = max(1, min(len(addresses), len(paths)))
+    rate = PathRates(n_paths, rate_config, decrease_interval=loss_interval)
+    pacers = (
+        [
+            # no burst to start with: the H - 1 senders of a job's
+            # first round towards one port start at once
+            Pacer(
+                rate_bps=r,
+                burst_bytes=BURST_BYTES,
+                now=now,
+                burst_seconds=BURST_SECONDS,
+                tokens=0.0,
+            )
+            for r in rate.rates()
+        ]
+        if pacing
+        else None
+    )
+    p = Peer(addresses, port, paths, rate, pacers, balancer)
+    p.window = window_bytes
+    if health is not None and len(p.paths) > 1:
+        p.health = PathHealth(len(p.paths), health)
+    # until its first credit says what it grants (it may be sent to by
+    # hosts this daemon does not know of): the least window
+    p.granted = WINDOW_MIN if window_bytes else 0
+    return p

@@ -5,7 +5,7 @@ whose probes found some path down, probing or degraded, `reroute` moves what
 the balancer put there to the paths in use. The urgent datagrams sent on each
 path (DONEs, NACKs, retransmissions, ACKs) are kept a short while
 (`remember`), so that a path found down has them sent again on the live
-ones (`Outbox.path_down`).
+ones (`Sending.path_down`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["RESEND_HORIZON", "remember", "reroute"]
 
 # Urgent datagrams (DONEs, NACKs, retransmissions) sent on a path of a peer
 # whose paths are probed are kept this long: a path found down had them
-# queued again on the live ones (`Outbox.path_down`). Longer than a dead
+# queued again on the live ones (`Sending.path_down`). Longer than a dead
 # path goes unnoticed (three probe deadlines, about 75 ms at the defaults).
 RESEND_HORIZON = 0.25
 
@@ -42,7 +42,7 @@ def reroute(peer: Peer, assign: list[int], usable: list[bool]) -> None:
 
 def remember(peer: Peer, p: int, cls: int, urgent: list[bytes], now: float) -> None:
     """Keep the urgent datagrams (DONEs, NACKs, retransmissions, ACKs) just
-    sent on path `p` for RESEND_HORIZON, for `Outbox.path_down`."""
+    sent on path `p` for RESEND_HORIZON, for `Sending.path_down`."""
     recent = peer.recent.setdefault(p, deque())
     recent.extend((now, cls, dg) for dg in urgent)
     horizon = now - RESEND_HORIZON

@@ -2,16 +2,20 @@
 completed or failed back to the ranks, and the jobs the rounds belong to
 (made from a join or the config, left when the last rank goes).
 
-A part of `dlcp.daemon.server.Daemon` (a mixin): it holds no state of its
-own; the attributes it reads are the daemon's, declared below for the type
-checker.
+`RoundLifecycle` owns the jobs table (`jobs`) and the rounds the local ranks
+submit (`rounds`, each a `LocalRound` until its result or failure); it is
+given the engine, the outbox (whose peers a job's hosts become), the
+policies that classify a round's packets, the counters and the daemon's
+callbacks: its clock, `pump`, `call_later` (the event loop's) and
+`windows_changed` (`Credits.size_windows`, when the jobs change).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -19,9 +23,8 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
 from dlcp.core.layout import Layout
 from dlcp.daemon.config import Config
-from dlcp.daemon.flow import size_windows
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, OpKey
-from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.daemon.outbox import Outbox
 from dlcp.daemon.requests import RequestError, bad_request
 from dlcp.daemon.shimservice import Client
 from dlcp.daemon.shm import MappedSegment
@@ -37,27 +40,44 @@ log = logging.getLogger("dlcpd")
 class RoundLifecycle:
     """Starting, completing and failing rounds; making and leaving jobs."""
 
-    if TYPE_CHECKING:
-        _round_hist: Any
-        config: Config
-        counters: Counter[str]
-        drop: Any
-        engine: Engine
-        jobs: dict[int, JobState]
-        outbox: Outbox
-        priority: Any
-        requests: Counter[tuple[str, str]]
-        rounds: dict[OpKey, LocalRound]
-        rx_grant: int
+    def __init__(
+        self,
+        *,
+        config: Config,
+        engine: Engine,
+        outbox: Outbox,
+        priority: Any,
+        drop: Any,
+        counters: Counter[str],
+        requests: Counter[tuple[str, str]],
+        clock: Callable[[], float],
+        pump: Callable[[], None],
+        call_later: Callable[..., Any],
+        windows_changed: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.outbox = outbox
+        self.priority = priority  # the policies (`set_policies` on a reload)
+        self.drop = drop
+        self.counters = counters
+        self.requests = requests
+        self._clock = clock
+        self._pump = pump
+        self._call_later = call_later
+        self._windows_changed = windows_changed
+        self.jobs: dict[int, JobState] = {}
+        self.rounds: dict[OpKey, LocalRound] = {}
+        self.round_hist: Any = None  # /metrics' round duration histogram, once serving
 
-        @property
-        def now(self) -> float: ...
+    @property
+    def now(self) -> float:
+        return self._clock()
 
-        def _credit(self, peer: Peer, job: JobState) -> None: ...
+    def set_policies(self, priority: Any, drop: Any) -> None:
+        self.priority, self.drop = priority, drop
 
-        def _pump(self) -> None: ...
-
-    def _complete(self, ev: RoundComplete) -> None:
+    def complete(self, ev: RoundComplete) -> None:
         op = (ev.job, ev.round, ev.bucket)
         job = self.jobs.get(ev.job)
         if job is not None:
@@ -69,8 +89,8 @@ class RoundLifecycle:
         if lr is None:
             return
         elapsed = self.now - lr.started
-        if self._round_hist is not None:
-            self._round_hist.observe(elapsed)
+        if self.round_hist is not None:
+            self.round_hist.observe(elapsed)
         lay = ev.layout
         contrib = np.ascontiguousarray(ev.contributors, dtype="<u2")
         bmax = np.ascontiguousarray(ev.block_max, dtype="<f4")
@@ -104,7 +124,7 @@ class RoundLifecycle:
                 elapsed_s=round(elapsed, 6),
             )
 
-    def _failed(self, ev: RoundFailed) -> None:
+    def failed(self, ev: RoundFailed) -> None:
         op = (ev.job, ev.round, ev.bucket)
         job = self.jobs.get(ev.job)
         if job is not None:
@@ -206,7 +226,7 @@ class RoundLifecycle:
             return None
         return seg.lanes(part.out[0], dtype, total)
 
-    def _make_job(
+    def make_job(
         self,
         *,
         job: int,
@@ -270,28 +290,9 @@ class RoundLifecycle:
                 state.node_of[a] = node
         return state
 
-    def _size_windows(self) -> None:
-        """Each peer's pacing cap and flow-control window, and the window this
-        daemon grants in its credits (`flow.size_windows`), told at once."""
-        cfg = self.config
-        self.rx_grant = size_windows(self.jobs.values(), cfg.window_bytes, cfg.rate)
-        if self.rx_grant:
-            self._announce_grant()
-
-    def _announce_grant(self) -> None:
-        """Credit at once each host that has sent here and was told another
-        grant (a job joining or leaving changed it), rather than after its
-        next 2 MiB, in the job it last sent in (one its daemon has). A host
-        that has not sent yet starts at WINDOW_MIN (`Outbox.peer`) until its
-        first credit tells it the grant."""
-        for peer in self.outbox.peers.values():
-            job = self.jobs.get(peer.rx_job) if peer.rx_job is not None else None
-            if job is not None and peer.rx_granted != self.rx_grant:
-                self._credit(peer, job)
-
-    def _add_static_job(self, jc: Any) -> None:
+    def add_static_job(self, jc: Any) -> None:
         hosts = tuple(HostAddr(h.addresses, h.udp_port) for h in jc.hosts)
-        state = self._make_job(
+        state = self.make_job(
             job=jc.job,
             key=jc.key,
             hosts=hosts,
@@ -304,11 +305,15 @@ class RoundLifecycle:
             shards=jc.shards,
             static=True,
         )
-        self.jobs[jc.job] = state
-        self.engine.add_job(state.spec)
-        self._size_windows()
+        self.add_job(state)
 
-    def _leave(self, client: Client, job_id: int) -> None:
+    def add_job(self, state: JobState) -> None:
+        """A job made by `make_job` joins: the engine's, and the windows resized."""
+        self.jobs[state.spec.job] = state
+        self.engine.add_job(state.spec)
+        self._windows_changed()
+
+    def leave(self, client: Client, job_id: int) -> None:
         client.jobs.discard(job_id)
         job = self.jobs.get(job_id)
         if job is None:
@@ -317,8 +322,94 @@ class RoundLifecycle:
         if not job.clients and not job.static:
             del self.jobs[job_id]
             self.engine.remove_job(job_id, self.now)
-            self._size_windows()
+            self._windows_changed()
             for op in [op for op in self.rounds if op[0] == job_id]:
                 del self.rounds[op]
             log.info("job %d left", job_id)
             self._pump()
+
+    def drop_client(self, client: Client) -> None:
+        """`client`'s connection closed: its parts of the rounds that wait for
+        local ranks go, and it leaves its jobs."""
+        for lr in self.rounds.values():
+            lr.parts = [p for p in lr.parts if p.client is not client]
+        for job_id in list(client.jobs):
+            self.leave(client, job_id)
+
+    def check_submit(
+        self, op: OpKey, client: Client, codec: int, total: int, bound: float, scale: float
+    ) -> None:
+        """Refuse (RequestError "conflict") a submit of `op` by `client` that
+        cannot join its round: run already, started, of another shape, or a
+        second from the same client."""
+        lr = self.rounds.get(op)
+        _, rnd, bucket = op
+        if lr is None:
+            if self.engine.has_round(*op):
+                raise RequestError("conflict", f"round {rnd} bucket {bucket} was already run")
+        elif lr.submitted:
+            raise RequestError("conflict", f"round {rnd} bucket {bucket} already started")
+        elif not lr.same(codec, total, bound, scale):
+            raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
+        elif any(p.client is client for p in lr.parts):
+            raise RequestError("conflict", "this client already submitted the bucket")
+
+    def add_part(
+        self,
+        op: OpKey,
+        job: JobState,
+        part: LocalPart,
+        codec: int,
+        total: int,
+        bound: float,
+        scale: float,
+    ) -> None:
+        """A local rank's part of round `op` (checked by `check_submit`): the
+        round starts when all local ranks are in, else the others have until
+        the timeout."""
+        client = part.client
+        lr = self.rounds.get(op)
+        if lr is None:
+            job_id, rnd, bucket = op
+            lr = LocalRound(
+                job_id,
+                rnd,
+                bucket,
+                codec,
+                total,
+                bound,
+                scale,
+                expected=job.local_ranks,
+                started=self.now,
+            )
+            self.rounds[op] = lr
+        lr.parts.append(part)
+        client.pending += 1
+        if len(lr.parts) >= lr.expected:
+            try:
+                self._start_round(lr, job)
+            except LocalError as exc:
+                self.rounds.pop(op, None)
+                for p in lr.parts:
+                    p.client.pending -= 1
+                    if p.client is not client:
+                        p.client.error(p.rid, "bad_request", str(exc))
+                raise
+        elif len(lr.parts) == 1:  # the other local ranks have until the timeout
+            self._call_later(self.engine.timing.timeout, self._local_timeout, op, lr)
+
+    def _local_timeout(self, op: OpKey, lr: LocalRound) -> None:
+        """Not every local rank submitted (one died or hangs): fail the waiting ones."""
+        if self.rounds.get(op) is not lr or lr.submitted:
+            return
+        del self.rounds[op]
+        self.counters["rounds_failed"] += 1
+        why = (
+            f"only {len(lr.parts)} of {lr.expected} local ranks submitted round {op[1]} "
+            f"bucket {op[2]} within {self.engine.timing.timeout:g}s"
+        )
+        log.warning("job %d: %s", op[0], why)
+        for part in lr.parts:
+            part.client.pending -= 1
+            self.requests[("submit", "round_failed")] += 1
+            part.client.error(part.rid, "round_failed", why)

@@ -3,19 +3,18 @@ their order (`peer._next_queue`), as far as its flow-control window and its
 pacers allow, and hands them to the path sockets in GSO-sized batches, one
 class a call, with the load balancer choosing a path per packet (and moving
 what it put on a path that is down to the live ones); NACKs' losses cut the
-rates (`_charge`), and a path found down has its recent urgent datagrams
+rates (`pathloss.charge`), and a path found down has its recent urgent datagrams
 queued again (`path_down`).
 
-A part of `dlcp.daemon.outbox.Outbox` (a mixin) that holds no state of its
-own; what it reads of the outbox is declared below for the type checker.
+`Sending` is the outbox's (`dlcp.daemon.outbox.Outbox.sending`), given the
+outbox's backlog and `push`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -32,20 +31,23 @@ from dlcp.daemon.packet_keys import (
     _take,
     _unqueue,
 )
+from dlcp.daemon.pathloss import show_rates, track
 from dlcp.daemon.peer import (
     _F_RETRANSMIT,
     _NOT_DR_TABLE,
     FRONT,
     N_CLASSES,
     Peer,
+    _left,
     _next_queue,
+    _release,
     _took,
 )
 from dlcp.daemon.reroute import RESEND_HORIZON, remember, reroute
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS
 from dlcp.policies import PathState
 
-__all__ = ["SendingHalf"]
+__all__ = ["Sending"]
 
 BATCH_BYTES = 64 * 1024  # bytes handed to the kernel per send (one GSO super-datagram)
 
@@ -107,7 +109,7 @@ def _runs_of(
     offsets: bytes,
     resent: set[int],
 ) -> tuple[list[tuple[bytes, bytes]], Iterable[tuple[bytes, int]]]:
-    """What `Outbox._track` notes of the packets at places `out` that went on
+    """What `pathloss.track` notes of the packets at places `out` that went on
     one path (`offsets`: their offset fields in that order; `bkeys` the
     batch's barrier keys, None for other types): per run of one shard and leg,
     the offsets of its first transmissions; and the DATA/RESULT packets
@@ -152,50 +154,29 @@ def _least_lossy(paths: Sequence[PathState]) -> int:
     return min(used, key=lambda p: paths[p].loss_rate)
 
 
-class SendingHalf:
-    """Flushing the queues to the sockets; rate cuts from losses; credits."""
+class Sending:
+    """Flushing the queues to the sockets; rate cuts from losses; credits.
 
-    if TYPE_CHECKING:
-        backlog: set[Peer]
-        blocked: bool
-        credits: int
-        next_wake: float | None
-        resent_on_down: int
-        tos: list[int]
+    Owns what a flush finds out (`blocked`, `next_wake`) and counts (`credits`,
+    `resent_on_down`), and the TOS byte of each class (`tos`); it is given the
+    outbox's set of peers with datagrams queued (`backlog`, which a flush
+    empties as their queues do) and its `push` (what a path found down had
+    in flight is queued again)."""
 
-        def push(self, peer: Peer, datagram: bytes, priority: int) -> bool: ...
-
-        @staticmethod
-        def _left(peer: Peer, datagram: bytes) -> None: ...
-
-        @staticmethod
-        def _release(peer: Peer, bkey: bytes, n: int) -> None: ...
-
-        @staticmethod
-        def _track(
-            peer: Peer,
-            notes: Iterable[tuple[bytes, bytes]],
-            per_shard: Iterable[tuple[bytes, int]],
-            path: int,
-        ) -> None: ...
-
-    @staticmethod
-    def _charge(peer: Peer, p: int, n: int, now: float) -> None:
-        """`n` packets sent on path `p` were lost: the balancer's path statistics,
-        then the path's rate, judged on the path's recent loss rate."""
-        ps = peer.paths[p]
-        peer.balancer.on_loss(ps, n, now)
-        peer.rate.on_loss(p, n, now, loss_rate=ps.loss_rate)
-        SendingHalf._show_rates(peer)
-
-    @staticmethod
-    def _show_rates(peer: Peer) -> None:
-        """Give the balancer each path's rate once some path of the peer found
-        congestion; before that every rate is still growing in slow start and
-        says nothing about what a path can carry (None)."""
-        known = peer.pacers is not None and not all(c.slow_start for c in peer.rate.paths)
-        for ps, c in zip(peer.paths, peer.rate.paths, strict=True):
-            ps.rate_bps = c.rate_bps if known else None
+    def __init__(
+        self,
+        *,
+        backlog: set[Peer],
+        tos: list[int],
+        push: Callable[[Peer, bytes, int], bool],
+    ) -> None:
+        self.backlog = backlog
+        self.tos = tos
+        self.push = push
+        self.blocked = False  # a socket was full: wait for writability
+        self.next_wake: float | None = None
+        self.credits = 0  # credits taken
+        self.resent_on_down = 0  # urgent datagrams queued again when their path went down
 
     def on_loss(self, peer: Peer, n: int, now: float) -> None:
         """A peer's NACK named `n` packets: counted. The rates are cut per path by
@@ -230,11 +211,11 @@ class SendingHalf:
                 if late > 0:
                     pacer.catch_up(late, now)
                 pacer.set_rate(rate, now)
-            self._show_rates(peer)
+            show_rates(peer)
         one = len(peer.paths) == 1
         pacer0 = pacers[0] if pacers is not None and one else None
         pending, watched = peer.pending, peer.watched
-        release = self._release
+        release = _release
         while (i := _next_queue(peer)) >= 0:
             q = peer.queues[i]
             cls = i % N_CLASSES
@@ -390,7 +371,7 @@ class SendingHalf:
                     per_shard: Iterable[tuple[bytes, int]] = ((bkey, n),)
                 else:
                     notes, per_shard = _runs_of(out, bkeys, offs, resent)
-                self._track(peer, notes, per_shard, p)
+                track(peer, notes, per_shard, p)
             done += n
             if n < len(dgs):
                 full = True
@@ -410,7 +391,7 @@ class SendingHalf:
                 del q[i]  # sent out of order on another path
                 if queue < FRONT:
                     _took(peer, queue, 1)
-                self._left(peer, dg)
+                _left(peer, dg)
                 peer.queued -= 1
         return prefix, held, full
 

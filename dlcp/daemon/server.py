@@ -2,17 +2,22 @@
 
 Everything that decides (what to send, when a round is complete, which class
 and path a packet takes) lives in the sans-IO core and the policies; the
-daemon owns the sockets, the timers and the shared memory. `Daemon` is made
-of parts, one module each:
+daemon owns the sockets, the timers and the shared memory. `Daemon` is a
+facade over objects that each own what they change, their collaborators
+passed to their constructors:
 
-* this module: the daemon's state, start, drain and stop, SIGHUP reloads, and
-  the way out (the engine's batches to the outbox, pacing, timers);
-* `dlcp.daemon.netin`: the way in (socket drains to the engine, control
-  packets, receive moderation);
-* `dlcp.daemon.rounds`: a round's start, completion and failure, and the jobs;
-* `dlcp.daemon.shimservice`: the ranks' connections and their requests;
+* this module: start, drain and stop, SIGHUP reloads, the event loop's
+  readers, writers and timer, and the way out (the engine's batches to the
+  outbox, pacing);
+* `NetworkIn` (`dlcp.daemon.netin`): the way in (socket drains to the
+  engine, control packets, receive moderation);
+* `Credits` (`dlcp.daemon.credits`): the window granted, the credits sent;
+* `RoundLifecycle` (`dlcp.daemon.rounds`): the jobs and the local rounds, a
+  round's start, completion and failure;
+* `ShimService` (`dlcp.daemon.shimservice`): the ranks' connections and
+  their requests;
 * `dlcp.daemon.status` and `dlcp.daemon.metrics`: what `dlcp status` and
-  /metrics show.
+  /metrics show (through `status.DaemonView`, which `Daemon` is).
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ import secrets
 import signal
 import struct
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from dlcp import ipc
-from dlcp.core.engine import Engine, RoundComplete, SendBatch
+from dlcp.core.engine import Engine, RoundComplete
 from dlcp.core.pathhealth import health_config
 from dlcp.daemon import notify, status
 from dlcp.daemon.config import Config
+from dlcp.daemon.credits import Credits
 from dlcp.daemon.jobs import JobState, LocalRound, OpKey
 from dlcp.daemon.netin import (
     _RX_BUDGET,
@@ -40,7 +47,8 @@ from dlcp.daemon.netin import (
     MODERATION_BYTES,
     NetworkIn,
 )
-from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.daemon.netout import NetworkOut
+from dlcp.daemon.outbox import Outbox
 from dlcp.daemon.probing import Prober
 from dlcp.daemon.requests import RequestError
 from dlcp.daemon.rounds import RoundLifecycle
@@ -66,24 +74,19 @@ log = logging.getLogger("dlcpd")
 _JOB = struct.Struct("!I")
 
 
-class Daemon(NetworkIn, RoundLifecycle, ShimService):
+class Daemon:
     """One host's daemon: its sockets, jobs, rounds and ranks (see the module docstring)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.id = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.engine = Engine(timing=config.timing, gather=NATIVE_SEND)
+        self.engine = engine = Engine(timing=config.timing, gather=NATIVE_SEND)
         self.paths: list[UdpPath] = []
-        self.jobs: dict[int, JobState] = {}
-        # the window granted in credits to each host that sends here (`_size_windows`)
-        self.rx_grant = 0
-        self.clients: set[Client] = set()
-        self.rounds: dict[OpKey, LocalRound] = {}
         self.counters: Counter[str] = Counter()
         self.requests: Counter[tuple[str, str]] = Counter()
         self.daemon_rejects: Counter[str] = Counter()
         self._load_policies()
-        self.outbox = Outbox(
+        self.outbox = outbox = Outbox(
             self.paths,
             dscp=config.dscp,
             rate=config.rate,
@@ -92,28 +95,115 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
             window_bytes=config.window_bytes,
             health=health_config(config.probe_interval_s),
         )
-        self.prober = Prober(
-            lambda: self.outbox.multipath,
-            self.engine,
-            lambda: self.outbox.tos[0],
-            self._count,
+        self.prober = Prober(lambda: outbox.multipath, engine, lambda: outbox.tos[0], self._count)
+        self.lifecycle = RoundLifecycle(
+            config=config,
+            engine=engine,
+            outbox=outbox,
+            priority=self.priority,
+            drop=self.drop,
+            counters=self.counters,
+            requests=self.requests,
+            clock=self._clock,
+            pump=self._pump,
+            call_later=self._call_later,
+            windows_changed=self._size_windows,
+        )
+        self.credits = Credits(
+            engine=engine,
+            paths=self.paths,
+            outbox=outbox,
+            jobs=self.lifecycle.jobs,
+            window_bytes=config.window_bytes,
+            rate=config.rate,
+            counters=self.counters,
+        )
+        self.netin = NetworkIn(
+            engine=engine,
+            paths=self.paths,
+            jobs=self.lifecycle.jobs,
+            outbox=outbox,
+            prober=self.prober,
+            counters=self.counters,
+            daemon_rejects=self.daemon_rejects,
+            moderation_s=config.moderation_s,
+            clock=self._clock,
+            pump=self._pump,
+            credit=self.credits.send,
+            watch=self._watch,
+        )
+        self.netout = NetworkOut(
+            jobs=self.lifecycle.jobs, outbox=outbox, credits=self.credits, counters=self.counters
+        )
+        self.shim = ShimService(
+            config=config,
+            engine=engine,
+            lifecycle=self.lifecycle,
+            counters=self.counters,
+            requests=self.requests,
+            daemon_id=self.id,
+            status=lambda: status.snapshot(self),
         )
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._writers: set[int] = set()
-        # receive moderation (`_moderate`): while busy, the sockets are not
-        # watched and a poll comes every `moderation_s` seconds
-        self._moderation = config.moderation_s
-        self._polling = False
-        self._poll_at = 0.0
         self._server: asyncio.AbstractServer | None = None
         self._metrics_server: Any = None
-        self._round_hist: Any = None
         self.tc = status.TcStats(config.tc_devices)  # tc class stats for /metrics
         self._tc_task: asyncio.Task[None] | None = None
-        self.draining = False
         self.stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- the parts' state, by the names status, metrics and tests read --------
+    @property
+    def jobs(self) -> dict[int, JobState]:
+        return self.lifecycle.jobs
+
+    @property
+    def rounds(self) -> dict[OpKey, LocalRound]:
+        return self.lifecycle.rounds
+
+    @property
+    def clients(self) -> set[Client]:
+        return self.shim.clients
+
+    @property
+    def draining(self) -> bool:
+        return self.shim.draining
+
+    def describe(self) -> dict[str, Any]:
+        return self.shim.describe()
+
+    def _receive(self, path: UdpPath) -> bool:
+        return self.netin._receive(path)
+
+    def _on_readable(self, path: UdpPath) -> None:
+        self.netin.on_readable(path)
+
+    def _make_job(self, **kw: Any) -> JobState:
+        return self.lifecycle.make_job(**kw)
+
+    def _size_windows(self) -> None:  # the lifecycle is made before the credits
+        self.credits.size_windows()
+
+    # -- the event loop, for the parts ----------------------------------------
+    def _clock(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_later(delay, fn, *args)
+
+    def _watch(self, on: bool) -> None:
+        """Watch the sockets for datagrams (`NetworkIn.on_readable`), or stop
+        (receive moderation polls them instead)."""
+        assert self._loop is not None
+        for p in self.paths:
+            if on:
+                self._loop.add_reader(p.fileno(), self.netin.on_readable, p)
+            else:
+                self._loop.remove_reader(p.fileno())
 
     # -- policies -----------------------------------------------------------
     def _count(self, name: str) -> None:
@@ -124,6 +214,8 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
         self.priority = from_config("priority", {**cfg.priority, "dscp": list(cfg.dscp)})
         self.drop = from_config("drop", cfg.drop)
         self._balance_cfg = self._adaptive_tolerance(dict(cfg.balance))
+        if hasattr(self, "lifecycle"):  # a reload: the rounds classify by the new ones
+            self.lifecycle.set_policies(self.priority, self.drop)
 
     def _balancer_factory(self) -> Any:
         return from_config("balance", self._balance_cfg)
@@ -160,15 +252,15 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
                 addr, cfg.udp_port, gso=cfg.gso, gro=cfg.gro, buffer_bytes=cfg.socket_buffer_bytes
             )
             self.paths.append(path)
-            loop.add_reader(path.fileno(), self._on_readable, path)
+            loop.add_reader(path.fileno(), self.netin.on_readable, path)
         for job in cfg.jobs:
-            self._add_static_job(job)
+            self.lifecycle.add_static_job(job)
         # everything that can fail to bind comes before the control socket: a
         # client that sees the socket finds a daemon that stays up
         if cfg.metrics_port:
             from dlcp.daemon.metrics import make_registry, serve_metrics
 
-            registry, self._round_hist = make_registry(self)
+            registry, self.lifecycle.round_hist = make_registry(self)
             self._metrics_server = await serve_metrics(
                 registry, cfg.metrics_address, cfg.metrics_port
             )
@@ -179,7 +271,7 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
         if os.path.exists(cfg.socket):
             os.unlink(cfg.socket)
         self._server = await asyncio.start_unix_server(
-            self._serve_client, path=cfg.socket, limit=ipc.MAX_MESSAGE + 4
+            self.shim._serve_client, path=cfg.socket, limit=ipc.MAX_MESSAGE + 4
         )
         os.chmod(cfg.socket, cfg.socket_mode)
         log.info(
@@ -229,7 +321,7 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
     def begin_drain(self) -> None:
         if self.draining:
             return
-        self.draining = True
+        self.shim.drain()
         notify.notify("STOPPING=1", "STATUS=draining")
         log.info("draining %d rounds in flight", self.engine.pending_rounds())
         assert self._loop is not None
@@ -254,7 +346,7 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
         for c in list(self.clients):
             c.closed = True
             c.writer.close()
-            self._drop_client(c)
+            self.shim._drop_client(c)
         if self._timer is not None:
             self._timer.cancel()
         loop = asyncio.get_running_loop()
@@ -269,10 +361,6 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
             os.unlink(self.config.socket)
         log.info("stopped")
 
-    def _op_status(self, client: Client, rid: int, req: dict[str, Any]) -> None:
-        """The shim protocol's "status" (`dlcp status`): `status.snapshot`."""
-        client.reply(rid, status=status.snapshot(self))
-
     # -- engine out -----------------------------------------------------------
     def _pump(self) -> None:
         """Move the engine's output to the network and the ranks; re-arm timers."""
@@ -280,74 +368,22 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
         engine = self.engine
         sends = engine.send_batches()
         if sends:
-            self._enqueue(sends, now)
+            self.netout.enqueue(sends, now)
+        lifecycle = self.lifecycle
         while (ev := engine.next_event()) is not None:
             if isinstance(ev, RoundComplete):
-                self._complete(ev)
+                lifecycle.complete(ev)
             else:
-                self._failed(ev)
+                lifecycle.failed(ev)
         if self.outbox.multipath:
             for peer, path in self.prober.run(now):
-                self._path_down(peer, path, now)
+                self.netout.path_down(peer, path, now)
         if self.outbox.backlog and not self.outbox.blocked:
-            try:
-                self.outbox.flush(now)
-            except OSError as exc:  # never let a send error wedge the loop
-                log.error("send failed, dropping the batch at the head: %s", exc)
-                self.counters["send_errors"] += 1
-                self.outbox.drop_head()
+            self.netout.flush(now)
             if self.outbox.blocked:
                 self._wait_writable()
         self._arm(now)
         engine.drop_settled()  # the ranks are told and the peers sent to: now free
-
-    def _enqueue(self, batches: list[SendBatch], now: float) -> None:
-        """Queue the engine's datagrams: each run of consecutive batches for the
-        same peer at once (`Outbox.push_many`, as `push` one by one, in order).
-        A batch's datagrams all belong to one job: its id is read once."""
-        jobs = self.jobs
-        run: Peer | None = None
-        parts: list[SendBatch] = []
-        for b in batches:
-            if not b.datagrams:
-                continue
-            job = jobs.get(_JOB.unpack(b.datagrams[0][8:12])[0])  # bytes or Gathered
-            peer = None if job is None else job.peers.get(b.node)
-            if peer is None:
-                continue
-            if peer.health is not None:  # its paths are probed while it has traffic
-                assert job is not None
-                peer.tx_job = job.spec.job
-                peer.health.touch(now)
-            if peer is not run:
-                if run is not None:
-                    self._push_run(run, parts)
-                run, parts = peer, []
-            parts.append(b)
-        if run is not None:
-            self._push_run(run, parts)
-
-    def _push_run(self, peer: Peer, parts: list[SendBatch]) -> None:
-        if len(parts) == 1:  # the usual case: the lists as the engine made them
-            self.outbox.push_many(peer, parts[0].datagrams, parts[0].priorities)
-            return
-        # new lists: the engine keeps some of its batches' lists (result
-        # datagrams); joined by list extends, no Python step a datagram
-        dgs: list[bytes] = []
-        prios: list[int] = []
-        for b in parts:
-            dgs += b.datagrams
-            prios += b.priorities
-        self.outbox.push_many(peer, dgs, prios)
-
-    def _path_down(self, peer: Peer, path: int, now: float) -> None:
-        """`path` to `peer` was found down: what urgent went on it lately goes
-        again on the live paths, and so does a credit (credits go on the
-        first path in use, which may have been this one)."""
-        self.outbox.path_down(peer, path, now)
-        job = self.jobs.get(peer.rx_job) if peer.rx_job is not None else None
-        if job is not None and peer.usable is not None:
-            self._credit(peer, job)
 
     def _wait_writable(self) -> None:
         assert self._loop is not None
@@ -365,8 +401,9 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
         self._pump()
 
     def _arm(self, now: float) -> None:
-        if self._polling:  # the poll takes the sockets, the timers and the pacers' due
-            t: float | None = self._poll_at
+        netin = self.netin
+        if netin.polling:  # the poll takes the sockets, the timers and the pacers' due
+            t: float | None = netin.poll_at
         else:
             t = self.engine.get_timer()
             wake = self.outbox.next_wake
@@ -389,18 +426,19 @@ class Daemon(NetworkIn, RoundLifecycle, ShimService):
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        self.counters["wakeups_poll" if self._polling else "wakeups_timer"] += 1
+        netin = self.netin
+        self.counters["wakeups_poll" if netin.polling else "wakeups_timer"] += 1
         # Datagrams may be waiting in the sockets (the loop runs timers before
         # IO callbacks): take them first, or a NACK timer fires for packets
         # that have already arrived.
         try:
-            taken, full = self._take_from(self.paths)
+            taken, full = netin.take_from(self.paths)
             now = self.now
             t = self.engine.get_timer()
             if t is not None and t <= now:
                 self.engine.handle_timer(now)
-            if self._polling:
-                self._moderate(taken > 0 or bool(self.outbox.backlog), full, now)
+            if netin.polling:
+                netin.moderate(taken > 0 or bool(self.outbox.backlog), full, now)
         finally:
             # whatever went wrong above (it is logged by the loop), the timer
             # is armed again: without it no round would ever time out

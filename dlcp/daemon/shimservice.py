@@ -3,9 +3,11 @@ its requests (hello, segment, join, submit, leave, status) checked and
 answered, its shared-memory segment taken over, its submitted lanes copied
 and handed to the round lifecycle.
 
-`Client` is one rank's connection; `ShimService` is a part of
-`dlcp.daemon.server.Daemon` (a mixin) that holds no state of its own; the
-attributes it reads are the daemon's, declared below for the type checker.
+`Client` is one rank's connection; `ShimService` owns the connections
+(`clients`) and whether new work is refused (`draining`); it is given the
+config, the engine, the round lifecycle (which keeps the jobs and rounds the
+requests join and submit to), the counters, the daemon's id and a callable
+that answers "status".
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from dlcp.core.buffers import SpareBuffers
 from dlcp.core.engine import Engine
 from dlcp.core.layout import Layout
 from dlcp.daemon.config import Config
-from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, OpKey, parse_hosts
+from dlcp.daemon.jobs import HostAddr, LocalPart, parse_hosts
 from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
 from dlcp.daemon.shm import MAX_SEGMENT, MappedSegment, RankSegment
 from dlcp.errors import LocalError
 from dlcp.wire.header import Codec, lane_bytes
+
+if TYPE_CHECKING:  # rounds.py imports Client from here
+    from dlcp.daemon.rounds import RoundLifecycle
 
 __all__ = ["INPUT_BUFFERS", "Client", "ShimService"]
 
@@ -46,8 +51,7 @@ INPUT_BUFFERS = 4  # per rank: buffers of its submitted lanes kept for reuse
 class Client:
     """One connection from a rank."""
 
-    def __init__(self, daemon: ShimService, writer: asyncio.StreamWriter) -> None:
-        self.daemon = daemon
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.segment: RankSegment | MappedSegment | None = None
         self.jobs: set[int] = set()
@@ -79,36 +83,38 @@ class Client:
 class ShimService:
     """The shim protocol: requests from the ranks' connections."""
 
-    if TYPE_CHECKING:
-        _loop: asyncio.AbstractEventLoop | None
-        clients: set[Client]
-        config: Config
-        counters: Counter[str]
-        draining: bool
-        engine: Engine
-        id: str
-        jobs: dict[int, JobState]
-        requests: Counter[tuple[str, str]]
-        rounds: dict[OpKey, LocalRound]
+    def __init__(
+        self,
+        *,
+        config: Config,
+        engine: Engine,
+        lifecycle: RoundLifecycle,
+        counters: Counter[str],
+        requests: Counter[tuple[str, str]],
+        daemon_id: str,
+        status: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.lifecycle = lifecycle
+        self.jobs = lifecycle.jobs  # read here; joined and left through `lifecycle`
+        self.counters = counters
+        self.requests = requests
+        self.id = daemon_id
+        self._status = status
+        self.clients: set[Client] = set()
+        self.draining = False  # joins and submits refused: the daemon is stopping
 
-        @property
-        def now(self) -> float: ...
+    def drain(self) -> None:
+        self.draining = True
 
-        def _leave(self, client: Client, job_id: int) -> None: ...
-
-        def _make_job(self, *args: Any, **kwargs: Any) -> JobState: ...
-
-        def _size_windows(self) -> None: ...
-
-        def _start_round(self, lr: LocalRound, job: JobState) -> None: ...
-
-    # "status" is the daemon's own (`Daemon._op_status`, the status view)
+    # "status" is answered by the daemon's status view (`status.snapshot`)
     _OPS = ("hello", "segment", "join", "submit", "leave", "status")
 
     async def _serve_client(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        client = Client(self, writer)
+        client = Client(writer)
         self.clients.add(client)
         try:
             while True:
@@ -139,10 +145,7 @@ class ShimService:
         if client not in self.clients:
             return
         self.clients.discard(client)
-        for lr in self.rounds.values():
-            lr.parts = [p for p in lr.parts if p.client is not client]
-        for job_id in list(client.jobs):
-            self._leave(client, job_id)
+        self.lifecycle.drop_client(client)
         if client.segment is not None:
             client.segment.close()
             client.segment = None
@@ -174,6 +177,10 @@ class ShimService:
         else:
             if op != "submit":
                 self.requests[(op, "ok")] += 1
+
+    def _op_status(self, client: Client, rid: int, req: dict[str, Any]) -> None:
+        """The shim protocol's "status" (`dlcp status`): `status.snapshot`."""
+        client.reply(rid, status=self._status())
 
     def _op_hello(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         version = req.get("version", ipc.PROTOCOL_VERSION)
@@ -308,7 +315,7 @@ class ShimService:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*aggs, *contr)):
             raise bad_request("aggregators and contributors must list host indices")
         shards = int_field(req, "shards", 1, 65535) if "shards" in req else None
-        state = self._make_job(
+        state = self.lifecycle.make_job(
             job=job_id,
             key=key,
             hosts=hosts,
@@ -328,9 +335,7 @@ class ShimService:
                 )
             state = existing
         else:
-            self.jobs[job_id] = state
-            self.engine.add_job(state.spec)
-            self._size_windows()
+            self.lifecycle.add_job(state)
             log.info(
                 "job %d joined: %d hosts, me=%d, %d local ranks", job_id, len(hosts), me, local
             )
@@ -342,7 +347,7 @@ class ShimService:
         job_id = int_field(req, "job", 0, 2**32 - 1)
         if job_id not in client.jobs:
             raise RequestError("unknown_job", f"this client has not joined job {job_id}")
-        self._leave(client, job_id)
+        self.lifecycle.leave(client, job_id)
         client.reply(rid)
 
     def _op_submit(self, client: Client, rid: int, req: dict[str, Any]) -> None:
@@ -398,16 +403,7 @@ class ShimService:
             if off < o_off + o_len and o_off < off + ln:
                 raise bad_request("out overlaps data or meta")
         op = (job_id, rnd, bucket)
-        lr = self.rounds.get(op)
-        if lr is None:
-            if self.engine.has_round(*op):
-                raise RequestError("conflict", f"round {rnd} bucket {bucket} was already run")
-        elif lr.submitted:
-            raise RequestError("conflict", f"round {rnd} bucket {bucket} already started")
-        elif not lr.same(int(codec), total, bound, scale):
-            raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
-        elif any(p.client is client for p in lr.parts):
-            raise RequestError("conflict", "this client already submitted the bucket")
+        self.lifecycle.check_submit(op, client, int(codec), total, bound, scale)
         # A named segment: a private copy by preadv, never a mapping (a rank that
         # shrinks its file gets bad_request instead of killing the daemon with
         # SIGBUS); the copy answers retransmissions until the round has its
@@ -417,49 +413,5 @@ class ShimService:
         else:
             data = client.inputs.take(d_len)
             seg.read_into(d_off, data)
-        if lr is None:
-            lr = LocalRound(
-                job_id,
-                rnd,
-                bucket,
-                int(codec),
-                total,
-                bound,
-                scale,
-                expected=job.local_ranks,
-                started=self.now,
-            )
-            self.rounds[op] = lr
-        lr.parts.append(
-            LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax, n_layers)
-        )
-        client.pending += 1
-        if len(lr.parts) >= lr.expected:
-            try:
-                self._start_round(lr, job)
-            except LocalError as exc:
-                self.rounds.pop(op, None)
-                for p in lr.parts:
-                    p.client.pending -= 1
-                    if p.client is not client:
-                        p.client.error(p.rid, "bad_request", str(exc))
-                raise
-        elif len(lr.parts) == 1:  # the other local ranks have until the timeout
-            assert self._loop is not None
-            self._loop.call_later(self.engine.timing.timeout, self._local_timeout, op, lr)
-
-    def _local_timeout(self, op: OpKey, lr: LocalRound) -> None:
-        """Not every local rank submitted (one died or hangs): fail the waiting ones."""
-        if self.rounds.get(op) is not lr or lr.submitted:
-            return
-        del self.rounds[op]
-        self.counters["rounds_failed"] += 1
-        why = (
-            f"only {len(lr.parts)} of {lr.expected} local ranks submitted round {op[1]} "
-            f"bucket {op[2]} within {self.engine.timing.timeout:g}s"
-        )
-        log.warning("job %d: %s", op[0], why)
-        for part in lr.parts:
-            part.client.pending -= 1
-            self.requests[("submit", "round_failed")] += 1
-            part.client.error(part.rid, "round_failed", why)
+        part = LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax, n_layers)
+        self.lifecycle.add_part(op, job, part, int(codec), total, bound, scale)

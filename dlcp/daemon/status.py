@@ -43,16 +43,22 @@ class DaemonView(Protocol):
     """What `dlcp status` and /metrics read of a daemon."""
 
     config: Config
-    clients: set[Any]
     counters: Counter[str]
     daemon_rejects: Counter[str]
-    draining: bool
     engine: Engine
-    jobs: dict[int, JobState]
     outbox: Outbox
     paths: list[UdpPath]
     requests: Counter[tuple[str, str]]
     tc: TcStats
+
+    @property
+    def clients(self) -> set[Any]: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def jobs(self) -> dict[int, JobState]: ...
 
     def describe(self) -> dict[str, Any]: ...
 

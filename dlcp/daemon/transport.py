@@ -90,7 +90,7 @@ def split_gro(data: bytes, seg: int) -> tuple[list[memoryview], int, int, int | 
 
 
 def merge_splits(splits: Sequence[Split]) -> list[Split]:
-    """`splits` with each run of consecutive ones that `Daemon._receive` can
+    """`splits` with each run of consecutive ones that `NetworkIn._receive` can
     take as one joined: from one source, all their datagrams of one size but a
     shorter last one, each with a whole header naming one job. A split joins the
     one before it when that one's datagrams (a run's, its last buffer's) all

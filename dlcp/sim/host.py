@@ -10,7 +10,7 @@ the last one, handed to `Engine.receive_many` in arrival order with their
 sources), the reaction to accepted control packets (as `NetworkIn._on_control`:
 NACKs to `Outbox.on_loss`/`on_nack`, probes to `Prober.on_probe`, the bytes
 of results, ACKs and DONEs to the peer's rate once per drain), the receive
-moderation rule (`NetworkIn._moderate`: after a wake-up that found work, poll
+moderation rule (`NetworkIn.moderate`: after a wake-up that found work, poll
 every `moderation_s`, at once when a drain took MODERATION_BYTES) and the
 timer (`Daemon._arm`). Not simulated: flow-control credits (the sockets never
 fill here, so the daemon's 64 MiB windows never bind), the shim and shared
