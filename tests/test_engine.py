@@ -929,11 +929,11 @@ def test_a_settled_rounds_datagrams_are_freed_by_drop_settled() -> None:
     freeing its datagrams to `drop_settled` (the daemon calls it once its
     ranks are told): each round's list keeps its datagrams until then, and
     no more than the last _SETTLED_MAX rounds' wait."""
-    from dlcp.core import engine as engine_mod
+    from dlcp.core import rounds as rounds_mod
     from dlcp.wire import _ghash  # type: ignore[attr-defined]
 
     rng = np.random.default_rng(35)
-    rounds = engine_mod._SETTLED_MAX + 2
+    rounds = rounds_mod._SETTLED_MAX + 2
     firsts: dict[int, bytes] = {}  # round -> node 0's first data datagram of it
 
     def watch(src: int, s: Send) -> bool:
@@ -954,7 +954,7 @@ def test_a_settled_rounds_datagrams_are_freed_by_drop_settled() -> None:
     after = {r: sys.getrefcount(dg) for r, dg in firsts.items()}
     # the oldest rounds' lists went when later rounds settled; each of the
     # last _SETTLED_MAX held its datagrams until now
-    freed_early = rounds - engine_mod._SETTLED_MAX
+    freed_early = rounds - rounds_mod._SETTLED_MAX
     assert [before[r] - after[r] for r in range(rounds)] == [0] * freed_early + [1] * (
         rounds - freed_early
     )
@@ -1051,14 +1051,14 @@ def test_an_error_in_one_rounds_timer_fails_that_round_only(
 
     net = Network(cluster(2), seed=4, drop=drop)
     e0 = net.engines[0]
-    send_nack = e0._send_nack
+    send_nack = e0.emitter.nack
 
     def broken(spec: JobSpec, op: tuple[int, int, int], *a: object, **kw: object) -> None:
         if op[2] == 0:
             raise ValueError("cannot encode")
         send_nack(spec, op, *a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(e0, "_send_nack", broken)
+    monkeypatch.setattr(e0.emitter, "nack", broken)
     for bucket in (0, 1):
         for me, x in enumerate(xs):
             net.engines[me].submit(job=JOB, round=0, bucket=bucket, codec=Codec.FP32,

@@ -126,7 +126,8 @@ def _as_drain(dgs: list[bytes], rng: np.random.Generator) -> object:
 def _state(e: Engine) -> dict[str, object]:
     """What the receive path changes, as comparable values."""
     aggs = {}
-    for key, a in e._aggs.items():
+    for op, shard, a in e.rounds.aggregators():
+        key = (op, shard)
         rows = []
         # two senders, this node's lanes held: C sums the other's packets with
         # them as they come (`_summing_row`: into `out`), Python stores them
@@ -158,13 +159,13 @@ def _state(e: Engine) -> dict[str, object]:
             a.scale,
         )
     cols = {
-        op: (
+        r.op: (
             {s: w.received.tobytes() for s, w in c.waiting.items()},
             c.contributors.tobytes(),
             c.block_max.tobytes(),
             c.duplicates,
         )
-        for op, c in e._collectors.items()
+        for r, c in e.rounds.collectors()
     }
     return {
         "rejects": dict(e.rejects),
