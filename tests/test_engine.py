@@ -700,13 +700,13 @@ def test_rounds_reuse_large_buffers_and_sum_exactly(monkeypatch: pytest.MonkeyPa
     """Buckets over a MiB take their accumulators from reused buffers once the
     previous round's are free; each round's sums are still exact (the buffers
     start poisoned in tests, so a lane left from the last round would show)."""
-    from dlcp.core import aggregate
+    from dlcp.core import accumulator
     from dlcp.core.buffers import SpareBuffers
 
-    monkeypatch.setattr(aggregate, "_SPARE", SpareBuffers())  # none held by other tests
+    monkeypatch.setattr(accumulator, "_SPARE", SpareBuffers())  # none held by other tests
     rng = np.random.default_rng(13)
     net = Network(cluster(2), seed=13, loss=0.02)
-    before = aggregate._SPARE.reused
+    before = accumulator._SPARE.reused
     for rnd in range(3):
         xs = [rng.standard_normal(600_000).astype(np.float32) for _ in range(2)]
         submit_all(net, xs, round=rnd)
@@ -716,7 +716,7 @@ def test_rounds_reuse_large_buffers_and_sum_exactly(monkeypatch: pytest.MonkeyPa
         for ev in done.values():
             assert ev.sums.tobytes() == (xs[0] + xs[1]).tobytes()
         del done
-    assert aggregate._SPARE.reused > before
+    assert accumulator._SPARE.reused > before
 
 
 @pytest.mark.parametrize("one_by_one", [False, True])
@@ -775,14 +775,14 @@ def test_owner_sums_a_peers_packets_as_they_arrive(one_by_one: bool) -> None:
         a = starts[k] - off
         want[a : a + counts[k]] = mine[a : a + counts[k]]
     stored = run(None, 0)
-    assert stored._summed_row is None
+    assert stored.acc.summed_row is None
     out = np.full(n, np.nan, np.float32)  # every lane must be written
     summed = run(out, 0)
-    assert summed._summed_row == (0 if lanes_native() else None)
+    assert summed.acc.summed_row == (0 if lanes_native() else None)
     late = run(np.full(n, np.nan, np.float32), 99)  # the peer before the owner's own lanes
-    assert late._summed_row is None
+    assert late.acc.summed_row is None
     halfway = run(np.full(n, np.nan, np.float32), 1)  # its first part before them
-    assert halfway._summed_row == (0 if lanes_native() else None)
+    assert halfway.acc.summed_row == (0 if lanes_native() else None)
     for agg in (stored, summed, late, halfway):
         r = agg.result
         assert r is not None
@@ -1085,7 +1085,7 @@ def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
     required = ~agg.received & ~agg.droppable
     short = agg.manifest.all() and not required.any()
     for row in range(len(agg.senders)):
-        again = agg.last_nack[row] + agg._repeat_after(row)
+        again = agg.last_nack[row] + agg.clock.repeat_after(row)
         if agg.manifest[row]:
             if required[row].any() or (short and not agg.received[row].all()):
                 times.append(max(again, agg.last_arrival + agg.timing.nack_delay))

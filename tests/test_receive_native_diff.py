@@ -133,13 +133,13 @@ def _state(e: Engine) -> dict[str, object]:
         # them as they come (`_summing_row`: into `out`), Python stores them
         # and sums at the end; either's row is compared as those sums
         own = None
-        if len(a.senders) == 2 and len(a._held) == 1 and a.slots.dtype == np.float32:
-            own = next(iter(a._held.values()))
+        if len(a.senders) == 2 and len(a.acc.held) == 1 and a.slots.dtype == np.float32:
+            own = next(iter(a.acc.held.values()))
         for r in range(len(a.senders)):
             mask = np.repeat(a.received[r], a.counts)
-            if r in a._held:
+            if r in a.acc.held:
                 rows.append(None)
-            elif r == a._summed_row:
+            elif r == a.acc.summed_row:
                 assert a.out is not None
                 rows.append(a.out[mask].tobytes())
             elif own is not None:

@@ -177,9 +177,10 @@ class OpenRounds:
         if agg is None:
             return
         col = r.collector
-        if agg.out is None and agg.result is None and col is not None and col.layout == agg.layout:
+        acc = agg.acc
+        if acc.out is None and agg.result is None and col is not None and col.layout == agg.layout:
             sums = col.shard_sums(shard)
-            if sums.dtype == agg.slots.dtype:
+            if sums.dtype == acc.slots.dtype:
                 agg.sum_into(sums)  # the owner's sums go straight where they are collected
         nacks, finished = agg.poll(now)
         for nack in nacks:
