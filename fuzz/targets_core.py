@@ -53,17 +53,17 @@ def _same_state(a: ShardAggregator, b: ShardAggregator) -> None:
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert a.block_max.tobytes() == b.block_max.tobytes()
     assert (a.duplicates, a.n_received, a.scale) == (b.duplicates, b.n_received, b.scale)
-    assert (a._summed_row, a.last_arrival) == (b._summed_row, b.last_arrival)
+    assert (a.acc.summed_row, a.last_arrival) == (b.acc.summed_row, b.last_arrival)
     off = a.offset
     for row in range(len(a.senders)):  # the lanes of every stored packet
         for local in np.flatnonzero(a.received[row]).tolist():
             start, count = a.layout.packet_range(a.first_packet + local)
             lanes = slice(start - off, start - off + count)
-            if a._summed_row == row:
+            if a.acc.summed_row == row:
                 assert a.out is not None and b.out is not None
                 assert a.out[lanes].tobytes() == b.out[lanes].tobytes()
-            elif row in a._held:  # on_local's lanes, held by reference (not in slots)
-                assert a._held[row][lanes].tobytes() == b._held[row][lanes].tobytes()
+            elif row in a.acc.held:  # on_local's lanes, held by reference (not in slots)
+                assert a.acc.held[row][lanes].tobytes() == b.acc.held[row][lanes].tobytes()
             else:
                 assert a.slots[row, lanes].tobytes() == b.slots[row, lanes].tobytes()
 

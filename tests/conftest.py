@@ -31,21 +31,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _poison_uninitialised(monkeypatch: pytest.MonkeyPatch) -> None:
     """The aggregation core leaves its big accumulators unzeroed (new or reused
     buffers) and writes every element before reading it
-    (`dlcp.core.aggregate._uninitialised`). In every test they start as
+    (`dlcp.core.accumulator._uninitialised`). In every test they start as
     all-ones bytes instead (NaN in float lanes, 65535 in integer ones), so a
     lane the core forgot to write shows in the sums."""
     import numpy as np
 
-    from dlcp.core import aggregate
+    from dlcp.core import accumulator
 
-    real = aggregate._uninitialised
+    real = accumulator._uninitialised
 
     def poisoned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         out = real(shape, dtype)
         out.reshape(-1).view(np.uint8)[:] = 0xFF
         return out
 
-    monkeypatch.setattr(aggregate, "_uninitialised", poisoned)
+    monkeypatch.setattr(accumulator, "_uninitialised", poisoned)
 
 
 @pytest.fixture(autouse=True)

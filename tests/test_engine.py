@@ -700,13 +700,13 @@ def test_rounds_reuse_large_buffers_and_sum_exactly(monkeypatch: pytest.MonkeyPa
     """Buckets over a MiB take their accumulators from reused buffers once the
     previous round's are free; each round's sums are still exact (the buffers
     start poisoned in tests, so a lane left from the last round would show)."""
-    from dlcp.core import aggregate
+    from dlcp.core import accumulator
     from dlcp.core.buffers import SpareBuffers
 
-    monkeypatch.setattr(aggregate, "_SPARE", SpareBuffers())  # none held by other tests
+    monkeypatch.setattr(accumulator, "_SPARE", SpareBuffers())  # none held by other tests
     rng = np.random.default_rng(13)
     net = Network(cluster(2), seed=13, loss=0.02)
-    before = aggregate._SPARE.reused
+    before = accumulator._SPARE.reused
     for rnd in range(3):
         xs = [rng.standard_normal(600_000).astype(np.float32) for _ in range(2)]
         submit_all(net, xs, round=rnd)
@@ -716,7 +716,7 @@ def test_rounds_reuse_large_buffers_and_sum_exactly(monkeypatch: pytest.MonkeyPa
         for ev in done.values():
             assert ev.sums.tobytes() == (xs[0] + xs[1]).tobytes()
         del done
-    assert aggregate._SPARE.reused > before
+    assert accumulator._SPARE.reused > before
 
 
 @pytest.mark.parametrize("one_by_one", [False, True])
@@ -775,14 +775,14 @@ def test_owner_sums_a_peers_packets_as_they_arrive(one_by_one: bool) -> None:
         a = starts[k] - off
         want[a : a + counts[k]] = mine[a : a + counts[k]]
     stored = run(None, 0)
-    assert stored._summed_row is None
+    assert stored.acc.summed_row is None
     out = np.full(n, np.nan, np.float32)  # every lane must be written
     summed = run(out, 0)
-    assert summed._summed_row == (0 if lanes_native() else None)
+    assert summed.acc.summed_row == (0 if lanes_native() else None)
     late = run(np.full(n, np.nan, np.float32), 99)  # the peer before the owner's own lanes
-    assert late._summed_row is None
+    assert late.acc.summed_row is None
     halfway = run(np.full(n, np.nan, np.float32), 1)  # its first part before them
-    assert halfway._summed_row == (0 if lanes_native() else None)
+    assert halfway.acc.summed_row == (0 if lanes_native() else None)
     for agg in (stored, summed, late, halfway):
         r = agg.result
         assert r is not None
@@ -929,11 +929,11 @@ def test_a_settled_rounds_datagrams_are_freed_by_drop_settled() -> None:
     freeing its datagrams to `drop_settled` (the daemon calls it once its
     ranks are told): each round's list keeps its datagrams until then, and
     no more than the last _SETTLED_MAX rounds' wait."""
-    from dlcp.core import engine as engine_mod
+    from dlcp.core import rounds as rounds_mod
     from dlcp.wire import _ghash  # type: ignore[attr-defined]
 
     rng = np.random.default_rng(35)
-    rounds = engine_mod._SETTLED_MAX + 2
+    rounds = rounds_mod._SETTLED_MAX + 2
     firsts: dict[int, bytes] = {}  # round -> node 0's first data datagram of it
 
     def watch(src: int, s: Send) -> bool:
@@ -954,7 +954,7 @@ def test_a_settled_rounds_datagrams_are_freed_by_drop_settled() -> None:
     after = {r: sys.getrefcount(dg) for r, dg in firsts.items()}
     # the oldest rounds' lists went when later rounds settled; each of the
     # last _SETTLED_MAX held its datagrams until now
-    freed_early = rounds - engine_mod._SETTLED_MAX
+    freed_early = rounds - rounds_mod._SETTLED_MAX
     assert [before[r] - after[r] for r in range(rounds)] == [0] * freed_early + [1] * (
         rounds - freed_early
     )
@@ -1051,14 +1051,14 @@ def test_an_error_in_one_rounds_timer_fails_that_round_only(
 
     net = Network(cluster(2), seed=4, drop=drop)
     e0 = net.engines[0]
-    send_nack = e0._send_nack
+    send_nack = e0.emitter.nack
 
     def broken(spec: JobSpec, op: tuple[int, int, int], *a: object, **kw: object) -> None:
         if op[2] == 0:
             raise ValueError("cannot encode")
         send_nack(spec, op, *a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(e0, "_send_nack", broken)
+    monkeypatch.setattr(e0.emitter, "nack", broken)
     for bucket in (0, 1):
         for me, x in enumerate(xs):
             net.engines[me].submit(job=JOB, round=0, bucket=bucket, codec=Codec.FP32,
@@ -1085,7 +1085,7 @@ def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
     required = ~agg.received & ~agg.droppable
     short = agg.manifest.all() and not required.any()
     for row in range(len(agg.senders)):
-        again = agg.last_nack[row] + agg._repeat_after(row)
+        again = agg.last_nack[row] + agg.clock.repeat_after(row)
         if agg.manifest[row]:
             if required[row].any() or (short and not agg.received[row].all()):
                 times.append(max(again, agg.last_arrival + agg.timing.nack_delay))

@@ -149,7 +149,7 @@ def test_under_heavy_loss_rounds_recover_sooner_once_answers_are_timed(seed: int
     fixed, _ = _rounds(Timing(nack_min=0.03), 12, seed)
     assert adaptive < fixed
     for me, e in net.engines.items():
-        clock = e._clocks[JOB][1 - me]
+        clock = e.nack_clocks(JOB)[1 - me]
         assert clock.samples > 0
         # a NACK and its answer: two one-way delays of 0.2-1 ms
         assert clock.srtt is not None and 0.0004 <= clock.srtt <= 0.002
@@ -170,7 +170,7 @@ def test_a_sender_resends_a_repeated_nack_once_its_answer_time_has_passed() -> N
                                lanes=x.tobytes(), now=0.0)  # fmt: skip
         net.run(until=0.05)  # node 1 asks; every resend of node 0 is lost
         if timed:
-            engines[0]._clocks[JOB][1].sample(0.001)  # node 0 has timed node 1: 2.5 ms
+            engines[0].nack_clocks(JOB)[1].sample(0.001)  # node 0 has timed node 1: 2.5 ms
         nack = _nacks(engines[1], net, 0)
         assert nack, "node 1 asks node 0 for its data"
         t = net.now + 1.0  # long after node 0's resends in the run
@@ -212,7 +212,7 @@ def test_nack_answers_show_each_peers_clock() -> None:
     _, net = _rounds(timing, 4, seed=5)
     for me, e in net.engines.items():
         (node, seen), *others = e.nack_answers(JOB).items()
-        clock = e._clocks[JOB][1 - me]
+        clock = e.nack_clocks(JOB)[1 - me]
         assert node == 1 - me and not others
         assert seen["answers"] == clock.samples > 0
         assert seen["answer_s"] == clock.srtt and seen["deviation_s"] == clock.rttvar

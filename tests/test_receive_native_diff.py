@@ -126,19 +126,20 @@ def _as_drain(dgs: list[bytes], rng: np.random.Generator) -> object:
 def _state(e: Engine) -> dict[str, object]:
     """What the receive path changes, as comparable values."""
     aggs = {}
-    for key, a in e._aggs.items():
+    for op, shard, a in e.rounds.aggregators():
+        key = (op, shard)
         rows = []
         # two senders, this node's lanes held: C sums the other's packets with
         # them as they come (`_summing_row`: into `out`), Python stores them
         # and sums at the end; either's row is compared as those sums
         own = None
-        if len(a.senders) == 2 and len(a._held) == 1 and a.slots.dtype == np.float32:
-            own = next(iter(a._held.values()))
+        if len(a.senders) == 2 and len(a.acc.held) == 1 and a.slots.dtype == np.float32:
+            own = next(iter(a.acc.held.values()))
         for r in range(len(a.senders)):
             mask = np.repeat(a.received[r], a.counts)
-            if r in a._held:
+            if r in a.acc.held:
                 rows.append(None)
-            elif r == a._summed_row:
+            elif r == a.acc.summed_row:
                 assert a.out is not None
                 rows.append(a.out[mask].tobytes())
             elif own is not None:
@@ -158,13 +159,13 @@ def _state(e: Engine) -> dict[str, object]:
             a.scale,
         )
     cols = {
-        op: (
+        r.op: (
             {s: w.received.tobytes() for s, w in c.waiting.items()},
             c.contributors.tobytes(),
             c.block_max.tobytes(),
             c.duplicates,
         )
-        for op, c in e._collectors.items()
+        for r, c in e.rounds.collectors()
     }
     return {
         "rejects": dict(e.rejects),

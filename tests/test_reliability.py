@@ -487,7 +487,7 @@ def test_the_engine_treats_replays_of_closed_rounds_as_late_for_the_whole_window
     net.run(until=net.now + 5.0)  # retain (0.5 s) has long expired
     for e in engines.values():
         e.handle_timer(net.now)
-        assert not e._closed and not e._closed_shards and not e._aggs
+        assert not e.closed.rounds and not e.closed.shards and not e.rounds.table
     before = {n: (e.stats.copy(), e.rejects.copy()) for n, e in engines.items()}
     replayed = acks = 0
     for src, s in captured:
@@ -499,7 +499,8 @@ def test_the_engine_treats_replays_of_closed_rounds_as_late_for_the_whole_window
     assert replayed > 100 and acks
     late = 0
     for n, e in engines.items():
-        assert not e._aggs and not e.datagrams_to_send(), n  # nothing opened, nothing sent
+        # nothing opened, nothing sent
+        assert not list(e.rounds.aggregators()) and not e.datagrams_to_send(), n
         stats, rejects = before[n]
         assert e.rejects == rejects, n
         grew = e.stats - stats
@@ -519,7 +520,7 @@ def test_the_engine_treats_replays_of_closed_rounds_as_late_for_the_whole_window
         net.run(until=net.now + 1.0)
         assert len(_completed(net, rnd, rnd)) == 3
     for e in engines.values():
-        assert len(e._closed_rounds[job]) <= 16 + 16 // 4 + 2, len(e._closed_rounds[job])
+        assert len(e.closed.bitmaps[job]) <= 16 + 16 // 4 + 2, len(e.closed.bitmaps[job])
 
     # ps mode: node 0 aggregates only; round 1 closes there before round 0 starts
     ps = {}

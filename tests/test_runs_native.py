@@ -83,17 +83,17 @@ def _same_state(a: ShardAggregator, b: ShardAggregator) -> None:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     assert a.block_max.tobytes() == b.block_max.tobytes()
     assert (a.duplicates, a.n_received, a.scale) == (b.duplicates, b.n_received, b.scale)
-    assert (a._summed_row, a.last_arrival) == (b._summed_row, b.last_arrival)
+    assert (a.acc.summed_row, a.last_arrival) == (b.acc.summed_row, b.last_arrival)
     off = a.offset
     for row in range(len(a.senders)):  # the lanes of every stored packet
         for local in np.flatnonzero(a.received[row]).tolist():
             start, count = a.layout.packet_range(a.first_packet + local)
             lanes = slice(start - off, start - off + count)
-            if a._summed_row == row:
+            if a.acc.summed_row == row:
                 assert a.out is not None and b.out is not None
                 assert a.out[lanes].tobytes() == b.out[lanes].tobytes()
-            elif row in a._held:  # on_local's lanes, held by reference (not in slots)
-                assert a._held[row][lanes].tobytes() == b._held[row][lanes].tobytes()
+            elif row in a.acc.held:  # on_local's lanes, held by reference (not in slots)
+                assert a.acc.held[row][lanes].tobytes() == b.acc.held[row][lanes].tobytes()
             else:
                 assert a.slots[row, lanes].tobytes() == b.slots[row, lanes].tobytes()
 
@@ -155,7 +155,7 @@ def test_data_runs_in_c_are_on_data_many(seed: int, summing: bool) -> None:
             seen["dup"] += len(payloads) - int(bad.sum()) - stored
         _same_state(ref, fast)
     assert min(seen.values()) > 0, seen
-    assert fast._summed_row == (0 if summing else None)  # summing: the lanes added into out
+    assert fast.acc.summed_row == (0 if summing else None)  # summing: the lanes added into out
     with pytest.raises(RemoteError) as unknown:
         fast.on_data_run(sender=7, heads=heads, payloads=payloads, summed=False, weight=1,
                          scale=SCALE, now=0.0)  # fmt: skip

@@ -22,6 +22,7 @@ import pytest
 
 from dlcp.core.engine import Engine, RoundComplete, RoundFailed
 from dlcp.core.rate import RateConfig
+from dlcp.core.receiver import Receiver
 from dlcp.core.records import SWITCH_SHARDS, JobSpec
 from dlcp.daemon.flow import WINDOW_MIN, size_windows
 from dlcp.errors import LocalError
@@ -285,13 +286,13 @@ def test_an_interleaved_drain_is_taken_source_by_source(monkeypatch: pytest.Monk
     at the aggregator: one run a source, and the sums of `receive` per packet
     with the drain sorted by source (stable)."""
     runs: list[tuple[int | None, int]] = []
-    real = Engine._receive_run
+    real = Receiver._receive_run
 
-    def counting(self: Engine, h: Any, heads: Any, payloads: Any, now: float, src: Any) -> Any:
+    def counting(self: Receiver, h: Any, heads: Any, payloads: Any, now: float, src: Any) -> Any:
         runs.append((src, len(payloads)))
         return real(self, h, heads, payloads, now, src)
 
-    monkeypatch.setattr(Engine, "_receive_run", counting)
+    monkeypatch.setattr(Receiver, "_receive_run", counting)
     rng = np.random.default_rng(4)
     per_lanes = 352  # fp32 lanes in a 1408-byte payload
     total = SWITCH_SHARDS * 4 * per_lanes  # 4 packets a shard
@@ -369,13 +370,13 @@ def test_a_drain_of_one_source_is_not_reordered(monkeypatch: pytest.MonkeyPatch)
     )
     dgs = [s.datagram for s in engines[0].datagrams_to_send()]
     runs: list[int] = []
-    real = Engine._receive_run
+    real = Receiver._receive_run
 
-    def counting(self: Engine, h: Any, heads: Any, payloads: Any, now: float, src: Any) -> Any:
+    def counting(self: Receiver, h: Any, heads: Any, payloads: Any, now: float, src: Any) -> Any:
         runs.append(h.shard)
         return real(self, h, heads, payloads, now, src)
 
-    monkeypatch.setattr(Engine, "_receive_run", counting)
+    monkeypatch.setattr(Receiver, "_receive_run", counting)
     accepted = engines[2].receive_many(dgs, 0.0, [0] * len(dgs))
     assert accepted.tolist() == list(range(len(dgs)))
     assert runs == sorted(runs) and len(runs) == SWITCH_SHARDS  # one run a shard, in order

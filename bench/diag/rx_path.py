@@ -47,9 +47,10 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 from bench.diag.veth_busbw import parse_size
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core import aggregate as agg_mod
-from dlcp.core import engine_in as engine_in_mod
+from dlcp.core import receiver as receiver_mod
 from dlcp.core.engine import Engine, JobSpec
 from dlcp.core.layout import Layout
+from dlcp.core.rounds import OpenRounds
 from dlcp.daemon import netin
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr
@@ -122,11 +123,11 @@ def main() -> None:
     clock.wrap(d.engine, "receive_many", "receive_many")
     clock.wrap(mac_mod.GhashAesKey, "verify", "verify")
     clock.wrap(lane_ops, "add_runs", "add_runs")
-    clock.wrap(Engine, "_shard_done", "shard_done")
-    clock.wrap(engine_in_mod, "decode_batch", "decode_batch")
+    clock.wrap(OpenRounds, "_shard_done", "shard_done")
+    clock.wrap(receiver_mod, "decode_batch", "decode_batch")
     clock.wrap(agg_mod.ShardAggregator, "on_data_run", "on_data_run")
     clock.wrap(agg_mod, "run_slots", "_run_slots")
-    clock.wrap(Engine, "_receive_run", "_receive_run")
+    clock.wrap(receiver_mod.Receiver, "_receive_run", "_receive_run")
     clock.wrap(d.netin, "_credit", "credit")  # `Credits.send`, as the drain holds it
     rows = []
     for rnd in range(a.rounds + 2):
@@ -178,9 +179,7 @@ def main() -> None:
         if got != len(data):
             raise RuntimeError(f"{got} of {len(data)} datagrams taken")
         d.engine.send_batches()  # the results made: dropped
-        e0._gathered.clear()
-        for table in (e0._contribs, e0._collectors, e0._aggs):
-            table.clear()
+        e0.rounds.table.clear()
         if rnd == 0:  # node 1's shard holds the exact sums
             lo, n_lanes = Layout(total, Codec.FP32, 2, PAYLOAD).shard_range(1)
             sl = slice(lo, lo + n_lanes)

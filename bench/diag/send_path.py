@@ -125,8 +125,7 @@ def main() -> None:
         while ob.backlog:
             ob.flush(0.0)
         t3 = time.perf_counter()
-        for table in (e._contribs, e._collectors, e._aggs, e._gathered):
-            table.clear()
+        e.rounds.table.clear()
         t4 = time.perf_counter()
         if a.queue:  # what the peer's reads would do, untimed
             while True:

@@ -4,9 +4,12 @@
 shard and decides when the shard is complete under the loss bound.
 `ResultCollector` (dlcp.core.collector) runs at every contributor: it gathers
 the owners' result packets for the whole bucket. Both take `now` and return
-what to send; the `Engine` wires them to packets. This module sums; the
-aggregator's clock (NACKs, completion) and its result are
-`dlcp.core.shard_clock`'s, the types they hand out `dlcp.core.aggtypes`'s.
+what to send; the `Engine` wires them to packets. `ShardAggregator` keeps the
+shard's arrival record (which packets came from whom, droppable, classes,
+manifests) and composes two objects that own the rest: its `ShardClock`
+(dlcp.core.shard_clock: NACK timing, completion, time-out) and its
+`ShardAccumulator` (dlcp.core.accumulator: the senders' lanes and their
+sum). The types they hand out are `dlcp.core.aggtypes`'s.
 
 Completion rule (DESIGN.md "Priority, dropping, bounded loss"): a shard is
 complete when every sender's non-droppable packets are in and at least
@@ -17,14 +20,13 @@ missing packet of that sender is treated as required.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core.aggtypes import Nack, RunRejected, ShardResult
-from dlcp.core.buffers import SpareBuffers
+from dlcp.core.accumulator import ShardAccumulator
+from dlcp.core.aggtypes import Nack, PartField, RunRejected, ShardResult
 from dlcp.core.layout import Layout
 from dlcp.core.runs import first_fresh, run_slots, taken
 from dlcp.core.shard_clock import ShardClock
@@ -39,22 +41,7 @@ __all__ = ["Nack", "RunRejected", "ShardAggregator", "ShardResult"]
 _DROPPABLE = int(Flags.DROPPABLE)
 
 
-def _uninitialised(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An array whose every element the caller writes before reading (tests
-    poison it to check that they do); a large one is a reused buffer when one
-    is free (`dlcp.core.buffers.SpareBuffers`)."""
-    dt = np.dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    if nbytes < MIN_SPARE_BYTES:
-        return np.empty(shape, dtype=dt)
-    return _SPARE.take(nbytes).view(dt).reshape(shape)
-
-
-_SPARE = SpareBuffers()
-MIN_SPARE_BYTES = 1 << 20  # smaller arrays come from the allocator as they are
-
-
-class ShardAggregator(ShardClock):
+class ShardAggregator:
     """Sums one shard of one round from every sender, within a loss bound."""
 
     def __init__(
@@ -70,9 +57,6 @@ class ShardAggregator(ShardClock):
         self.layout = layout
         self.shard = shard
         self.timing = timing
-        # per sender node, how soon it answers NACKs (the engine's, shared by
-        # every shard of the job); a sender without one: `nack_interval`
-        self.clocks: Mapping[int, NackClock] = {} if clocks is None else clocks
         self.senders = tuple(senders)
         self._row = {node: r for r, node in enumerate(self.senders)}
         pk = layout.shard_packets(shard)
@@ -83,16 +67,7 @@ class ShardAggregator(ShardClock):
             layout.packet_counts()[pk.start : pk.stop] if self.n_packets else np.zeros(0, np.int64)
         )
         s = len(self.senders)
-        # Not zeroed: every packet stored overwrites its lanes, and `_finish`
-        # zeroes the lanes of the packets that never came. Zeroing up front cost
-        # a pass over every row, this node's own too (held by reference, never
-        # written here): 4-7 % of the core's time for 100 MB fp32 rounds.
-        self.slots = _uninitialised((s, self.lanes), lane_ops.sum_dtype(layout.codec))
-        # rows held by reference instead of in `slots` (this node's own lanes)
-        self._held: dict[int, np.ndarray] = {}
         self.received = np.zeros((s, self.n_packets), dtype=bool)
-        # the rows found to hold every packet (`received` only ever gains them)
-        self._complete_rows: set[int] = set()
         self.droppable = np.zeros((s, self.n_packets), dtype=bool)
         # per packet, the highest priority (lowest class) and the layer it came
         # with from any sender: what its result packet is sent with
@@ -107,21 +82,26 @@ class ShardAggregator(ShardClock):
         self.block_max = np.zeros((s, self.n_packets), dtype=np.float32)
         self.bound = 1.0  # min over the senders' manifests
         self.scale: float | None = None
-        self.created = now
-        self.done_at: float | None = None  # when every required packet and the bound were met
-        self.last_nack = np.full(s, -math.inf)
-        # per sender row, the NACKs sent to it since it last answered one
-        self.unanswered = [0] * s
-        self.last_arrival = now
         self.result: ShardResult | None = None
-        # where `_finish` puts the sums, when set (`sum_into`): the collector's
-        # range of this shard, so that the sums are not copied there again
-        self.out: np.ndarray | None = None
-        # the sender whose packets are summed with this node's held lanes into
-        # `out` as they arrive (`_summing_row`); None: stored in `slots`
-        self._summed_row: int | None = None
-        self._summed_own: np.ndarray | None = None  # this node's held lanes they are added to
-        self._sum_decided = False
+        self.clock = ShardClock(
+            shard=shard,
+            senders=self.senders,
+            rows=self._row,
+            counts=self.counts,
+            received=self.received,
+            droppable=self.droppable,
+            manifest=self.manifest,
+            timing=timing,
+            clocks={} if clocks is None else clocks,
+            now=now,
+        )
+        self.acc = ShardAccumulator(
+            shard=shard,
+            codec=layout.codec,
+            lanes=self.lanes,
+            received=self.received,
+            counts=self.counts,
+        )
         self.duplicates = 0
         # the position, in the last run given (`on_data_many`, `on_data_run`),
         # of its last packet stored; -1: none was
@@ -158,13 +138,14 @@ class ShardAggregator(ShardClock):
             return False
         lanes = lane_ops.unpack(self.layout.codec, payload, count, summed)
         start = offset - self.offset
-        if self._summing_row(row, summed):
-            assert self.out is not None and self._summed_own is not None
+        acc = self.acc
+        if acc.summing_row(row, summed):
+            assert acc.out is not None and acc.summed_own is not None
             end = start + count
-            own = self._summed_own[start:end]
-            np.add(own, lanes, out=self.out[start:end], casting="unsafe")
+            own = acc.summed_own[start:end]
+            np.add(own, lanes, out=acc.out[start:end], casting="unsafe")
         else:
-            self.slots[row, start : start + count] = lanes
+            acc.slots[row, start : start + count] = lanes
         self.received[row, local] = True
         self.n_received += 1
         self.weight[row] = weight
@@ -175,7 +156,7 @@ class ShardAggregator(ShardClock):
             self.classes[local] = priority
         if layer is not None:
             self.layers[local] = layer
-        self.last_arrival = now
+        self.clock.last_arrival = now
         return True
 
     def on_data_many(
@@ -233,7 +214,7 @@ class ShardAggregator(ShardClock):
         self.duplicates += n_good - take.size
         if take.size == 0:
             return fresh, bad
-        self._store_lanes(
+        self.acc.store(
             row, summed, offsets[take] - self.offset, counts[take], taken(payloads, take)
         )
         lt = local[take]
@@ -247,7 +228,7 @@ class ShardAggregator(ShardClock):
             self.classes[lt] = np.minimum(self.classes[lt], priority[take])
         if layer is not None:
             self.layers[lt] = layer[take]
-        self.last_arrival = now
+        self.clock.last_arrival = now
         return fresh, bad
 
     def on_data_run(
@@ -312,7 +293,7 @@ class ShardAggregator(ShardClock):
         if take.size == 0:
             return 0, bad
         self.last_stored = int(take[-1])
-        self._store_lanes(row, summed, starts, counts, taken(payloads, take))
+        self.acc.store(row, summed, starts, counts, taken(payloads, take))
         _bulk.mark_data(
             heads,
             take,
@@ -326,27 +307,8 @@ class ShardAggregator(ShardClock):
         )
         self.n_received += take.size
         self.weight[row] = weight
-        self.last_arrival = now
+        self.clock.last_arrival = now
         return take.size, bad
-
-    def _store_lanes(
-        self,
-        row: int,
-        summed: bool,
-        starts: np.ndarray,
-        counts: np.ndarray,
-        payloads: Sequence[memoryview | bytes],
-    ) -> None:
-        """Packets' lanes (`starts` relative to the shard) summed into `out` or
-        stored in `row` of `slots` (`_summing_row`)."""
-        lay = self.layout
-        if self._summing_row(row, summed):
-            assert self.out is not None and self._summed_own is not None
-            lane_ops.add_runs(
-                self.out, self._summed_own, lay.codec, summed, starts, counts, payloads
-            )
-        else:
-            lane_ops.store_runs(self.slots[row], lay.codec, summed, starts, counts, payloads)
 
     def note_meta(self, classes: np.ndarray, layers: np.ndarray) -> None:
         """Every packet's class and layer as this node's own contribution has
@@ -376,18 +338,14 @@ class ShardAggregator(ShardClock):
         self._adopt_scale(scale)
         if self.received[row].any():
             raise RemoteError(Reason.BAD_RANGE, f"node {sender} already sent to this shard")
-        values = lane_ops.unpack(self.layout.codec, lanes, self.lanes, summed)
-        if values.dtype == self.slots.dtype:
-            self._held[row] = values
-        else:
-            self.slots[row] = values
+        self.acc.hold(row, lane_ops.unpack(self.layout.codec, lanes, self.lanes, summed))
         self.received[row] = True
         self.n_received += self.n_packets
         self.weight[row] = weight
         self.block_max[row] = block_max
         if not self.manifest[row]:
             self.droppable[row] |= droppable
-        self.last_arrival = now
+        self.clock.last_arrival = now
 
     def on_manifest(
         self, *, sender: int, droppable: np.ndarray, bound: float, now: float, first: int = 0
@@ -414,11 +372,11 @@ class ShardAggregator(ShardClock):
         if first in parts:
             return
         parts.add(first)
-        self.unanswered[row] = 0  # the DONE a NACK may have asked for (no sample)
+        self.clock.unanswered[row] = 0  # the DONE a NACK may have asked for (no sample)
         self.droppable[row, first : first + n] = droppable
         self.manifest_covered[row] += n
         self.bound = min(self.bound, bound)
-        self.last_arrival = now
+        self.clock.last_arrival = now
         if self.manifest_covered[row] >= self.n_packets:
             self.manifest[row] = True
             self.n_manifests += 1
@@ -447,50 +405,58 @@ class ShardAggregator(ShardClock):
         elif scale != self.scale:
             raise RemoteError(Reason.MISMATCH, f"scale {scale} != {self.scale}")
 
-    def _summing_row(self, row: int, summed: bool) -> bool:
-        """Whether `row`'s packets are summed into `out` as they arrive.
+    # -- the clock and the sums ---------------------------------------------
+    def may_complete(self) -> bool:
+        """Cheap check: could `poll` complete the shard now? (else leave it to timers)
 
-        Decided once, at the first packet of another sender: yes when the shard
-        has two senders, this node's lanes are held (`on_local`), the sums go to
-        `out` (`sum_into`) and the wire lanes are float32 like the sums. Then
-        `out` = own + packet is written per packet (one pass over the shard, no
-        copy of the packet into `slots` and no second pass in `_finish`), and
-        `_finish` only copies this node's lanes where packets never came. The
-        sums are those `_finish` computes otherwise (a + b == b + a in IEEE
-        arithmetic), except which NaN's payload a NaN sum carries.
+        Completion needs every manifest and every non-droppable packet, so at
+        least `received.size - droppable` packets; poll does the exact test.
         """
-        if not self._sum_decided:
-            if len(self.senders) == 2 and not self._held:
-                return False  # this node's lanes are not in yet: decided when they are
-            self._sum_decided = True
-            if (
-                len(self.senders) == 2
-                and len(self._held) == 1
-                and row not in self._held
-                and self.out is not None
-                and lane_ops.can_add_runs(self.out, self.layout.codec, summed)
-            ):
-                self._summed_row = row
-                own = self._summed_own = next(iter(self._held.values()))
-                # what came before this node's lanes, stored in `slots`: summed now
-                for a, b in self._received_spans(row):
-                    np.add(own[a:b], self.slots[row, a:b], out=self.out[a:b])
-        if self._summed_row is None:
+        if self.n_received == self.received.size:
+            return True
+        if self.n_manifests < len(self.senders):
             return False
-        if row != self._summed_row:  # cannot happen with two senders, one of them held
-            raise LocalError(
-                f"shard {self.shard}: packets of row {row} while summing row {self._summed_row}"
-            )
-        return True
+        if self._need is None:
+            self._need = self.received.size - int(self.droppable.sum())
+        return self.n_received >= self._need
 
-    def _zero_missing(self) -> None:
-        """Zero the lanes, in `slots`, of every packet a sender's row lacks."""
-        for r in range(len(self.senders)):
-            if r in self._held or r == self._summed_row:
-                continue
-            row = self.slots[r]
-            for a, b in self._missing_spans(r):  # runs of missing packets: a slice each
-                row[a:b] = 0
+    @property
+    def complete(self) -> bool:
+        return self.result is not None
+
+    def poll(self, now: float) -> tuple[list[Nack], bool]:
+        """Advance timers: NACKs to send, and whether the shard just completed."""
+        if self.result is not None:
+            return [], False
+        nacks, done = self.clock.poll(now, self.bound)
+        if done:
+            self._finish()
+        return nacks, done
+
+    def next_timer(self) -> float | None:
+        """When `poll` next has something to do (never a time it would idle at)."""
+        return None if self.result is not None else self.clock.next_timer()
+
+    def timed_out(self, now: float) -> bool:
+        return self.result is None and self.clock.timed_out(now)
+
+    def answered(self, sender: int, now: float) -> None:
+        """A retransmission from `sender` was stored: its answer to the NACKs
+        sent it (`ShardClock.answered`)."""
+        self.clock.answered(sender, now)
+
+    def missing_senders(self) -> list[int]:
+        return [n for r, n in enumerate(self.senders) if not self.received[r].any()]
+
+    # the parts' fields, read by the engine and tests
+    unanswered: PartField[list[int]] = PartField("clock")
+    created: PartField[float] = PartField("clock")
+    done_at: PartField[float | None] = PartField("clock")
+    last_nack: PartField[np.ndarray] = PartField("clock")
+    last_arrival: PartField[float] = PartField("clock")
+    clocks: PartField[Mapping[int, NackClock]] = PartField("clock")
+    slots: PartField[np.ndarray] = PartField("acc")  # per sender row, its lanes
+    out: PartField[np.ndarray | None] = PartField("acc")  # where the sums go, if set (`sum_into`)
 
     def sum_into(self, out: np.ndarray) -> None:
         """Put the sums, when the shard completes, in `out` (this shard's lanes in
@@ -498,29 +464,16 @@ class ShardAggregator(ShardClock):
         instead of a new array; `result.sums` is then `out`."""
         if self.result is not None:
             raise LocalError(f"shard {self.shard} has completed already")
-        if out.shape != (self.lanes,) or out.dtype != self.slots.dtype:
-            raise LocalError(
-                f"sums of shard {self.shard} need {self.lanes} lanes of {self.slots.dtype}, "
-                f"not {out.shape} of {out.dtype}"
-            )
-        self.out = out
+        self.acc.sum_into(out)
 
-    def _sum_rows(self, out: np.ndarray | None, sdt: np.dtype) -> np.ndarray:
-        """The senders' rows summed (missing packets as zeros), into `out` if set."""
-        self._zero_missing()
-        if self._held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
-            rows = [self._held.get(r, self.slots[r]) for r in range(len(self.senders))]
-            if len(rows) == 1:
-                sums = rows[0].astype(sdt, copy=True) if out is None else out
-                if out is not None:
-                    np.copyto(out, rows[0], casting="unsafe")
-            else:  # the first two in one pass, then the others
-                sums = np.add(rows[0], rows[1], out=out, dtype=sdt)
-            for r in rows[2:]:
-                np.add(sums, r, out=sums)
-            self._held = {}
-        elif not len(self.senders):
-            sums = self.slots[0] if out is None else out
-        else:
-            sums = np.add.reduce(self.slots, axis=0, dtype=sdt, out=out)
-        return sums
+    def _finish(self) -> None:
+        sums = self.acc.finish()
+        contributors = (self.received * self.weight[:, None]).sum(axis=0)
+        self.result = ShardResult(
+            shard=self.shard,
+            sums=sums,
+            contributors=contributors.astype(np.int64),
+            block_max=self.block_max.max(axis=0) if len(self.senders) else self.block_max[0],
+            lost_lanes=int(((~self.received) * self.counts).sum()),
+            total_lanes=int(self.counts.sum()) * len(self.senders),
+        )

@@ -1,17 +1,21 @@
 """What the aggregators (`aggregate.ShardAggregator`, `collector.ResultCollector`)
 hand the engine and share: a NACK to send, a summed shard's result, a run of
-packets rejected, the earliest-due timer of a poll.
+packets rejected, the earliest-due timer of a poll, and `PartField`, the
+aggregator's read-through to its parts' fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from dlcp.errors import Reason, RemoteError
 
-__all__ = ["Nack", "RunRejected", "ShardResult"]
+__all__ = ["Nack", "PartField", "RunRejected", "ShardResult"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,22 @@ class _Tick:
     def arm(self, t: float) -> None:
         if self.at is None or t < self.at:
             self.at = t
+
+
+class PartField(Generic[T]):
+    """A read-only attribute that is the same-named attribute of one of the
+    object's parts (`ShardAggregator.created` is its `clock.created`)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, objtype: type | None = None) -> T:
+        value: T = getattr(getattr(obj, self.part), self.name)
+        return value
 
 
 class RunRejected(RemoteError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core import aggregate
+from dlcp.core import accumulator
 from dlcp.core.aggtypes import Nack, ShardResult, _Tick
 from dlcp.core.layout import Layout
 from dlcp.core.runs import first_fresh, run_slots, taken
@@ -75,7 +75,7 @@ class ResultCollector:
         # (the result leg is reliable) and the local shard, which tile the bucket.
         dtype = lane_ops.sum_dtype(lay.codec)
         if self.out is None:
-            self.sums = aggregate._uninitialised(
+            self.sums = accumulator._uninitialised(
                 (lay.total,), dtype
             )  # the module's: tests poison it
         elif self.out.shape != (lay.total,) or self.out.dtype != dtype:

@@ -12,46 +12,49 @@ contributor gathers the whole bucket (`ResultCollector`), ACKs the owners and
 reports `RoundComplete`. In "transpose" mode contributors own one shard each;
 in "ps" mode dedicated aggregator nodes do.
 
-`Engine` is made of parts, one module each: this module holds its state, its
-jobs and `submit`; `engine_out` makes a round's datagrams, `engine_in` takes
-them in (in batches), `bookkeeping` follows a round to its end (timers,
-completion, failure, what is kept after), and `records` holds the types they
-share (`JobSpec`, `SendBatch`, the events).
+`Engine` is a facade over objects that each own their state (as aioquic's
+QuicConnection composes recovery, streams and congestion control): the jobs
+and their keys are its own; `OpenRounds` (dlcp.core.rounds) is the table of
+live rounds, a `Round` (dlcp.core.round) each with an explicit phase;
+`ClosedRounds` (dlcp.core.closed) answers "is this late?"; `Emitter`
+(dlcp.core.emitter) makes datagrams; `Receiver` (dlcp.core.receiver) takes
+them in, in runs, and `Dispatcher` (dlcp.core.dispatch) packet by packet;
+`records` holds the types they share (`JobSpec`, `SendBatch`, the events,
+`Tally`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core.aggregate import ShardAggregator
-from dlcp.core.bookkeeping import RoundBookkeeping
+from dlcp.core.closed import ClosedRounds
 from dlcp.core.collector import ResultCollector
-from dlcp.core.engine_in import EngineIn
-from dlcp.core.engine_out import EngineOut
+from dlcp.core.dispatch import Dispatcher
+from dlcp.core.emitter import Emitter
 from dlcp.core.layout import Layout
+from dlcp.core.receiver import Receiver
 from dlcp.core.records import (
-    CONTROL_CLASS,
     Event,
     JobSpec,
-    OpKey,
     RoundComplete,
     RoundFailed,
     Send,
     SendBatch,
+    Tally,
     _Contribution,
-    _Finished,
     manifest_capacity,
     nack_capacity,
 )
+from dlcp.core.rounds import OpenRounds
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import LocalError, Reason
 from dlcp.wire.credit import Credit, credit_of, credit_payload
-from dlcp.wire.header import Codec, Header, PacketType, encode, lane_bytes
+from dlcp.wire.header import Codec, lane_bytes
 from dlcp.wire.mac import MacKey, mac_state
 
 __all__ = [
@@ -68,12 +71,8 @@ __all__ = [
     "nack_capacity",
 ]
 
-# rounds whose settled datagrams wait for `Engine.drop_settled` at most (the
-# oldest are freed first when more end without a call)
-_SETTLED_MAX = 4
 
-
-class Engine(EngineOut, EngineIn, RoundBookkeeping):
+class Engine:
     """All rounds of all jobs at one node."""
 
     def __init__(self, *, timing: Timing | None = None, gather: bool = False) -> None:
@@ -83,36 +82,41 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
         self._keys: dict[int, MacKey] = {}
         # per job, per peer node: how soon it answers this node's NACKs
         self._clocks: dict[int, dict[int, NackClock]] = {}
-        self._aggs: dict[tuple[OpKey, int], ShardAggregator] = {}
-        self._finished: dict[tuple[OpKey, int], _Finished] = {}
-        self._contribs: dict[OpKey, _Contribution] = {}
-        self._collectors: dict[OpKey, ResultCollector] = {}
-        self._closed: dict[OpKey, float] = {}  # completed or failed rounds, for late packets
-        self._closed_shards: dict[tuple[OpKey, int], float] = {}  # shards aggregated here
-        # Shards closed here (aggregated, failed or timed out) for the whole stale
-        # window, not just `retain`: job -> (bucket, shard) -> [highest closed
-        # round, bitmap of closed rounds below it]. A replayed packet of such a
-        # round is late instead of opening a fresh aggregator (RELIABILITY.md).
-        self._closed_rounds: dict[int, dict[tuple[int, int], list[int]]] = {}
-        self._pruned_at: dict[int, int] = {}
-        self._newest: dict[int, int] = {}
-        self._out: list[SendBatch] = []
-        # per round this node contributes to: its lists of Gathered datagrams
-        # (`gather`), whose payloads lie in the caller's buffers (`lanes`, `out`)
-        self._gathered: dict[OpKey, list[list[bytes]]] = {}
-        # ... and those of rounds settled since `drop_settled` (at most
-        # _SETTLED_MAX rounds'): freeing a leg's tens of thousands of
-        # datagrams, long out of cache, took about a millisecond, which a
-        # round's end, its caller and the peers waiting on its ACKs need not
-        # wait for
-        self._settled: deque[list[list[bytes]]] = deque(maxlen=_SETTLED_MAX)
-        # rounds complete here whose completion waits (until the deadline) for
-        # receivers' ACKs of this node's gathered result shards
-        self._held: dict[OpKey, tuple[float, RoundComplete]] = {}
-        self._events: deque[Event] = deque()
-        self.stats: Counter[str] = Counter()
-        self.rejects: Counter[Reason] = Counter()
-        self.last_error = ""
+        self.tally = Tally()
+        self.stats: Counter[str] = self.tally.stats
+        self.rejects: Counter[Reason] = self.tally.rejects
+        self.emitter = Emitter(self._keys, self.stats, gather=gather)
+        self.closed = ClosedRounds(self.timing)
+        self.rounds = OpenRounds(
+            timing=self.timing,
+            clocks=self._clocks,
+            emitter=self.emitter,
+            closed=self.closed,
+            tally=self.tally,
+        )
+        self.packets = Dispatcher(
+            jobs=self.jobs,
+            clocks=self._clocks,
+            timing=self.timing,
+            rounds=self.rounds,
+            closed=self.closed,
+            emitter=self.emitter,
+            tally=self.tally,
+        )
+        self.receiver = Receiver(
+            keys=self._keys, rounds=self.rounds, packets=self.packets, tally=self.tally
+        )
+        # the receive path, bound once (called per drain)
+        self.receive = self.receiver.receive
+        self.receive_batch = self.receiver.receive_batch
+        self.receive_many = self.receiver.receive_many
+        self.receive_packet = self.packets.receive_packet
+
+    @property
+    def last_error(self) -> str:
+        """The last internal error met (a bug or inconsistency, counted in
+        `stats["internal_errors"]`, never raised)."""
+        return self.tally.last_error
 
     # -- jobs -------------------------------------------------------------
     def add_job(self, spec: JobSpec) -> None:
@@ -125,6 +129,10 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
         self._clocks[spec.job] = {
             n: NackClock() for n in {*spec.contributors, *spec.owners} if n != spec.me
         }
+
+    def nack_clocks(self, job: int) -> dict[int, NackClock]:
+        """Per peer node of `job`: its NACK clock (empty for a job not here)."""
+        return self._clocks.get(job, {})
 
     def nack_answers(self, job: int) -> dict[int, dict[str, Any]]:
         """Per peer node of `job`: how soon it answers this node's NACKs (mean
@@ -145,29 +153,8 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
         self.jobs.pop(job, None)
         self._keys.pop(job, None)
         self._clocks.pop(job, None)
-        for op in [op for op in self._collectors if op[0] == job]:
-            self._fail(op, "job removed", now)
-        for k in [k for k in self._aggs if k[0][0] == job]:
-            del self._aggs[k]
-        for k in [k for k in self._finished if k[0][0] == job]:
-            del self._finished[k]
-        for op in [op for op in self._contribs if op[0] == job]:
-            del self._contribs[op]
-        for op in [op for op in self._held if op[0] == job]:
-            self._complete(op, self._held.pop(op)[1])  # its results are whole
-        for op in [op for op in self._gathered if op[0] == job]:
-            self._settle_gathered(op)
-        for op in [op for op in self._closed if op[0] == job]:
-            del self._closed[op]
-        for k in [k for k in self._closed_shards if k[0][0] == job]:
-            del self._closed_shards[k]
-        self._closed_rounds.pop(job, None)
-        self._pruned_at.pop(job, None)
-        self._newest.pop(job, None)
-
-    def _mac(self, spec: JobSpec) -> MacKey:
-        key = self._keys.get(spec.job)
-        return key if key is not None else mac_state(spec.key, spec.mac)
+        self.rounds.remove_job(job, now)
+        self.closed.forget_job(job)
 
     @property
     def keys(self) -> dict[int, MacKey]:
@@ -176,19 +163,32 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
     # -- outputs ----------------------------------------------------------
     def send_batches(self) -> list[SendBatch]:
         """The datagrams to send since the last call, in order, in batches."""
-        out, self._out = self._out, []
-        return out
+        return self.emitter.take()
 
     def datagrams_to_send(self) -> list[Send]:
         """`send_batches`, one `Send` per datagram."""
         return [s for b in self.send_batches() for s in b.sends()]
 
     def next_event(self) -> Event | None:
-        return self._events.popleft() if self._events else None
+        events = self.rounds.events
+        return events.popleft() if events else None
 
     def pending_rounds(self) -> int:
         """Rounds begun here and not yet completed or failed (held ones too)."""
-        return len(self._collectors) + len(self._held)
+        return self.rounds.pending()
+
+    def drop_settled(self) -> None:
+        """Free the datagrams of the rounds settled so far (their payloads are
+        their own or no longer read): for a caller to call once it has told
+        the ranks and sent what a round's end made, rather than have them freed
+        while those wait."""
+        self.rounds.settled.clear()
+
+    def get_timer(self) -> float | None:
+        return self.rounds.get_timer()
+
+    def handle_timer(self, now: float) -> None:
+        self.rounds.handle_timer(now)
 
     def credit_datagram(
         self, job: int, epoch: int, received: int, drained: bool = False, window: int = 0
@@ -210,23 +210,13 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
         spec = self.jobs.get(job)
         if spec is None:
             return None
-        header = Header(
-            type=PacketType.CONTROL,
-            job=job,
-            round=self._newest.get(job, 0),
-            bucket=0,
-            priority=CONTROL_CLASS,
-            codec=Codec.FP32,
-            shard=0,
-            sender=spec.me,
-            count=len(payload),
-        )
-        return encode(header, payload, self._mac(spec))
+        return self.emitter.control(spec, self.closed.newest.get(job, 0), payload)
 
     def has_round(self, job: int, round: int, bucket: int) -> bool:
         """Whether this node submitted (job, round, bucket) and still remembers it."""
         op = (job, round, bucket)
-        return op in self._contribs or op in self._closed
+        r = self.rounds.get(op)
+        return (r is not None and r.contribution is not None) or self.closed.round_closed(op)
 
     # -- local contributions ---------------------------------------------
     def submit(
@@ -263,8 +253,7 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
             raise LocalError(f"unknown job {job}")
         if spec.me not in spec.contributors:
             raise LocalError(f"node {spec.me} does not contribute to job {job}")
-        op = (job, round, bucket)
-        if op in self._contribs or op in self._closed:
+        if self.has_round(job, round, bucket):
             raise LocalError(f"round {round} bucket {bucket} of job {job} was already submitted")
         if not 0.0 <= bound <= 0.5:
             raise LocalError(f"loss bound {bound} outside 0..0.5")
@@ -318,16 +307,4 @@ class Engine(EngineOut, EngineIn, RoundBookkeeping):
             out=out,
             clocks=self._clocks.get(job, {}),
         )
-        self._contribs[op] = c
-        self._collectors[op] = collector
-        self._see_round(job, round)
-        for shard, owner in enumerate(spec.owners):
-            pk = layout.shard_packets(shard)
-            if not pk:
-                continue
-            if owner == spec.me:
-                self._local_contribution(op, shard, c, now)
-            else:
-                self._send_data(c, shard, owner, None)
-                self._send_manifest(c, shard, owner, copies=2)
-        self._check_complete(op, now)
+        self.rounds.open(c, collector, now)

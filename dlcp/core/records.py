@@ -2,14 +2,15 @@
 keeps of a round: a job's membership (`JobSpec`), the datagrams it hands out
 (`Send`, `SendBatch`), the events it reports (`RoundComplete`,
 `RoundFailed`), and its records of this node's contribution and of the shards
-it finished (`_Contribution`, `_Finished`, kept to answer NACKs). The engine's
-parts (`engine_out`, `engine_in`, `bookkeeping`) share them from here.
+it finished (`_Contribution`, `_Finished`, kept to answer NACKs), and the
+counters its parts share (`Tally`).
 """
 
 from __future__ import annotations
 
 import functools
 import struct
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -20,7 +21,7 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.aggregate import ShardResult
 from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
-from dlcp.errors import LocalError
+from dlcp.errors import LocalError, Reason
 from dlcp.wire.header import HEADER_SIZE, Flags
 from dlcp.wire.mac import MAC_ALGORITHMS
 
@@ -35,6 +36,7 @@ __all__ = [
     "RoundFailed",
     "Send",
     "SendBatch",
+    "Tally",
     "manifest_capacity",
     "nack_capacity",
     "ps_problem",
@@ -202,6 +204,19 @@ class SendBatch(NamedTuple):
             Send(self.node, dg, p, d, self.kind)
             for dg, p, d in zip(self.datagrams, self.priorities, drop, strict=False)
         ]
+
+
+class Tally:
+    """The engine's counters, which its parts share: what happened (`stats`),
+    the packets rejected, by reason (`rejects`), and the last internal error
+    met (`last_error`)."""
+
+    __slots__ = ("last_error", "rejects", "stats")
+
+    def __init__(self) -> None:
+        self.stats: Counter[str] = Counter()
+        self.rejects: Counter[Reason] = Counter()
+        self.last_error = ""
 
 
 def _batch(

@@ -1,24 +1,24 @@
-"""The engine's way out: the datagrams a round makes. This node's data packets
-for each shard's owner and their DONE manifest, an owner's result packets and
-its result DONE, the NACKs that ask for what is missing and the ACKs of whole
-shards; each goes into the engine's outgoing `SendBatch`es with its class
+"""Making a round's datagrams: this node's data packets for each shard's owner
+and their DONE manifest, an owner's result packets and its result DONE, the
+NACKs that ask for what is missing, the ACKs of whole shards and CONTROL
+packets. Each goes into the emitter's outgoing `SendBatch`es with its class
 and droppable flag.
 
-A part of `dlcp.core.engine.Engine` (a mixin) that holds no state of its own;
-what it reads of the engine is declared below for the type checker.
+`Emitter` reads only what it is given (a round's `_Contribution` or
+`_Finished`, a job's spec) and the jobs' MAC keys; what it keeps is its own
+queue of batches, which the engine drains (`take`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
-from dlcp.core.aggregate import Nack, ShardAggregator
-from dlcp.core.collector import ResultCollector
+from dlcp.core.aggregate import Nack
 from dlcp.core.layout import Layout
 from dlcp.core.records import (
     CONTROL_CLASS,
@@ -37,57 +37,34 @@ from dlcp.core.records import (
     nack_capacity,
 )
 from dlcp.wire.batch import HEADER_DTYPE, encode_batch
-from dlcp.wire.header import LANE_BITS, Flags, Header, PacketType, encode, lane_bytes
-from dlcp.wire.mac import MacKey
+from dlcp.wire.header import LANE_BITS, Codec, Flags, Header, PacketType, encode
+from dlcp.wire.mac import MacKey, mac_state
 from dlcp.wire.slices import Slices
 
-__all__ = ["EngineOut"]
+__all__ = ["Emitter"]
 
 
-class EngineOut:
-    """Making the datagrams of a round: data, DONE manifests, results, NACKs, ACKs."""
+class Emitter:
+    """The datagrams of rounds, queued in batches until taken."""
 
-    if TYPE_CHECKING:
-        _collectors: dict[OpKey, ResultCollector]
-        _gathered: dict[OpKey, list[list[bytes]]]
-        _out: list[SendBatch]
-        gather: bool
-        stats: Counter[str]
+    def __init__(self, keys: dict[int, MacKey], stats: Counter[str], *, gather: bool) -> None:
+        self.keys = keys  # the engine's, per job (read only here)
+        self.stats = stats
+        self.gather = gather
+        self.out: list[SendBatch] = []
 
-        def _aggregator(
-            self, op: OpKey, shard: int, lay: Layout, now: float
-        ) -> ShardAggregator: ...
+    def take(self) -> list[SendBatch]:
+        """The batches queued since the last call, in order."""
+        out, self.out = self.out, []
+        return out
 
-        def _mac(self, spec: JobSpec) -> MacKey: ...
-
-        def _progress(self, op: OpKey, shard: int, now: float) -> None: ...
-
-    def _local_contribution(self, op: OpKey, shard: int, c: _Contribution, now: float) -> None:
-        agg = self._aggregator(op, shard, c.layout, now)
-        lay = c.layout
-        pk = lay.shard_packets(shard)
-        off, count = lay.shard_range(shard)
-        agg.on_local(
-            sender=c.spec.me,
-            lanes=self._slice(c, off, count),
-            summed=c.summed,
-            weight=c.weight,
-            droppable=c.droppable[pk.start : pk.stop],
-            scale=c.scale,
-            block_max=c.block_max[pk.start : pk.stop],
-            now=now,
-        )
-        agg.note_meta(c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
-        agg.on_manifest(sender=c.spec.me, droppable=np.zeros(len(pk), bool), bound=c.bound, now=now)
-        self._progress(op, shard, now)
-
-    @staticmethod
-    def _slice(c: _Contribution, off: int, count: int) -> memoryview:
-        start = lane_bytes(c.layout.codec, off, c.summed)
-        return c.lanes[start : start + lane_bytes(c.layout.codec, count, c.summed)]
+    def _mac(self, spec: JobSpec) -> MacKey:
+        key = self.keys.get(spec.job)
+        return key if key is not None else mac_state(spec.key, spec.mac)
 
     # -- packet building ---------------------------------------------------
-    def _heads(self, n: int, **common: Any) -> np.ndarray:
+    @staticmethod
+    def _heads(n: int, **common: Any) -> np.ndarray:
         """`n` header records, each with the `common` fields (the rest 0): the
         fields all packets share are set in one record, which is copied into
         each, instead of a pass over all records per field."""
@@ -96,9 +73,16 @@ class EngineOut:
             one[name] = value
         return np.repeat(one, n)
 
-    def _send_data(
-        self, c: _Contribution, shard: int, owner: int, only: Sequence[int] | None
+    def data(
+        self,
+        c: _Contribution,
+        shard: int,
+        owner: int,
+        only: Sequence[int] | None,
+        gathered: list[list[bytes]],
     ) -> None:
+        """The shard's data packets to `owner` (`only` these, resent); gathered
+        datagrams (`gather`) are noted in `gathered`, the round's list."""
         lay = c.layout
         pk = lay.shard_packets(shard)
         idx = np.arange(pk.start, pk.stop) if only is None else pk.start + np.asarray(only, int)
@@ -141,13 +125,13 @@ class EngineOut:
         payloads = Slices(c.lanes, (offs * bits + 7) // 8, (counts * bits + 7) // 8)
         dgs = encode_batch(h, payloads, self._mac(c.spec), gather=self.gather)
         if self.gather:
-            self._gathered.setdefault((c.spec.job, c.round, c.bucket), []).append(dgs)
-        self._out.append(
+            gathered.append(dgs)
+        self.out.append(
             _batch(owner, dgs, _int_list(prio), drop.tolist() if drop.any() else None, "data")
         )
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
-    def _send_manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
+    def manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
         """The shard's DONE: a bit a packet (droppable or not), in parts of
         `manifest_capacity` packets, each within the job's payload budget
         (one IP packet; one DONE for all of a large shard was IP-fragmented
@@ -179,12 +163,21 @@ class EngineOut:
             parts.append(encode(header, np.packbits(part, bitorder="little").tobytes(), key))
         for _ in range(copies):
             for dg in parts:
-                self._out.append(_control(owner, dg))
+                self.out.append(_control(owner, dg))
 
-    def _send_results(self, f: _Finished, node: int, only: Sequence[int] | None) -> None:
+    def results(
+        self,
+        f: _Finished,
+        node: int,
+        only: Sequence[int] | None,
+        gathered: list[list[bytes]] | None = None,
+    ) -> None:
+        """The shard's result packets to `node` (`only` these, resent); a first
+        send from sums that may be the caller's `out` notes its gathered
+        datagrams in `gathered` (the round's list while its collector is open)."""
         if only is None and f.datagrams is not None:  # the same datagrams to another receiver
             assert f.classes_sent is not None
-            self._out.append(_batch(node, f.datagrams, f.classes_sent, None, "result"))
+            self.out.append(_batch(node, f.datagrams, f.classes_sent, None, "result"))
             self.stats["result_packets_sent"] += len(f.datagrams)
             return
         lay = f.layout
@@ -235,14 +228,13 @@ class EngineOut:
         classes = _int_list(prio)
         if only is None:
             f.datagrams, f.classes_sent, f.codec_sent = dgs, classes, codec
-            op = (f.spec.job, f.round, f.bucket)
-            if self.gather and op in self._collectors:  # the sums may be the caller's `out`
-                self._gathered.setdefault(op, []).append(dgs)
+            if self.gather and gathered is not None:  # the sums may be the caller's `out`
+                gathered.append(dgs)
                 f.gathered = True
-        self._out.append(_batch(node, dgs, classes, None, "result"))
+        self.out.append(_batch(node, dgs, classes, None, "result"))
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
-    def _send_result_done(self, f: _Finished, node: int, copies: int) -> None:
+    def result_done(self, f: _Finished, node: int, copies: int) -> None:
         header = Header(
             type=PacketType.DONE,
             job=f.spec.job,
@@ -258,9 +250,9 @@ class EngineOut:
         )
         dg = encode(header, b"", self._mac(f.spec))
         for _ in range(copies):
-            self._out.append(_control(node, dg))
+            self.out.append(_control(node, dg))
 
-    def _send_nack(self, spec: JobSpec, op: OpKey, lay: Layout, nack: Nack, result: bool) -> None:
+    def nack(self, spec: JobSpec, op: OpKey, lay: Layout, nack: Nack, result: bool) -> None:
         """Ask for `nack.packets` again in as many NACK datagrams as it takes
         for each to fit the job's payload budget (`nack_capacity`: one IP
         packet each, however many were lost; before, one NACK listed them all
@@ -292,12 +284,12 @@ class EngineOut:
                 total=lay.total,
             )
             datagrams.append(encode(header, part.tobytes(), key))
-        self._out.append(
+        self.out.append(
             _batch(nack.node, datagrams, [CONTROL_CLASS] * len(datagrams), None, "control")
         )
         self.stats["result_nacks_sent" if result else "data_nacks_sent"] += len(datagrams)
 
-    def _send_ack(self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int) -> None:
+    def ack(self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int) -> None:
         header = Header(
             type=PacketType.ACK,
             job=op[0],
@@ -310,4 +302,19 @@ class EngineOut:
             sender=spec.me,
             total=lay.total,
         )
-        self._out.append(_control(owner, encode(header, b"", self._mac(spec))))
+        self.out.append(_control(owner, encode(header, b"", self._mac(spec))))
+
+    def control(self, spec: JobSpec, round: int, payload: bytes) -> bytes:
+        """A CONTROL packet of `spec`'s job with `payload`, in round `round`."""
+        header = Header(
+            type=PacketType.CONTROL,
+            job=spec.job,
+            round=round,
+            bucket=0,
+            priority=CONTROL_CLASS,
+            codec=Codec.FP32,
+            shard=0,
+            sender=spec.me,
+            count=len(payload),
+        )
+        return encode(header, payload, self._mac(spec))
