@@ -83,6 +83,7 @@ setup(
         Extension(
             "dlcp.codecs._fp16",
             sources=["dlcp/codecs/_fp16.c"],
+            depends=["dlcp/wire/f16c.h"],
             extra_compile_args=[*_CFLAGS, "-O3"],
             optional=True,
         ),

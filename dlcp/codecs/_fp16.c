@@ -25,35 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-#include <immintrin.h>
-#define HAVE_F16C_BUILD 1
-#else
-#define HAVE_F16C_BUILD 0
-#endif
-
-/* Whether this CPU has F16C and AVX and the OS saves the AVX state (as
- * dlcp/wire/lane_store.h's have_f16c). */
-static int have_f16c(void) {
-#if HAVE_F16C_BUILD
-    static int known = -1;
-    if (known < 0) {
-        unsigned int a = 0, b = 0, c = 0, d = 0;
-        known = 0;
-        if (__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 27)) && (c & (1u << 28)) &&
-            (c & (1u << 29))) {
-            unsigned int lo, hi;
-            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-            (void)hi;
-            known = (lo & 6u) == 6u;
-        }
-    }
-    return known;
-#else
-    return 0;
-#endif
-}
+#include "../wire/f16c.h" /* HAVE_F16C_BUILD, have_f16c() */
 
 #if HAVE_F16C_BUILD
 typedef struct {
