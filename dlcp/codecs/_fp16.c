@@ -9,7 +9,7 @@
  *   block_max[p] = max |v| over packet p (NaN where it holds a NaN);
  *   r_out (where given) = v - float(wire), 0 where that is not finite;
  *   returns how many finite v became an infinite half.
- * What dlcp/codecs/fp.py does with torch (`FpCodec._encode`), bit for bit in
+ * What dlcp/codecs/fp.py does with torch (`FloatCodec._encode`), bit for bit in
  * the lanes and the residual (tests/test_fp16_native.py); the maxima are the
  * same values (an all-zero packet's max is +0 here, +0 or -0 in torch).
  * `available()` says whether this CPU has F16C and AVX; without them the

@@ -82,8 +82,7 @@ DLCP_CLONES static void fwht_block(float *x, const float *sg, Py_ssize_t n, floa
             }
         }
     }
-    if (n < 8 && n > 1) return;  /* the last stage took the product */
-    if (n == 1) x[0] *= inv;
+    if (n == 1) x[0] *= inv; /* no stage to take the product */
 }
 
 static float inv_sqrt(Py_ssize_t n) { return (float)(1.0 / sqrt((double)n)); }

@@ -285,7 +285,7 @@ class ThcCodec(Codec):
             raise LocalError("per-packet THC scales must be finite and >= 0")
         if native:
             return self._encode_native(
-                y, s, d, out, state, generator, v, work, block_max, reported[0], scale
+                y, s, d, out, state, generator, v, block_max, reported[0], scale
             )
         saturated = int((torch.abs(y, out=t) > s).sum()) if reported[1] else 0
 
@@ -329,7 +329,6 @@ class ThcCodec(Codec):
         state: CodecState | None,
         generator: torch.Generator | None,
         v: torch.Tensor,
-        work: _Scratch,
         block_max: torch.Tensor,
         gmax: float,
         scale: Scale | None,
