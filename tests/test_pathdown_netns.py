@@ -47,6 +47,13 @@ def in_use(states: list[str]) -> bool:
     return all(x in IN_USE for x in states)
 
 
+def transitions(text: str, labels: str, to: str) -> float:
+    """The value of `dlcp_path_transitions_total{labels,to=...}` in a /metrics text (0 if absent)."""
+    head = f'dlcp_path_transitions_total{{{labels},to="{to}"}} '
+    vals = [float(ln[len(head) :]) for ln in text.splitlines() if ln.startswith(head)]
+    return vals[0] if vals else 0.0
+
+
 def sent_on(status: dict[str, Any], path: int) -> int:
     """Packets the outbox sent on `path` to all peers (probes and credits not counted)."""
     return sum(p["paths"][path]["sent"] for p in status["peers"])
@@ -84,8 +91,10 @@ def test_a_path_set_down_mid_round_leaves_use_and_comes_back() -> None:
             labels = f'path="0",peer="{peer1}"'
             assert f'dlcp_path_state{{{labels},state="down"}} 1.0' in text, text
             assert f'dlcp_path_state{{{labels},state="up"}} 0.0' in text
-            moves = [ln for ln in text.splitlines() if ln.startswith("dlcp_path_transitions")]
-            assert f'dlcp_path_transitions_total{{{labels},to="down"}} 1.0' in moves, moves
+            # at least the cut's move to down is counted (a busy machine may add an earlier
+            # suspect -> down -> probed back up, so not exactly one)
+            downs = transitions(text, labels, "down")
+            assert downs >= 1.0, [ln for ln in text.splitlines() if "transitions" in ln]
             before = [sent_on(s, 0) for s in st]
             for rnd in (3, 4):
                 allreduce(rs, job=job, rnd=rnd, total=total, seed=rnd)
