@@ -79,9 +79,11 @@ def test_a_path_set_down_mid_round_leaves_use_and_comes_back() -> None:
             allreduce(rs, job=job, rnd=2, total=total, seed=2)
             st = [r.status() for r in rs]
             # host 0 sees path 0 down to both peers, the others see it down to host 0
-            assert all(s[0] == "down" and s[1] in IN_USE for s in states(st[0]).values()), states(
-                st[0]
-            )
+            # path 1, the only live one, stays in use even if its probes come back slow
+            # on a busy machine (degraded: when every live path is, they all may be used)
+            assert all(
+                s[0] == "down" and s[1] in (*IN_USE, "degraded") for s in states(st[0]).values()
+            ), states(st[0])
             for other in (1, 2):
                 seen = states(st[other])
                 assert seen[addr0][0] == "down", seen
