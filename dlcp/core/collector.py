@@ -68,6 +68,9 @@ class ResultCollector:
     clocks: Mapping[int, NackClock] = field(default_factory=dict)
     # the shards whose owners were sent an ACK (each as it became whole here)
     acked: set[int] = field(default_factory=set)
+    # the shards whose result packets come here (None: all); of the others
+    # only the owner's DONE comes (a reduce-scatter's: "summed, yours is in")
+    expect: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -94,6 +97,8 @@ class ResultCollector:
                 continue
             first = lay.result_index(lay.packet_range(pk.start)[0])
             n = lay.shard_result_count(shard)
+            if self.expect is not None and shard not in self.expect:
+                n = 0
             self.waiting[shard] = _Awaited(
                 owner=owner,
                 indices=np.arange(first, first + n),
@@ -296,6 +301,8 @@ class ResultCollector:
         w.done = True
         w.last_arrival = now
         w.unanswered = 0  # the DONE a NACK may have asked for (no sample)
+        if not w.indices.size:  # a shard whose DONE is all that comes
+            del self.waiting[shard]
 
     def tally(self) -> None:
         """`lost_lanes` and `total_lanes` from the bucket's result counts, once
