@@ -125,6 +125,8 @@ def test_reduce_scatter_gives_each_owner_its_shards_sum(hosts: int) -> None:
     for me, ev in done.items():
         part = shard_of(lay, me)
         np.testing.assert_array_equal(ev.sums[part], expected[part])
+        # its shard's lanes of every sender, none lost (the others' sums are not here)
+        assert (ev.lost_lanes, ev.total_lanes) == (0, (part.stop - part.start) * hosts)
     assert sent["RESULT"] == 0  # no RESULT leg
     assert sent["DATA"] == lay.packets * (hosts - 1)
 

@@ -309,14 +309,23 @@ class ResultCollector:
         every shard is in: a packet holding c of the round's W contributions
         (the most any packet holds) lacks (W - c) / W of its lanes from each of
         the `senders`. Not from the owners' DONEs: they come after the results,
-        usually after the round completed (the losses went uncounted)."""
+        usually after the round completed (the losses went uncounted). With
+        `expect`, the packets of those shards only (no sums came of the rest)."""
         counts = self.layout.packet_counts()
+        contributors = self.contributors
+        if self.expect is not None:
+            lay = self.layout
+            mine = np.zeros(lay.packets, dtype=bool)
+            for shard in self.expect:
+                pk = lay.shard_packets(shard)
+                mine[pk.start : pk.stop] = True
+            counts, contributors = counts[mine], contributors[mine]
         self.total_lanes = int(counts.sum()) * self.senders
-        full = int(self.contributors.max(initial=0))
+        full = int(contributors.max(initial=0))
         if full <= 0:
             self.lost_lanes = 0
             return
-        short = ((full - self.contributors) * counts).sum()
+        short = ((full - contributors) * counts).sum()
         self.lost_lanes = round(float(short) * self.senders / full)
 
     def heard_from(self, node: int, now: float) -> None:
