@@ -273,3 +273,29 @@ def _gathered_supported() -> bool:
     from dlcp.wire import mac
 
     return mac._ghash is not None
+
+
+def test_the_daemon_refuses_one_leg_rounds_it_cannot_run() -> None:
+    """A submit's kind: one leg needs one local rank and a transpose job; an
+    all-gather is exact (bound 0); an unknown kind is refused."""
+    from types import SimpleNamespace
+
+    from dlcp.daemon.requests import RequestError
+    from dlcp.daemon.shimservice import ShimService
+
+    def job(local: int = 1, spec: JobSpec | None = None) -> object:
+        return SimpleNamespace(local_ranks=local, spec=spec or JobSpec.transpose(JOB, KEY, 0, 3))
+
+    kind = ShimService._round_kind
+    assert kind({}, job(), 0.0) == "allreduce"
+    assert kind({"kind": "reduce_scatter"}, job(), 0.01) == "reduce_scatter"
+    assert kind({"kind": "all_gather"}, job(), 0.0) == "all_gather"
+    for req, j, bound in (
+        ({"kind": "broadcast"}, job(), 0.0),
+        ({"kind": "reduce_scatter"}, job(local=2), 0.0),
+        ({"kind": "all_gather"}, job(spec=JobSpec.switch(JOB, KEY, 0, 3)), 0.0),
+        ({"kind": "all_gather"}, job(), 0.01),
+    ):
+        with pytest.raises(RequestError) as err:
+            kind(req, j, bound)
+        assert err.value.code == "bad_request"
