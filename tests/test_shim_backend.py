@@ -115,6 +115,57 @@ def test_collectives_go_through_the_daemons_and_equal_gloos(tmp_path: Path) -> N
         assert stats["rounds"] == 6  # sum, avg, async, future, reduce-scatter, all-gather
 
 
+def _sent() -> dict[str, int]:
+    """This rank's daemon's data and result packets made so far."""
+    from dlcp.shim.client import DaemonClient
+
+    c = DaemonClient(os.environ["DLCP_SOCKET"])
+    try:
+        counters = c.call("status")["status"]["counters"]
+    finally:
+        c.close()
+    return {k: int(counters.get(f"{k}_packets_sent", 0)) for k in ("data", "result")}
+
+
+def _one_leg(rank: int, world: int, n: int) -> dict[str, Any]:
+    x = torch.arange(float(n * world)) * (rank + 1)
+    before = _sent()
+    rs = torch.empty(n)
+    dist.reduce_scatter_tensor(rs, x)
+    after_rs = _sent()
+    mine = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    g = torch.empty(n * world)
+    dist.all_gather_into_tensor(g, mine)
+    dist.barrier()  # every rank's results are in: this daemon sent its own
+    after_ag = _sent()
+    legs = {
+        "reduce_scatter": {k: after_rs[k] - before[k] for k in before},
+        "all_gather": {k: after_ag[k] - after_rs[k] for k in before},
+    }
+    return {"rs": rs, "gathered": g, "legs": legs}
+
+
+def test_reduce_scatter_and_all_gather_are_one_leg_each(tmp_path: Path) -> None:
+    """A reduce-scatter makes data packets only, an all-gather result packets
+    only, each one a packet of a rank's chunk to each other host (a full
+    all-reduce makes both: twice the packets)."""
+    world, n = 3, 352 * 40 + 5  # a chunk of 41 packets, the last padded
+    with loopback_daemons(tmp_path, world, extra=TIMING) as ds:
+        results = spawn(_one_leg, world, tmp_path, sockets=[d.socket for d in ds], n=n)
+    x = torch.arange(float(n * world))
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    gathered = torch.cat([torch.randn(n, generator=g) for g in gens])
+    for rank, res in enumerate(results):
+        total = x * sum(range(1, world + 1))
+        torch.testing.assert_close(res["rs"], total[rank * n : (rank + 1) * n], rtol=0, atol=0)
+        assert torch.equal(res["gathered"], gathered)
+        legs = res["legs"]
+        assert legs["reduce_scatter"]["result"] == 0
+        assert legs["reduce_scatter"]["data"] >= 41 * (world - 1)
+        assert legs["all_gather"]["data"] == 0
+        assert legs["all_gather"]["result"] >= 41 * (world - 1)
+
+
 def _ddp_no_hook(rank: int, world: int, steps: int) -> dict[str, Any]:
     gloo = dist.new_group(backend="gloo")
     ref = reference_grads_on(gloo, rank, steps)

@@ -68,6 +68,9 @@ class ResultCollector:
     clocks: Mapping[int, NackClock] = field(default_factory=dict)
     # the shards whose owners were sent an ACK (each as it became whole here)
     acked: set[int] = field(default_factory=set)
+    # the shards whose result packets come here (None: all); of the others
+    # only the owner's DONE comes (a reduce-scatter's: "summed, yours is in")
+    expect: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -94,6 +97,8 @@ class ResultCollector:
                 continue
             first = lay.result_index(lay.packet_range(pk.start)[0])
             n = lay.shard_result_count(shard)
+            if self.expect is not None and shard not in self.expect:
+                n = 0
             self.waiting[shard] = _Awaited(
                 owner=owner,
                 indices=np.arange(first, first + n),
@@ -296,20 +301,31 @@ class ResultCollector:
         w.done = True
         w.last_arrival = now
         w.unanswered = 0  # the DONE a NACK may have asked for (no sample)
+        if not w.indices.size:  # a shard whose DONE is all that comes
+            del self.waiting[shard]
 
     def tally(self) -> None:
         """`lost_lanes` and `total_lanes` from the bucket's result counts, once
         every shard is in: a packet holding c of the round's W contributions
         (the most any packet holds) lacks (W - c) / W of its lanes from each of
         the `senders`. Not from the owners' DONEs: they come after the results,
-        usually after the round completed (the losses went uncounted)."""
+        usually after the round completed (the losses went uncounted). With
+        `expect`, the packets of those shards only (no sums came of the rest)."""
         counts = self.layout.packet_counts()
+        contributors = self.contributors
+        if self.expect is not None:
+            lay = self.layout
+            mine = np.zeros(lay.packets, dtype=bool)
+            for shard in self.expect:
+                pk = lay.shard_packets(shard)
+                mine[pk.start : pk.stop] = True
+            counts, contributors = counts[mine], contributors[mine]
         self.total_lanes = int(counts.sum()) * self.senders
-        full = int(self.contributors.max(initial=0))
+        full = int(contributors.max(initial=0))
         if full <= 0:
             self.lost_lanes = 0
             return
-        short = ((full - self.contributors) * counts).sum()
+        short = ((full - contributors) * counts).sum()
         self.lost_lanes = round(float(short) * self.senders / full)
 
     def heard_from(self, node: int, now: float) -> None:

@@ -17,7 +17,7 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core.closed import ClosedRounds
 from dlcp.core.emitter import Emitter
 from dlcp.core.layout import Layout
-from dlcp.core.records import _F32, _U32, JobSpec, OpKey, Tally, manifest_capacity
+from dlcp.core.records import _F32, _U32, ALL_GATHER, JobSpec, OpKey, Tally, manifest_capacity
 from dlcp.core.rounds import OpenRounds
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError
@@ -176,6 +176,14 @@ class Dispatcher:
     def _on_manifest(
         self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
     ) -> None:
+        r = self.rounds.table.get(op)
+        if r is not None and r.kind == ALL_GATHER and spec.owners[h.shard] == spec.me:
+            # an all-gather's receiver has submitted: its results may go (the
+            # owner's shard is summed alone; nothing of the sender's to wait for)
+            if h.sender not in spec.contributors:
+                raise RemoteError(Reason.BAD_SENDER, f"node {h.sender} does not contribute")
+            self.rounds.ready(r, h.sender)
+            return
         lay = self.owned_layout(spec, op, h)
         if lay is None:
             return
@@ -270,6 +278,10 @@ class Dispatcher:
             if f is None:
                 self.stats["nacks_ignored"] += 1
                 return
+            if h.sender in f.deferred:  # its "ready" manifests were lost: it is there
+                assert r is not None
+                self.rounds.ready(r, h.sender)
+                return
             n = f.layout.shard_result_count(h.shard)
             if idx.size and idx.max() >= n:
                 raise RemoteError(Reason.BAD_RANGE, f"NACK for result packet {idx.max()} of {n}")
@@ -288,6 +300,8 @@ class Dispatcher:
         n = len(c.layout.shard_packets(h.shard))
         if idx.size and idx.max() >= n:
             raise RemoteError(Reason.BAD_RANGE, f"NACK for packet {idx.max()} of {n}")
+        if c.kind == ALL_GATHER:  # an owner that had not submitted yet: no data to give
+            idx = idx[:0]
         if idx.size:
             todo = self._unsent_lately(spec, c.resent, (h.shard, h.sender), n, idx, now)
             if todo:

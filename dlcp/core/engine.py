@@ -39,6 +39,9 @@ from dlcp.core.emitter import Emitter
 from dlcp.core.layout import Layout
 from dlcp.core.receiver import Receiver
 from dlcp.core.records import (
+    ALLREDUCE,
+    REDUCE_SCATTER,
+    ROUND_KINDS,
     Event,
     JobSpec,
     RoundComplete,
@@ -238,6 +241,7 @@ class Engine:
         scale: float = 0.0,
         block_max: np.ndarray | None = None,
         out: np.ndarray | None = None,
+        kind: str = ALLREDUCE,
     ) -> None:
         """Start a round with this node's contribution (`total` lanes of `codec`).
 
@@ -247,6 +251,13 @@ class Engine:
         the codec's sum dtype, `lane_ops.sum_dtype`) is where the results are
         put as they arrive, and `RoundComplete.sums` then is `out`; it is the
         caller's only once the round has completed or failed.
+
+        `kind` (`ROUND_KINDS`): "reduce_scatter" moves the DATA leg only, and
+        the sums are those of the shards this node owns (the rest of `sums`
+        is not written); "all_gather" the RESULT leg only: each owner's own
+        lanes of its shard are the result, exactly (the other lanes of
+        `lanes` are not read). Both need a transpose job (every contributor
+        owns shards), and a round's kind is the same at every node.
         """
         spec = self.jobs.get(job)
         if spec is None:
@@ -263,6 +274,10 @@ class Engine:
             raise LocalError(f"weight {weight} outside 1..{lane_ops.MAX_CONTRIBUTORS}")
         if not math.isfinite(scale):
             raise LocalError("scale must be finite")
+        if kind not in ROUND_KINDS:
+            raise LocalError(f"round kind {kind!r}; valid: {', '.join(ROUND_KINDS)}")
+        if kind != ALLREDUCE and sorted(set(spec.owners)) != sorted(spec.contributors):
+            raise LocalError(f"a {kind} round needs every contributor to own shards (transpose)")
         layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
         view = memoryview(np.ascontiguousarray(lanes)).cast("B")  # type: ignore[arg-type]
         if len(view) != lane_bytes(codec, total, summed):
@@ -294,6 +309,7 @@ class Engine:
             bound=bound,
             scale=scale,
             block_max=per_packet(block_max, 0.0, np.float32),
+            kind=kind,
         )
         if c.classes.max(initial=0) > 7:
             raise LocalError("priority classes must be 0..7")
@@ -306,5 +322,8 @@ class Engine:
             timing=self.timing,
             out=out,
             clocks=self._clocks.get(job, {}),
+            expect=frozenset(s for s, o in enumerate(spec.owners) if o == spec.me)
+            if kind == REDUCE_SCATTER
+            else None,
         )
         self.rounds.open(c, collector, now)

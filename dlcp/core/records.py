@@ -26,9 +26,13 @@ from dlcp.wire.header import HEADER_SIZE, Flags
 from dlcp.wire.mac import MAC_ALGORITHMS
 
 __all__ = [
+    "ALLREDUCE",
+    "ALL_GATHER",
     "CONTROL_CLASS",
     "LOWEST_RELIABLE_CLASS",
+    "REDUCE_SCATTER",
     "RETRANSMIT_CLASS",
+    "ROUND_KINDS",
     "Event",
     "JobSpec",
     "OpKey",
@@ -44,6 +48,15 @@ __all__ = [
 ]
 
 OpKey = tuple[int, int, int]  # job, round, bucket
+
+# What a round moves (`Engine.submit(kind=...)`): both legs (the sums to every
+# contributor), the DATA leg only (each owner keeps its shard's sums: a
+# reduce-scatter) or the RESULT leg only (each owner sends its own shard as
+# the result: an all-gather). One-leg rounds need transpose membership.
+ALLREDUCE = "allreduce"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_GATHER = "all_gather"
+ROUND_KINDS = (ALLREDUCE, REDUCE_SCATTER, ALL_GATHER)
 
 # header fields that packets of one run (`Engine.receive_many`) share
 _U32 = struct.Struct("!I")
@@ -307,6 +320,7 @@ class _Contribution:
     scale: float
     block_max: np.ndarray
     resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    kind: str = ALLREDUCE  # ROUND_KINDS
 
 
 @dataclass
@@ -331,6 +345,9 @@ class _Finished:
     classes_sent: list[int] | None = None
     codec_sent: int | None = None  # their codec: the layout's, or its narrow sums
     gathered: bool = False  # `datagrams` read `result.sums` in place
+    # an all-gather's receivers not yet known to have submitted the round
+    # (their DONE manifest, "ready", has not come): their results wait for it
+    deferred: set[int] = field(default_factory=set)
 
 
 def _payload_of(datagram: Any) -> memoryview:

@@ -20,7 +20,7 @@ import enum
 
 from dlcp.core.aggregate import ShardAggregator
 from dlcp.core.collector import ResultCollector
-from dlcp.core.records import JobSpec, OpKey, RoundComplete, _Contribution, _Finished
+from dlcp.core.records import ALLREDUCE, JobSpec, OpKey, RoundComplete, _Contribution, _Finished
 from dlcp.errors import LocalError
 
 __all__ = ["TRANSITIONS", "Phase", "Round", "Step"]
@@ -75,8 +75,10 @@ class Round:
         "gathered",
         "held",
         "held_seq",
+        "kind",
         "op",
         "phase",
+        "ready",
         "spec",
     )
 
@@ -98,6 +100,10 @@ class Round:
         self.gathered: list[list[bytes]] = []
         self.held: tuple[float, RoundComplete] | None = None  # while HELD: (due, event)
         self.held_seq = 0
+        # what the round moves (`records.ROUND_KINDS`): known once submitted here
+        self.kind = ALLREDUCE
+        # an all-gather's receivers whose DONE manifest ("ready") came
+        self.ready: set[int] = set()
 
     def move(self, step: Step) -> None:
         """Take `step`: the next phase by `TRANSITIONS`, or a LocalError."""

@@ -12,8 +12,9 @@ rounds, the events for the caller, and the datagrams of rounds settled since
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -23,6 +24,8 @@ from dlcp.core.collector import ResultCollector
 from dlcp.core.emitter import Emitter
 from dlcp.core.layout import Layout
 from dlcp.core.records import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
     Event,
     JobSpec,
     OpKey,
@@ -116,21 +119,31 @@ class OpenRounds:
         r = self._round(spec, op)
         r.move(Step.SUBMIT)
         r.contribution, r.collector, r.collector_seq = c, collector, self._next()
+        r.kind = c.kind
         self.closed.see(spec, spec.job, c.round)
         for shard, owner in enumerate(spec.owners):
             if not c.layout.shard_packets(shard):
                 continue
             if owner == spec.me:
                 self._local_contribution(r, shard, c, now)
+            elif c.kind == ALL_GATHER:  # no data of its own: "ready" for the owner's results
+                self.emitter.manifest(c, shard, owner, copies=2)
             else:
                 self.emitter.data(c, shard, owner, None, r.gathered)
                 self.emitter.manifest(c, shard, owner, copies=2)
         self.check_complete(r, now)
 
     def aggregator(
-        self, spec: JobSpec, op: OpKey, shard: int, lay: Layout, now: float
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        shard: int,
+        lay: Layout,
+        now: float,
+        senders: Sequence[int] | None = None,
     ) -> tuple[Round, ShardAggregator]:
-        """The aggregator of (op, shard), opened (and its round) if need be."""
+        """The aggregator of (op, shard), opened (and its round) if need be;
+        `senders`: who contributes (default the job's contributors)."""
         r = self.table.get(op)
         if r is None:
             r = self.table[op] = Round(spec, op)
@@ -139,7 +152,7 @@ class OpenRounds:
             agg = ShardAggregator(
                 layout=lay,
                 shard=shard,
-                senders=spec.contributors,
+                senders=spec.contributors if senders is None else senders,
                 now=now,
                 timing=self.timing,
                 clocks=self.clocks.get(op[0]),
@@ -151,7 +164,14 @@ class OpenRounds:
         return r, agg
 
     def _local_contribution(self, r: Round, shard: int, c: _Contribution, now: float) -> None:
-        r, agg = self.aggregator(r.spec, r.op, shard, c.layout, now)
+        alone = None
+        if c.kind == ALL_GATHER:  # the owner's shard is its own contribution alone
+            old = r.aggs.pop(shard, None)  # opened by receivers' "ready" manifests
+            r.agg_seq.pop(shard, None)
+            if old is not None:
+                r.ready.update(n for n, m in zip(old.senders, old.manifest, strict=True) if m)
+            alone = (c.spec.me,)
+        r, agg = self.aggregator(r.spec, r.op, shard, c.layout, now, alone)
         lay = c.layout
         pk = lay.shard_packets(shard)
         off, count = lay.shard_range(shard)
@@ -213,8 +233,11 @@ class OpenRounds:
         if receivers:
             r.finished[shard] = f
         gathered = r.gathered if r.collector is not None else None
-        for node in sorted(receivers):
-            self.emitter.results(f, node, None, gathered)
+        if r.kind == ALL_GATHER:
+            f.deferred = receivers - r.ready
+        for node in sorted(receivers - f.deferred):
+            if r.kind != REDUCE_SCATTER:  # a reduce-scatter's DONE only: "your data is in"
+                self.emitter.results(f, node, None, gathered)
             self.emitter.result_done(f, node, copies=2)
         col = r.collector
         if col is not None:
@@ -230,6 +253,17 @@ class OpenRounds:
             if nack.node != r.spec.me:
                 self.emitter.nack(r.spec, r.op, col.layout, nack, True)
         self.check_complete(r, now)
+
+    def ready(self, r: Round, node: int) -> None:
+        """An all-gather's receiver `node` has submitted the round (its DONE
+        manifest came, or its NACK for results): what waited for it is sent."""
+        r.ready.add(node)
+        gathered = r.gathered if r.collector is not None else None
+        for f in r.finished.values():
+            if node in f.deferred:
+                f.deferred.discard(node)
+                self.emitter.results(f, node, None, gathered)
+                self.emitter.result_done(f, node, copies=2)
 
     def acked(self, r: Round, shard: int, sender: int, now: float) -> None:
         """A receiver's ACK of result shard `shard`: kept no longer once all are in."""
@@ -319,7 +353,11 @@ class OpenRounds:
         """Round `r` ends here: its caller gets its buffers back and may change
         them. Gathered datagrams that may still be sent from them take copies
         of their payloads: the result datagrams of shards some receiver has not
-        ACKed (kept for its NACKs), and any other still queued downstream."""
+        ACKed (kept for its NACKs), and any other still queued downstream; an
+        all-gather's shard not yet sent to anyone keeps a copy of its sums."""
+        for f in r.finished.values():
+            if f.deferred and f.datagrams is None:
+                f.result = dataclasses.replace(f.result, sums=f.result.sums.copy())
         lists, r.gathered = r.gathered, []
         if not lists:
             return

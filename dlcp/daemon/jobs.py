@@ -106,6 +106,8 @@ class LocalRound:
     started: float
     parts: list[LocalPart] = field(default_factory=list)
     submitted: bool = False
+    kind: str = "allreduce"  # what the round moves (dlcp.core.records.ROUND_KINDS)
 
-    def same(self, codec: int, total: int, bound: float, scale: float) -> bool:
-        return (self.codec, self.total, self.bound, self.scale) == (codec, total, bound, scale)
+    def same(self, codec: int, total: int, bound: float, scale: float, kind: str) -> bool:
+        mine = (self.codec, self.total, self.bound, self.scale, self.kind)
+        return mine == (codec, total, bound, scale, kind)

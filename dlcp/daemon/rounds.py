@@ -22,6 +22,7 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
 from dlcp.core.layout import Layout
+from dlcp.core.records import ALLREDUCE
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, OpKey
 from dlcp.daemon.outbox import Outbox
@@ -97,7 +98,9 @@ class RoundLifecycle:
         counts = lay.packet_counts()
         expected = len(job.spec.contributors) * job.local_ranks if job else 0
         self.counters["result_lanes"] += lay.total * len(lr.parts)
-        self.counters["result_lanes_lost"] += int(counts[contrib < expected].sum()) * len(lr.parts)
+        if lr.kind == ALLREDUCE:  # a one-leg round's counts are its shards' (one sender's)
+            lost = int(counts[contrib < expected].sum())
+            self.counters["result_lanes_lost"] += lost * len(lr.parts)
         sums = lane_ops.summed_wire(lay.codec, ev.sums)  # the wire's summed lanes
         for part in lr.parts:
             c = part.client
@@ -202,6 +205,7 @@ class RoundLifecycle:
             scale=lr.scale,
             block_max=block_max,
             out=out,
+            kind=lr.kind,
         )
         lr.submitted = True
         self._pump()
@@ -337,7 +341,14 @@ class RoundLifecycle:
             self.leave(client, job_id)
 
     def check_submit(
-        self, op: OpKey, client: Client, codec: int, total: int, bound: float, scale: float
+        self,
+        op: OpKey,
+        client: Client,
+        codec: int,
+        total: int,
+        bound: float,
+        scale: float,
+        kind: str = ALLREDUCE,
     ) -> None:
         """Refuse (RequestError "conflict") a submit of `op` by `client` that
         cannot join its round: run already, started, of another shape, or a
@@ -349,8 +360,10 @@ class RoundLifecycle:
                 raise RequestError("conflict", f"round {rnd} bucket {bucket} was already run")
         elif lr.submitted:
             raise RequestError("conflict", f"round {rnd} bucket {bucket} already started")
-        elif not lr.same(codec, total, bound, scale):
-            raise RequestError("conflict", "local ranks disagree on codec, size, bound or scale")
+        elif not lr.same(codec, total, bound, scale, kind):
+            raise RequestError(
+                "conflict", "local ranks disagree on codec, size, bound, scale or kind"
+            )
         elif any(p.client is client for p in lr.parts):
             raise RequestError("conflict", "this client already submitted the bucket")
 
@@ -363,6 +376,7 @@ class RoundLifecycle:
         total: int,
         bound: float,
         scale: float,
+        kind: str = ALLREDUCE,
     ) -> None:
         """A local rank's part of round `op` (checked by `check_submit`): the
         round starts when all local ranks are in, else the others have until
@@ -381,6 +395,7 @@ class RoundLifecycle:
                 scale,
                 expected=job.local_ranks,
                 started=self.now,
+                kind=kind,
             )
             self.rounds[op] = lr
         lr.parts.append(part)

@@ -27,6 +27,7 @@ from dlcp import ipc
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.engine import Engine
 from dlcp.core.layout import Layout
+from dlcp.core.records import ALL_GATHER, ALLREDUCE, ROUND_KINDS
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, LocalPart, parse_hosts
 from dlcp.daemon.requests import RequestError, bad_request, float_field, int_field
@@ -350,6 +351,21 @@ class ShimService:
         self.lifecycle.leave(client, job_id)
         client.reply(rid)
 
+    @staticmethod
+    def _round_kind(req: dict[str, Any], job: Any, bound: float) -> str:
+        """A submit's `kind`: what its round moves (docs/shim-protocol.md)."""
+        kind = req.get("kind", ALLREDUCE)
+        if kind not in ROUND_KINDS:
+            raise bad_request(f"kind must be one of {', '.join(ROUND_KINDS)}")
+        if kind == ALLREDUCE:
+            return str(kind)
+        spec = job.spec
+        if job.local_ranks != 1 or sorted(set(spec.owners)) != sorted(spec.contributors):
+            raise bad_request(f"a {kind} needs one rank a host and a transpose job")
+        if kind == ALL_GATHER and bound > 0:
+            raise bad_request("an all_gather is exact: bound 0")
+        return str(kind)
+
     def _op_submit(self, client: Client, rid: int, req: dict[str, Any]) -> None:
         if self.draining:
             raise RequestError("shutting_down", "the daemon is stopping")
@@ -372,6 +388,7 @@ class ShimService:
         if codec == Codec.UNION and bound > 0:
             raise bad_request(_UNION_BOUND)
         spec = job.spec
+        kind = self._round_kind(req, job, bound)
         layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
         n = layout.packets
         d_off, d_len = seg.region(req.get("data"), "data")
@@ -403,7 +420,7 @@ class ShimService:
             if off < o_off + o_len and o_off < off + ln:
                 raise bad_request("out overlaps data or meta")
         op = (job_id, rnd, bucket)
-        self.lifecycle.check_submit(op, client, int(codec), total, bound, scale)
+        self.lifecycle.check_submit(op, client, int(codec), total, bound, scale, kind)
         # A named segment: a private copy by preadv, never a mapping (a rank that
         # shrinks its file gets bad_request instead of killing the daemon with
         # SIGBUS); the copy answers retransmissions until the round has its
@@ -414,4 +431,4 @@ class ShimService:
             data = client.inputs.take(d_len)
             seg.read_into(d_off, data)
         part = LocalPart(client, rid, (o_off, o_len), data, layers, norms, bmax, n_layers)
-        self.lifecycle.add_part(op, job, part, int(codec), total, bound, scale)
+        self.lifecycle.add_part(op, job, part, int(codec), total, bound, scale, kind)

@@ -4,12 +4,23 @@ Importing `dlcp.shim` registers the backend "dlcp". Its process group carries
 the collectives that move gradients and parameters through the daemons:
 
 - `all_reduce` (SUM and AVG) of floating tensors: one daemon round each;
-- `reduce_scatter_tensor` (FSDP's gradient reduction): a round of the whole
-  input, of which each rank keeps its chunk;
-- `all_gather_into_tensor` (FSDP's parameter all-gather): a round summing each
-  rank's input placed in its slot among zeros, exact in fp32 (x + 0 = x) and
-  with loss bound 0 whatever the group's, so the gathered parameters are the
-  ranks' bytes.
+- `reduce_scatter_tensor` (FSDP's gradient reduction): the DATA leg of a
+  round (submit kind "reduce_scatter"): shard r of the round is rank r's
+  chunk, owned by rank r's host, whose sum of it is rank r's output; no
+  result goes back;
+- `all_gather_into_tensor` (FSDP's parameter all-gather): the RESULT leg of a
+  round (kind "all_gather"): rank r's input is shard r, which its host sends
+  to every other as the result, losslessly and bit for bit (loss bound 0
+  whatever the group's).
+
+Each rank's chunk is padded to whole data packets, so that the round's
+shards are the ranks' chunks. One leg needs one rank a host (the hosts in
+rank order, as `plan_membership` gives them to one rank each) in a transpose
+job; with several ranks on a host (their daemon sums them before the
+network) or a switch or ps job, and for a reduce-scatter with a codec other
+than fp32, both collectives are a full all-reduce of the padded input, as
+they were before: a reduce-scatter keeps its chunk of the sums, an all-gather
+sums each rank's input placed in its slot among zeros (exact in fp32: x + 0).
 
 Everything else (broadcast, barrier, send/recv, gather/scatter, the object
 collectives, all_reduce of integers or with MIN/MAX/PRODUCT) is delegated to
@@ -25,9 +36,7 @@ same order); `Work.wait()` and `get_future()` behave as Gloo's. The shim's
 own agreement runs on a second Gloo group, so it never interleaves with the
 delegated collectives issued from the caller's thread.
 
-Not the ideal yet: a reduce-scatter moves the whole input through both legs
-of a round (an all-reduce's bytes, twice a reduce-scatter's), and so does an
-all-gather; one leg of a round each is what the transpose protocol allows.
+A one-leg collective moves half an all-reduce's bytes, as Gloo's do.
 """
 
 from __future__ import annotations
@@ -45,8 +54,10 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d  # Work from a future, AllgatherOptions
 
+from dlcp.core.layout import lanes_per_packet
 from dlcp.errors import LocalError
 from dlcp.shim.pg import DirectGroup
+from dlcp.wire.header import Codec
 
 __all__ = ["BACKEND", "DlcpProcessGroup", "groups", "options", "register", "set_options"]
 
@@ -187,6 +198,32 @@ class DlcpProcessGroup(_ProcessGroup):
         finally:
             state.loss_bound = bound
 
+    def _one_leg(self, codec: str) -> bool:
+        """Whether a collective of `codec` may go as one leg of a round (the
+        module's docstring); the same answer on every rank (it depends on the
+        job's membership only, which attaching agrees)."""
+        state = self.state
+        a = state.attachment
+        if a.due:
+            state.attach()
+        link = a.link
+        if link is None or codec != "fp32":
+            return False
+        m = link.membership
+        return (
+            m.switch is None
+            and not m.ps
+            and m.local_ranks == 1
+            and list(m.host_of_rank) == list(range(self._size))
+        )
+
+    def _padded(self, n: int) -> int:
+        """A rank's chunk of `n` values padded to whole fp32 data packets."""
+        link = self.state.attachment.link
+        assert link is not None
+        per = lanes_per_packet(Codec.FP32, link.membership.payload)
+        return -(-n // per) * per
+
     def _dlcp(self, fn: Callable[[], Any]) -> dist.Work:
         return self._worker.submit(fn)
 
@@ -234,9 +271,19 @@ class DlcpProcessGroup(_ProcessGroup):
         average = op == dist.ReduceOp.AVG
 
         def run() -> torch.Tensor:
+            n = output.numel()
+            if n and self._one_leg(self.state.codec):
+                m = self._padded(n)
+                buf = torch.zeros(self._size * m, dtype=torch.float32)
+                buf.view(self._size, m)[:, :n] = input.detach().reshape(self._size, n)
+                self.state.all_reduce(buf, average=False, codec="fp32", kind="reduce_scatter")
+                mine = buf[self._rank * m : self._rank * m + n]
+                if average:
+                    mine.div_(self._size)
+                output.detach().copy_(mine.view_as(output))
+                return output
             buf = input.detach().reshape(-1).to(torch.float32, copy=True)
             self._reduce_in_place(buf, average)
-            n = output.numel()
             output.detach().copy_(buf[self._rank * n : (self._rank + 1) * n].view_as(output))
             return output
 
@@ -262,12 +309,17 @@ class DlcpProcessGroup(_ProcessGroup):
 
         def run() -> torch.Tensor:
             n = input.numel()
-            buf = torch.zeros(output.numel(), dtype=torch.float32)
-            buf[self._rank * n : (self._rank + 1) * n] = input.detach().reshape(-1)
-            # exact: every value is one rank's plus zeros, summed in fp32, none lost
+            one_leg = n > 0 and self._one_leg("fp32")
+            m = self._padded(n) if one_leg else n
+            buf = torch.zeros(self._size * m, dtype=torch.float32)
+            # the rank's input in its slot among zeros: one leg sends that slot
+            # alone; a full all-reduce (and the Gloo fallback of either) sums
+            # it with the zeros, exact in fp32, none lost
+            buf.view(self._size, m)[self._rank, :n] = input.detach().reshape(-1)
             with self._exact():
-                self.state.all_reduce(buf, average=False, codec="fp32")
-            output.detach().copy_(buf.view_as(output))
+                kind = "all_gather" if one_leg else "allreduce"
+                self.state.all_reduce(buf, average=False, codec="fp32", kind=kind)
+            output.detach().copy_(buf.view(self._size, m)[:, :n].reshape(output.shape))
             return output
 
         return self._dlcp(run)

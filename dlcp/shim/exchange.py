@@ -130,11 +130,13 @@ def submit_round(
     staging: Staging,
     times: BucketTimes | None = None,
     n_layers: int | None = None,
+    kind: str = "allreduce",
 ) -> Submitted:
     """Encode the flat bucket `x` (left unchanged), write it and its metadata into
     `region`, and submit it. The reply future completes when the round ends.
     `times`: stamped as the bucket is encoded, written, submitted and replied.
-    `n_layers`: the model's layer count, which the daemon ranks `layers` against."""
+    `n_layers`: the model's layer count, which the daemon ranks `layers` against.
+    `kind`: what the round moves (a one-leg round's: docs/shim-protocol.md)."""
     block_max, saturated = encode_into(
         region,
         plan,
@@ -145,7 +147,9 @@ def submit_round(
         staging=staging,
         times=times,
     )
-    extra = {} if n_layers is None else {"layers": int(n_layers)}
+    extra: dict[str, Any] = {} if n_layers is None else {"layers": int(n_layers)}
+    if kind != "allreduce":
+        extra["kind"] = kind
     reply = client.submit(
         **extra,
         job=job,

@@ -83,12 +83,14 @@ class BucketLauncher:
         times: BucketTimes | None = None,
         *,
         round_: int,
+        kind: str = "allreduce",
     ) -> _Pending:
         """Plan, encode and submit one bucket of step `round_` (it joins the
         step's buckets); failures are recorded, not raised.
 
         `key` names the bucket across steps (error feedback, THC scale); None
-        for a one-off tensor.
+        for a one-off tensor. `kind`: what the round moves (the submit's, in
+        docs/shim-protocol.md).
         """
         link = self._attachment.link
         assert link is not None
@@ -143,6 +145,7 @@ class BucketLauncher:
                 staging=self._staging,
                 times=times,
                 n_layers=self.layers.n_layers,
+                kind=kind,
             )
         except Exception as exc:
             p.error = f"submit: {type(exc).__name__}: {exc}"

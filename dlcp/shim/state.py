@@ -395,13 +395,17 @@ class DlcpState:
         codec: str | None = None,
         key: object | None = None,
         average: bool = True,
+        kind: str = "allreduce",
     ) -> torch.Tensor:
         """Average `tensor` over the ranks in place (blocking); returns it.
 
         `key` names the tensor across calls, so THC keeps its error feedback and
         scale for it; without a key every call agrees a fresh scale.
         `average` False: the sum instead (fp32 and fp16 only; exact in fp32
-        with loss bound 0, the fallback's sum too).
+        with loss bound 0, the fallback's sum too). `kind` "reduce_scatter" or
+        "all_gather" (the backend's, `dlcp.shim.backend`): one leg of a round,
+        where only the rank's own shard of the sum, or every rank's own
+        shard, is the result (the fallback's sum is the whole tensor's).
         """
         name = codec or self.codec
         if not average and name not in ("fp32", "fp16"):
@@ -433,6 +437,7 @@ class DlcpState:
             ef_key,
             lambda plan: np.zeros(plan.packets, np.uint16),
             round_=finisher.round,
+            kind=kind,
         )
         p.average = average
         if auto is not None:
