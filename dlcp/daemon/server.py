@@ -95,7 +95,13 @@ class Daemon:
             window_bytes=config.window_bytes,
             health=health_config(config.probe_interval_s),
         )
-        self.prober = Prober(lambda: outbox.multipath, engine, lambda: outbox.tos[0], self._count)
+        self.prober = Prober(
+            lambda: outbox.multipath,
+            engine,
+            lambda: outbox.tos[0],
+            self._count,
+            budget=config.probe_budget,
+        )
         self.lifecycle = RoundLifecycle(
             config=config,
             engine=engine,

@@ -77,6 +77,8 @@ class DlcpRun:
                 rate = hpl * s.rate_bps  # the ToR's own aggregator: its whole host bandwidth
             link = rate or s.rate_bps
             config = daemon_config(n, link, s.balance)
+            if s.probe_budget is not None:
+                config.probe_budget = s.probe_budget
             spec = self._spec(node, n, config.mac)
             h = DlcpHost(self.fabric, spec, s.mode, config, n, paths, self._on_event)
             got = self.fabric.add_endpoint(
@@ -171,6 +173,16 @@ class DlcpRun:
 
         self.loop.run(total * (self.s.timeout_s + 1), done, check=256)
         return self.steps[self.s.warmup :]
+
+    def probe_counts(self) -> dict[str, int]:
+        """Path probes sent, echoes of them received, and how often due probes
+        waited for the probe budget, over all hosts (warm-up rounds too)."""
+        healths = [p.health for h in self.hosts for p in h.peers.values() if p.health]
+        return {
+            "sent": sum(x.probes_sent for x in healths),
+            "echoed": sum(x.echoes for x in healths),
+            "held": sum(h.prober.plan.held for h in self.hosts),
+        }
 
     def times(self, steps: list[Step]) -> list[float]:
         n = len(self.contributors) * self.s.buckets
