@@ -9,7 +9,8 @@ lost as well, until a round times out. So each peer with two or more paths
 is probed on every path while the daemon has traffic for it (`touch`): a
 small CONTROL packet, top class, that the peer echoes on the same path
 (dlcp/wire/probe.py). Probes are cheap (one per path every `interval`, only
-while there is traffic, only for peers with several paths) and say within a
+while there is traffic, only for peers with several paths; at most the
+daemon's probe budget an interval over all of them, dlcp/core/probeplan.py) and say within a
 few of their round trips what the data would say only after a round.
 
 A path's state, driven by its probes' deadlines and echoes:

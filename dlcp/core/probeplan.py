@@ -29,10 +29,10 @@ deadline (`timeout`, or `rtt_factor` probe round trips if longer) makes it
 suspect; then it is probed every `interval`, and `down_after` - 1 more
 deadlines take it down: at most E + 2 deadlines + (`down_after` - 2) x
 `interval`. At the defaults (10 ms, 25 ms, 3 misses, budget 32): 3 hosts on
-2 paths, E = 10 ms, 70 ms (about 55 ms measured); 16 hosts on 4 paths, E =
-19 ms, 80 ms; 64 hosts on 4 paths, E = 79 ms, 140 ms, a dead spine (one
-path to every peer) as well as one path; 144 hosts on 4 paths, E = 179 ms,
-240 ms.
+2 paths, E = 10 ms, 70 ms (45-50 ms in tests/test_probeplan.py's harness,
+1 ms round trips); 16 hosts on 4 paths, E = 19 ms, 80 ms; 64 hosts on 4
+paths, E = 79 ms, 140 ms (63-128 ms there), a dead spine (one path to every
+peer) as well as one path; 144 hosts on 4 paths, E = 179 ms, 240 ms.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class Config:
     # path is down or back before the routine ones (dlcp/core/probeplan.py):
     # at 64 hosts on 4 paths each path is probed about every 80 ms instead of
     # 10 ms (25,200 probes a second a daemon instead of 3,200), and a dead
-    # path is out of use within 140 ms (3 hosts: unchanged, about 60 ms).
+    # path is out of use within 140 ms (3 hosts: unchanged, within 70 ms).
     probe_budget: int = 32
     peers: tuple[PeerConfig, ...] = ()
     # [policies]

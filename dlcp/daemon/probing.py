@@ -99,6 +99,13 @@ class Prober:
         health.changes.clear()
         peer.usable = health.usable(degraded=peer.balancer.weighs_paths)
 
+    def reset_usable(self) -> None:
+        """Every peer's `usable` anew (the balancers changed: whether a degraded
+        path carries data depends on theirs); `run` sets it on changes only."""
+        for peer in self._peers():
+            if peer.health is not None:
+                peer.usable = peer.health.usable(degraded=peer.balancer.weighs_paths)
+
     def next_timer(self) -> float | None:
         """When `run` has probes to send or deadlines to judge next."""
         self._add_new()

@@ -241,6 +241,7 @@ class Daemon:
         self._load_policies()
         self.outbox.tos = [int(d) << 2 for d in config.dscp]
         self.outbox.set_balancer_factory(self._balancer_factory)
+        self.prober.reset_usable()  # whether degraded paths carry data is the balancer's
         self.engine.timing = config.timing
         log.info("reloaded policies: %s %s %s", config.priority, config.drop, config.balance)
 
