@@ -145,7 +145,11 @@ class SimHost:
         )
         self.outbox.backlog = cast("set[Peer]", Backlog())
         self.prober = Prober(
-            lambda: self.outbox.multipath, self.engine, lambda: self.outbox.tos[0], _ignore
+            lambda: self.outbox.multipath,
+            self.engine,
+            lambda: self.outbox.tos[0],
+            _ignore,
+            budget=config.probe_budget,
         )
         others = [n for n in range(sim.n_hosts) if n != me]
         self.peers: dict[int, Peer] = {

@@ -9,7 +9,8 @@ lost as well, until a round times out. So each peer with two or more paths
 is probed on every path while the daemon has traffic for it (`touch`): a
 small CONTROL packet, top class, that the peer echoes on the same path
 (dlcp/wire/probe.py). Probes are cheap (one per path every `interval`, only
-while there is traffic, only for peers with several paths) and say within a
+while there is traffic, only for peers with several paths; at most the
+daemon's probe budget an interval over all of them, dlcp/core/probeplan.py) and say within a
 few of their round trips what the data would say only after a round.
 
 A path's state, driven by its probes' deadlines and echoes:
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dlcp.errors import LocalError
@@ -135,6 +137,9 @@ class PathHealth:
         self.changes: list[tuple[int, PathStatus, PathStatus, float]] = []
         self.probes_sent = 0
         self.echoes = 0
+        # called when the next probe may be due sooner than its schedule said
+        # (traffic after idle, a state change): `ProbePlan` reschedules then
+        self.on_wake: Callable[[], None] | None = None
 
     @property
     def n_paths(self) -> int:
@@ -160,11 +165,14 @@ class PathHealth:
     def touch(self, now: float) -> None:
         """The daemon has traffic for (or from) the peer at `now`: probe until
         `idle_after` without any."""
-        if now >= self._active_until:  # waking from idle: old probes say nothing
+        woke = now >= self._active_until
+        if woke:  # waking from idle: old probes say nothing
             for p in self._paths:
                 p.outstanding.clear()
                 p.next_probe = min(p.next_probe, now)
         self._active_until = now + self.config.idle_after
+        if woke and self.on_wake is not None:
+            self.on_wake()
 
     def active(self, now: float) -> bool:
         return now < self._active_until
@@ -192,20 +200,49 @@ class PathHealth:
             self._active_until = -1.0  # idle: no timer until the next `touch`
             return []
         self.poll(now)
-        cfg = self.config
         out = []
         for i, p in enumerate(self._paths):
-            if p.next_probe > now:
-                continue
-            p.seq += 1
-            p.outstanding[p.seq] = now
-            if len(p.outstanding) > _OUTSTANDING_MAX:
-                del p.outstanding[min(p.outstanding)]
-            down = p.status == PathStatus.DOWN
-            p.next_probe = now + (cfg.down_interval if down else cfg.interval)
-            out.append((i, p.seq))
-        self.probes_sent += len(out)
+            if p.next_probe <= now:
+                out.append((i, self._probe(i, p, now)))
         return out
+
+    def probe_at(self, path: int) -> float | None:
+        """When `path`'s next probe is due (None while idle: see `probe`)."""
+        return None if self._active_until < 0 else self._paths[path].next_probe
+
+    def urgent(self, path: int) -> bool:
+        """Whether `path`'s next probe settles a question (suspect: down or
+        not; probing: back or not), to go before the routine ones."""
+        return self._paths[path].status in (PathStatus.SUSPECT, PathStatus.PROBING)
+
+    def probe(self, path: int, now: float) -> int | None:
+        """Send `path`'s probe now: its sequence number (it counts as sent);
+        None without traffic since `idle_after` (idle: nothing is due until
+        the next `touch`)."""
+        if not self.active(now):
+            self._active_until = -1.0
+            return None
+        return self._probe(path, self._paths[path], now)
+
+    def _probe(self, i: int, p: _Path, now: float) -> int:
+        p.seq += 1
+        p.outstanding[p.seq] = now
+        if len(p.outstanding) > _OUTSTANDING_MAX:
+            del p.outstanding[min(p.outstanding)]
+        cfg = self.config
+        p.next_probe = now + (cfg.down_interval if p.status == PathStatus.DOWN else cfg.interval)
+        self.probes_sent += 1
+        return p.seq
+
+    def next_deadline(self) -> float | None:
+        """When the earliest probe awaiting an echo runs out (None: none waits)."""
+        t: float | None = None
+        for p in self._paths:
+            if p.outstanding:
+                d = min(p.outstanding.values()) + self._deadline(p)
+                if t is None or d < t:
+                    t = d
+        return t
 
     def _deadline(self, p: _Path) -> float:
         cfg = self.config
@@ -319,6 +356,8 @@ class PathHealth:
         now_is = self.status(i)
         self.changes.append((i, was, now_is, now))
         self.transitions[(i, now_is)] += 1
+        if self.on_wake is not None:
+            self.on_wake()
 
     def next_timer(self) -> float | None:
         """When `probes_due` or `poll` has something to do next; None when idle."""

@@ -95,7 +95,13 @@ class Daemon:
             window_bytes=config.window_bytes,
             health=health_config(config.probe_interval_s),
         )
-        self.prober = Prober(lambda: outbox.multipath, engine, lambda: outbox.tos[0], self._count)
+        self.prober = Prober(
+            lambda: outbox.multipath,
+            engine,
+            lambda: outbox.tos[0],
+            self._count,
+            budget=config.probe_budget,
+        )
         self.lifecycle = RoundLifecycle(
             config=config,
             engine=engine,
@@ -235,6 +241,7 @@ class Daemon:
         self._load_policies()
         self.outbox.tos = [int(d) << 2 for d in config.dscp]
         self.outbox.set_balancer_factory(self._balancer_factory)
+        self.prober.reset_usable()  # whether degraded paths carry data is the balancer's
         self.engine.timing = config.timing
         log.info("reloaded policies: %s %s %s", config.priority, config.drop, config.balance)
 

@@ -41,6 +41,8 @@ def register(sub: Any) -> None:
     p.add_argument("--buckets", type=int, default=1, help="> 1: a DDP-like step of buckets")
     p.add_argument("--backward", type=float, default=0.0, help="s over which buckets are released")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe-budget", type=int, default=None,
+                   help="probes a probe interval a daemon (0: no bound; default 32)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the records here")
     p.add_argument("--plot", type=Path, help="write a plot of round times (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -73,7 +75,7 @@ def settings_of(a: argparse.Namespace) -> tuple[Any, list[str]]:
         spines=a.spines, rate_bps=rate, size_bytes=size,
         scenario=Scenario(a.scenario, loss_pct=a.loss, load=a.load), iters=a.iters,
         warmup=a.warmup, mode=a.mode, balance=a.balance, buckets=a.buckets,
-        backward_s=a.backward, seed=a.seed,
+        backward_s=a.backward, seed=a.seed, probe_budget=a.probe_budget,
     )  # fmt: skip
     return s, backends
 

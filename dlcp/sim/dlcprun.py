@@ -16,12 +16,14 @@ every host's packets of its shard).
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dlcp.bench.cluster import Setup, dlcp_daemon_config
 from dlcp.core.engine import JobSpec, RoundComplete, RoundFailed
+from dlcp.core.pathhealth import PathStatus
 from dlcp.daemon.config import Config, parse
 from dlcp.sim.events import EventLoop
 from dlcp.sim.fabric import Fabric
@@ -77,6 +79,8 @@ class DlcpRun:
                 rate = hpl * s.rate_bps  # the ToR's own aggregator: its whole host bandwidth
             link = rate or s.rate_bps
             config = daemon_config(n, link, s.balance)
+            if s.probe_budget is not None:
+                config.probe_budget = s.probe_budget
             spec = self._spec(node, n, config.mac)
             h = DlcpHost(self.fabric, spec, s.mode, config, n, paths, self._on_event)
             got = self.fabric.add_endpoint(
@@ -171,6 +175,23 @@ class DlcpRun:
 
         self.loop.run(total * (self.s.timeout_s + 1), done, check=256)
         return self.steps[self.s.warmup :]
+
+    def probe_counts(self) -> dict[str, int]:
+        """Path probes sent, echoes of them received, how often due probes
+        waited for the probe budget, and the paths' moves to suspect and to
+        down, over all hosts (warm-up rounds too)."""
+        healths = [p.health for h in self.hosts for p in h.peers.values() if p.health]
+        moves: Counter[PathStatus] = Counter()
+        for x in healths:
+            for (_path, st), k in x.transitions.items():
+                moves[st] += k
+        return {
+            "sent": sum(x.probes_sent for x in healths),
+            "echoed": sum(x.echoes for x in healths),
+            "held": sum(h.prober.plan.held for h in self.hosts),
+            "to_suspect": moves[PathStatus.SUSPECT],
+            "to_down": moves[PathStatus.DOWN],
+        }
 
     def times(self, steps: list[Step]) -> list[float]:
         n = len(self.contributors) * self.s.buckets

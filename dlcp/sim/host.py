@@ -116,7 +116,11 @@ class DlcpHost:
         )
         self.outbox.backlog = cast("set[Peer]", _Backlog())
         self.prober = Prober(
-            lambda: self.outbox.multipath, self.engine, lambda: self.outbox.tos[0], _ignore
+            lambda: self.outbox.multipath,
+            self.engine,
+            lambda: self.outbox.tos[0],
+            _ignore,
+            budget=config.probe_budget,
         )
         hosts = tuple(
             HostAddr(tuple(address(n, p) for p in range(paths)), PORT) for n in range(n_nodes)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlcp.bench.common import summarize_times
-from dlcp.sim.dlcprun import DlcpRun
+from dlcp.sim.dlcprun import DlcpRun, daemon_config
 from dlcp.sim.fabric import Fabric
 from dlcp.sim.ring import RingRun
 from dlcp.sim.settings import Settings
@@ -75,6 +75,15 @@ def _base(s: Settings, backend: str) -> dict[str, Any]:
         "backward_s": s.backward_s,
         "loss_bound": s.loss_bound if backend == "dlcp" else 0.0,
         "seed": s.seed,
+        "probe_budget": (
+            (
+                daemon_config(2, s.rate_bps).probe_budget
+                if s.probe_budget is None
+                else s.probe_budget
+            )
+            if backend == "dlcp"
+            else None
+        ),
         "cpu_bound": False,
     }
 
@@ -101,6 +110,7 @@ def simulate(
             rec["lost_lanes"], rec["total_lanes"] = lost, total
             rec["loss_frac"] = lost / total if total else 0.0
             rec["failed"] = [f for st in steps for f in st.failed]
+            rec["probes"] = run.probe_counts()
             fabric, loop, end = run.fabric, run.loop, run.finished_at
         else:
             ring = RingRun(s, tick)

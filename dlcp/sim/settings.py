@@ -35,6 +35,7 @@ class Settings:
     buckets: int = 1  # > 1: a DDP-like step of that many buckets ...
     backward_s: float = 0.0  # ... released evenly over this backward time
     seed: int = 0
+    probe_budget: int | None = None  # the daemons' [network] probe_budget (None: its default)
     gap_s: float = 1e-3  # between a round's end everywhere and the next start (the bench's "go")
     skew_s: float = 2e-3  # each rank's start within this of the step's (the daemon's poll period)
     timeout_s: float = 60.0  # virtual seconds a round may take before the run gives up
@@ -58,6 +59,8 @@ class Settings:
             (self.iters >= 1, f"--iters must be at least 1, not {self.iters}"),
             (self.warmup >= 0, f"--warmup must be >= 0, not {self.warmup}"),
             (self.buckets >= 1, f"--buckets must be >= 1, not {self.buckets}"),
+            (self.probe_budget is None or self.probe_budget >= 0,
+             f"--probe-budget must be >= 0, not {self.probe_budget}"),
             (self.backward_s >= 0, f"--backward must be >= 0, not {self.backward_s}"),
             (0 <= sc.loss_pct <= 100, f"--loss must be a percentage 0..100, not {sc.loss_pct}"),
             (0 <= self.loss_bound < 1, f"--loss-bound must be in [0, 1), not {self.loss_bound}"),
