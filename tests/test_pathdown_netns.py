@@ -48,7 +48,7 @@ def in_use(states: list[str]) -> bool:
 
 
 def transitions(text: str, labels: str, to: str) -> float:
-    """The value of `dlcp_path_transitions_total{labels,to=...}` in a /metrics text (0 if absent)."""
+    """`dlcp_path_transitions_total{labels,to=...}` in a /metrics text (0 if absent)."""
     head = f'dlcp_path_transitions_total{{{labels},to="{to}"}} '
     vals = [float(ln[len(head) :]) for ln in text.splitlines() if ln.startswith(head)]
     return vals[0] if vals else 0.0
