@@ -246,7 +246,7 @@ def udp_drain(inp: Input) -> None:
     ]
     got, want = _udp.drain_buffers(bufs), poll.py_drain(bufs)
     assert [bytes(x) for x in got[2]] == [bytes(x) for x in want[2]]
-    assert got[:2] == want[:2] and got[3:] == want[3:]
+    assert got[:2] == want[:2] and got[3:] == want[3:], (len(data), seg)
     tx, rx = _pair()
     dest = ("127.0.0.1", rx.sock.getsockname()[1])
     dgs = [bytes(x) for x in want[2] if 0 < len(x) <= 9000]

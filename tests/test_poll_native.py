@@ -101,7 +101,7 @@ def test_the_poll_takes_the_budgets_of_the_per_buffer_drain() -> None:
 
 
 def _drain_lists(drain: Any) -> tuple[Any, ...]:
-    nb, size, dgs, srcs, src, job, kind, length, more = drain
+    nb, size, dgs, srcs, src, job, kind, length, more, pair, pairs = drain
     return (
         nb,
         size,
@@ -112,7 +112,16 @@ def _drain_lists(drain: Any) -> tuple[Any, ...]:
         kind,
         np.frombuffer(length, np.int64).tolist(),
         more,
+        np.frombuffer(pair, np.int32).tolist(),
+        np.frombuffer(pairs, np.int64).reshape(-1, 5).tolist(),
     )
+
+
+def _same(drain: tuple[Any, ...], sent: list[tuple[bytes, int, str]]) -> bool:
+    """Whether a drain is `drain_buffers`' (and `py_drain`'s) of `sent`, but its `more`."""
+    want = _drain_lists(transport._udp.drain_buffers(sent))
+    assert want == _drain_lists(poll.py_drain(sent))
+    return drain[:8] == want[:8] and drain[9:] == want[9:]
 
 
 def test_drain_buffers_is_the_split_of_each_buffer() -> None:
@@ -127,8 +136,13 @@ def test_drain_buffers_is_the_split_of_each_buffer() -> None:
     dgs = [bytes(d) for data, seg, _ in bufs for d in transport.split_gro(data, seg)[0]]
     assert got[2] == dgs
     assert -1 in got[5] and 0 in got[6] and len(got[3]) == 4
+    pairs = got[10]  # (source, job) of each datagram's pair, numbered as they first appear
+    assert [tuple(pairs[p][:2]) for p in got[9]] == list(zip(got[4], got[5], strict=True))
+    assert [p[2] for p in pairs] == sorted(got[9].index(i) for i in range(len(pairs)))
+    assert [p[3] for p in pairs] == [got[9].count(i) for i in range(len(pairs))]
+    assert sum(p[4] for p in pairs) == got[1] and len(pairs) > 4
     empty = _drain_lists(transport._udp.drain_buffers([]))
-    assert empty == (0, 0, [], [], [], [], b"", [], 0)
+    assert empty == (0, 0, [], [], [], [], b"", [], 0, [], [])
     with pytest.raises(ValueError, match="IPv4"):
         transport._udp.drain_buffers([(b"x", 0, "not an address")])
 
@@ -155,13 +169,13 @@ def test_recv_drain_of_a_socket_is_drain_buffers_of_what_came() -> None:
         fd = rx.fileno()
         first = _drain_lists(transport._udp.recv_drain(fd, 16, 0))  # one full chunk
         assert first[0] == 16 and first[8] == 1
-        assert first[:8] == _drain_lists(transport._udp.drain_buffers(sent[:16]))[:8]
+        assert _same(first, sent[:16])
         capped = _drain_lists(transport._udp.recv_drain(fd, 8, 1))  # over 1 byte after a chunk
         assert capped[0] == 8 and capped[8] == 1
-        assert capped[:8] == _drain_lists(transport._udp.drain_buffers(sent[16:24]))[:8]
+        assert _same(capped, sent[16:24])
         rest = _drain_lists(transport._udp.recv_drain(fd, 16, 1 << 30))  # to the end
         assert rest[0] == 36 and rest[8] == 0
-        assert rest[:8] == _drain_lists(transport._udp.drain_buffers(sent[24:]))[:8]
+        assert _same(rest, sent[24:])
         assert _drain_lists(transport._udp.recv_drain(fd, 16, 0))[0] == 0  # nothing left
         with pytest.raises(ValueError, match="chunk"):
             transport._udp.recv_drain(fd, 0, 0)

@@ -393,7 +393,8 @@ class _Path:
             if max_bytes <= 0 or nbytes >= max_bytes:
                 more = 1
                 break
-        return (*transport._udp.drain_buffers(taken)[:8], more)
+        drain = transport._udp.drain_buffers(taken)
+        return (*drain[:8], more, *drain[9:])
 
     def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
         out, self.buffers = self.buffers[:budget], self.buffers[budget:]

@@ -10,9 +10,12 @@
 #define DLCP_DRAIN_H
 
 /* The drain of bufs[0:nb] as (buffers, bytes, datagrams, sources, source
- * index int32 each, job int64 each, type bytes, length int64 each), `more`
- * appended: a new tuple, or NULL with an exception set. The buffers are
- * left to the caller. */
+ * index int32 each, job int64 each, type bytes, length int64 each, `more`,
+ * pair int32 each, pairs): a datagram's pair is the index of its (source,
+ * job) among the drain's, numbered as they first appear, and `pairs` holds
+ * five int64 a pair: source index, job, first datagram, datagrams, bytes. A
+ * new tuple, or NULL with an exception set. The buffers are left to the
+ * caller. */
 static PyObject *
 drain_of(const rxbuf_t *bufs, int nb, int more)
 {
@@ -32,10 +35,12 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
     PyObject *job_b = PyBytes_FromStringAndSize(NULL, total * 8);
     PyObject *kind_b = PyBytes_FromStringAndSize(NULL, total);
     PyObject *len_b = PyBytes_FromStringAndSize(NULL, total * 8);
+    PyObject *pair_b = PyBytes_FromStringAndSize(NULL, total * 4), *pairs_b = NULL;
     struct in_addr *seen = PyMem_Malloc(((size_t)nb + 1) * sizeof(struct in_addr));
+    int64_t *pairs = PyMem_Malloc(((size_t)total + 1) * 5 * sizeof(int64_t));
     DatagramsObject *d = NULL;
     if (owners == NULL || srcs == NULL || src_b == NULL || job_b == NULL || kind_b == NULL ||
-        len_b == NULL || seen == NULL)
+        len_b == NULL || pair_b == NULL || seen == NULL || pairs == NULL)
         goto fail;
     for (int i = 0; i < nb; i++) {
         Py_INCREF(bufs[i].data);
@@ -48,6 +53,8 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
     int64_t *job = (int64_t *)PyBytes_AS_STRING(job_b);
     int64_t *len = (int64_t *)PyBytes_AS_STRING(len_b);
     char *kind = PyBytes_AS_STRING(kind_b);
+    int32_t *pair = (int32_t *)PyBytes_AS_STRING(pair_b);
+    Py_ssize_t npairs = 0, hit = -1;
     int nseen = 0, last = -1;
     Py_ssize_t at = 0;
     for (int i = 0; i < nb; i++) {
@@ -88,11 +95,34 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
             len[at + j] = n;
             job[at + j] = n >= HEADER_SIZE ? (int64_t)job_at(h) : -1;
             kind[at + j] = n >= HEADER_SIZE ? (char)h[3] : 0;
+            /* its (source, job): the last one's again, or among the drain's, or new */
+            if (hit < 0 || pairs[5 * hit] != last || pairs[5 * hit + 1] != job[at + j]) {
+                hit = -1;
+                for (Py_ssize_t q = 0; q < npairs; q++)
+                    if (pairs[5 * q] == last && pairs[5 * q + 1] == job[at + j]) {
+                        hit = q;
+                        break;
+                    }
+                if (hit < 0) {
+                    hit = npairs++;
+                    int64_t *e = &pairs[5 * hit];
+                    e[0] = last;
+                    e[1] = job[at + j];
+                    e[2] = at + j;
+                    e[3] = e[4] = 0;
+                }
+            }
+            pair[at + j] = (int32_t)hit;
+            pairs[5 * hit + 3] += 1;
+            pairs[5 * hit + 4] += n;
         }
         at += k;
     }
-    out = Py_BuildValue("(inOOOOOOi)", nb, size, (PyObject *)d, srcs, src_b, job_b, kind_b,
-                        len_b, more);
+    pairs_b = PyBytes_FromStringAndSize((const char *)pairs, npairs * 5 * (Py_ssize_t)sizeof(int64_t));
+    if (pairs_b == NULL)
+        goto fail;
+    out = Py_BuildValue("(inOOOOOOiOO)", nb, size, (PyObject *)d, srcs, src_b, job_b, kind_b,
+                        len_b, more, pair_b, pairs_b);
 fail:
     Py_XDECREF(d);
     Py_XDECREF(owners);
@@ -101,7 +131,10 @@ fail:
     Py_XDECREF(job_b);
     Py_XDECREF(kind_b);
     Py_XDECREF(len_b);
+    Py_XDECREF(pair_b);
+    Py_XDECREF(pairs_b);
     PyMem_Free(seen);
+    PyMem_Free(pairs);
     return out;
 }
 

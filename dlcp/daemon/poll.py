@@ -47,8 +47,13 @@ NATIVE_POLL = (
 )
 
 # recv_drain's tuple: buffers, bytes, datagrams, sources, source index (int32
-# bytes), job (int64 bytes), type bytes, length (int64 bytes), more
-Drain = tuple[int, int, Sequence[memoryview], list[str], bytes, bytes, bytes, bytes, int]
+# bytes), job (int64 bytes), type bytes, length (int64 bytes), more, pair
+# (int32 bytes: the index of the datagram's (source, job) among the drain's,
+# numbered as they first appear), pairs (int64 bytes, five a pair: source
+# index, job, first datagram, datagrams, bytes)
+Drain = tuple[
+    int, int, Sequence[memoryview], list[str], bytes, bytes, bytes, bytes, int, bytes, bytes
+]
 
 _DATA = int(PacketType.DATA)
 _NACK = int(PacketType.NACK)
@@ -75,6 +80,8 @@ def py_drain(buffers: Sequence[tuple[bytes, int, str]], more: int = 0) -> Drain:
     src: list[int] = []
     job: list[int] = []
     kind = bytearray()
+    pair: list[int] = []
+    pairs: dict[tuple[int, int], list[int]] = {}  # (source, job): first, datagrams, bytes
     for data, seg, s in buffers:
         i = at.setdefault(s, len(srcs))
         if i == len(srcs):
@@ -85,6 +92,11 @@ def py_drain(buffers: Sequence[tuple[bytes, int, str]], more: int = 0) -> Drain:
             src.append(i)
             job.append(int.from_bytes(dg[8:12], "big") if whole else -1)
             kind.append(dg[3] if whole else 0)
+            entry = pairs.setdefault((i, job[-1]), [len(dgs) - 1, 0, 0])
+            entry[1] += 1
+            entry[2] += len(dg)
+            pair.append(list(pairs).index((i, job[-1])))
+    table = [[s_, j, *e] for (s_, j), e in pairs.items()]
     return (
         len(buffers),
         sum(len(b[0]) for b in buffers),
@@ -95,55 +107,39 @@ def py_drain(buffers: Sequence[tuple[bytes, int, str]], more: int = 0) -> Drain:
         bytes(kind),
         np.array([len(d) for d in dgs], np.int64).tobytes(),
         more,
+        np.array(pair, np.int32).tobytes(),
+        np.array(table, np.int64).reshape(-1, 5).tobytes(),
     )
 
 
 def take(net: NetworkIn, drain: Drain, now: float) -> None:
     """`NetworkIn._receive`'s work on one drain (see the module's doc)."""
-    _, nbytes, dgs, srcs, src_raw, job_raw, kinds, len_raw, _ = drain
+    _, nbytes, dgs, srcs, _, _, kinds, len_raw, _, pair_raw, pairs_raw = drain
     n = len(dgs)
     net.counters["rx_packets"] += n  # all of them, those rejected here too
     net.counters["rx_bytes"] += nbytes
     if n == 0:
         return
-    src = np.frombuffer(src_raw, np.int32)
-    job_ids = np.frombuffer(job_raw, np.int64)
-    lengths = np.frombuffer(len_raw, np.int64)
-    # the drain's (source, job) pairs, numbered as they first appear
-    key = (src.astype(np.int64) << 33) | (job_ids + 1)
-    if n == 1 or (key == key[0]).all():  # the usual drain: one peer's
-        firsts = [0]
-        inverse = np.zeros(n, np.intp)
-    else:
-        _, first, inv = np.unique(key, return_index=True, return_inverse=True)
-        order = np.argsort(first)
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        firsts = first[order].tolist()
-        inverse = rank[inv.reshape(-1)]
-    k = len(firsts)
-    weights = None if k == 1 else np.bincount(inverse, weights=lengths, minlength=k)
-    counts = None if k == 1 else np.bincount(inverse, minlength=k)
+    inverse = np.frombuffer(pair_raw, np.int32)
+    pairs = np.frombuffer(pairs_raw, np.int64).reshape(-1, 5).tolist()
+    k = len(pairs)
     groups: list[tuple[JobState | None, int]] = []  # (job, node) of each pair, -1: none
-    node_of_group = np.full(k, -1, np.int64)
-    dropped = np.zeros(k, dtype=bool)
+    dropped = [False] * k
     senders: dict[Peer, JobState] = {}  # the peers that sent, by their first datagram
     jobs = net.jobs
-    for g, at in enumerate(firsts):
-        job_id = int(job_ids[at])
+    for g, (src, job_id, _, count, size) in enumerate(pairs):
         job = None if job_id < 0 else jobs.get(job_id)
-        node = None if job is None else job.node_of.get(srcs[int(src[at])])
+        node = None if job is None else job.node_of.get(srcs[src])
         if job is not None and node is None:
             dropped[g] = True
-            net.daemon_rejects["bad_address"] += n if counts is None else int(counts[g])
+            net.daemon_rejects["bad_address"] += count
         if job is None or node is None:
             groups.append((job, -1))
             continue
         groups.append((job, node))
-        node_of_group[g] = node
         peer = job.peers.get(node)
         if peer is not None:  # the bytes of its datagrams (each holds a whole header)
-            peer.rx_bytes += int(lengths.sum()) if weights is None else int(weights[g])
+            peer.rx_bytes += size
             senders[peer] = job
     for peer, job in senders.items():  # their bytes left the socket: room for more
         peer.rx_job = job.spec.job
@@ -151,16 +147,16 @@ def take(net: NetworkIn, drain: Drain, now: float) -> None:
             peer.health.touch(now)
         if peer.rx_bytes - peer.rx_credited >= CREDIT_STEP:
             net._credit(peer, job)
-    if dropped.any():
-        kept = np.flatnonzero(~dropped[inverse])
+    kind = np.frombuffer(kinds, np.uint8)
+    lengths = np.frombuffer(len_raw, np.int64)
+    if any(dropped):
+        kept = np.flatnonzero(~np.array(dropped)[inverse])
         if not kept.size:
             return
         dgs = _bulk.pick(dgs, kept)
-        inverse, lengths = inverse[kept], lengths[kept]
-        kind = np.frombuffer(kinds, np.uint8)[kept]
-    else:
-        kind = np.frombuffer(kinds, np.uint8)
-    accepted = net.engine.receive_many(dgs, now, node_of_group[inverse])
+        inverse, lengths, kind = inverse[kept], lengths[kept], kind[kept]
+    nodes = np.array([node for _, node in groups], np.int64)
+    accepted = net.engine.receive_many(dgs, now, nodes[inverse])
     if not accepted.size:
         return
     kind = kind[accepted]
