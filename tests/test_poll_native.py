@@ -147,6 +147,21 @@ def test_drain_buffers_is_the_split_of_each_buffer() -> None:
         transport._udp.drain_buffers([(b"x", 0, "not an address")])
 
 
+def test_a_drain_of_many_jobs_and_sources_is_numbered_as_in_python() -> None:
+    """Forged traffic of a job and a source a datagram (the C numbers pairs
+    and sources through hash tables): the same drain as `py_drain`."""
+    rng = np.random.default_rng(9)
+    bufs = []
+    for i in range(3000):
+        head = bytearray(rng.integers(0, 256, 64 + int(rng.integers(0, 40)), dtype=np.uint8))
+        head[8:12] = int(rng.integers(0, 1 << 32) if i % 3 else i % 7).to_bytes(4, "big")
+        src = f"10.{i % 5}.{int(rng.integers(0, 40))}.{int(rng.integers(1, 255))}"
+        bufs.append((bytes(head) * int(rng.integers(1, 4)), len(head), src))
+    got = _drain_lists(transport._udp.drain_buffers(bufs))
+    assert got == _drain_lists(poll.py_drain(bufs))
+    assert len(got[10]) > 2000 and len(got[3]) > 1000
+
+
 def test_recv_drain_of_a_socket_is_drain_buffers_of_what_came() -> None:
     """Datagrams of three source addresses through loopback: recv_drain gives
     drain_buffers' drain of them, and stops where its budgets say."""

@@ -38,10 +38,22 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
     PyObject *pair_b = PyBytes_FromStringAndSize(NULL, total * 4), *pairs_b = NULL;
     struct in_addr *seen = PyMem_Malloc(((size_t)nb + 1) * sizeof(struct in_addr));
     int64_t *pairs = PyMem_Malloc(((size_t)total + 1) * 5 * sizeof(int64_t));
+    size_t mask = 15; /* the table's size less one: a power of two, over twice the datagrams */
+    while (mask + 1 < 2 * (size_t)total + 2)
+        mask = 2 * mask + 1;
+    Py_ssize_t *table = PyMem_Malloc((mask + 1) * sizeof(Py_ssize_t));
+    size_t smask = 15; /* the same for the sources, over twice the buffers */
+    while (smask + 1 < 2 * (size_t)nb + 2)
+        smask = 2 * smask + 1;
+    int *stable = PyMem_Malloc((smask + 1) * sizeof(int));
     DatagramsObject *d = NULL;
     if (owners == NULL || srcs == NULL || src_b == NULL || job_b == NULL || kind_b == NULL ||
-        len_b == NULL || pair_b == NULL || seen == NULL || pairs == NULL)
+        len_b == NULL || pair_b == NULL || seen == NULL || pairs == NULL || table == NULL || stable == NULL)
         goto fail;
+    for (size_t q = 0; q <= mask; q++)
+        table[q] = -1;
+    for (size_t q = 0; q <= smask; q++)
+        stable[q] = -1;
     for (int i = 0; i < nb; i++) {
         Py_INCREF(bufs[i].data);
         PyList_SET_ITEM(owners, i, bufs[i].data);
@@ -61,13 +73,18 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
         /* the source's index: the last one's again, or looked up among the
          * drain's (a few), or a new one */
         if (last < 0 || seen[last].s_addr != bufs[i].src.s_addr) {
+            uint32_t a = bufs[i].src.s_addr;
+            size_t slot = (size_t)(((uint64_t)a * 0x9E3779B97F4A7C15ull) >> 40) & smask;
             last = -1;
-            for (int s = 0; s < nseen; s++)
-                if (seen[s].s_addr == bufs[i].src.s_addr) {
-                    last = s;
+            while (stable[slot] >= 0) {
+                if (seen[stable[slot]].s_addr == a) {
+                    last = stable[slot];
                     break;
                 }
+                slot = (slot + 1) & smask;
+            }
             if (last < 0) {
+                stable[slot] = nseen;
                 char text[INET_ADDRSTRLEN];
                 if (inet_ntop(AF_INET, &bufs[i].src, text, sizeof text) == NULL) {
                     PyErr_SetFromErrno(PyExc_OSError);
@@ -97,13 +114,21 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
             kind[at + j] = n >= HEADER_SIZE ? (char)h[3] : 0;
             /* its (source, job): the last one's again, or among the drain's, or new */
             if (hit < 0 || pairs[5 * hit] != last || pairs[5 * hit + 1] != job[at + j]) {
+                /* an open-addressed table of the pairs: a drain of many
+                 * jobs (forged ones) costs no more than one of a few */
+                uint64_t hsh = ((uint64_t)job[at + j] * 0x9E3779B97F4A7C15ull) ^ (uint64_t)last;
+                size_t slot = (size_t)(hsh ^ (hsh >> 29)) & mask;
                 hit = -1;
-                for (Py_ssize_t q = 0; q < npairs; q++)
-                    if (pairs[5 * q] == last && pairs[5 * q + 1] == job[at + j]) {
-                        hit = q;
+                while (table[slot] >= 0) {
+                    int64_t *e = &pairs[5 * table[slot]];
+                    if (e[0] == last && e[1] == job[at + j]) {
+                        hit = table[slot];
                         break;
                     }
+                    slot = (slot + 1) & mask;
+                }
                 if (hit < 0) {
+                    table[slot] = npairs;
                     hit = npairs++;
                     int64_t *e = &pairs[5 * hit];
                     e[0] = last;
@@ -124,6 +149,8 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
     out = Py_BuildValue("(inOOOOOOiOO)", nb, size, (PyObject *)d, srcs, src_b, job_b, kind_b,
                         len_b, more, pair_b, pairs_b);
 fail:
+    if (out == NULL && !PyErr_Occurred())
+        PyErr_NoMemory();
     Py_XDECREF(d);
     Py_XDECREF(owners);
     Py_XDECREF(srcs);
@@ -135,6 +162,8 @@ fail:
     Py_XDECREF(pairs_b);
     PyMem_Free(seen);
     PyMem_Free(pairs);
+    PyMem_Free(table);
+    PyMem_Free(stable);
     return out;
 }
 

@@ -81,7 +81,7 @@ def py_drain(buffers: Sequence[tuple[bytes, int, str]], more: int = 0) -> Drain:
     job: list[int] = []
     kind = bytearray()
     pair: list[int] = []
-    pairs: dict[tuple[int, int], list[int]] = {}  # (source, job): first, datagrams, bytes
+    pairs: dict[tuple[int, int], list[int]] = {}  # (source, job): index, first, datagrams, bytes
     for data, seg, s in buffers:
         i = at.setdefault(s, len(srcs))
         if i == len(srcs):
@@ -92,11 +92,11 @@ def py_drain(buffers: Sequence[tuple[bytes, int, str]], more: int = 0) -> Drain:
             src.append(i)
             job.append(int.from_bytes(dg[8:12], "big") if whole else -1)
             kind.append(dg[3] if whole else 0)
-            entry = pairs.setdefault((i, job[-1]), [len(dgs) - 1, 0, 0])
-            entry[1] += 1
-            entry[2] += len(dg)
-            pair.append(list(pairs).index((i, job[-1])))
-    table = [[s_, j, *e] for (s_, j), e in pairs.items()]
+            entry = pairs.setdefault((i, job[-1]), [len(pairs), len(dgs) - 1, 0, 0])
+            entry[2] += 1
+            entry[3] += len(dg)
+            pair.append(entry[0])
+    table = [[s_, j, *e[1:]] for (s_, j), e in pairs.items()]
     return (
         len(buffers),
         sum(len(b[0]) for b in buffers),
