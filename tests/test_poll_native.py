@@ -24,6 +24,7 @@ from dlcp.core.engine import Engine, JobSpec
 from dlcp.daemon import netin, poll, server, transport
 from dlcp.daemon.netin import NetworkIn
 from dlcp.wire import Codec
+from dlcp.wire.probe import probe_payload
 from tests import receive_reference
 from tests.receive_reference import reference_receive
 from tests.test_receive_fast import JOB_A, _buffers, _daemon, _Path, _traffic
@@ -255,3 +256,49 @@ def test_a_real_engine_ends_the_same_either_way(monkeypatch: pytest.MonkeyPatch)
         states.append(keys)
     assert states[0] == states[1]
     assert states[0]["stats"].get("data_packets_received", 0) > 0
+
+
+def test_credits_and_probes_reach_the_outbox_and_prober_as_per_buffer() -> None:
+    """CONTROL packets (credits, probes, echoes) of a real engine's job from
+    both peers' addresses, one from outside the job and a forged one, with
+    GRO buffers of them: the outbox and prober hear the same, in order."""
+    engines = []
+    for me in (0, 1, 2, 2):  # node 2 twice: a receiver for either side
+        e = Engine()
+        e.add_job(JobSpec.transpose(JOB_A, b"k" * 32, me, 3, payload=1000, mac="ghash-aes"))
+        engines.append(e)
+    rng = np.random.default_rng(4)
+    bufs: list[tuple[bytes, int, str]] = []
+    for i in range(120):
+        me = int(rng.integers(0, 2))  # node 0 or 1 to node 2
+        e = engines[me]
+        r = rng.random()
+        if r < 0.4:
+            dg = e.credit_datagram(JOB_A, i % 3, 1000 * i, bool(i % 2), 64_000)
+        else:
+            dg = e.control_datagram(JOB_A, probe_payload(i % 2, i, echo=r < 0.7))
+        assert dg is not None
+        if rng.random() < 0.05:
+            dg = dg[:-1] + bytes([dg[-1] ^ 1])  # its MAC fails
+        src = "10.9.9.9" if rng.random() < 0.05 else f"10.0.0.{me + 1}"
+        k = int(rng.integers(1, 4))
+        bufs.append((dg * k, len(dg) if k > 1 else 0, src))
+    logs: list[list[Any]] = [[], []]
+    for on, log, engine in zip((False, True), logs, engines[2:], strict=True):
+        d = _daemon(log)
+        d.engine = engine
+        d.prober = _Prober(log)
+        d.outbox.on_credit = lambda peer, *a, log=log, **k: log.append(("credit in", peer.name, a))
+        for cut in range(0, len(bufs), 30):
+            _receive(d, bufs[cut : cut + 30], on)
+    assert logs[1] == logs[0]
+    kinds = Counter(entry[0] for entry in logs[0])
+    assert kinds["credit in"] > 20 and kinds["probe"] > 20, kinds
+
+
+class _Prober:
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def on_probe(self, peer: Any, job: int, probe: Any, now: float) -> None:
+        self.log.append(("probe", peer.name, job, probe, now))

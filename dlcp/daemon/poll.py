@@ -1,22 +1,22 @@
 """One poll's drain taken with Python work per source and job, not per buffer.
 
-`_udp.recv_drain` (dlcp/daemon/drain.h) takes a poll's buffers (recvmmsg) and
-returns them as one drain: a `Datagrams` of every datagram in arrival order
-and, per datagram, its source (an index into the drain's distinct sources),
-its job (-1: shorter than a header), its type byte and its length. `take`
+`_udp.recv_drain` (dlcp/daemon/drain.h) takes a poll's buffers (recvmmsg, in
+the budgets of `NetworkIn._splits`) and returns them as one drain: a
+`Datagrams` of every datagram in arrival order and, per datagram, its source
+(an index into the drain's distinct sources), its job (-1: shorter than a
+header), its type byte, its length and its pair: the index of its (source,
+job) among the drain's, with each pair's datagrams and bytes counted. `take`
 then does what `NetworkIn._receive` does per buffer (or run of buffers) with
-array operations and a Python step per distinct (source, job) of the drain
-(a few: the peers that sent in it): each datagram's node, the datagrams
-from an address outside their job dropped and counted, the peers' received
-bytes and credits, the engine's one call, and the accepted control packets
-(NACKs, credits and probes, the bytes that acknowledge each peer).
+a Python step per pair (a few: the peers that sent in the drain) and array
+operations: each datagram's node, the datagrams from an address outside
+their job dropped and counted, the peers' received bytes and credits, the
+engine's one call, and the accepted control packets (NACKs, credits and
+probes, the bytes that acknowledge each peer).
 
 The outcome is `NetworkIn._receive`'s on the same buffers: the same datagrams
-and nodes reach the engine in the same order, the same counters and
-rejects, the same NACKs and credits in order; only the order in which
-different peers' rates hear of their acknowledged bytes and different peers
-get credits follows each peer's first datagram in the drain (each peer's
-own calls are the same). tests/test_poll_native.py holds the two equal.
+and nodes reach the engine, the same counters and rejects, the same NACKs,
+credits, probes and acknowledged bytes, in the same order.
+tests/test_poll_native.py holds the two (and the per-datagram reference) equal.
 DLCP_NATIVE_POLL=0 (or DLCP_NATIVE_RECV=0) turns it off: the per-buffer path.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from dlcp.core.engine import credit_of
 from dlcp.daemon.flow import CREDIT_STEP
-from dlcp.daemon.transport import NATIVE_RECV, _udp, split_gro
+from dlcp.daemon.transport import NATIVE_RECV, split_gro
 from dlcp.wire.batch import _bulk
 from dlcp.wire.header import HEADER_SIZE, PacketType, header_of_valid
 from dlcp.wire.probe import probe_of
@@ -61,13 +61,6 @@ _CONTROL = int(PacketType.CONTROL)
 _ACKING = np.zeros(256, dtype=bool)  # by type byte: the packets that acknowledge their peer
 _ACKING[[PacketType.RESULT, PacketType.ACK, PacketType.DONE]] = True
 _KIND_BYTES = {k: bytes([k]) for k in (_DATA, _NACK, _CONTROL)}
-
-
-def receive_drain(fd: int, chunk: int, max_bytes: int) -> Drain:
-    """`_udp.recv_drain`: `chunk` buffers at a time while each call took a
-    full chunk and (max_bytes > 0) the drain is under max_bytes."""
-    out: Drain = _udp.recv_drain(fd, chunk, max_bytes)
-    return out
 
 
 def py_drain(buffers: Sequence[tuple[bytes, int, str]], more: int = 0) -> Drain:
