@@ -48,7 +48,8 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
     int *stable = PyMem_Malloc((smask + 1) * sizeof(int));
     DatagramsObject *d = NULL;
     if (owners == NULL || srcs == NULL || src_b == NULL || job_b == NULL || kind_b == NULL ||
-        len_b == NULL || pair_b == NULL || seen == NULL || pairs == NULL || table == NULL || stable == NULL)
+        len_b == NULL || pair_b == NULL || seen == NULL || pairs == NULL || table == NULL ||
+        stable == NULL)
         goto fail;
     for (size_t q = 0; q <= mask; q++)
         table[q] = -1;
@@ -70,8 +71,8 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
     int nseen = 0, last = -1;
     Py_ssize_t at = 0;
     for (int i = 0; i < nb; i++) {
-        /* the source's index: the last one's again, or looked up among the
-         * drain's (a few), or a new one */
+        /* the source's index: the last one's again, or found in the table
+         * of the drain's, or a new one */
         if (last < 0 || seen[last].s_addr != bufs[i].src.s_addr) {
             uint32_t a = bufs[i].src.s_addr;
             size_t slot = (size_t)(((uint64_t)a * 0x9E3779B97F4A7C15ull) >> 40) & smask;
@@ -143,7 +144,8 @@ drain_of(const rxbuf_t *bufs, int nb, int more)
         }
         at += k;
     }
-    pairs_b = PyBytes_FromStringAndSize((const char *)pairs, npairs * 5 * (Py_ssize_t)sizeof(int64_t));
+    pairs_b = PyBytes_FromStringAndSize((const char *)pairs,
+                                        npairs * 5 * (Py_ssize_t)sizeof(int64_t));
     if (pairs_b == NULL)
         goto fail;
     out = Py_BuildValue("(inOOOOOOiOO)", nb, size, (PyObject *)d, srcs, src_b, job_b, kind_b,
