@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from dlcp.daemon import netin, packet_keys
+from dlcp.daemon import netin, packet_keys, poll
 from dlcp.daemon import transport as tr
 from dlcp.wire import batch as batch_mod
 from dlcp.wire.header import HEADER_SIZE
@@ -227,3 +227,40 @@ def keys(inp: Input) -> None:
         for _ in range(min(len(dgs), count)):
             assert fifo.popleft() is q.popleft()
         assert list(fifo) == list(q)
+
+
+# --- a poll's drain in one call ---------------------------------------------------
+
+
+@target("udp_drain", covers=("_udp.drain_buffers", "_udp.recv_drain"), seeds=_gro_seeds)
+def udp_drain(inp: Input) -> None:
+    """The input cut into GRO buffers of a few sources: `_udp.drain_buffers`
+    is `poll.py_drain` of them; sent over loopback (GSO), `_udp.recv_drain`
+    gives the same datagrams, jobs, kinds and lengths."""
+    seg = inp.uint(2) % 1600
+    parts = inp.uint(1) % 5 + 1
+    data = inp.rest()
+    step = max(len(data) // parts, 1)
+    bufs = [
+        (data[k : k + step], seg, f"10.0.0.{k % 3 + 1}") for k in range(0, len(data), step)
+    ]
+    got, want = _udp.drain_buffers(bufs), poll.py_drain(bufs)
+    assert [bytes(x) for x in got[2]] == [bytes(x) for x in want[2]]
+    assert got[:2] == want[:2] and got[3:] == want[3:], (len(data), seg)
+    tx, rx = _pair()
+    dest = ("127.0.0.1", rx.sock.getsockname()[1])
+    dgs = [bytes(x) for x in want[2] if 0 < len(x) <= 9000]
+    if not dgs:
+        return
+    assert tx.send(dgs, dest, 0) == len(dgs)
+    came: list[bytes] = []
+    kinds, sent = b"", sum(map(len, dgs))
+    while sum(map(len, came)) < sent:
+        ready, _, _ = select.select([rx.sock], [], [], 5.0)
+        assert ready, "the datagrams did not arrive on loopback"
+        d = _udp.recv_drain(rx.sock.fileno(), 7, 1 << 30)
+        came += [bytes(x) for x in d[2]]
+        kinds += d[6]
+        assert d[3] in ([], ["127.0.0.1"]) and d[8] == 0
+    assert came == dgs
+    assert kinds == poll.py_drain([(x, 0, "127.0.0.1") for x in dgs])[6]

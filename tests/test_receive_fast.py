@@ -365,12 +365,36 @@ class _Path:
     (`transport.merge_splits`)."""
 
     def __init__(
-        self, buffers: list[tuple[bytes, int, str]], native: bool = False, runs: bool = False
+        self,
+        buffers: list[tuple[bytes, int, str]],
+        native: bool = False,
+        runs: bool = False,
+        poll: bool = False,
     ) -> None:
         self.buffers = buffers
         self.native = native
         self.runs = runs
+        self.poll = poll  # drains as `_udp.recv_drain` makes them (dlcp.daemon.poll)
         self.recvmsg_calls = 0
+
+    def receive_drain(self, chunk: int, max_bytes: int) -> Any:
+        """`_udp.recv_drain`'s drain (`_udp.drain_buffers` of the buffers its
+        budgets take), or None (taking nothing) unless `poll`."""
+        if not self.poll:
+            return None
+        taken: list[tuple[bytes, int, str]] = []
+        nbytes, more = 0, 0
+        while True:
+            got = self.receive_buffers(chunk)
+            taken += got
+            nbytes += sum(len(b[0]) for b in got)
+            if len(got) < chunk:
+                break
+            if max_bytes <= 0 or nbytes >= max_bytes:
+                more = 1
+                break
+        drain = transport._udp.drain_buffers(taken)
+        return (*drain[:8], more, *drain[9:])
 
     def receive_buffers(self, budget: int = 64) -> list[tuple[bytes, int, str]]:
         out, self.buffers = self.buffers[:budget], self.buffers[budget:]

@@ -648,6 +648,8 @@ done:
     return out;
 }
 
+#include "drain.h"
+
 /* recv_gro(fd, budget): up to `budget` buffers (recvmmsg calls), what
  * `split_gro` makes of each, with the source IP appended: a list of
  * (segments, bytes, full, ids, kinds, source). */
@@ -684,6 +686,11 @@ static PyMethodDef methods[] = {
     {"recv_runs", recv_runs, METH_VARARGS,
      "recv_runs(fd, budget) -> (buffers, [(segments, bytes, full, ids, kinds, source)]): "
      "recv_gro, consecutive buffers of one source, job and datagram size taken as one"},
+    {"recv_drain", recv_drain, METH_VARARGS,
+     "recv_drain(fd, chunk, max_bytes) -> (buffers, bytes, datagrams, sources, source index "
+     "int32s, job int64s, type bytes, length int64s, more): one poll's drain"},
+    {"drain_buffers", drain_buffers, METH_VARARGS,
+     "drain_buffers([(data, seg, source)]) -> recv_drain's tuple of those buffers (more 0)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,6 +22,7 @@ from dlcp.core.engine import Engine, credit_of
 from dlcp.daemon.flow import CREDIT_STEP
 from dlcp.daemon.jobs import JobState
 from dlcp.daemon.outbox import Outbox, Peer
+from dlcp.daemon.poll import NATIVE_POLL, take
 from dlcp.daemon.probing import Prober
 from dlcp.daemon.transport import Split, UdpPath
 from dlcp.wire.batch import _bulk
@@ -105,6 +106,9 @@ class NetworkIn:
         self.moderation = moderation_s
         self.polling = False
         self.poll_at = 0.0
+        # a drain as one C call and Python per source and job (dlcp.daemon.poll),
+        # not per buffer; DLCP_NATIVE_POLL=0: the per-buffer loop below
+        self.native_poll = NATIVE_POLL
 
     @property
     def now(self) -> float:
@@ -174,6 +178,14 @@ class NetworkIn:
         and the bytes that acknowledge each peer) are acted on. True when
         the drain stopped at its budget (more may wait)."""
         now = self.now
+        if self.native_poll:
+            if self.outbox.backlog:
+                drain = path.receive_drain(_RX_SENDING, _RX_SENDING_BYTES)
+            else:
+                drain = path.receive_drain(_RX_BUDGET, 0)
+            if drain is not None:
+                take(self, drain, now)
+                return bool(drain[8])
         jobs = self.jobs
         rx = 0
         rx_bytes = 0

@@ -310,6 +310,17 @@ class UdpPath:
             return out
         return [(*split_gro(data, seg), src) for data, seg, src in self.receive_buffers(budget)]
 
+    def receive_drain(self, chunk: int, max_bytes: int) -> Any:
+        """One poll's drain in one C call (`dlcp.daemon.poll.Drain`: `_udp.recv_drain`,
+        `chunk` buffers a recvmmsg batch while they come full and, with
+        max_bytes > 0, the drain is under max_bytes); None, taking nothing,
+        where the C receive is off."""
+        if not self.native_recv:
+            return None
+        drain = _udp.recv_drain(self.sock.fileno(), chunk, max_bytes)
+        self.recvmsg_calls += drain[0]
+        return drain
+
     def receive(self, budget: int = 64) -> Iterator[tuple[memoryview, str]]:
         """Datagrams waiting on the socket (GRO super-datagrams split), with source IP."""
         for data, seg, src in self.receive_buffers(budget):
