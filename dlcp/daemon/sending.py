@@ -13,7 +13,7 @@ outbox's backlog and `push`.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -135,13 +135,6 @@ def _runs_of(
     return notes, counts.items()
 
 
-def _batch(
-    q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
-) -> tuple[list[bytes], Sequence[int]]:
-    """`_take` with the defaults of one super-datagram."""
-    return _take(q, nbytes, count)
-
-
 def _pacing_wake(now: float, waits: list[float]) -> float:
     """When to come back for the paths still short of budget (`waits` > 0;
     inf: out of use): the first of them due, but no sooner than PACING_QUANTUM."""
@@ -208,17 +201,14 @@ class Sending:
         if pacers is not None:
             late = 0.0 if peer.wake_at is None else min(now - peer.wake_at, CATCH_UP_SECONDS)
             for pacer, rate in zip(pacers, peer.rate.rates(), strict=True):
-                if late > 0:
-                    pacer.catch_up(late, now)
-                pacer.set_rate(rate, now)
+                pacer.retune(rate, late, now)  # catch_up where late, set_rate
             show_rates(peer)
-        one = len(peer.paths) == 1
-        pacer0 = pacers[0] if pacers is not None and one else None
+        if len(peer.paths) == 1:
+            return self._flush_one(peer, now)
         pending, watched = peer.pending, peer.watched
         release = _release
         while (i := _next_queue(peer)) >= 0:
             q = peer.queues[i]
-            cls = i % N_CLASSES
             # what `_unqueue` pops the sent with: a Fifo itself (at once), a
             # deque's popleft (once a datagram)
             popleft = q if NATIVE_KEYS else q.popleft
@@ -231,11 +221,7 @@ class Sending:
                     assert peer.stalled_since is not None
                     return peer.stalled_since + probe_wait(peer)
             waits: list[float] | None = None
-            if pacer0 is not None:  # one path: its budget alone
-                wait = pacer0.delay(1.0, now)
-                if wait >= PACING_SLACK:
-                    return _pacing_wake(now, [wait])
-            elif pacers is not None:
+            if pacers is not None:
                 # a path with any budget may take its part of the batch (into
                 # debt that its later sends pay off: the rate holds over time)
                 waits = [pacer.delay(1.0, now) for pacer in pacers]
@@ -244,40 +230,71 @@ class Sending:
                     waits = [w if u else math.inf for w, u in zip(waits, peer.usable, strict=True)]
                 if min(waits) > 0:
                     return _pacing_wake(now, waits)
-            if one:  # as much as the tokens allow (at least a batch: into debt)
-                room = FLUSH_BYTES
-                if pacer0 is not None:
-                    # what the tokens allow, at least a datagram (into debt):
-                    # not a whole batch, whose 44 datagrams at a time from
-                    # each sender kept a queue at a port they fill to 97 %
-                    room = max(len(q[0]), min(room, int(pacer0.tokens(now))))
-                batch, sizes = _batch(q, min(room, window), min(FLUSH_COUNT, run))
-                sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
-                held, full = False, sent < len(batch)
-                if sent:
-                    self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
-                    if i < FRONT:
-                        _took(peer, i, sent)
-                    # identities out of `pending`, the batch off the queue, and
-                    # per shard the packets its held DONEs were waiting for
-                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
-                        release(peer, bkey, k)
-                    peer.queued -= sent
-            else:
-                batch, sizes = _batch(q, min(BATCH_BYTES, window), min(MAX_GSO_SEGMENTS, run))
-                sent, held, full = self._send(peer, batch, i, waits, now)
-                if sent:  # the batch's first `sent` (`_send` took those sent behind)
-                    if i < FRONT:
-                        _took(peer, i, sent)
-                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
-                        release(peer, bkey, k)
-                    peer.queued -= sent
+            batch, _ = _take(q, min(BATCH_BYTES, window), min(MAX_GSO_SEGMENTS, run))
+            sent, held, full = self._send(peer, batch, i, waits, now)
+            if sent:  # the batch's first `sent` (`_send` took those sent behind)
+                if i < FRONT:
+                    _took(peer, i, sent)
+                for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                    release(peer, bkey, k)
+                peer.queued -= sent
             if full:
                 self.blocked = True
                 return None
             if held:  # the balancer chose paths without budget: they wait for it
                 assert waits is not None
                 return _pacing_wake(now, waits)
+        return None
+
+    def _flush_one(self, peer: Peer, now: float) -> float | None:
+        """`_flush_peer` for a peer with one path: as much a send as the
+        window and the path's tokens allow. What stays the same for the
+        whole flush (the path, its address, its pacer) is looked up once."""
+        pacer0 = None if peer.pacers is None else peer.pacers[0]
+        path0, dest, tos = peer.local[0], (peer.addresses[0], peer.port), self.tos  # dest(0)
+        pending, watched, queues, steps = peer.pending, peer.watched, peer.queues, peer.steps
+        release = _release
+        # (min() and max() written out: they were most of the calls a batch)
+        while (i := _next_queue(peer)) >= 0:
+            q = queues[i]
+            popleft = q if NATIVE_KEYS else q.popleft  # as in `_flush_peer`
+            run = FLUSH_COUNT
+            if i < FRONT and (step := steps[i][0][1]) < FLUSH_COUNT:
+                run = step
+            head = len(q[0])
+            window = FLUSH_BYTES
+            if peer.window:
+                window = window_room(peer, now, head)
+                if window <= 0:
+                    assert peer.stalled_since is not None
+                    return peer.stalled_since + probe_wait(peer)
+            room = FLUSH_BYTES  # as much as the tokens allow (at least a batch: into debt)
+            if pacer0 is not None:  # one path: its budget alone
+                wait, tokens = pacer0.budget(now)
+                if wait >= PACING_SLACK:  # `_pacing_wake`
+                    return now + (wait if wait > PACING_QUANTUM else PACING_QUANTUM)
+                # what the tokens allow, at least a datagram (into debt):
+                # not a whole batch, whose 44 datagrams at a time from
+                # each sender kept a queue at a port they fill to 97 %
+                if (allowed := int(tokens)) < room:
+                    room = allowed
+                if head > room:
+                    room = head
+            batch, sizes = _take(q, window if window < room else room, run)
+            cls = i % N_CLASSES
+            sent = path0.send(batch, dest, tos[cls])
+            if sent:
+                self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
+                if i < FRONT:
+                    _took(peer, i, sent)
+                # identities out of `pending`, the batch off the queue, and
+                # per shard the packets its held DONEs were waiting for
+                for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                    release(peer, bkey, k)
+                peer.queued -= sent
+            if sent < len(batch):
+                self.blocked = True
+                return None
         return None
 
     def _send(
