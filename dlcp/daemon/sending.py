@@ -253,7 +253,7 @@ class Sending:
         pacer0 = None if peer.pacers is None else peer.pacers[0]
         path0, dest, tos = peer.local[0], (peer.addresses[0], peer.port), self.tos  # dest(0)
         pending, watched, queues, steps = peer.pending, peer.watched, peer.queues, peer.steps
-        release = _release
+        paths, release = peer.paths, _release
         # (min() and max() written out: they were most of the calls a batch)
         while (i := _next_queue(peer)) >= 0:
             q = queues[i]
@@ -283,8 +283,16 @@ class Sending:
             batch, sizes = _take(q, window if window < room else room, run)
             cls = i % N_CLASSES
             sent = path0.send(batch, dest, tos[cls])
-            if sent:
-                self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
+            if sent:  # `_sent(peer, cls, 0, sent, nbytes, now)` inline
+                nbytes = sizes[sent - 1]
+                peer.sent_total += nbytes
+                peer.balancer.on_sent(paths[0], sent)
+                peer.rate.on_sent(0, nbytes)
+                key = (cls, 0)
+                peer.sent_packets[key] += sent
+                peer.sent_bytes[key] += nbytes
+                if pacer0 is not None:  # the wire's bytes
+                    pacer0.consume(nbytes + sent * WIRE_OVERHEAD, now)
                 if i < FRONT:
                     _took(peer, i, sent)
                 # identities out of `pending`, the batch off the queue, and
