@@ -138,7 +138,11 @@ def _runs_of(
 def _pacing_wake(now: float, waits: list[float]) -> float:
     """When to come back for the paths still short of budget (`waits` > 0;
     inf: out of use): the first of them due, but no sooner than PACING_QUANTUM."""
-    return now + max(min(w for w in waits if w > 0), PACING_QUANTUM)
+    soonest = math.inf  # min(w for w in waits if w > 0), without a generator's steps
+    for w in waits:
+        if 0 < w < soonest:
+            soonest = w
+    return now + max(soonest, PACING_QUANTUM)
 
 
 def _least_lossy(paths: Sequence[PathState]) -> int:
@@ -225,7 +229,9 @@ class Sending:
                 # a path with any budget may take its part of the batch (into
                 # debt that its later sends pay off: the rate holds over time)
                 waits = [pacer.delay(1.0, now) for pacer in pacers]
-                waits = [0.0 if w < PACING_SLACK else w for w in waits]
+                for p, w in enumerate(waits):
+                    if w < PACING_SLACK:
+                        waits[p] = 0.0
                 if peer.usable is not None:  # a path out of use is never ready
                     waits = [w if u else math.inf for w, u in zip(waits, peer.usable, strict=True)]
                 if min(waits) > 0:
