@@ -1,7 +1,7 @@
 """dlcpd's send path in one process: what a daemon spends a datagram before the kernel.
 
     python bench/diag/send_path.py [--size 100MB] [--rounds 12] [--classes 1] [--paths 1]
-        [--queue] [--profile FILE]
+        [--queue] [--rate BITS] [--profile FILE]
 
 Node 0 of a 2-node job submits one fp32 bucket a round (`Engine(gather=True)`,
 as dlcpd runs it); its data for node 1 (half the bucket: 35,500 datagrams of
@@ -15,7 +15,11 @@ datagram. `--classes K`: the packets of a bucket spread over K priority
 classes at random (as magnitude classes spread them), instead of one.
 `--paths P`: the peer has P paths (127.0.0.1, .2, ...: one local
 socket each, sprayed by the balancer, the multipath `_send`). `--profile
-FILE`: the timed rounds under cProfile, its stats written to FILE (call
+BITS`: the peer is paced at BITS bit/s (e.g. 200e6) and each flush comes
+PACING_QUANTUM later on a clock of its own, as dlcpd's paced flushes: a few
+dozen datagrams a flush, so the per-flush and per-batch glue show (the
+bench's case at 200 Mbit/s); without it one flush sends 4 MB at once.
+`--profile FILE`: the timed rounds under cProfile, its stats written to FILE (call
 counts per datagram are what to read from it). `--queue`: the receiving
 socket's buffer holds a whole round (as a peer dlcpd's does while it is
 flushing too) and is drained after each round, untimed; the kernel then
@@ -51,6 +55,7 @@ from dlcp.core.layout import Layout
 from dlcp.core.rate import RateConfig
 from dlcp.daemon.memory import tune_process
 from dlcp.daemon.outbox import Outbox
+from dlcp.daemon.sending import PACING_QUANTUM
 from dlcp.daemon.transport import UdpPath
 from dlcp.policies import from_config
 from dlcp.wire import Codec
@@ -67,6 +72,7 @@ def main() -> None:
     ap.add_argument("--classes", type=int, default=1)
     ap.add_argument("--paths", type=int, default=1)
     ap.add_argument("--queue", action="store_true", help="the receiver keeps a whole round")
+    ap.add_argument("--rate", type=float, default=0.0, help="pace the peer at this bit/s")
     ap.add_argument("--profile", default="", help="write cProfile stats of the rounds here")
     a = ap.parse_args()
     tune_process()
@@ -84,8 +90,8 @@ def main() -> None:
     ob = Outbox(
         paths,
         dscp=(48, 40, 34, 26, 18, 10, 0, 8),
-        rate=RateConfig(),
-        pacing=False,
+        rate=RateConfig(link_rate_bps=a.rate, initial_rate_bps=a.rate) if a.rate else RateConfig(),
+        pacing=a.rate > 0,
         balancer_factory=lambda: from_config("balance", "spray"),
     )
     addrs = tuple(f"127.0.0.{1 + p}" for p in range(a.paths))
@@ -100,6 +106,7 @@ def main() -> None:
     rows = []
     prof = cProfile.Profile() if a.profile else None
     cpu0 = time.process_time()
+    clock = 0.0
     for rnd in range(a.rounds):
         if prof is not None and rnd == 2:
             prof.enable()
@@ -122,8 +129,12 @@ def main() -> None:
                 ob.push_many(peer, b.datagrams, b.priorities)
                 n += len(b.datagrams)
         t2 = time.perf_counter()
+        flushes = 0
         while ob.backlog:
-            ob.flush(0.0)
+            if a.rate:  # the next flush a pacing quantum later
+                clock += PACING_QUANTUM
+            ob.flush(clock)
+            flushes += 1
         t3 = time.perf_counter()
         e.rounds.table.clear()
         t4 = time.perf_counter()
@@ -134,7 +145,7 @@ def main() -> None:
                 except BlockingIOError:
                     break
         if rnd >= 2:  # warm-up
-            rows.append((t1 - t0, t2 - t1, t3 - t2, _SEND[0], t4 - t3, n))
+            rows.append((t1 - t0, t2 - t1, t3 - t2, _SEND[0], t4 - t3, n, flushes))
         else:
             cpu0 = time.process_time()
     cpu = time.process_time() - cpu0
@@ -152,6 +163,8 @@ def main() -> None:
         f"send calls {1e9 * sends / n:.0f} ns a datagram"
     )
     per = 1e9 * cpu / (n * len(rows))
+    if a.rate:
+        print(f"{rows[0][6]} flushes a round (paced at {a.rate:g} bit/s)")
     print(f"process CPU {per:.0f} ns a datagram (user + system, timed rounds)")
 
 

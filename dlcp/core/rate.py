@@ -385,6 +385,34 @@ class Pacer:
         _positive("late", late, allow_zero=True)
         self._refill(now, late)
 
+    def retune(self, rate_bps: float, late: float, now: float) -> None:
+        """`catch_up(late, now)` where `late` > 0, then `set_rate(rate_bps,
+        now)`: what a flush does to each pacer before sending, in one call
+        (the checks of a finite positive float done inline)."""
+        if late > 0:
+            if type(late) is not float or late == math.inf:
+                _positive("late", late, allow_zero=True)
+            self._refill(now, late)
+        if type(rate_bps) is not float or not 0.0 < rate_bps < math.inf:
+            _positive("rate_bps", rate_bps)
+        if now - self._updated > 0:
+            self._refill(now)
+        if rate_bps != self._rate:  # else set_rate would change nothing
+            lower = rate_bps < self._rate
+            self._rate = float(rate_bps)
+            self.burst_bytes = self._burst_for(self._rate)
+            if lower:
+                self._tokens = min(self._tokens, self.burst_bytes)
+
+    def budget(self, now: float) -> tuple[float, float]:
+        """(`delay(1.0, now)`, `tokens(now)`): whether a datagram may go now
+        and how many bytes may, in one call."""
+        if now - self._updated > 0:  # else `_refill` has nothing to do
+            self._refill(now)
+        tokens = self._tokens
+        short = 1.0 - tokens
+        return (short if short > 0.0 else 0.0) * 8.0 / self._rate, tokens
+
     def settle(self, now: float, keep: float | None = None) -> None:
         """Nothing waits any more: tokens beyond the burst (a catch-up's) are
         dropped, or beyond `keep` bytes where that is less."""
@@ -399,7 +427,8 @@ class Pacer:
 
     def delay(self, nbytes: float, now: float) -> float:
         """Seconds from `now` until `nbytes` could go, without reserving them."""
-        short = nbytes - self.tokens(now)
+        self._refill(now)
+        short = nbytes - self._tokens
         return max(0.0, short) * 8.0 / self._rate
 
     def next_send_time(self, nbytes: float, now: float) -> float:
@@ -410,9 +439,11 @@ class Pacer:
         """Reserve `nbytes`; the seconds from `now` to wait before sending them."""
         if nbytes < 0:
             raise LocalError(f"cannot pace {nbytes} bytes")
-        self._refill(now)
+        if now - self._updated > 0:
+            self._refill(now)
         self._tokens -= nbytes
-        return max(0.0, -self._tokens) * 8.0 / self._rate
+        debt = -self._tokens
+        return (debt if debt > 0.0 else 0.0) * 8.0 / self._rate
 
     def _refill(self, now: float, late: float = 0.0) -> None:
         """Earn tokens for the time since the last refill, up to the burst, or
@@ -420,7 +451,10 @@ class Pacer:
         beyond the cap (a catch-up's) stay."""
         elapsed = now - self._updated
         if elapsed > 0:  # a clock that steps back earns nothing
-            cap = self.burst_bytes + min(late, elapsed) * self._rate / 8.0
+            # min() and max() written out in this module's per-send paths:
+            # they are called several times a batch (same results, NaN too)
+            cap = self.burst_bytes + (elapsed if elapsed < late else late) * self._rate / 8.0
             if self._tokens < cap:
-                self._tokens = min(cap, self._tokens + elapsed * self._rate / 8.0)
+                tokens = self._tokens + elapsed * self._rate / 8.0
+                self._tokens = tokens if tokens < cap else cap
             self._updated = now

@@ -57,8 +57,10 @@ def window_room(peer: Peer, now: float, need: int) -> int:
     """Bytes `peer`'s window lets go now: at least `need` (the next
     datagram), or 0 (then `stalled_since` says since when). A window full
     for CREDIT_TIMEOUT lets a probe of CREDIT_STEP go."""
-    limit = peer.limit
-    room = limit - peer.in_flight
+    granted, limit = peer.granted, peer.window  # `peer.limit`, `peer.in_flight` inline
+    if granted and granted < limit:
+        limit = granted
+    room = limit - (peer.sent_total - peer.credited)
     if room >= need:
         peer.stalled_since = None
         return room

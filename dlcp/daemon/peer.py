@@ -144,7 +144,7 @@ class Peer:
     rx_job: int | None = None  # the job it last sent us bytes in
     # path health (peers with two or more paths; dlcp/core/pathhealth.py): the
     # daemon probes the paths and sets `usable` (None: every path) after each
-    # probe round; `_send` moves what the balancer put on an unusable path to
+    # probe round; `spray` moves what the balancer put on an unusable path to
     # the usable ones, round robin from `reroute_next`. `tx_job`: the job the
     # daemon last queued packets of for the peer (the probes' job)
     health: PathHealth | None = None

@@ -1,8 +1,10 @@
 """The outbox's sending half: `flush` takes each backlogged peer's queues in
 their order (`peer._next_queue`), as far as its flow-control window and its
 pacers allow, and hands them to the path sockets in GSO-sized batches, one
-class a call, with the load balancer choosing a path per packet (and moving
-what it put on a path that is down to the live ones); NACKs' losses cut the
+class a call: a peer with one path as much a call as its window and tokens
+allow, one with several in batches whose packets the load balancer puts on
+paths (`dlcp.daemon.spray`, which also moves what it put on a path that is
+down to the live ones); NACKs' losses cut the
 rates (`pathloss.charge`), and a path found down has its recent urgent datagrams
 queued again (`path_down`).
 
@@ -13,39 +15,16 @@ outbox's backlog and `push`.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-
-import numpy as np
+from collections.abc import Callable
 
 from dlcp.core.rate import WIRE_OVERHEAD
 from dlcp.daemon.flow import probe_wait, take_credit, window_room
-from dlcp.daemon.packet_keys import (
-    _DONE,
-    _DR,
-    NATIVE_KEYS,
-    _barrier_key,
-    _by_path,
-    _identity,
-    _shard_keys,
-    _take,
-    _unqueue,
-)
-from dlcp.daemon.pathloss import show_rates, track
-from dlcp.daemon.peer import (
-    _F_RETRANSMIT,
-    _NOT_DR_TABLE,
-    FRONT,
-    N_CLASSES,
-    Peer,
-    _left,
-    _next_queue,
-    _release,
-    _took,
-)
-from dlcp.daemon.reroute import RESEND_HORIZON, remember, reroute
+from dlcp.daemon.packet_keys import NATIVE_KEYS, _take, _unqueue
+from dlcp.daemon.pathloss import show_rates
+from dlcp.daemon.peer import FRONT, N_CLASSES, Peer, _next_queue, _release, _took
+from dlcp.daemon.reroute import RESEND_HORIZON
+from dlcp.daemon.spray import spray
 from dlcp.daemon.transport import MAX_GSO_SEGMENTS
-from dlcp.policies import PathState
 
 __all__ = ["Sending"]
 
@@ -83,75 +62,14 @@ PACING_QUANTUM = 0.001
 CATCH_UP_SECONDS = 0.02
 
 
-# by type byte: 1 for a DONE; by flags byte: 1 where RETRANSMIT is set
-_DONE_TABLE = bytes(1 if t == _DONE else 0 for t in range(256))
-_RESENT_TABLE = bytes(1 if f & _F_RETRANSMIT else 0 for f in range(256))
-
-
-def _or_bytes(a: bytes, b: bytes) -> bytes:
-    """`a | b` byte by byte (both of 0s and 1s, of one length), in bigint steps."""
-    return (int.from_bytes(a, "little") | int.from_bytes(b, "little")).to_bytes(len(a), "little")
-
-
-def _places(mask: bytes) -> list[int]:
-    """The places of the 1s in `mask` (a few, usually: a find each)."""
-    out = []
-    k = mask.find(1)
-    while k >= 0:
-        out.append(k)
-        k = mask.find(1, k + 1)
-    return out
-
-
-def _runs_of(
-    out: list[int],
-    bkeys: Sequence[bytes | None],
-    offsets: bytes,
-    resent: set[int],
-) -> tuple[list[tuple[bytes, bytes]], Iterable[tuple[bytes, int]]]:
-    """What `pathloss.track` notes of the packets at places `out` that went on
-    one path (`offsets`: their offset fields in that order; `bkeys` the
-    batch's barrier keys, None for other types): per run of one shard and leg,
-    the offsets of its first transmissions; and the DATA/RESULT packets
-    counted per shard and leg, in order of first appearance."""
-    notes: list[tuple[bytes, bytes]] = []
-    counts: Counter[bytes] = Counter()
-    run: list[bytes] = []
-    key: bytes | None = None
-    for j, i in enumerate(out):
-        b = bkeys[i]
-        if b is None:
-            continue
-        counts[b] += 1
-        if i in resent:
-            continue
-        if b is not key and b != key:
-            if run and key is not None:
-                notes.append((key, b"".join(run)))
-            run, key = [], b
-        run.append(offsets[4 * j : 4 * j + 4])
-    if run and key is not None:
-        notes.append((key, b"".join(run)))
-    return notes, counts.items()
-
-
-def _batch(
-    q: deque[bytes], nbytes: int = BATCH_BYTES, count: int = MAX_GSO_SEGMENTS
-) -> tuple[list[bytes], Sequence[int]]:
-    """`_take` with the defaults of one super-datagram."""
-    return _take(q, nbytes, count)
-
-
 def _pacing_wake(now: float, waits: list[float]) -> float:
     """When to come back for the paths still short of budget (`waits` > 0;
     inf: out of use): the first of them due, but no sooner than PACING_QUANTUM."""
-    return now + max(min(w for w in waits if w > 0), PACING_QUANTUM)
-
-
-def _least_lossy(paths: Sequence[PathState]) -> int:
-    """The path with the lowest recent loss rate among those with a traffic share."""
-    used = [p for p in range(len(paths)) if paths[p].weight > 0] or list(range(len(paths)))
-    return min(used, key=lambda p: paths[p].loss_rate)
+    soonest = math.inf  # min(w for w in waits if w > 0), without a generator's steps
+    for w in waits:
+        if 0 < w < soonest:
+            soonest = w
+    return now + max(soonest, PACING_QUANTUM)
 
 
 class Sending:
@@ -208,17 +126,14 @@ class Sending:
         if pacers is not None:
             late = 0.0 if peer.wake_at is None else min(now - peer.wake_at, CATCH_UP_SECONDS)
             for pacer, rate in zip(pacers, peer.rate.rates(), strict=True):
-                if late > 0:
-                    pacer.catch_up(late, now)
-                pacer.set_rate(rate, now)
+                pacer.retune(rate, late, now)  # catch_up where late, set_rate
             show_rates(peer)
-        one = len(peer.paths) == 1
-        pacer0 = pacers[0] if pacers is not None and one else None
+        if len(peer.paths) == 1:
+            return self._flush_one(peer, now)
         pending, watched = peer.pending, peer.watched
         release = _release
         while (i := _next_queue(peer)) >= 0:
             q = peer.queues[i]
-            cls = i % N_CLASSES
             # what `_unqueue` pops the sent with: a Fifo itself (at once), a
             # deque's popleft (once a datagram)
             popleft = q if NATIVE_KEYS else q.popleft
@@ -231,47 +146,25 @@ class Sending:
                     assert peer.stalled_since is not None
                     return peer.stalled_since + probe_wait(peer)
             waits: list[float] | None = None
-            if pacer0 is not None:  # one path: its budget alone
-                wait = pacer0.delay(1.0, now)
-                if wait >= PACING_SLACK:
-                    return _pacing_wake(now, [wait])
-            elif pacers is not None:
+            if pacers is not None:
                 # a path with any budget may take its part of the batch (into
                 # debt that its later sends pay off: the rate holds over time)
                 waits = [pacer.delay(1.0, now) for pacer in pacers]
-                waits = [0.0 if w < PACING_SLACK else w for w in waits]
+                for p, w in enumerate(waits):
+                    if w < PACING_SLACK:
+                        waits[p] = 0.0
                 if peer.usable is not None:  # a path out of use is never ready
                     waits = [w if u else math.inf for w, u in zip(waits, peer.usable, strict=True)]
                 if min(waits) > 0:
                     return _pacing_wake(now, waits)
-            if one:  # as much as the tokens allow (at least a batch: into debt)
-                room = FLUSH_BYTES
-                if pacer0 is not None:
-                    # what the tokens allow, at least a datagram (into debt):
-                    # not a whole batch, whose 44 datagrams at a time from
-                    # each sender kept a queue at a port they fill to 97 %
-                    room = max(len(q[0]), min(room, int(pacer0.tokens(now))))
-                batch, sizes = _batch(q, min(room, window), min(FLUSH_COUNT, run))
-                sent = peer.local[0].send(batch, peer.dest(0), self.tos[cls])
-                held, full = False, sent < len(batch)
-                if sent:
-                    self._sent(peer, cls, 0, sent, sizes[sent - 1], now)
-                    if i < FRONT:
-                        _took(peer, i, sent)
-                    # identities out of `pending`, the batch off the queue, and
-                    # per shard the packets its held DONEs were waiting for
-                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
-                        release(peer, bkey, k)
-                    peer.queued -= sent
-            else:
-                batch, sizes = _batch(q, min(BATCH_BYTES, window), min(MAX_GSO_SEGMENTS, run))
-                sent, held, full = self._send(peer, batch, i, waits, now)
-                if sent:  # the batch's first `sent` (`_send` took those sent behind)
-                    if i < FRONT:
-                        _took(peer, i, sent)
-                    for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
-                        release(peer, bkey, k)
-                    peer.queued -= sent
+            batch, _ = _take(q, min(BATCH_BYTES, window), min(MAX_GSO_SEGMENTS, run))
+            sent, held, full = spray(peer, batch, i, waits, self.tos, now)
+            if sent:  # the batch's first `sent` (`spray` took those sent behind)
+                if i < FRONT:
+                    _took(peer, i, sent)
+                for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                    release(peer, bkey, k)
+                peer.queued -= sent
             if full:
                 self.blocked = True
                 return None
@@ -280,120 +173,64 @@ class Sending:
                 return _pacing_wake(now, waits)
         return None
 
-    def _send(
-        self,
-        peer: Peer,
-        batch: list[bytes],
-        queue: int,
-        waits: list[float] | None,
-        now: float,
-    ) -> tuple[int, bool, bool]:
-        """Send what of `batch` the balancer puts on paths with budget (`waits`
-        0, or no pacing), for a peer with several paths; returns (sent from
-        the head, some held for a path without budget, socket full). Packets
-        sent behind an unsent one leave the queue here; the unsent stay at its
-        head, to be assigned again."""
-        paths = peer.paths
-        cls = queue % N_CLASSES
-        tos = self.tos[cls]
-        ready = None if waits is None else [w == 0 for w in waits]
-        chosen = peer.balancer.assign(
-            n=len(batch), paths=paths, ready=None if ready is None else np.array(ready)
-        )
-        assign: list[int] = (
-            chosen.tolist() if isinstance(chosen, np.ndarray) else [int(p) for p in chosen]
-        )
-        heads, bkeys, _ = _shard_keys(batch)  # type and flags bytes; barrier keys (None: others)
-        kinds = heads[0::2]
-        n_all = len(batch)
-        # the DONEs and retransmissions (few): 1 where either
-        special_mask = _or_bytes(kinds.translate(_DONE_TABLE), heads[1::2].translate(_RESENT_TABLE))
-        special = _places(special_mask)
-        resent: set[int] = set()  # retransmissions: sent, counted, never charged
-        safest = -1
-        for i in special:
-            dg = batch[i]
-            t = dg[3]
-            if t == _DONE:
-                # The DONE takes the path that carried most of its shard, whose
-                # switch queue it should not overtake: a DONE that arrives first
-                # on an idle path makes the receiver NACK packets still queued.
-                counts = peer.shard_paths.get(_barrier_key(dg))
-                if counts is not None:
-                    assign[i] = counts.index(max(counts))
-            elif t in _DR:  # a retransmission
-                resent.add(i)
-                # A retransmission takes the path that loses least, among those
-                # the balancer uses: losing it again costs another NACK round.
-                if safest < 0:
-                    safest = _least_lossy(paths)
-                if paths[safest].loss_rate < paths[assign[i]].loss_rate:
-                    assign[i] = safest
-        if peer.usable is not None:
-            reroute(peer, assign, peer.usable)
-        not_dr = kinds.translate(_NOT_DR_TABLE)
-        all_dr = 1 not in not_dr
-        one_shard = all_dr and bkeys.count(bkeys[0]) == n_all
-        # the urgent ones (`_urgent`), kept per path for `path_down` where probed:
-        # DONEs and retransmissions (`special`), and every other type but DATA/RESULT
-        urgent: list[int] = []
-        if peer.health is not None:
-            urgent = special if all_dr else _places(_or_bytes(special_mask, not_dr))
-        # each path's part, in order (`_by_path`: in C, no step a datagram); a
-        # partial send on any path stops the batch there
-        groups, places, offsets, _ = _by_path(batch, assign, len(paths))
-        done = 0
-        full = held = False
-        sent_idx: list[int] = []
-        for p, dgs in enumerate(groups):
-            if dgs is None:
-                continue
-            idx = places[p]
-            assert idx is not None
-            if ready is not None and not ready[p]:
-                held = True  # no budget on this path: its packets wait
-                continue
-            n = peer.local[p].send(dgs, peer.dest(p), tos)
-            if n:
-                out = idx if n == len(idx) else idx[:n]
-                sent_idx += out
-                if urgent:  # those of them that went on this path
-                    sent = set(out) if n < len(idx) else None
-                    mine = [i for i in urgent if assign[i] == p and (sent is None or i in sent)]
-                    remember(peer, p, cls, [batch[i] for i in mine], now)
-                self._sent(peer, cls, p, n, sum(map(len, dgs if n == len(dgs) else dgs[:n])), now)
-                offs = offsets[p]
-                assert offs is not None
-                if one_shard and not resent:  # the usual batch: one note, one count
-                    bkey = bkeys[0]
-                    assert bkey is not None
-                    notes = [(bkey, offs[: 4 * n])]
-                    per_shard: Iterable[tuple[bytes, int]] = ((bkey, n),)
-                else:
-                    notes, per_shard = _runs_of(out, bkeys, offs, resent)
-                track(peer, notes, per_shard, p)
-            done += n
-            if n < len(dgs):
-                full = True
-                break
-        if done == len(batch):
-            return done, False, False
-        # keep the unsent ones at the head of the queue, in their order
-        sent_mask = [False] * len(batch)
-        for i in sent_idx:
-            sent_mask[i] = True
-        prefix = sent_mask.index(False)
-        q = peer.queues[queue]
-        for i in range(len(batch) - 1, prefix - 1, -1):
-            if sent_mask[i]:
-                dg = q[i]
-                peer.pending.discard(_identity(dg))
-                del q[i]  # sent out of order on another path
-                if queue < FRONT:
-                    _took(peer, queue, 1)
-                _left(peer, dg)
-                peer.queued -= 1
-        return prefix, held, full
+    def _flush_one(self, peer: Peer, now: float) -> float | None:
+        """`_flush_peer` for a peer with one path: as much a send as the
+        window and the path's tokens allow. What stays the same for the
+        whole flush (the path, its address, its pacer) is looked up once."""
+        pacer0 = None if peer.pacers is None else peer.pacers[0]
+        path0, dest, tos = peer.local[0], (peer.addresses[0], peer.port), self.tos  # dest(0)
+        pending, watched, queues, steps = peer.pending, peer.watched, peer.queues, peer.steps
+        paths, release = peer.paths, _release
+        # (min() and max() written out: they were most of the calls a batch)
+        while (i := _next_queue(peer)) >= 0:
+            q = queues[i]
+            popleft = q if NATIVE_KEYS else q.popleft  # as in `_flush_peer`
+            run = FLUSH_COUNT
+            if i < FRONT and (step := steps[i][0][1]) < FLUSH_COUNT:
+                run = step
+            head = len(q[0])
+            window = FLUSH_BYTES
+            if peer.window:
+                window = window_room(peer, now, head)
+                if window <= 0:
+                    assert peer.stalled_since is not None
+                    return peer.stalled_since + probe_wait(peer)
+            room = FLUSH_BYTES  # as much as the tokens allow (at least a batch: into debt)
+            if pacer0 is not None:  # one path: its budget alone
+                wait, tokens = pacer0.budget(now)
+                if wait >= PACING_SLACK:  # `_pacing_wake`
+                    return now + (wait if wait > PACING_QUANTUM else PACING_QUANTUM)
+                # what the tokens allow, at least a datagram (into debt):
+                # not a whole batch, whose 44 datagrams at a time from
+                # each sender kept a queue at a port they fill to 97 %
+                if (allowed := int(tokens)) < room:
+                    room = allowed
+                if head > room:
+                    room = head
+            batch, sizes = _take(q, window if window < room else room, run)
+            cls = i % N_CLASSES
+            sent = path0.send(batch, dest, tos[cls])
+            if sent:  # `_sent(peer, cls, 0, sent, nbytes, now)` inline
+                nbytes = sizes[sent - 1]
+                peer.sent_total += nbytes
+                peer.balancer.on_sent(paths[0], sent)
+                peer.rate.on_sent(0, nbytes)
+                key = (cls, 0)
+                peer.sent_packets[key] += sent
+                peer.sent_bytes[key] += nbytes
+                if pacer0 is not None:  # the wire's bytes
+                    pacer0.consume(nbytes + sent * WIRE_OVERHEAD, now)
+                if i < FRONT:
+                    _took(peer, i, sent)
+                # identities out of `pending`, the batch off the queue, and
+                # per shard the packets its held DONEs were waiting for
+                for bkey, k in _unqueue(pending, batch, sent, popleft, watched):
+                    release(peer, bkey, k)
+                peer.queued -= sent
+            if sent < len(batch):
+                self.blocked = True
+                return None
+        return None
 
     def path_down(self, peer: Peer, p: int, now: float) -> int:
         """Path `p` to `peer` was found down: queue again what urgent went on it
@@ -421,14 +258,3 @@ class Sending:
         """A credit from `peer` (`flow.take_credit`), counted."""
         self.credits += 1
         take_credit(peer, received, epoch, drained, window, now)
-
-    @staticmethod
-    def _sent(peer: Peer, cls: int, p: int, n: int, nbytes: int, now: float) -> None:
-        """`n` packets (`nbytes`) of class `cls` went out on path `p`."""
-        peer.sent_total += nbytes
-        peer.balancer.on_sent(peer.paths[p], n)
-        peer.rate.on_sent(p, nbytes)
-        peer.sent_packets[(cls, p)] += n
-        peer.sent_bytes[(cls, p)] += nbytes
-        if peer.pacers is not None:  # the wire's bytes
-            peer.pacers[p].consume(nbytes + n * WIRE_OVERHEAD, now)

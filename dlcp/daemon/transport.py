@@ -125,6 +125,15 @@ def _buffers(datagrams: Sequence[Any]) -> list[Any]:
     return out
 
 
+def _native_dest(dest: tuple[str, int]) -> tuple[bytes, int] | None:
+    """`dest` as `_udp.send_gso` takes it (IPv4 address bytes, port), or None
+    where it takes no such address (names go through Python)."""
+    try:
+        return socket.inet_aton(dest[0]), int(dest[1])
+    except (OSError, ValueError, TypeError, IndexError):
+        return None
+
+
 class UdpPath:
     """A non-blocking UDP socket bound to one local path address."""
 
@@ -200,32 +209,29 @@ class UdpPath:
         MAX_GSO_BYTES bytes.
         """
         if self.native_send and datagrams:
-            sent, done = self._send_native(datagrams, dest, tos)
-            if done:
+            # in C (`_udp.send_gso`), to IPv4 addresses: all go, or as many as
+            # the socket takes; else (a name, an error) `_send_each` goes on
+            # from what went and deals with the error as it always has
+            addr = self._dests.get(dest, b"")
+            if addr == b"":
+                addr = self._dests[dest] = _native_dest(dest)
+            if addr is None:
+                return self._send_each(datagrams, dest, tos, 0)
+            sent, calls, err = _udp.send_gso(
+                self.sock.fileno(),
+                datagrams if type(datagrams) is list else list(datagrams),
+                0,
+                addr[0],
+                addr[1],
+                tos,
+                self.gso,
+                self.gso_max_size,
+            )
+            self.sendmsg_calls += calls
+            if err == _SENT_ALL or err in _FULL:
                 return sent
             return self._send_each(datagrams, dest, tos, sent)
         return self._send_each(datagrams, dest, tos, 0)
-
-    def _send_native(
-        self, datagrams: Sequence[bytes], dest: tuple[str, int], tos: int
-    ) -> tuple[int, bool]:
-        """`send` in C: (sent, True) when all went or the socket is full, else
-        (sent before an error, False): `_send_each` goes on from there and deals
-        with the error as it always has."""
-        addr = self._dests.get(dest, b"")
-        if addr == b"":
-            try:  # the C path takes IPv4 addresses only; names go through Python
-                addr = self._dests[dest] = (socket.inet_aton(dest[0]), int(dest[1]))
-            except (OSError, ValueError, TypeError, IndexError):
-                addr = self._dests[dest] = None
-        if addr is None:
-            return 0, False
-        batch = datagrams if isinstance(datagrams, list) else list(datagrams)
-        sent, calls, err = _udp.send_gso(
-            self.sock.fileno(), batch, 0, addr[0], addr[1], tos, self.gso, self.gso_max_size
-        )
-        self.sendmsg_calls += calls
-        return sent, err == _SENT_ALL or err in _FULL
 
     def _send_each(
         self, datagrams: Sequence[bytes], dest: tuple[str, int], tos: int, sent: int

@@ -113,7 +113,8 @@ class LoadBalancer(ABC):
 
     def on_sent(self, path: PathState, n: int) -> None:
         """`n` packets went out on `path`."""
-        n = check_int(n, "n", lo=0)
+        if type(n) is not int or n < 0:  # the flush's counts are ints: checked only otherwise
+            n = check_int(n, "n", lo=0)
         path.sent += n
         keep = (1.0 - 1.0 / self.loss_window) ** n
         path.window_sent = path.window_sent * keep + n
