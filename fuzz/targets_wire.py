@@ -292,7 +292,7 @@ def bulk_add_runs(inp: Input) -> None:
         e_ref = _add(ref, own, Codec.FP32, summed, s, c, p, False)
     both = _both_errors(c, payloads, 4, _outside(s, c, size))
     _same_error(_add(fast, own, Codec.FP32, summed, s, c, p, True), e_ref, both)
-    if e_ref is None:  # NaN payloads' bits aside, the same sums
+    if e_ref is None and fast.tobytes() != ref.tobytes():  # NaN payloads' bits aside, the same sums
         a, b = fast.view(np.uint32), ref.view(np.uint32)
         same = (a == b) | (np.isnan(fast) & np.isnan(ref))
         assert same.all(), np.flatnonzero(~same)[:5]
