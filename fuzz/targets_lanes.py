@@ -103,6 +103,11 @@ def _pick_seeds() -> list[bytes]:
     ]
 
 
+# (hi << 8) % m for each m a pick can have (2 .. 34) and each high byte: under
+# ASan with PYTHONMALLOC=malloc every int over 256 is a malloc (two a position)
+_HIGH = [[(hi << 8) % m if m else 0 for hi in range(256)] for m in range(35)]
+
+
 @target("bulk_pick", covers=("_bulk.pick",), seeds=_pick_seeds)
 def bulk_pick(inp: Input) -> None:
     dgs = inp.datagrams(limit=32, longest=300)
@@ -112,7 +117,8 @@ def bulk_pick(inp: Input) -> None:
     k = inp.uint(1) % 40
     r = inp.take(3 * k).ljust(3 * k, b"\0")
     m = n + 2
-    positions = [(r[i] | r[i + 1] << 8) % m - (r[i + 2] % 16 == 0) for i in range(0, 3 * k, 3)]
+    high = _HIGH[m]  # (the two bytes' int, mod m, made without an int over 289)
+    positions = [(r[i] + high[r[i + 1]]) % m - (r[i + 2] % 16 == 0) for i in range(0, 3 * k, 3)]
     order = np.array(positions, np.int64)
     items: list[bytes] | tuple[bytes, ...] = dgs if inp.chance(2) else tuple(dgs)
     outside = bool(positions) and (min(positions) < 0 or max(positions) >= n)
