@@ -88,12 +88,15 @@ class Input:
         """Up to `limit` byte strings, each a 2-byte length then its bytes (as
         `pack_datagrams` writes them)."""
         out: list[bytes] = []
-        data, at, size, mod = self.data, self.at, self.size, longest + 1
-        while size - at >= 2 and len(out) < limit:
-            n = (data[at] | data[at + 1] << 8) % mod
-            out.append(data[at + 2 : at + 2 + n])
-            at = min(at + 2 + n, size)
-        self.at = at
+        append, data, at, mod = out.append, self.data, self.at, longest + 1
+        last = self.size - 2  # where the last length can start
+        for _ in range(limit):
+            if at > last:
+                break
+            start = at + 2
+            at = start + (data[at] | data[at + 1] << 8) % mod
+            append(data[start:at])  # (a slice past the end stops at it)
+        self.at = min(at, self.size)
         return out
 
 

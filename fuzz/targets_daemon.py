@@ -178,13 +178,13 @@ def keys(inp: Input) -> None:
     watch = inp.uint(1)
     dgs = inp.datagrams(limit=32, longest=128)
     long = [d for d in dgs if len(d) >= pk._ID_END]
-    assert _keys.identities(long) == pk._py_identities(long)
+    ids = pk._py_identities(long)
+    assert _keys.identities(long) == ids
     assert _keys.identities_heads(long) == pk._py_identities_heads(long)
     assert _outcome(_keys.shard_keys, dgs) == _outcome(pk._py_shard_keys, dgs)
     # unqueue: the first n left a queue the batch heads; a pending set of most
     # of their identities and some others; the shards watched or not
     n = n_done % (len(long) + 2)
-    ids = pk._py_identities(long)
     pending = {i for k, i in enumerate(ids) if k % 5} | {bytes(29), bytes(range(29))}
     heads = [i[: pk._BKEY] for i in ids]
     watched = None if watch % 3 == 0 else set(heads[:: watch % 3 + 1])

@@ -26,15 +26,51 @@ _UNPACKED = [
 
 def _runs(inp: Input, size: int, codec: int, summed: bool) -> tuple[np.ndarray, np.ndarray, list]:
     """Up to 16 runs into `size` lanes (some outside it, some with a payload
-    of the wrong length), each payload the wire bytes of its lanes."""
+    of the wrong length), each payload the wire bytes of its lanes.
+
+    Each run reads, as `Input` would: `chance(16)`: start `-uint(1)`, else
+    `below(size + 3)`; count `below(min(size, 600) + 2)`; `chance(8)`: the
+    payload `uint(1) % 5 - 2` bytes off its length; then the payload (`take`).
+    The reads are written out on locals, as in targets_wire._runs."""
+    d, at, end = inp.data, inp.at, inp.size
+    k = 0
+    if at < end:
+        k, at = d[at] % 17, at + 1
+    span, most = size + 3, min(size, 600) + 2
     starts, counts, payloads = [], [], []
-    for _ in range(inp.uint(1) % 17):
-        start = -inp.uint(1) if inp.chance(16) else inp.below(size + 3)
-        count = inp.below(min(size, 600) + 2)
-        n = lane_bytes(codec, count, summed) + (inp.uint(1) % 5 - 2 if inp.chance(8) else 0)
+    for _ in range(k):
+        if at >= end or d[at] % 16 == 0:  # chance(16); past the end: True
+            at += at < end
+            start = 0
+            if at < end:
+                start, at = -d[at], at + 1
+        elif at + 3 <= end:  # the chance byte, then below(span)
+            start, at = (d[at + 1] | d[at + 2] << 8) % span, at + 3
+        else:  # 1 byte left after the chance byte: as Input reads it
+            inp.at = at + 1
+            start, at = inp.below(span), inp.size
+        if at + 2 <= end:
+            count, at = (d[at] | d[at + 1] << 8) % most, at + 2
+        elif at < end:  # one byte left: below's two-byte read gets it alone
+            count, at = d[at] % most, end
+        else:
+            count = 0
+        n = lane_bytes(codec, count, summed)
+        if at >= end or d[at] % 8 == 0:  # chance(8)
+            at += at < end
+            if at < end:
+                n, at = n + d[at] % 5 - 2, at + 1
+            else:
+                n -= 2
+        else:
+            at += 1
+        n = max(n, 0)
+        payload = d[at : at + n]
+        at += len(payload)
         starts.append(start)
         counts.append(count)
-        payloads.append(inp.take(max(n, 0)).ljust(max(n, 0), b"\x5a"))
+        payloads.append(payload.ljust(n, b"\x5a"))
+    inp.at = at
     return np.array(starts, np.int64), np.array(counts, np.int64), payloads
 
 
@@ -67,6 +103,11 @@ def _pick_seeds() -> list[bytes]:
     ]
 
 
+# (hi << 8) % m for each m a pick can have (2 .. 34) and each high byte: under
+# ASan with PYTHONMALLOC=malloc every int over 256 is a malloc (two a position)
+_HIGH = [[(hi << 8) % m if m else 0 for hi in range(256)] for m in range(35)]
+
+
 @target("bulk_pick", covers=("_bulk.pick",), seeds=_pick_seeds)
 def bulk_pick(inp: Input) -> None:
     dgs = inp.datagrams(limit=32, longest=300)
@@ -76,14 +117,14 @@ def bulk_pick(inp: Input) -> None:
     k = inp.uint(1) % 40
     r = inp.take(3 * k).ljust(3 * k, b"\0")
     m = n + 2
-    order = np.array(
-        [(r[i] | r[i + 1] << 8) % m - (r[i + 2] % 16 == 0) for i in range(0, 3 * k, 3)], np.int64
-    )
+    high = _HIGH[m]  # (the two bytes' int, mod m, made without an int over 289)
+    positions = [(r[i] + high[r[i + 1]]) % m - (r[i + 2] % 16 == 0) for i in range(0, 3 * k, 3)]
+    order = np.array(positions, np.int64)
     items: list[bytes] | tuple[bytes, ...] = dgs if inp.chance(2) else tuple(dgs)
-    positions = order.tolist()
-    want = None if any(not 0 <= i < n for i in positions) else [bytes(items[i]) for i in positions]
+    outside = bool(positions) and (min(positions) < 0 or max(positions) >= n)
+    want = None if outside else [items[i] for i in positions]
     try:
-        got = [bytes(x) for x in batch_mod.picked(items, order)]
+        got = list(batch_mod.picked(items, order))  # (each compared with == to its bytes)
     except IndexError:
         got = None
     assert got == want

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from fuzz import harness
@@ -84,3 +85,77 @@ def test_a_divergence_is_a_finding() -> None:
             TARGETS["bulk_run_starts"].run(seed)
     finally:
         runs_mod.py_run_starts = real
+
+
+# --- the readers written out on locals read what Input's methods read --------
+
+
+def _runs_wire_by_methods(inp: harness.Input, size: int, itemsize: int) -> tuple:
+    """targets_wire._runs as Input's methods read it (the definition)."""
+    starts, counts, payloads = [], [], []
+    for _ in range(inp.uint(1) % 17):
+        start = inp.below(size + 3)
+        count = inp.below(min(size, 600) + 2)
+        if inp.chance(16):
+            start = -inp.uint(1)
+        nbytes = max(count * itemsize + (inp.uint(1) % 5 - 2 if inp.chance(8) else 0), 0)
+        starts.append(start)
+        counts.append(count)
+        payloads.append(inp.take(nbytes).ljust(nbytes, b"\x3f"))
+    return starts, counts, payloads
+
+
+def _runs_lanes_by_methods(inp: harness.Input, size: int, codec: int, summed: bool) -> tuple:
+    """targets_lanes._runs as Input's methods read it (the definition)."""
+    from dlcp.wire.header import lane_bytes
+
+    starts, counts, payloads = [], [], []
+    for _ in range(inp.uint(1) % 17):
+        start = -inp.uint(1) if inp.chance(16) else inp.below(size + 3)
+        count = inp.below(min(size, 600) + 2)
+        n = lane_bytes(codec, count, summed) + (inp.uint(1) % 5 - 2 if inp.chance(8) else 0)
+        starts.append(start)
+        counts.append(count)
+        payloads.append(inp.take(max(n, 0)).ljust(max(n, 0), b"\x5a"))
+    return starts, counts, payloads
+
+
+def _random_inputs(seed: int, n: int) -> list[bytes]:
+    """Inputs of every length up to 2,000 bytes that end at every point of a
+    run, rich in the byte values the readers branch on (0, 8, 16: a chance)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        size = rng.choice((0, 1, 2, 3, 4, 5, 8, 20, 60, 200, 2000))
+        out.append(bytes(rng.choice((0, 0, 1, 8, 16, 255, rng.randrange(256)))
+                         for _ in range(rng.randrange(size + 1))))  # fmt: skip
+    return out
+
+
+def test_the_run_readers_read_what_input_reads() -> None:
+    """The lane targets' `_runs` read their input on locals, not with Input's
+    methods (the reads were most of those targets' Python): the same runs,
+    payloads and position, so the corpora and regress-* inputs mean what
+    they meant."""
+    import random
+
+    from fuzz import targets_lanes, targets_wire
+
+    rng = random.Random(7)
+    for k, data in enumerate(_random_inputs(64, 20_000)):
+        size, skip = rng.randrange(1, 3001), k % 3
+        a, b = harness.Input(data), harness.Input(data)
+        a.take(skip), b.take(skip)
+        if k % 2:
+            item = rng.choice((1, 2, 4))
+            s, c, p = targets_wire._runs(a, size, item)
+            want = _runs_wire_by_methods(b, size, item)
+        else:
+            codec, summed, _ = rng.choice(targets_lanes._UNPACKED)
+            s, c, p = targets_lanes._runs(a, size, codec, summed)
+            want = _runs_lanes_by_methods(b, size, codec, summed)
+        assert (s.tolist(), c.tolist(), p) == want, (data, size)
+        assert s.dtype == c.dtype == np.int64
+        assert a.at == b.at
