@@ -186,3 +186,45 @@ def test_hedged_agreement_equals_the_plain_one_on_every_rank(tmp_path: Path, del
         assert res["left"] == 0  # the slower ops all completed
     if delay:  # rank 1 waits 0.3 s for group 0's every op: the others answer first
         assert results[1]["stats"]["wins"][0] == 0
+
+
+# -- through the DDP hook: made at the first attach, used while detached ------------
+
+
+def _hook_worker(rank: int, world: int, ways: str, steps: int) -> dict[str, Any]:
+    import os
+
+    from torch import nn
+
+    import dlcp.shim as dlcp
+    from tests.test_shim import NO_DAEMON, make_model, reference_grads, train_steps
+
+    os.environ[HEDGE_ENV] = ways
+    ddp_kw = {"bucket_cap_mb": 0.01}
+    # no daemon: the first attach fails (the hedge is made before it); with
+    # retry_s every step's end agrees whether any rank's clock says to retry
+    state = dlcp.DlcpState(
+        codec="fp32", socket=NO_DAEMON, retry_steps=None, retry_s=3600.0, connect_timeout_s=1.0
+    )
+    model = nn.parallel.DistributedDataParallel(make_model(), **ddp_kw)
+    model.register_comm_hook(state, dlcp.hook)
+    with pytest.warns(RuntimeWarning, match="dlcp"):
+        grads = train_steps(model, rank, steps)
+    return {"grads": grads, "ref": reference_grads(rank, steps, **ddp_kw), "stats": state.stats()}
+
+
+@pytest.mark.parametrize("ways", ["3", "1"])
+def test_the_hook_agrees_through_the_hedge_and_falls_back_as_before(
+    tmp_path: Path, ways: str
+) -> None:
+    steps = 4
+    results = spawn(_hook_worker, 3, tmp_path, ways=ways, steps=steps)
+    for res in results:
+        for got, want in zip(res["grads"], res["ref"], strict=True):
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+        stats = res["stats"]
+        assert not stats["attached"] and stats["failures"] == 1 and stats["attaches"] == 0
+        agreements = stats["agreements"]
+        assert agreements["ways"] == int(ways)
+        assert agreements["count"] == steps and sum(agreements["wins"]) == steps
