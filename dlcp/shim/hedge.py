@@ -27,8 +27,13 @@ The alternative, the agreement carried by the daemons' UDP rounds with
 their fast NACK recovery, needs a second agreement on whether that round
 reached every rank (a rank whose round failed cannot tell the others); the
 hedge needs none. `ways` comes from DLCP_AGREE_HEDGE (default 3; 1 turns it
-off: the process group alone, as before). A group whose tensors live on CUDA
-(NCCL) is not hedged. `describe` counts the agreements and their time.
+off: the process group alone, as before). Measured (FSDP gpt, 3 hosts,
+200 Mbit/s, 5 % loss, 20 steps, 315 agreements a rank, a loaded machine):
+agreements over 0.1 s a rank and their total seconds were 68-102 and
+21-31 s with one group, 11-19 and 5.4-7.6 s with two, 4-6 and 3.5-4.7 s
+with three, 2-7 and 3.5-4.5 s with four: three is where it stops paying.
+A group whose tensors live on CUDA (NCCL) is not hedged. `describe` counts
+the agreements and their time.
 """
 
 from __future__ import annotations
