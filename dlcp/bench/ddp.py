@@ -339,8 +339,10 @@ def summarize(
     rec["first_segment_grows"] = sum(int(s.get("first_segment_grows") or 0) for s in stats)
     # per rank: the shim's timeline (medians per phase, dlcp.shim.timeline), the
     # first step's, and the step cut at its buckets (forward and backward to the
-    # first bucket, the buckets, the rest); per host the daemon's counters
-    for key in ("timeline", "first_timeline", "spans", "first_spans", "daemon_counters"):
+    # first bucket, the buckets, the rest); per host the daemon's counters; per
+    # rank the agreements' count, seconds and stalls (dlcp.shim.hedge)
+    keys = ("timeline", "first_timeline", "spans", "first_spans", "daemon_counters", "agreements")
+    for key in keys:
         rec[key] = [s.get(key) for s in stats]
     errors = [s.get("last_error") for s in stats if s.get("last_error")]
     if errors:

@@ -394,6 +394,8 @@ def _run_workers(
         rec["loss_frac"] = lost / total if total else 0.0
         rec["fallbacks"] = sum(int(s.get("fallbacks", 0)) for s in stats)
         rec["dlcp_rounds"] = sum(int(s.get("rounds", 0)) for s in stats)
+        # per rank: the agreements' count, seconds and stalls (dlcp.shim.hedge)
+        rec["agreements"] = [s.get("agreements") for s in stats]
         auto = stats[0].get("auto")
         if auto:  # what codec="auto" chose (the same on every rank)
             rec["auto_codec"] = auto.get("chosen")

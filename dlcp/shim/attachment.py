@@ -1,7 +1,9 @@
 """A `DlcpState`'s attachment to its host's daemon: attaching (collective,
 `dlcp.shim.link.attach`), leaving it when every rank decided to (`fail`),
 when to try again (`step_ended`: every `retry_steps` steps, or `retry_s`
-on any rank's clock), the segment's size, and the counts of all that.
+on any rank's clock), the segment's size, and the counts of all that. The
+first attach also makes the agreement's hedge groups (`dlcp.shim.hedge`),
+kept for the state's life: `agreement` is what `pg.agree` runs on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from dlcp.errors import LocalError
 from dlcp.shim import pg
 from dlcp.shim.client import default_socket
+from dlcp.shim.hedge import Hedge
 from dlcp.shim.link import AttachFailed, Link, attach
 from dlcp.shim.rendezvous import Store
 from dlcp.shim.settings import ShimSettings
@@ -71,10 +74,21 @@ class Attachment:
         self._attempts = 0
         self._last_attempt = -math.inf
         self._warned = False
+        self._hedge: Hedge | None = None
 
     @property
     def group(self) -> pg.Group:
         return self._group
+
+    @property
+    def agreement(self) -> Hedge | pg.Group:
+        """What the ranks' agreements run on: the hedge made at the first attach
+        (the process group itself before that)."""
+        return self._group if self._hedge is None else self._hedge
+
+    def agreement_stats(self) -> dict[str, Any] | None:
+        """The agreements' counts and times (`Hedge.describe`), once attached."""
+        return None if self._hedge is None else self._hedge.describe()
 
     @property
     def store(self) -> Store | None:
@@ -92,6 +106,9 @@ class Attachment:
         self._attempts += 1
         self._last_attempt = time.monotonic()
         prefix = f"dlcp/{self._instance}/{self._attempts}"
+        if self._hedge is None:  # collective: every rank's first attach makes it
+            hedge_prefix = f"dlcp/{self._instance}/agree"
+            self._hedge = Hedge.make(self._group, self._get_store(), hedge_prefix)
         result = attach(
             socket=s.socket or default_socket(),
             store=self._get_store(),
@@ -175,7 +192,7 @@ class Attachment:
         due = s.retry_steps is not None and since % s.retry_steps == 0
         if s.retry_s is not None:
             mine = time.monotonic() - self._last_attempt >= s.retry_s
-            any_due, _ = pg.agree(mine, None, self._group)
+            any_due, _ = pg.agree(mine, None, self.agreement)
             due = due or any_due
         if due:
             self.due = True

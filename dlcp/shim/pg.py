@@ -2,24 +2,29 @@
 
 These are collectives, so every rank must call them in the same order; the
 shim calls them only at points all ranks reach in the same state (see
-`dlcp.shim.state` for the agreement rule).
+`dlcp.shim.state` for the agreement rule). `agree` may go through a `Hedge`
+(`dlcp.shim.hedge`): the same all-reduce on several Gloo groups at once,
+the first to complete taken.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "DirectGroup",
+    "Group",
     "agree",
+    "all_reduce_async",
     "average",
     "fallback_all_reduce",
     "global_max",
     "group_rank",
     "group_size",
+    "on_cpu",
 ]
 
 
@@ -76,15 +81,40 @@ def _device(group: Group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(failed: bool, maxima: torch.Tensor | None, group: Group) -> tuple[bool, torch.Tensor]:
+class MaxReducer(Protocol):
+    """What `agree` can run its MAX on besides a group (`dlcp.shim.hedge.Hedge`)."""
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """The element-wise max of CPU float32 `t` over all ranks (a new tensor
+        or `t` itself); every rank gets the same bytes."""
+        ...
+
+
+def on_cpu(group: Group) -> bool:
+    """Whether `group`'s collectives take CPU tensors (Gloo's do, NCCL's not)."""
+    return _device(group).type == "cpu"
+
+
+def all_reduce_async(t: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> Any:
+    """Start an all-reduce of `t` in place over `group`; returns its `Work`."""
+    return _all_reduce(t, group, op, async_op=True)
+
+
+def agree(
+    failed: bool, maxima: torch.Tensor | None, group: Group | MaxReducer
+) -> tuple[bool, torch.Tensor]:
     """One all-reduce (MAX) of [failed, *maxima]: whether any rank failed, and the
     element-wise maxima over all ranks (float32, CPU). Every rank gets identical
     answers; every rank must pass maxima of the same length."""
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32)
     parts = [flag] if maxima is None else [flag, maxima.reshape(-1).to("cpu", torch.float32)]
-    t = torch.cat(parts).to(_device(group))
-    _all_reduce(t, group, dist.ReduceOp.MAX)
-    out = t.cpu()
+    t = torch.cat(parts)
+    if group is None or isinstance(group, DirectGroup | dist.ProcessGroup):
+        t = t.to(_device(group))
+        _all_reduce(t, group, dist.ReduceOp.MAX)
+        out = t.cpu()
+    else:
+        out = group.max_(t)
     return bool(out[0] > 0.0), out[1:]
 
 

@@ -249,6 +249,8 @@ class DlcpState:
             "segment_grows": 0 if link is None else link.arena.grows,
             "codec": self.codec,
             "auto": None if self.auto is None else self.auto.describe(),
+            # the ranks' agreements: count, seconds, stalls, hedge wins (dlcp.shim.hedge)
+            "agreements": self._parts.attachment.agreement_stats(),
         }
 
     @property

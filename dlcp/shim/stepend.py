@@ -81,7 +81,7 @@ class StepFinisher:
             if auto is not None:  # this rank's wish for an auto decision rides along
                 wish = torch.tensor([1.0 if auto.link_changed() else 0.0])
                 maxima = wish if maxima is None else torch.cat([maxima.reshape(-1), wish])
-            failed, maxima = pg.agree(local is not None, maxima, group)
+            failed, maxima = pg.agree(local is not None, maxima, self._attachment.agreement)
             if auto is not None:
                 maxima, wished = maxima[:-1], bool(maxima[-1] > 0.0)
             if failed:
@@ -151,7 +151,8 @@ class StepFinisher:
         timeout = self._settings.round_timeout_s
         wait_replies([p], time.monotonic() + timeout, timeout)
         local = p.error
-        failed, maxima = pg.agree(local is not None, self._scales.carried([p]), self.group)
+        agreement = self._attachment.agreement
+        failed, maxima = pg.agree(local is not None, self._scales.carried([p]), agreement)
         if failed:
             restore(p)
             return local or "another rank could not use dlcp for a bucket", maxima
