@@ -15,9 +15,11 @@ import numpy as np
 
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core.closed import ClosedRounds
+from dlcp.core.collector import ResultCollector
 from dlcp.core.emitter import Emitter
 from dlcp.core.layout import Layout
 from dlcp.core.records import _F32, _U32, ALL_GATHER, JobSpec, OpKey, Tally, manifest_capacity
+from dlcp.core.round import Round
 from dlcp.core.rounds import OpenRounds
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import DlcpError, LocalError, Reason, RemoteError
@@ -97,15 +99,13 @@ class Dispatcher:
         elif t == PacketType.RESULT:
             self._on_result(spec, op, h, payload, now)
         elif t == PacketType.DONE:
-            r = self.rounds.table.get(op)
-            col = None if r is None else r.collector
-            if r is None or col is None:
-                self.stats["late_packets"] += 1
+            found = self.collector_of(spec, op, h, 1, result=False)
+            if found is None:
                 return
-            self.check_owner(spec, h)
+            rnd, col = found
             # (its `aux`, the owner's lost lanes, is not needed: `ResultCollector.tally`)
             col.on_done(shard=h.shard, sender=h.sender, now=now)
-            self.rounds.poll_collector(r, col, now)
+            self.rounds.poll_collector(rnd, col, now)
         elif t == PacketType.NACK:
             self._on_nack(spec, op, h, payload, result_leg, now)
         elif t == PacketType.ACK:
@@ -114,6 +114,25 @@ class Dispatcher:
                 self.rounds.acked(r, h.shard, h.sender, now)
         else:
             self.stats["control_packets"] += 1
+
+    def collector_of(
+        self, spec: JobSpec, op: OpKey, h: Header, n: int, *, result: bool = True
+    ) -> tuple[Round, ResultCollector] | None:
+        """The open round `op` and its collector for `n` packets of the result
+        leg from shard `h.shard`'s owner (checked; with `result`, also that
+        they are of the collector's bucket size and codec); None, the `n`
+        counted late, when the round is not open here or collects nothing."""
+        r = self.rounds.table.get(op)
+        col = None if r is None else r.collector
+        if r is None or col is None:
+            self.stats["late_packets"] += n
+            return None
+        self.check_owner(spec, h)
+        if result and (
+            col.layout.total != h.total or col.layout.codec != lane_ops.WIDE.get(h.codec, h.codec)
+        ):
+            raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        return r, col
 
     def check_owner(self, spec: JobSpec, h: Header) -> None:
         if spec.owners[h.shard] != h.sender:
@@ -207,14 +226,10 @@ class Dispatcher:
     def _on_result(
         self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
     ) -> None:
-        r = self.rounds.table.get(op)
-        col = None if r is None else r.collector
-        if r is None or col is None:
-            self.stats["late_packets"] += 1
+        found = self.collector_of(spec, op, h, 1)
+        if found is None:
             return
-        self.check_owner(spec, h)
-        if col.layout.total != h.total or col.layout.codec != lane_ops.WIDE.get(h.codec, h.codec):
-            raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        r, col = found
         if h.flags & Flags.RETRANSMIT:
             col.answered(h.shard, now)
         fresh = col.on_result(

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dlcp.codecs import lanes as lane_ops
 from dlcp.core.aggregate import RunRejected
 from dlcp.core.dispatch import Dispatcher
 from dlcp.core.records import JobSpec, OpKey, Tally, _retransmitted
@@ -202,14 +201,10 @@ class Receiver:
         payloads: Sequence[memoryview],
         now: float,
     ) -> np.ndarray | None:
-        r = self.rounds.table.get(op)
-        col = None if r is None else r.collector
-        if r is None or col is None:
-            self.stats["late_packets"] += len(payloads)
+        found = self.packets.collector_of(spec, op, h, len(payloads))
+        if found is None:
             return None
-        self.packets.check_owner(spec, h)
-        if col.layout.total != h.total or col.layout.codec != lane_ops.WIDE.get(h.codec, h.codec):
-            raise RemoteError(Reason.MISMATCH, "result for a different bucket size or codec")
+        r, col = found
         if col.awaits_answer(h.shard) and _retransmitted(heads):
             col.answered(h.shard, now)
         stored, bad = col.on_result_run(
