@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -305,6 +306,25 @@ class NetworkIn:
             sizes.append(len(dg))
             lasts.append(len(dg))
 
+    def on_nack(self, peer: Peer, job: JobState, dg: Any, now: float) -> None:
+        """An accepted NACK from `peer` of `job`: its lost packets counted, the
+        packets it names queued again."""
+        h = header_of_valid(dg)
+        if h.count:  # a NACK that only asks for the DONE names no lost packet
+            self.outbox.on_loss(peer, h.count, now)
+        spec = job.spec
+        self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
+
+    def on_control(self, peer: Peer, job: JobState, dg: Any, now: float) -> None:
+        """An accepted CONTROL packet from `peer` of `job`: a credit to the
+        outbox, a probe or its echo to the prober, anything else ignored."""
+        payload = dg[HEADER_SIZE:]
+        got = credit_of(payload)
+        if got is not None:
+            self.outbox.on_credit(peer, got.received, got.epoch, got.drained, got.window, now=now)
+        elif (probe := probe_of(payload)) is not None:
+            self.prober.on_probe(peer, job.spec.job, probe, now)
+
     def _on_control(
         self,
         positions: np.ndarray,
@@ -334,27 +354,15 @@ class NetworkIn:
             peer = job.peers.get(node)
             if peer is None:
                 continue
-            dg = dgs[i]
-            h = header_of_valid(dg)
-            if h.count:  # a NACK that only asks for the DONE names no lost packet
-                self.outbox.on_loss(peer, h.count, now)
-            spec = job.spec
-            self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
+            self.on_nack(peer, job, dgs[i], now)
         credit = kind == _CONTROL if _CONTROL_BYTE in types else _NONE
         for i, g in zip(positions[credit].tolist(), group[credit].tolist(), strict=True):
             job, node = groups[g]
             peer = None if job is None or node is None else job.peers.get(node)
             if peer is None:
                 continue
-            payload = dgs[i][HEADER_SIZE:]
-            got = credit_of(payload)
-            if got is not None:
-                self.outbox.on_credit(
-                    peer, got.received, got.epoch, got.drained, got.window, now=now
-                )
-            elif (probe := probe_of(payload)) is not None:
-                assert job is not None
-                self.prober.on_probe(peer, job.spec.job, probe, now)
+            assert job is not None
+            self.on_control(peer, job, dgs[i], now)
         if one and not types.strip(_RESULT_BYTE):  # all results: all acknowledge
             at = positions
         else:

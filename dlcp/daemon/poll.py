@@ -28,12 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dlcp.core.engine import credit_of
 from dlcp.daemon.flow import CREDIT_STEP
 from dlcp.daemon.transport import NATIVE_RECV, split_gro
 from dlcp.wire.batch import _bulk
-from dlcp.wire.header import HEADER_SIZE, PacketType, header_of_valid
-from dlcp.wire.probe import probe_of
+from dlcp.wire.header import HEADER_SIZE, PacketType
 
 if TYPE_CHECKING:
     from dlcp.daemon.jobs import JobState
@@ -189,12 +187,7 @@ def _on_control(
                 continue
             job = groups[g][0]
             assert job is not None
-            dg = dgs[i]
-            h = header_of_valid(dg)
-            if h.count:  # a NACK that only asks for the DONE names no lost packet
-                net.outbox.on_loss(peer, h.count, now)
-            spec = job.spec
-            net.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
+            net.on_nack(peer, job, dgs[i], now)
     if _KIND_BYTES[_CONTROL] in types:
         credit = kind == _CONTROL
         for i, g in zip(positions[credit].tolist(), group[credit].tolist(), strict=True):
@@ -203,14 +196,7 @@ def _on_control(
                 continue
             job = groups[g][0]
             assert job is not None
-            payload = dgs[i][HEADER_SIZE:]
-            got = credit_of(payload)
-            if got is not None:
-                net.outbox.on_credit(
-                    peer, got.received, got.epoch, got.drained, got.window, now=now
-                )
-            elif (probe := probe_of(payload)) is not None:
-                net.prober.on_probe(peer, job.spec.job, probe, now)
+            net.on_control(peer, job, dgs[i], now)
     acking = _ACKING[kind]
     if not acking.any():
         return
