@@ -8,9 +8,10 @@ Runs `dlcp simulate`'s dlcp rounds (the real engines and send path,
 the fabric. For each round it prints, per packet type (DATA, RESULT, NACK,
 DONE, ACK), first sends apart from retransmissions and data-leg packets
 apart from result-leg ones: how many were sent and when the first and the
-last left, in ms from the round's start. The legs' overlap (RESULT's first
-against DATA's last) and the gaps between a leg and its retransmissions
-are what to read: where a lossy round's time goes beyond the wire's.
+last left, in ms from the round's start (the warm-up round not shown).
+The legs' overlap (RESULT's first against DATA's last) and the gaps
+between a leg and its retransmissions are what to read: where a lossy
+round's time goes beyond the wire's.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from dlcp.sim import host as simhost
 from dlcp.sim.dlcprun import DlcpRun
 from dlcp.sim.scenario import Scenario
 from dlcp.sim.settings import Settings
-from dlcp.wire.header import Flags, PacketType
+from dlcp.wire.header import Flags, PacketType, header_of_valid
 
 
 @dataclass
 class Sent:
     at: float
-    ptype: int
-    flags: int
+    ptype: PacketType
+    flags: Flags
 
 
 def record(log: list[Sent]) -> None:
@@ -42,7 +43,8 @@ def record(log: list[Sent]) -> None:
     ) -> int:
         now = self.host.fabric.loop.now
         for dg in datagrams:
-            log.append(Sent(now, dg[3], dg[4]))
+            h = header_of_valid(dg)
+            log.append(Sent(now, h.type, h.flags))
         return send(self, datagrams, dest, tos)
 
     simhost._Path.send = logged  # type: ignore[method-assign]
@@ -72,12 +74,12 @@ def main(argv: list[str] | None = None) -> None:
         for r in log:
             if t0 <= r.at <= t1:
                 key = (
-                    PacketType(r.ptype).name,
+                    r.ptype.name,
                     bool(r.flags & Flags.RETRANSMIT),
                     bool(r.flags & Flags.RESULT_LEG),
                 )
                 rows.setdefault(key, []).append(r.at - t0)
-        print(f"round {i}{' (warm-up)' if i == 0 else ''}: {(t1 - t0) * 1e3:.1f} ms")
+        print(f"round {i} (after the warm-up): {(t1 - t0) * 1e3:.1f} ms")
         for (name, again, leg), at in sorted(rows.items(), key=lambda kv: min(kv[1])):
             what = f"{name}{' again' if again else ''}{' (result leg)' if leg else ''}"
             first, last = min(at) * 1e3, max(at) * 1e3
