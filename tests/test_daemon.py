@@ -472,6 +472,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         "utilization",
         "loss_backoff",
         "nack_delay",
+        "reorder",
         "timeout",
         "devices",
         "jobs",

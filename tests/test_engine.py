@@ -251,9 +251,12 @@ def test_a_lost_done_pair_costs_answer_times_not_a_grace(leg: str) -> None:
         if h.type == PacketType.DONE and bool(h.flags & Flags.RESULT_LEG) == (leg == "result"):
             dones += 1
             return dones <= 2  # both copies; the answer to node 0's question passes
-        # and one packet before them: without the DONE node 0 cannot tell what is missing
-        third = lay.shard_range(h.shard)[0] + 2 * 352  # its shard's third packet
-        return h.type == want and not h.flags & Flags.RETRANSMIT and h.offset == third
+        # and one packet before them: without the DONE node 0 cannot tell what is
+        # missing (on the result leg the shard's last, which no later one tells
+        # lost: `dlcp.core.stream`)
+        start, count = lay.shard_range(h.shard)
+        one = start + 2 * 352 if leg == "data" else start + count - 352
+        return h.type == want and not h.flags & Flags.RETRANSMIT and h.offset == one
 
     xs = [np.arange(30_000, dtype=np.float32) * (h + 1) for h in range(3)]
     net = Network(cluster(3, timing=timing), seed=5, drop=drop, delay=(0.0002, 0.0006))
@@ -1076,7 +1079,9 @@ def test_an_error_in_one_rounds_timer_fails_that_round_only(
 
 def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
     """`ShardAggregator.next_timer` as it was first written: the whole
-    required-missing mask and every row's checks on each call."""
+    required-missing mask and every row's checks on each call (since then:
+    packets found lost by later arrivals are asked for `reorder` after, and
+    a row's missing packets are asked for again each after its own ask)."""
     if agg.result is not None:
         return None
     times = [agg.created + agg.timing.timeout]
@@ -1084,11 +1089,21 @@ def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
         return min(times[0], agg.done_at + agg.timing.linger)
     required = ~agg.received & ~agg.droppable
     short = agg.manifest.all() and not required.any()
+    quiet = agg.last_arrival + agg.timing.nack_delay
     for row in range(len(agg.senders)):
-        again = agg.last_nack[row] + agg.clock.repeat_after(row)
+        stream = agg.clock.streams[row]
+        if stream.pending:
+            times.append(stream.pending[0][0] + agg.timing.reorder)
+        if stream.tail is not None:
+            times.append(stream.tail[0] + agg.timing.reorder)
+        wait = agg.clock.repeat_after(row)
+        again = agg.last_nack[row] + wait
         if agg.manifest[row]:
-            if required[row].any() or (short and not agg.received[row].all()):
-                times.append(max(again, agg.last_arrival + agg.timing.nack_delay))
+            if required[row].any():
+                first = float(stream.asked[required[row]].min()) + wait
+                times.append(max(first, quiet))
+            elif short and not agg.received[row].all():
+                times.append(max(again, quiet))
         else:  # changed: a timed sender whose packets came is asked after its answer time
             wait = done_wait(agg.clocks.get(agg.senders[row]), agg.timing)
             if wait < agg.timing.grace and agg.received[row].any():

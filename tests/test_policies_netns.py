@@ -358,14 +358,15 @@ def check_round(
     # every data packet of the other host's shard went out once, in its class
     assert set(first_sent) == want_sent
     assert max(first_sent.values()) == 1
-    # results: the most important class any contribution of the packet had, at most 5
+    # results: the most important class any contribution of the packet had, at
+    # most 5; retransmitted ones, as data's, in RETRANSMIT_CLASS
     for c in seen:
         h = c.header
         if h.type != PacketType.RESULT:
             continue
         i = h.offset // layout.per_packet
         want = min(int(expect[0][i]), int(expect[1][i]), LOWEST_RELIABLE_CLASS)
-        if any((s, i) in retransmitted for s in range(2)):
+        if any((s, i) in retransmitted for s in range(2)) or h.flags & Flags.RETRANSMIT:
             want = min(want, RETRANSMIT_CLASS)
         assert h.priority == want, (i, h.priority, want)
 
@@ -503,7 +504,12 @@ def test_spray_uses_both_paths_flow_one_adaptive_weighs_loss() -> None:
         # balancer's own weighing of the NACKed losses is under test.
         tb.start_daemons(
             {
-                "timing": {"timeout": 60.0, "nack_delay": 0.2, "nack_interval": 0.3},
+                "timing": {
+                    "timeout": 60.0,
+                    "nack_delay": 0.2,
+                    "nack_interval": 0.3,
+                    "reorder": 0.2,  # packets found lost by later ones, asked late too
+                },
                 "rate": {"pacing": False},
                 "daemon": {"metrics_port": 0},
                 "network": {"probe_interval_s": 0},

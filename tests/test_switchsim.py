@@ -80,19 +80,20 @@ def test_back_to_back_rounds_run_at_line_rate_without_loss(think: tuple[float, .
     )
 
 
-@pytest.mark.parametrize(("loss", "slack"), [(0.01, 1.25), (0.05, 1.35)])
+@pytest.mark.parametrize(("loss", "slack"), [(0.01, 1.15), (0.05, 1.30)])
 def test_random_loss_costs_a_bounded_share_of_the_round(loss: float, slack: float) -> None:
     """Random loss at every switch port (seeded): every round completes within
-    the loss bound, and once the NACK clocks are timed (by the third round) a
-    round takes at most `slack` x the line-rate time. Measured on this tree,
-    rounds 0-2: 1.16x, 1.16x, 1.14x at 1 %; 1.70x, 1.62x, 1.21x at 5 %, where
-    NACKs are repeated after `nack_interval` until a peer's answers are timed
-    (Karn's rule takes no sample from a repeated NACK).
-    What remains is the mechanism: an owner sends its shard's results only
-    once every required packet of the shard is in, so each leg ends with the
-    DONE, a NACK and the retransmissions while its uplink idles; a timer
-    wait of a grace or a fixed interval per loss would take this past
-    `slack`."""
+    the loss bound, and every round takes at most `slack` x the line-rate
+    time. Measured on this tree, rounds 0-2: 1.06x, 1.11x, 1.07x at 1 %;
+    1.22x, 1.23x, 1.20x at 5 %. Before, 1.16x, 1.16x, 1.14x and 1.70x, 1.62x,
+    1.21x: a lost packet was asked for only at the end of its leg (its
+    sender's DONE, then `nack_delay`), and again after `nack_interval` until
+    the peer's answers were timed; now as soon as what came after it says it
+    is lost (`dlcp.core.stream`), and a lost ACK no longer holds an owner's
+    completion for `ack_wait` (ACKs go twice). What remains is the mechanism:
+    an owner sends its shard's results only once every required packet of
+    the shard is in, so each leg still ends with the last losses' round trip
+    while its uplink idles."""
     res = run_rounds(ROUNDS, ELEMENTS, HOSTS, link_bps=LINK_BPS, loss=loss, loss_seed=1)
     failed = [r.failed for rs in res.rounds for r in rs if r.failed]
     assert not failed and [len(rs) for rs in res.rounds] == [ROUNDS] * HOSTS, failed
@@ -101,4 +102,4 @@ def test_random_loss_costs_a_bounded_share_of_the_round(loss: float, slack: floa
     lost = [[r.lost_lanes for r in rs] for rs in res.rounds]
     assert all(x <= 0.05 * lanes for rs in lost for x in rs), lost
     times = [t / res.line_time for t in res.round_times()]
-    assert times[-1] <= slack, [round(t, 3) for t in times]
+    assert max(times) <= slack, [round(t, 3) for t in times]

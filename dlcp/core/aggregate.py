@@ -39,6 +39,7 @@ __all__ = ["Nack", "RunRejected", "ShardAggregator", "ShardResult"]
 
 
 _DROPPABLE = int(Flags.DROPPABLE)
+_RETRANSMIT = int(Flags.RETRANSMIT)
 
 
 class ShardAggregator:
@@ -126,11 +127,13 @@ class ShardAggregator:
         now: float,
         priority: int = MAX_PRIORITY,
         layer: int | None = None,
+        retransmit: bool = False,
     ) -> bool:
         """Store one data packet; False if it was a duplicate. Raises RemoteError.
 
         `priority` and `layer` (None: unknown) are the packet's class and layer,
-        noted in `classes` and `layers`."""
+        noted in `classes` and `layers`; `retransmit`: it was sent again in
+        answer to a NACK (what it says of the packets before it differs)."""
         row, local = self._locate(sender, offset, count)
         self._adopt_scale(scale)
         if self.received[row, local]:
@@ -157,6 +160,8 @@ class ShardAggregator:
         if layer is not None:
             self.layers[local] = layer
         self.clock.last_arrival = now
+        rtx = np.ones(1, dtype=bool) if retransmit else None
+        self.clock.arrived(row, np.array([local]), np.array([priority]), rtx, now)
         return True
 
     def on_data_many(
@@ -174,9 +179,11 @@ class ShardAggregator:
         now: float,
         priority: np.ndarray | None = None,
         layer: np.ndarray | None = None,
+        retransmit: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Store a run of one sender's data packets, in order; the batch form of
-        `on_data`, with the same outcome as calling it per packet.
+        `on_data`, with the same outcome as calling it per packet (`priority`
+        None: classes unknown; `retransmit` None: no retransmissions).
 
         Returns (fresh, bad) masks: stored, and rejected as not a packet of this
         shard (BAD_RANGE); the rest were duplicates. Raises RemoteError for what
@@ -229,6 +236,9 @@ class ShardAggregator:
         if layer is not None:
             self.layers[lt] = layer[take]
         self.clock.last_arrival = now
+        classes = np.zeros(lt.size, np.uint8) if priority is None else priority[take]
+        rtx = None if retransmit is None else retransmit[take]
+        self.clock.arrived(row, lt, classes, rtx, now)
         return fresh, bad
 
     def on_data_run(
@@ -265,6 +275,7 @@ class ShardAggregator:
                 now=now,
                 priority=heads["priority"],
                 layer=heads["layer"],
+                retransmit=(heads["flags"] & _RETRANSMIT) != 0,
             )
             return int(fresh.sum()), (rejected if rejected.any() else None)
         self.last_stored = -1
@@ -308,6 +319,8 @@ class ShardAggregator:
         self.n_received += take.size
         self.weight[row] = weight
         self.clock.last_arrival = now
+        rtx = (heads["flags"][take] & _RETRANSMIT) != 0
+        self.clock.arrived(row, local, heads["priority"][take], rtx if rtx.any() else None, now)
         return take.size, bad
 
     def note_meta(self, classes: np.ndarray, layers: np.ndarray) -> None:
@@ -381,6 +394,7 @@ class ShardAggregator:
             self.manifest[row] = True
             self.n_manifests += 1
             del self.manifest_parts[row]
+            self.clock.manifest_in(row, now)
 
     def _locate(self, sender: int, offset: int, count: int) -> tuple[int, int]:
         row = self._sender_row(sender)

@@ -15,26 +15,16 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.core import accumulator
 from dlcp.core.aggtypes import Nack, ShardResult, _Tick
+from dlcp.core.awaited import Awaited
 from dlcp.core.layout import Layout
 from dlcp.core.runs import first_fresh, run_slots, taken
-from dlcp.core.timing import NackClock, Timing, done_wait, repeat_wait, time_answer
+from dlcp.core.stream import LOWEST_REQUIRED_CLASS
+from dlcp.core.timing import NackClock, Timing, done_wait, reorder_wait, repeat_wait
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
+from dlcp.wire.header import Flags
 
 __all__ = ["ResultCollector"]
-
-
-@dataclass
-class _Awaited:
-    """What a result collector still waits for from one owner's shard."""
-
-    owner: int
-    indices: np.ndarray  # global result-packet indices of the shard
-    received: np.ndarray
-    done: bool = False
-    last_arrival: float | None = None
-    last_nack: float = -math.inf
-    unanswered: int = 0  # NACKs sent to the owner since it last answered one
 
 
 @dataclass
@@ -54,7 +44,7 @@ class ResultCollector:
     sums: np.ndarray = field(init=False)
     contributors: np.ndarray = field(init=False)
     block_max: np.ndarray = field(init=False)
-    waiting: dict[int, _Awaited] = field(init=False)
+    waiting: dict[int, Awaited] = field(init=False)
     lost_lanes: int = 0  # set when the round completes (`tally`)
     total_lanes: int = 0
     duplicates: int = 0
@@ -71,6 +61,11 @@ class ResultCollector:
     # the shards whose result packets come here (None: all); of the others
     # only the owner's DONE comes (a reduce-scatter's: "summed, yours is in")
     expect: frozenset[int] | None = None
+    # this node's own class of each data packet of the bucket, where the owners'
+    # sums include its packets (an all-reduce): a result travels in the highest
+    # class any contributor gave its packet (at most LOWEST_REQUIRED_CLASS), so
+    # in this one's or a higher one (None: not known)
+    classes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -99,10 +94,15 @@ class ResultCollector:
             n = lay.shard_result_count(shard)
             if self.expect is not None and shard not in self.expect:
                 n = 0
-            self.waiting[shard] = _Awaited(
+            bound: np.ndarray | int = LOWEST_REQUIRED_CLASS
+            if self.classes is not None and n:
+                packets = lay.shard_result_arrays(shard)[0] // lay.per_packet
+                bound = np.minimum(self.classes[packets], LOWEST_REQUIRED_CLASS)
+            self.waiting[shard] = Awaited(
                 owner=owner,
                 indices=np.arange(first, first + n),
                 received=np.zeros(n, dtype=bool),
+                bound=bound,
             )
         self.heard = {}
         self.created = self.now
@@ -142,9 +142,12 @@ class ResultCollector:
         block_max: float,
         now: float,
         codec: int | None = None,
+        priority: int = 0,
+        retransmit: bool = False,
     ) -> bool:
         """Store one result packet (its lanes of `codec`: the layout's, or its
-        narrow sums, `lanes.NARROW`); False if it was a duplicate or late."""
+        narrow sums, `lanes.NARROW`; sent in class `priority`, again in answer
+        to a NACK if `retransmit`); False if it was a duplicate or late."""
         w = self.waiting.get(shard)
         if w is None:
             self.duplicates += 1
@@ -168,6 +171,11 @@ class ResultCollector:
         w.last_arrival = now
         if w.received.all():
             del self.waiting[shard]
+        else:
+            late = w.stream.arrived(
+                np.array([local]), np.array([priority]), np.array([retransmit]), now
+            )
+            self._late(w, late)
         return True
 
     def on_results_many(
@@ -182,9 +190,12 @@ class ResultCollector:
         block_max: np.ndarray,
         now: float,
         codec: int | None = None,
+        priority: np.ndarray | None = None,
+        retransmit: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Store a run of one owner's result packets of one shard, in order; the
-        batch form of `on_result`. Returns (fresh, bad) masks as
+        batch form of `on_result` (`priority` None: classes unknown;
+        `retransmit` None: no retransmissions). Returns (fresh, bad) masks as
         `ShardAggregator.on_data_many` does; the rest were duplicates or late."""
         self.last_stored = -1
         n = len(payloads)
@@ -231,6 +242,10 @@ class ResultCollector:
         w.last_arrival = now
         if w.received.all():
             del self.waiting[shard]
+        else:
+            classes = np.zeros(take.size, np.uint8) if priority is None else priority[take]
+            rtx = None if retransmit is None else retransmit[take]
+            self._late(w, w.stream.arrived(local[take], classes, rtx, now))
         return fresh, bad
 
     def on_result_run(
@@ -258,6 +273,8 @@ class ResultCollector:
                 block_max=heads["param"].astype(np.float32),
                 now=now,
                 codec=codec,
+                priority=heads["priority"],
+                retransmit=(heads["flags"] & _RETRANSMIT) != 0,
             )
             return int(fresh.sum()), (rejected if rejected.any() else None)
         self.last_stored = -1
@@ -291,6 +308,11 @@ class ResultCollector:
         w.last_arrival = now
         if w.received.all():
             del self.waiting[shard]
+        else:
+            rtx = (heads["flags"][take] & _RETRANSMIT) != 0
+            self._late(
+                w, w.stream.arrived(local, heads["priority"][take], rtx if rtx.any() else None, now)
+            )
         return take.size, bad
 
     def on_done(self, *, shard: int, sender: int, now: float) -> None:
@@ -301,6 +323,9 @@ class ResultCollector:
         w.done = True
         w.last_arrival = now
         w.unanswered = 0  # the DONE a NACK may have asked for (no sample)
+        # it left behind the owner's results (`dlcp.daemon.outbox` holds it until
+        # they have): those still missing are lost
+        w.stream.found(~w.received, now)
         if not w.indices.size:  # a shard whose DONE is all that comes
             del self.waiting[shard]
 
@@ -335,33 +360,33 @@ class ResultCollector:
         them while nothing has come (`poll`) waits a grace after its last."""
         self.heard[node] = now
 
-    def _quiet_since(self, w: _Awaited) -> float:
+    def _quiet_since(self, w: Awaited) -> float:
         """Since when a shard's owner, from which no result has come, has been
         neither asked nor heard from in this round."""
         return max(self.created, w.last_nack, self.heard.get(w.owner, -math.inf))
 
     def poll(self, now: float) -> list[Nack]:
-        """NACKs for result packets that are overdue (result leg is reliable)."""
+        """NACKs for result packets that are overdue (result leg is reliable):
+        those known lost by what came after them (`PacketStream`) at once."""
         nacks: list[Nack] = []
         t = self.timing
         for shard, w in self.waiting.items():
-            if now < w.last_nack + self._repeat_after(w):
-                continue
+            ask = w.stream.due(now, self._reorder(w))
+            wait = self._repeat_after(w)
+            again = now >= w.last_nack + wait
+            need_manifest = counted = False
             if w.done:
                 last = w.last_arrival if w.last_arrival is not None else self.created
                 if now >= last + t.nack_delay:
-                    missing = np.flatnonzero(~w.received)
-                    nacks.append(Nack(w.owner, shard, tuple(int(m) for m in missing)))
-                    w.last_nack = now
-                    w.unanswered += 1
-            elif w.last_arrival is not None and now >= w.last_arrival + self._done_wait(w):
-                # Results stopped without their DONE: ask for the DONE only. It
+                    ask = np.union1d(ask, w.stream.repeat_due(~w.received, now, wait))
+            elif (
+                again and w.last_arrival is not None and now >= w.last_arrival + self._done_wait(w)
+            ):
+                # Results stopped without their DONE: ask for the DONE. It
                 # trails the owner's queued results, so the precise NACK for what
                 # is really missing follows once it arrives.
-                nacks.append(Nack(w.owner, shard, (), need_manifest=True))
-                w.last_nack = now
-                w.unanswered += 1
-            elif w.last_arrival is None and now >= self._quiet_since(w) + t.grace:
+                need_manifest = counted = True
+            elif again and w.last_arrival is None and now >= self._quiet_since(w) + t.grace:
                 # No result from this owner yet, and it has been quiet for a
                 # grace: either it is still aggregating (it ignores the
                 # question) or every result packet and both DONE copies were
@@ -369,15 +394,31 @@ class ResultCollector:
                 # Ask for the DONE, once per grace. While its data for this
                 # node's shards still comes, it is busy with the round: the
                 # question would only be ignored.
-                nacks.append(Nack(w.owner, shard, (), need_manifest=True))
-                w.last_nack = now
+                need_manifest = True
+            if ask.size and need_manifest:  # the DONE alone (`Dispatcher._on_nack`)
+                nacks.append(Nack(w.owner, shard, tuple(ask.tolist())))
+                w.asked(ask, False, now)
+                ask = ask[:0]
+            if ask.size or need_manifest:
+                nacks.append(Nack(w.owner, shard, tuple(ask.tolist()), need_manifest=need_manifest))
+                w.asked(ask, counted, now)
         return nacks
 
-    def _repeat_after(self, w: _Awaited) -> float:
+    def _reorder(self, w: Awaited) -> float:
+        """How long after a result packet of `w` is found lost it is asked for."""
+        return reorder_wait(self.clocks.get(w.owner), self.timing)
+
+    def _late(self, w: Awaited, late: float | None) -> None:
+        """A result packet asked for came after all, `late` after its ask."""
+        clock = self.clocks.get(w.owner)
+        if late is not None and clock is not None:
+            clock.late(late + self._reorder(w), self.timing)
+
+    def _repeat_after(self, w: Awaited) -> float:
         """How long after its last NACK for `w` the owner is asked again."""
         return repeat_wait(self.clocks.get(w.owner), self.timing, w.unanswered)
 
-    def _done_wait(self, w: _Awaited) -> float:
+    def _done_wait(self, w: Awaited) -> float:
         """How long `w`'s results may pause before its owner is asked for the
         DONE that should have followed them (`done_wait`)."""
         return done_wait(self.clocks.get(w.owner), self.timing)
@@ -385,26 +426,31 @@ class ResultCollector:
     def awaits_answer(self, shard: int) -> bool:
         """Whether a NACK for `shard` waits for its answer."""
         w = self.waiting.get(shard)
-        return w is not None and w.unanswered > 0
+        return w is not None and w.waiting_since is not None
 
     def answered(self, shard: int, now: float) -> None:
-        """A retransmitted result packet of `shard` was stored: the owner's
-        answer to the NACKs sent it (`time_answer`)."""
+        """A retransmitted result packet of `shard` came: the owner's answer
+        to the NACKs sent it, timed as `ShardClock.answered` times one."""
         w = self.waiting.get(shard)
-        if w is None or not w.unanswered:
+        if w is None:
             return
-        time_answer(self.clocks.get(w.owner), w.unanswered, w.last_nack, now)
-        w.unanswered = 0
+        w.answered(self.clocks.get(w.owner), now)
 
     def next_timer(self) -> float | None:
         t = _Tick()
         for w in self.waiting.values():
+            found = w.stream.next_due(self._reorder(w))
+            if found is not None:
+                t.arm(found)
             if w.last_arrival is None and not w.done:
                 t.arm(self._quiet_since(w) + self.timing.grace)
                 continue
             last = w.last_arrival if w.last_arrival is not None else self.created
-            wait = self.timing.nack_delay if w.done else self._done_wait(w)
-            t.arm(max(last + wait, w.last_nack + self._repeat_after(w)))
+            if w.done:
+                repeat = w.stream.first_repeat(~w.received, self._repeat_after(w))
+                t.arm(max(last + self.timing.nack_delay, repeat))
+            else:
+                t.arm(max(last + self._done_wait(w), w.last_nack + self._repeat_after(w)))
         if self.waiting:
             t.arm(self.created + self.timing.timeout)
         return t.at
@@ -424,3 +470,6 @@ class ResultCollector:
             f", last NACK {ago(w.last_nack)}"
             for shard, w in sorted(self.waiting.items())
         )
+
+
+_RETRANSMIT = int(Flags.RETRANSMIT)

@@ -184,6 +184,7 @@ class Dispatcher:
             now=now,
             priority=h.priority,
             layer=h.layer,
+            retransmit=bool(h.flags & Flags.RETRANSMIT),
         )
         if not fresh:
             self.stats["duplicate_packets"] += 1
@@ -242,6 +243,8 @@ class Dispatcher:
             block_max=h.param,
             now=now,
             codec=h.codec,
+            priority=h.priority,
+            retransmit=bool(h.flags & Flags.RETRANSMIT),
         )
         self.stats["result_packets_received" if fresh else "duplicate_packets"] += 1
         self.rounds.check_complete(r, now)
@@ -266,16 +269,22 @@ class Dispatcher:
         last = store.get(key)
         if last is None:
             last = store[key] = np.full(n, -np.inf)
-        window = self.timing.nack_interval
-        clock = self.clocks.get(spec.job, {}).get(key[1])
-        if clock is not None and clock.samples:
-            window = clock.repeat_after(self.timing) / 2
+        window = self._resend_window(spec, key[1])
         fresh = idx[now >= last[idx] + window]
         dup = idx.size - fresh.size
         if dup:
             self.stats["retransmits_suppressed"] += dup
         last[fresh] = now
         return fresh.tolist()
+
+    def _resend_window(self, spec: JobSpec, node: int) -> float:
+        """How long after resending a packet to `node` it is not resent again:
+        half the wait after which that node repeats a NACK, as this node would
+        repeat its own to it, or `nack_interval` until that is known."""
+        clock = self.clocks.get(spec.job, {}).get(node)
+        if clock is not None and clock.samples:
+            return clock.repeat_after(self.timing) / 2
+        return self.timing.nack_interval
 
     def _on_nack(
         self,
@@ -305,7 +314,7 @@ class Dispatcher:
                 if todo:
                     self.emitter.results(f, h.sender, todo)
             if h.flags & Flags.NEED_MANIFEST:
-                self.emitter.result_done(f, h.sender, copies=1)
+                self.emitter.result_done(f, h.sender, copies=1, resent=True)
             return
         self.check_owner(spec, h)
         c = None if r is None else r.contribution
@@ -317,9 +326,16 @@ class Dispatcher:
             raise RemoteError(Reason.BAD_RANGE, f"NACK for packet {idx.max()} of {n}")
         if c.kind == ALL_GATHER:  # an owner that had not submitted yet: no data to give
             idx = idx[:0]
+        if idx.size and h.flags & Flags.NEED_MANIFEST:
+            # asked without this node's DONE, the owner cannot tell which of them
+            # are droppable (it found them lost by what came after them): those
+            # stay out, as the bound allows (the DONE that says so is on its way
+            # behind the packets: `ShardClock.poll`)
+            first = c.layout.shard_packets(h.shard).start
+            idx = idx[~c.droppable[first + idx]]
         if idx.size:
             todo = self._unsent_lately(spec, c.resent, (h.shard, h.sender), n, idx, now)
             if todo:
                 self.emitter.data(c, h.shard, h.sender, todo, r.gathered)
-        if h.flags & Flags.NEED_MANIFEST:
-            self.emitter.manifest(c, h.shard, h.sender, copies=1)
+        if h.flags & Flags.NEED_MANIFEST and not h.count:  # the DONE alone is asked for
+            self.emitter.manifest(c, h.shard, h.sender, copies=1, resent=True)

@@ -131,12 +131,16 @@ class Emitter:
         )
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
-    def manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
+    def manifest(
+        self, c: _Contribution, shard: int, owner: int, copies: int, resent: bool = False
+    ) -> None:
         """The shard's DONE: a bit a packet (droppable or not), in parts of
         `manifest_capacity` packets, each within the job's payload budget
         (one IP packet; one DONE for all of a large shard was IP-fragmented
         past about 11,000 packets, and could not be encoded past 523,544).
-        A part's `offset` is its first packet, `count` its packets."""
+        A part's `offset` is its first packet, `count` its packets. `resent`:
+        sent again in answer to a NACK, flagged RETRANSMIT (the outbox then
+        holds it behind no packets that have left: `Outbox._queue`)."""
         pk = c.layout.shard_packets(shard)
         bits = c.droppable[pk.start : pk.stop]
         per = manifest_capacity(c.layout.payload)
@@ -149,7 +153,7 @@ class Emitter:
                 job=c.spec.job,
                 round=c.round,
                 bucket=c.bucket,
-                flags=Flags.LAST,
+                flags=Flags.LAST | (Flags.RETRANSMIT if resent else Flags.NONE),
                 priority=CONTROL_CLASS,
                 codec=c.layout.codec,
                 shard=shard,
@@ -221,7 +225,11 @@ class Emitter:
         h["count"] = counts
         h["contributors"] = f.result.contributors[local]
         h["param"] = f.result.block_max[local]
-        prio = np.minimum(f.classes[local], LOWEST_RELIABLE_CLASS)
+        # a retransmission in the top gradient class, as data's are: needed now,
+        # and all in one queue, so that one that comes says those asked for
+        # before it and still missing were lost (`dlcp.core.stream`)
+        top = LOWEST_RELIABLE_CLASS if only is None else RETRANSMIT_CLASS
+        prio = np.minimum(f.classes[local], top)
         h["priority"] = prio
         h["layer"] = f.layers[local]
         dgs = encode_batch(h, payloads, self._mac(f.spec), gather=self.gather and only is None)
@@ -234,13 +242,14 @@ class Emitter:
         self.out.append(_batch(node, dgs, classes, None, "result"))
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
-    def result_done(self, f: _Finished, node: int, copies: int) -> None:
+    def result_done(self, f: _Finished, node: int, copies: int, resent: bool = False) -> None:
+        """The shard's result DONE to `node` (`resent`: as `manifest`'s)."""
         header = Header(
             type=PacketType.DONE,
             job=f.spec.job,
             round=f.round,
             bucket=f.bucket,
-            flags=Flags.RESULT_LEG | Flags.LAST,
+            flags=Flags.RESULT_LEG | Flags.LAST | (Flags.RETRANSMIT if resent else Flags.NONE),
             priority=CONTROL_CLASS,
             codec=f.layout.codec,
             shard=f.result.shard,
@@ -258,8 +267,10 @@ class Emitter:
         packet each, however many were lost; before, one NACK listed them all
         and more than about 16,000 could not be encoded). A part's `offset` is
         its place in the list, so the outbox does not take the parts for
-        repeats of one another; the first part carries NEED_MANIFEST when the
-        manifest is asked for too."""
+        repeats of one another. NEED_MANIFEST: on the result leg the first
+        part carries it when the DONE is asked for too; on the data leg every
+        part, which tells the sender that this node lacks its DONE (a NACK
+        without packets asks for it)."""
         flags = Flags.RESULT_LEG if result else Flags.NONE
         if nack.need_manifest:
             flags |= Flags.NEED_MANIFEST
@@ -274,7 +285,7 @@ class Emitter:
                 job=op[0],
                 round=op[1],
                 bucket=op[2],
-                flags=flags if first == 0 else flags & ~Flags.NEED_MANIFEST,
+                flags=flags if first == 0 or not result else flags & ~Flags.NEED_MANIFEST,
                 priority=CONTROL_CLASS,
                 codec=lay.codec,
                 shard=nack.shard,
@@ -289,20 +300,31 @@ class Emitter:
         )
         self.stats["result_nacks_sent" if result else "data_nacks_sent"] += len(datagrams)
 
-    def ack(self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int) -> None:
-        header = Header(
-            type=PacketType.ACK,
-            job=op[0],
-            round=op[1],
-            bucket=op[2],
-            flags=Flags.RESULT_LEG,
-            priority=CONTROL_CLASS,
-            codec=lay.codec,
-            shard=shard,
-            sender=spec.me,
-            total=lay.total,
-        )
-        self.out.append(_control(owner, encode(header, b"", self._mac(spec))))
+    def ack(
+        self, spec: JobSpec, op: OpKey, lay: Layout, shard: int, owner: int, copies: int = 2
+    ) -> None:
+        """The ACK of result shard `shard` to its owner, in `copies` copies. It
+        goes once and is never asked for again, and an owner whose round is
+        complete holds it for every receiver's ACK (`Timing.ack_wait`): one lost
+        ACK held a round for the whole wait (at 5 % loss, a fourth of the
+        rounds of 3 hosts). A copy's `offset` is its number, so the outbox does
+        not take the second for a repeat of the first."""
+        key = self._mac(spec)
+        for k in range(copies):
+            header = Header(
+                type=PacketType.ACK,
+                job=op[0],
+                round=op[1],
+                bucket=op[2],
+                flags=Flags.RESULT_LEG,
+                priority=CONTROL_CLASS,
+                codec=lay.codec,
+                shard=shard,
+                sender=spec.me,
+                offset=k,
+                total=lay.total,
+            )
+            self.out.append(_control(owner, encode(header, b"", key)))
 
     def control(self, spec: JobSpec, round: int, payload: bytes) -> bytes:
         """A CONTROL packet of `spec`'s job with `payload`, in round `round`."""

@@ -39,6 +39,7 @@ from dlcp.core.emitter import Emitter
 from dlcp.core.layout import Layout
 from dlcp.core.receiver import Receiver
 from dlcp.core.records import (
+    ALL_GATHER,
     ALLREDUCE,
     REDUCE_SCATTER,
     ROUND_KINDS,
@@ -242,11 +243,15 @@ class Engine:
         block_max: np.ndarray | None = None,
         out: np.ndarray | None = None,
         kind: str = ALLREDUCE,
+        class_bounds: np.ndarray | None = None,
     ) -> None:
         """Start a round with this node's contribution (`total` lanes of `codec`).
 
         `classes`, `droppable`, `layers` and `block_max` are per data packet of
-        the bucket (policy decisions made by the caller); `bound` is the loss
+        the bucket (policy decisions made by the caller), and `class_bounds`
+        the lowest class any contributor's policy gives each packet unless
+        it is droppable (`PriorityPolicy.lowest`; None: not known), with which
+        the shards' owner here tells lost packets sooner; `bound` is the loss
         bound the droppable packets were chosen under. `out` (`total` lanes of
         the codec's sum dtype, `lane_ops.sum_dtype`) is where the results are
         put as they arrive, and `RoundComplete.sums` then is `out`; it is the
@@ -310,8 +315,11 @@ class Engine:
             scale=scale,
             block_max=per_packet(block_max, 0.0, np.float32),
             kind=kind,
+            class_bounds=None if class_bounds is None else per_packet(class_bounds, 5, np.uint8),
         )
-        if c.classes.max(initial=0) > 7:
+        if c.classes.max(initial=0) > 7 or (
+            c.class_bounds is not None and c.class_bounds.max(initial=0) > 7
+        ):
             raise LocalError("priority classes must be 0..7")
         collector = ResultCollector(
             layout=layout,
@@ -325,5 +333,6 @@ class Engine:
             expect=frozenset(s for s, o in enumerate(spec.owners) if o == spec.me)
             if kind == REDUCE_SCATTER
             else None,
+            classes=c.classes if kind != ALL_GATHER else None,
         )
         self.rounds.open(c, collector, now)

@@ -173,7 +173,7 @@ class Receiver:
         r, agg = self.rounds.aggregator(spec, op, h.shard, lay, now)
         if r.collector is not None:  # it hears that the sender is still busy with the round
             r.collector.heard_from(h.sender, now)
-        if any(agg.clock.unanswered) and _retransmitted(heads):
+        if agg.clock.awaits_answer() and _retransmitted(heads):
             agg.answered(h.sender, now)
         stored, bad = agg.on_data_run(
             sender=h.sender,

@@ -321,6 +321,9 @@ class _Contribution:
     block_max: np.ndarray
     resent: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     kind: str = ALLREDUCE  # ROUND_KINDS
+    # per packet, the lowest class any contributor gives it unless droppable
+    # (the priority policy's; None: not known)
+    class_bounds: np.ndarray | None = None
 
 
 @dataclass

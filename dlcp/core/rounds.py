@@ -187,6 +187,8 @@ class OpenRounds:
             now=now,
         )
         agg.note_meta(c.classes[pk.start : pk.stop], c.layers[pk.start : pk.stop])
+        if c.class_bounds is not None and c.kind != ALL_GATHER:
+            agg.clock.set_bounds(c.class_bounds[pk.start : pk.stop], now)
         agg.on_manifest(sender=c.spec.me, droppable=np.zeros(len(pk), bool), bound=c.bound, now=now)
         self.progress(r, shard, now)
 

@@ -1,10 +1,11 @@
 """A shard aggregator's clock: when the shard may complete (every required
 packet in, the loss bound met), the NACKs it sends and when (`poll`,
-`next_timer`: per sender, paced by that sender's NACK clock and manifest),
-and when it gives up.
+`next_timer`: per sender, what came after a missing packet says of it, that
+sender's NACK clock and manifest), and when it gives up.
 
 `ShardClock` owns its times (when the shard opened, last heard from, was
-last NACKed, met its bound) and per sender the NACKs yet unanswered; it
+last NACKed, met its bound), per sender the NACKs yet unanswered and a
+`PacketStream` (dlcp.core.stream: its asks, the packets found lost); it
 reads the aggregator's arrival record (which packets came, which are
 droppable, whose manifest is in), arrays the aggregator fills in place and
 hands it once, at construction.
@@ -18,7 +19,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from dlcp.core.aggtypes import Nack, _Tick
-from dlcp.core.timing import NackClock, Timing, done_wait, repeat_wait, time_answer
+from dlcp.core.stream import PacketStream
+from dlcp.core.timing import NackClock, Timing, done_wait, reorder_wait, repeat_wait
 
 __all__ = ["ShardClock"]
 
@@ -57,10 +59,18 @@ class ShardClock:
         self.last_arrival = now
         self.done_at: float | None = None  # when every required packet and the bound were met
         self.last_nack = np.full(s, -math.inf)
-        # per sender row, the NACKs sent to it since it last answered one
+        # per sender row, the NACKs sent to it since it last answered one (the
+        # first, then those that asked again: `_asked`)
         self.unanswered = [0] * s
+        # per sender row, when the oldest NACK since its last answer went (None:
+        # none waits), and whether one since asked again (no sample then)
+        self.waiting_since: list[float | None] = [None] * s
+        self.repeated = [False] * s
         # the rows found to hold every packet (`received` only ever gains them)
         self._complete_rows: set[int] = set()
+        # per sender row, its asks and the packets found lost by later arrivals
+        self.streams = [PacketStream(received[row]) for row in range(s)]
+        self._unknown = np.zeros(received.shape[1], dtype=bool)  # a row's, before its DONE
 
     # -- decisions --------------------------------------------------------
     def _required_missing(self, row: int | None = None) -> np.ndarray:
@@ -87,27 +97,89 @@ class ShardClock:
             if now >= self.done_at + self.timing.linger:
                 return [], True
             return [], False
-        # Something required is missing. Ask for it once it is overdue.
+        # Something required is missing. Ask for what is known lost at once
+        # (`PacketStream`), for the rest once it is overdue.
+        quiet = now >= self.last_arrival + self.timing.nack_delay
         for row, node in enumerate(self.senders):
-            if now < self.last_nack[row] + self.repeat_after(row):
-                continue
+            stream = self.streams[row]
+            found = stream.due(now, self._reorder(row))
+            if found.size:
+                found = found[~self.droppable[row, found]]
+            wait = self.repeat_after(row)
+            again = now >= self.last_nack[row] + wait
+            need_manifest = False
+            ask = found
             if self.manifest[row]:
-                if now < self.last_arrival + self.timing.nack_delay:
-                    continue
-                missing = np.flatnonzero(required[row])
-                if missing.size == 0 and self.manifest.all() and not within:
+                if quiet and required[row].any():
+                    ask = np.union1d(found, stream.repeat_due(required[row], now, wait))
+                elif quiet and again and self.manifest.all() and not within:
                     # Required data is in but the bound is not met: ask for the
                     # droppable packets needed to reach it.
-                    missing = self._to_reach_bound(row, total - have, total, bound)
-                if missing.size:
-                    nacks.append(Nack(node, self.shard, tuple(int(m) for m in missing)))
-                    self.last_nack[row] = now
-                    self.unanswered[row] += 1
-            elif now >= self._manifest_due(row):  # no DONE, and the shard has gone quiet
-                nacks.append(Nack(node, self.shard, (), need_manifest=True))
-                self.last_nack[row] = now
-                self.unanswered[row] += 1
+                    reach = self._to_reach_bound(row, total - have, total, bound)
+                    ask = np.union1d(found, reach)
+            else:
+                # No DONE. What is found lost is asked for flagged so (the sender
+                # leaves out those of them it sent as droppable, which this node
+                # cannot tell yet); the DONE itself alone, once the shard has
+                # gone quiet.
+                need_manifest = again and now >= self._manifest_due(row)
+                if ask.size:
+                    nacks.append(Nack(node, self.shard, tuple(ask.tolist()), need_manifest=True))
+                    self._asked(row, ask, now)
+                    ask = ask[:0]
+            if ask.size or need_manifest:
+                nacks.append(
+                    Nack(node, self.shard, tuple(ask.tolist()), need_manifest=need_manifest)
+                )
+                self._asked(row, ask, now)
         return nacks, False
+
+    def _asked(self, row: int, ask: np.ndarray, now: float) -> None:
+        """Sender row `row` was sent a NACK for packets `ask` (or for its DONE
+        alone) at `now`. The first retransmission after it times the sender's
+        answer (`answered`) unless a NACK since the last answer asked again
+        (Karn)."""
+        stream = self.streams[row]
+        if self.waiting_since[row] is None:
+            self.waiting_since[row] = now
+        again = not ask.size or bool(stream.asks[ask].any())
+        self.repeated[row] |= again
+        if again or not self.unanswered[row]:
+            # the back-off counts NACKs that ask again: those for packets newly
+            # found lost, one after another, are no sign that the sender is slow
+            self.unanswered[row] += 1
+        stream.ask(ask, now)
+        self.last_nack[row] = now
+
+    def arrived(
+        self, row: int, local: np.ndarray, classes: np.ndarray, rtx: np.ndarray | None, now: float
+    ) -> None:
+        """Packets `local` of sender row `row` were stored, in `classes`;
+        `rtx`: which were retransmissions (None: none). What they say of the
+        packets before them (`PacketStream`). Lost retransmissions are told
+        only of packets known to be required (the sender's DONE is in)."""
+        resent = ~self.droppable[row] if self.manifest[row] else self._unknown
+        late = self.streams[row].arrived(local, classes, rtx, now, resent, self.droppable[row])
+        clock = self.clocks.get(self.senders[row])
+        if late is not None and clock is not None:
+            clock.late(late + self._reorder(row), self.timing)
+
+    def _reorder(self, row: int) -> float:
+        """How long after a packet of sender row `row` is found lost it is asked for."""
+        return reorder_wait(self.clocks.get(self.senders[row]), self.timing)
+
+    def set_bounds(self, bounds: np.ndarray, now: float) -> None:
+        """Per packet, the lowest class a sender gives it unless droppable (the
+        priority policy's, `PriorityPolicy.lowest`): told with this node's own
+        contribution, for every sender's stream."""
+        for stream in self.streams:
+            stream.set_bound(bounds, now)
+
+    def manifest_in(self, row: int, now: float) -> None:
+        """Sender row `row`'s DONE is whole: it left behind the sender's required
+        packets (`dlcp.daemon.outbox` holds it until they have), so those still
+        missing are lost."""
+        self.streams[row].found(~self.received[row] & ~self.droppable[row], now)
 
     def repeat_after(self, row: int) -> float:
         """How long after its last NACK sender row `row` is asked again."""
@@ -122,20 +194,45 @@ class ShardClock:
         time this sender takes to answer a NACK (`done_wait`), a few
         round-trips, not a grace. Nothing from it yet, or a sender never
         timed: it may not have started (a late rank), so a grace after the
-        round began and after the last arrival."""
+        round began and after the last arrival.
+
+        Sooner where every packet it lacks was asked for (found lost) and not
+        resent within its answer time: asked without the DONE, a sender leaves
+        out its droppable packets, so the DONE is what is missing, and it may
+        be held up in its switch queue, the class of the sender's last
+        packets, behind other hosts' packets of higher classes."""
         wait = done_wait(self.clocks.get(self.senders[row]), self.timing)
+        due = max(self.created, self.last_arrival) + self.timing.grace
         if wait < self.timing.grace and self.received[row].any():
-            return self.last_arrival + wait
-        return max(self.created, self.last_arrival) + self.timing.grace
+            due = self.last_arrival + wait
+        stream = self.streams[row]
+        if stream.any_asked and self.received[row].any() and not self._row_complete(row):
+            missing = ~self.received[row]
+            if stream.asks[missing].all():
+                due = min(due, float(stream.asked[missing].max()) + self.repeat_after(row))
+        return due
+
+    def awaits_answer(self) -> bool:
+        """Whether a NACK of this shard waits for its sender's answer."""
+        return any(t is not None for t in self.waiting_since)
 
     def answered(self, sender: int, now: float) -> None:
-        """A retransmission from `sender` was stored: its answer to the NACKs
-        sent it (`time_answer`)."""
+        """A retransmission from `sender` came: its answer to the NACKs sent it,
+        the first of them timed where none asked again. A sender answers its
+        NACKs in order (its retransmissions share one queue), so the first
+        retransmission answers the oldest; NACKs for packets newly found lost
+        name packets no other asked for, and are no ambiguity (Karn's rule
+        is for a packet asked for twice)."""
         row = self._row.get(sender)
-        if row is None or not self.unanswered[row]:
+        if row is None:
             return
-        clock = self.clocks.get(sender)
-        time_answer(clock, self.unanswered[row], float(self.last_nack[row]), now)
+        since = self.waiting_since[row]
+        if since is not None and not self.repeated[row]:
+            clock = self.clocks.get(sender)
+            if clock is not None:
+                clock.sample(now - since)
+        self.waiting_since[row] = None
+        self.repeated[row] = False
         self.unanswered[row] = 0
 
     def _to_reach_bound(self, row: int, missing_lanes: int, total: int, bound: float) -> np.ndarray:
@@ -157,19 +254,26 @@ class ShardClock:
         # whole shard only where that row lacks just droppable packets. Most
         # calls of a round find no manifest in yet but the node's own.
         short: bool | None = None  # whether only the bound is unmet
+        quiet = self.last_arrival + self.timing.nack_delay
         for row in range(len(self.senders)):
-            again = self.last_nack[row] + self.repeat_after(row)
+            stream = self.streams[row]
+            found = stream.next_due(self._reorder(row))
+            if found is not None:
+                t.arm(found)
+            wait = self.repeat_after(row)
             if self.manifest[row]:
                 if self._row_complete(row):
                     continue
-                if not self._required_missing(row).any():
-                    if short is None:
-                        short = bool(self.manifest.all()) and not self._required_missing().any()
-                    if not short:
-                        continue
-                t.arm(max(again, self.last_arrival + self.timing.nack_delay))
+                required = self._required_missing(row)
+                if required.any():
+                    t.arm(max(stream.first_repeat(required, wait), quiet))
+                    continue
+                if short is None:
+                    short = bool(self.manifest.all()) and not self._required_missing().any()
+                if short:
+                    t.arm(max(self.last_nack[row] + wait, quiet))
             else:
-                t.arm(max(again, self._manifest_due(row)))
+                t.arm(max(self.last_nack[row] + wait, self._manifest_due(row)))
         return t.at
 
     def _row_complete(self, row: int) -> bool:

@@ -9,14 +9,19 @@ from dataclasses import dataclass
 
 from dlcp.errors import LocalError
 
-__all__ = ["NackClock", "Timing", "done_wait", "repeat_wait", "time_answer"]
+__all__ = ["NackClock", "Timing", "done_wait", "reorder_wait", "repeat_wait"]
 
 
 @dataclass(frozen=True)
 class Timing:
-    # After a sender's DONE, how long a missing required packet may still be in
-    # flight (reordered behind the top-priority DONE) before it is NACKed.
+    # After a shard's last arrival, how long before a missing required packet of
+    # a sender whose DONE came is NACKed (again): the packets found lost by what
+    # came after them (`reorder`) are asked for sooner.
     nack_delay: float = 0.005
+    # A packet found lost by what came after it (`dlcp.core.stream`): how long
+    # it may still be reordered (paths of other delays) before it is NACKed.
+    # 0: at once.
+    reorder: float = 0.002
     # Between repeated NACKs for the same missing packets: the longest wait,
     # and the wait until a peer's answers to NACKs have been timed (NackClock).
     nack_interval: float = 0.03
@@ -54,6 +59,11 @@ class Timing:
             value = getattr(self, name)
             if not value > 0:
                 raise LocalError(f"timing.{name} must be > 0 seconds, got {value}")
+        if not 0 <= self.reorder < self.timeout:
+            raise LocalError(
+                f"timing.reorder must be 0 or more seconds, below timing.timeout; "
+                f"got {self.reorder}"
+            )
         if not 0 <= self.ack_wait < self.timeout:
             raise LocalError(
                 f"timing.ack_wait must be 0 or more seconds, below timing.timeout; "
@@ -81,18 +91,30 @@ class NackClock:
     retransmission costs a round that wait.
     """
 
-    __slots__ = ("rttvar", "samples", "srtt")
+    __slots__ = ("reorder", "rttvar", "samples", "srtt")
 
     def __init__(self) -> None:
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.samples = 0
+        # how late this peer's packets have come after what came behind them
+        # said they were lost (`late`): the reordering of its paths
+        self.reorder = 0.0
+
+    def late(self, seconds: float, timing: Timing) -> None:
+        """A packet of this peer asked for as lost came `seconds` after it was
+        found lost (the paths reorder more than the window): the window takes
+        half as much again, at most `timing.nack_interval`, as RACK's grows on
+        a spurious retransmission (RFC 8985)."""
+        if seconds >= 0:
+            self.reorder = min(max(self.reorder, 1.5 * seconds), timing.nack_interval)
 
     def sample(self, seconds: float) -> None:
         """One NACK answered `seconds` after it was sent (never repeated)."""
         if not seconds >= 0:
             return
         self.samples += 1
+        self.reorder *= 0.9  # a NACK answered: the window shrinks back, slowly
         if self.srtt is None:
             self.srtt = seconds
             self.rttvar = seconds / 2
@@ -118,6 +140,12 @@ def repeat_wait(clock: NackClock | None, timing: Timing, unanswered: int) -> flo
     return timing.nack_interval if clock is None else clock.repeat_after(timing, unanswered)
 
 
+def reorder_wait(clock: NackClock | None, timing: Timing) -> float:
+    """How long after a packet of a peer is found lost it is NACKed:
+    `timing.reorder`, or the reordering seen on the peer's paths if more."""
+    return timing.reorder if clock is None else max(timing.reorder, clock.reorder)
+
+
 def done_wait(clock: NackClock | None, timing: Timing) -> float:
     """How long a peer's packets may pause before it is asked for the DONE
     that should have followed them: the time it takes to answer a NACK
@@ -126,11 +154,3 @@ def done_wait(clock: NackClock | None, timing: Timing) -> float:
     if clock is None or clock.srtt is None:
         return timing.grace
     return min(clock.repeat_after(timing, 1), timing.grace)
-
-
-def time_answer(clock: NackClock | None, unanswered: int, asked_at: float, now: float) -> None:
-    """A peer answered the `unanswered` NACKs sent it, the last at `asked_at`:
-    a sample for its clock where that NACK was the only one (Karn's rule: the
-    answer to a repeated NACK is no sample, which copy it answers unknown)."""
-    if clock is not None and unanswered == 1:
-        clock.sample(now - asked_at)

@@ -360,7 +360,9 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
     _need(not unknown, f"[timing]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
     for k, v in t.items():
         _need(
-            isinstance(v, int | float) and not isinstance(v, bool) and (v > 0 or k == "ack_wait"),
+            isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and (v > 0 or k in ("ack_wait", "reorder")),
             f"timing.{k} must be a positive number",
         )
     cfg.timing = Timing(**{k: float(v) for k, v in t.items()})

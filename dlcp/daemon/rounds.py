@@ -171,12 +171,11 @@ class RoundLifecycle:
         norms = np.sum(norms_list, axis=0) if norms_list else np.zeros(n)
         bmaxes = [p.block_max for p in parts if p.block_max is not None]
         block_max = np.max(bmaxes, axis=0) if bmaxes else None
+        n_layers = self._model_layers(parts, layers)
         classes = self.priority.classify(
-            layers=layers.astype(np.int64),
-            n_layers=self._model_layers(parts, layers),
-            norms=norms,
-            counts=counts,
+            layers=layers.astype(np.int64), n_layers=n_layers, norms=norms, counts=counts
         )
+        class_bounds = self.priority.lowest(layers=layers.astype(np.int64), n_layers=n_layers)
         droppable = np.zeros(n, dtype=bool)
         if lr.bound > 0:
             for s in range(layout.shards):
@@ -206,6 +205,7 @@ class RoundLifecycle:
             block_max=block_max,
             out=out,
             kind=lr.kind,
+            class_bounds=class_bounds,
         )
         lr.submitted = True
         self._pump()

@@ -90,6 +90,13 @@ class PriorityPolicy(ABC):
         slice before encoding, `counts`: lanes (elements) per packet.
         """
 
+    def lowest(self, *, layers: np.ndarray, n_layers: int) -> npt.NDArray[np.uint8]:
+        """Per packet, the lowest class (highest number) `classify` gives it
+        whatever its magnitude: what a receiver knows of another host's class
+        for the packet (the layers are the bucket's, the same at every host;
+        the norms are not). This base says only GRADIENT_CLASSES' last."""
+        return np.full(len(layers), GRADIENT_CLASSES[-1], dtype=np.uint8)
+
     def dscp(self, classes: npt.ArrayLike) -> npt.NDArray[np.uint8]:
         """The configured DSCP (0..63) of each class (0..7)."""
         c = np.asarray(classes)
@@ -178,6 +185,13 @@ class LayerMagnitudePriority(PriorityPolicy):
         band = np.floor((1.0 - score) * _N_GRADIENT)
         return (_FIRST + np.clip(band, 0, _N_GRADIENT - 1)).astype(np.uint8)
 
+    def lowest(self, *, layers: np.ndarray, n_layers: int) -> npt.NDArray[np.uint8]:
+        """The class a packet of its layer gets with a magnitude score of 0."""
+        lay = self._check_layers(layers, n_layers, len(layers))
+        score = self.layer_weight * self.layer_score(lay, int(n_layers))
+        band = np.floor((1.0 - score) * _N_GRADIENT)
+        return (_FIRST + np.clip(band, 0, _N_GRADIENT - 1)).astype(np.uint8)
+
 
 @register("priority", "flow")
 class FlowPriority(PriorityPolicy):
@@ -200,3 +214,6 @@ class FlowPriority(PriorityPolicy):
         n = check_same_length(norms=np.asarray(norms), counts=np.asarray(counts))
         self._check_layers(layers, n_layers, n)
         return np.full(n, self.gradient_class, dtype=np.uint8)
+
+    def lowest(self, *, layers: np.ndarray, n_layers: int) -> npt.NDArray[np.uint8]:
+        return np.full(len(layers), self.gradient_class, dtype=np.uint8)

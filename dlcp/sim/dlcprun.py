@@ -130,7 +130,7 @@ class DlcpRun:
             host.engine.submit(
                 job=JOB, round=step, bucket=bucket, codec=Codec.FP32, total=c.lanes.size,
                 lanes=c.lanes, now=now, classes=c.classes, droppable=c.droppable,
-                layers=c.layers, bound=self.s.loss_bound,
+                layers=c.layers, bound=self.s.loss_bound, class_bounds=c.class_bounds,
             )  # fmt: skip
             host.pump(now)
 

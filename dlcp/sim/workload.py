@@ -41,6 +41,7 @@ class Contribution:
     classes: np.ndarray
     droppable: np.ndarray
     layers: np.ndarray
+    class_bounds: np.ndarray | None = None  # the policy's `lowest`
 
 
 def contribution(x: np.ndarray, lay: Layout, bound: float, config: Config) -> Contribution:
@@ -52,9 +53,9 @@ def contribution(x: np.ndarray, lay: Layout, bound: float, config: Config) -> Co
     norms = np.sqrt((padded.reshape(n, per) ** 2).sum(axis=1))
     layers = (np.arange(n, dtype=np.int64) * per * N_LAYERS // max(1, x.size)).clip(0, N_LAYERS - 1)
     priority = from_config("priority", {**config.priority, "dscp": list(config.dscp)})
-    classes = priority.classify(
-        layers=layers, n_layers=int(layers.max()) + 1, norms=norms, counts=counts
-    )
+    n_layers = int(layers.max()) + 1
+    classes = priority.classify(layers=layers, n_layers=n_layers, norms=norms, counts=counts)
+    lowest = priority.lowest(layers=layers, n_layers=n_layers)
     drop = np.zeros(n, dtype=bool)
     policy = from_config("drop", config.drop)
     for s in range(lay.shards):
@@ -63,7 +64,9 @@ def contribution(x: np.ndarray, lay: Layout, bound: float, config: Config) -> Co
             drop[r.start : r.stop] = policy.droppable(
                 norms=norms[r.start : r.stop], counts=counts[r.start : r.stop], bound=bound
             )
-    return Contribution(x, apply_droppable(classes, drop), drop, layers.astype(np.uint16))
+    return Contribution(
+        x, apply_droppable(classes, drop), drop, layers.astype(np.uint16), lowest
+    )
 
 
 def layout_of(elements: int, shards: int, payload: int) -> Layout:

@@ -84,7 +84,10 @@ class Flags(enum.IntFlag):
     LAST = 0x04  # the sender's last data packet of this shard in this round
     SUMMED = 0x08  # payload lanes are sums (result lane width), not single values
     RESULT_LEG = 0x10  # NACK/DONE/ACK about result packets, not data packets
-    NEED_MANIFEST = 0x20  # NACK: also resend the DONE manifest
+    # NACK: the asker lacks the sender's DONE manifest. On the result leg: resend
+    # it too. On the data leg a NACK without packets asks for it; one with packets
+    # (found lost before it came) is answered with the non-droppable ones only
+    NEED_MANIFEST = 0x20
 
 
 ALL_FLAGS = int(

@@ -1,0 +1,61 @@
+"""What a result collector (dlcp.core.collector) still waits for from one
+owner's shard: which result packets came, the owner's DONE, and the NACKs
+sent it since its last answer (with their `PacketStream`: the asks and the
+packets found lost)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dlcp.core.stream import LOWEST_REQUIRED_CLASS, PacketStream
+from dlcp.core.timing import NackClock
+
+__all__ = ["Awaited"]
+
+
+@dataclass
+class Awaited:
+    """What a result collector still waits for from one owner's shard."""
+
+    owner: int
+    indices: np.ndarray  # global result-packet indices of the shard
+    received: np.ndarray
+    done: bool = False
+    last_arrival: float | None = None
+    last_nack: float = -math.inf
+    unanswered: int = 0  # NACKs sent to the owner since it last answered one
+    # when the oldest NACK since the owner's last answer went (None: none
+    # waits), and whether one since asked again (no sample then: Karn)
+    waiting_since: float | None = None
+    repeated: bool = False
+    # per result packet, the lowest class it may travel in (`PacketStream`)
+    bound: np.ndarray | int = LOWEST_REQUIRED_CLASS
+    # its asks and the packets found lost by later arrivals
+    stream: PacketStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = PacketStream(self.received, self.bound)
+
+    def asked(self, ask: np.ndarray, counted: bool, now: float) -> None:
+        """The owner was sent a NACK for packets `ask` (or for its DONE alone,
+        `counted` towards the repeat back-off or not) at `now`; the back-off
+        counts as `ShardClock._asked` does."""
+        if self.waiting_since is None:
+            self.waiting_since = now
+        again = not ask.size or bool(self.stream.asks[ask].any())
+        self.repeated |= again
+        if (ask.size and (again or not self.unanswered)) or (not ask.size and counted):
+            self.unanswered += 1
+        self.stream.ask(ask, now)
+        self.last_nack = now
+
+    def answered(self, clock: NackClock | None, now: float) -> None:
+        """A retransmission came: the answer to the NACKs sent since the last,
+        the oldest's time a sample for `clock` unless one asked again (as
+        `ShardClock.answered`)."""
+        if self.waiting_since is not None and not self.repeated and clock is not None:
+            clock.sample(now - self.waiting_since)
+        self.waiting_since, self.repeated, self.unanswered = None, False, 0

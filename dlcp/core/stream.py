@@ -1,0 +1,261 @@
+"""One sender's packets of one shard at their receiver: when each missing
+packet was asked for, and which are known lost by what came after them.
+
+A sender sends a shard's packets in index order, each in its class; the
+classes are strict-priority queues, so a packet may be overtaken by later
+ones of a higher class, never by later ones of its own class or a lower one.
+A first transmission of packet k in class c that arrives therefore says that
+every earlier packet whose class is at least as high as c was sent before it
+and should be in: one that is not was lost, as TCP's RACK (RFC 8985) reads
+a delivery. The receiver does not know a missing packet's class, only the
+lowest it may have (`bound`, e.g. LOWEST_RELIABLE_CLASS: a required gradient
+packet is never in a lower one), so a packet is taken for lost once a later
+one of a class at or below that bound has come.
+
+Retransmissions all travel in one class (RETRANSMIT_CLASS), in the order
+their NACKs asked for them: one that arrives says that every packet asked for
+earlier (or earlier in the same NACK) whose retransmission is not in lost
+that too.
+
+A packet so found lost is asked for once `reorder` seconds have passed
+since (paths of other delays, a queue's own reordering), instead of at the
+sender's DONE plus `nack_delay`, or a NACK's repeat time: under loss a
+round's legs no longer end with a NACK round trip per lost packet.
+
+`PacketStream` owns its record of asks and of packets found lost; it reads
+the owner's `received` mask (one sender's row), which the owner fills in
+place, after each store calling `on_first` or `on_retransmits`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dlcp.errors import LocalError
+from dlcp.policies.priority import GRADIENT_CLASSES, N_CLASSES
+
+__all__ = ["LOWEST_REQUIRED_CLASS", "PacketStream"]
+
+# a gradient packet that must arrive (not droppable) is never in a lower class;
+# results travel in these classes too (records.LOWEST_RELIABLE_CLASS)
+LOWEST_REQUIRED_CLASS = GRADIENT_CLASSES[-1]
+_CLASSES = N_CLASSES
+
+
+class PacketStream:
+    """Asks and found losses of one sender's packets of one shard."""
+
+    __slots__ = (
+        "_levels",
+        "any_asked",
+        "asked",
+        "asks",
+        "bound",
+        "pending",
+        "reach",
+        "received",
+        "rtx_mark",
+        "suspect",
+        "tail",
+    )
+
+    def __init__(
+        self, received: np.ndarray, bound: int | np.ndarray = LOWEST_REQUIRED_CLASS
+    ) -> None:
+        n = received.size
+        self.received = received  # the owner's (read only here)
+        # per packet, the lowest class (highest number) it may have been sent in
+        b = np.asarray(bound)
+        if b.ndim == 0:
+            b = np.full(n, int(b), dtype=np.intp)
+        elif b.shape != (n,) or (b.size and not 0 <= int(b.min()) <= int(b.max()) < _CLASSES):
+            raise LocalError(f"class bounds of {n} packets in 0..{_CLASSES - 1}, not {b!r}")
+        self.bound = b.astype(np.intp, copy=False)
+        self._levels: list[int] = np.unique(self.bound).tolist()  # the classes bounds have
+        self.asked = np.full(n, -math.inf)  # when each packet was last asked for
+        self.asks = np.zeros(n, dtype=np.uint8)  # how often (saturating)
+        # per class c, one past the highest packet whose first transmission
+        # came in class c or a later one (a number at least c): every packet
+        # below it whose bound is c or earlier was sent before it
+        self.reach = np.zeros(_CLASSES, dtype=np.int64)
+        # the (asked time, index) of the latest-asked retransmission that came
+        self.rtx_mark: tuple[float, int] = (-math.inf, -1)
+        # packets found lost and not yet asked for since: (when found, indices)
+        self.pending: list[tuple[float, np.ndarray]] = []
+        self.suspect = np.zeros(n, dtype=bool)
+        self.any_asked = False  # whether any packet was ever asked for
+        # when the latest retransmission (`rtx_mark`) came, and the mask of
+        # packets whose asks were sure to be resent then (None: all)
+        self.tail: tuple[float, np.ndarray | None] | None = None
+
+    # -- what came ----------------------------------------------------------
+    def arrived(
+        self,
+        local: np.ndarray,
+        classes: np.ndarray,
+        rtx: np.ndarray | None,
+        now: float,
+        resent: np.ndarray | None = None,
+        droppable: np.ndarray | None = None,
+    ) -> float | None:
+        """Packets `local` were stored (in `received` already), sent in
+        `classes`; `rtx`: which were retransmissions (None: none); `resent`
+        as `on_retransmits` takes it. Returns how long after its ask the
+        latest first transmission came of a packet asked for (found lost but
+        merely late), None where none was; of the packets of mask
+        `droppable` none counts (sent in the lowest class, last, they are
+        found lost early when the bound says nothing of them)."""
+        first, first_classes = local, classes
+        if rtx is not None and rtx.any():
+            first, first_classes = local[~rtx], classes[~rtx]
+            self.on_retransmits(local[rtx], now, resent)
+        late = None
+        asked = self.asks[first] > 0
+        if droppable is not None:
+            asked &= ~droppable[first]
+        if asked.any():
+            late = now - float(self.asked[first[asked]].min())
+        self.on_first(first, first_classes, now)
+        return late
+
+    def on_first(self, local: np.ndarray, classes: np.ndarray, now: float) -> None:
+        """First transmissions of packets `local` came, in `classes` (stored
+        in `received` already)."""
+        if local.size == 0:
+            return
+        # `reach` is kept only at the classes some bound has (a few): a masked
+        # maximum each, not a scatter over all eight (a third of a drain's time)
+        old = self.reach
+        grown: list[tuple[int, int]] = []
+        lowest = int(classes.max())
+        if lowest == int(classes.min()):  # one class (the outbox sends class by class)
+            top = int(local.max()) + 1
+            grown = [(c, top) for c in self._levels if c <= lowest and top > old[c]]
+        else:
+            for c in self._levels:
+                at = classes >= c
+                if at.any():
+                    top = int(local[at].max()) + 1
+                    if top > old[c]:
+                        grown.append((c, top))
+        if not grown:
+            return
+        new = old.copy()
+        for c, top in grown:
+            new[: c + 1] = np.maximum(new[: c + 1], top)
+        lo, hi = min(int(old[c]) for c, _ in grown), max(top for _, top in grown)
+        self.reach = new
+        lost = ~self.received[lo:hi]
+        if not lost.any():  # the common case: all in
+            return
+        b = self.bound[lo:hi]
+        idx = np.arange(lo, hi)
+        lost &= (idx < new[b]) & (idx >= old[b])
+        lost &= ~self.suspect[lo:hi] & (self.asks[lo:hi] == 0)
+        if lost.any():
+            self._found(np.flatnonzero(lost) + lo, now)
+
+    def set_bound(self, bound: np.ndarray, now: float) -> None:
+        """Per packet, a lower class bound learnt (the receiver's own round
+        began): what came before says more packets are lost."""
+        if bound.shape != self.bound.shape:
+            raise LocalError(f"class bounds of {self.bound.size} packets, not {bound.shape}")
+        self.bound = np.minimum(self.bound, bound).astype(np.intp, copy=False)
+        self._levels = np.unique(self.bound).tolist()
+        idx = np.arange(self.bound.size)
+        lost = (idx < self.reach[self.bound]) & ~self.received & ~self.suspect & (self.asks == 0)
+        if lost.any():
+            self._found(np.flatnonzero(lost), now)
+
+    def found(self, missing: np.ndarray, now: float) -> None:
+        """The packets of mask `missing` not yet asked for are known lost now
+        (their sender's DONE came behind them)."""
+        lost = missing & ~self.suspect & (self.asks == 0)
+        if lost.any():
+            self._found(np.flatnonzero(lost), now)
+
+    def on_retransmits(
+        self, local: np.ndarray, now: float, resent: np.ndarray | None = None
+    ) -> None:
+        """Retransmissions of packets `local` came (stored in `received`
+        already): what was asked for before them and is still missing is
+        lost again, of the packets of mask `resent` (None: all), those whose
+        asks were sure to be resent. A sender resends no packet still queued
+        there (its first transmission is on its way), and a droppable packet,
+        sent last in a class of its own, may be queued still when a later
+        packet of a higher class came and had it asked for."""
+        if local.size == 0:
+            return
+        asked = self.asked[local]
+        last = int(np.lexsort((local, asked))[-1])
+        mark = (float(asked[last]), int(local[last]))
+        if mark <= self.rtx_mark or mark[0] == -math.inf:
+            return
+        self.rtx_mark = mark
+        self.tail = (now, resent)
+        t, k = mark
+        idx = np.arange(self.asked.size)
+        before = (self.asked < t) | ((self.asked == t) & (idx < k))
+        lost = ~self.received & ~self.suspect & (self.asks > 0) & before
+        if resent is not None:
+            lost &= resent
+        if lost.any():
+            self._found(np.flatnonzero(lost), now)
+
+    def _found(self, idx: np.ndarray, now: float) -> None:
+        self.suspect[idx] = True
+        self.pending.append((now, idx))
+
+    # -- what to ask for ----------------------------------------------------
+    def due(self, now: float, reorder: float) -> np.ndarray:
+        """The packets found lost at least `reorder` ago and still missing,
+        no longer pending (the caller asks for them or drops them).
+
+        Also, once `reorder` has passed since the last retransmission came
+        with none after it: those its NACK asked for after it. A NACK's
+        answer leaves as one burst, so its end was lost."""
+        out: list[np.ndarray] = []
+        if self.tail is not None and self.tail[0] + reorder <= now:
+            resent = self.tail[1]
+            self.tail = None
+            t, k = self.rtx_mark
+            after = (self.asked == t) & ~self.received & ~self.suspect
+            after[: k + 1] = False
+            if resent is not None:
+                after &= resent
+            if after.any():
+                self._found(np.flatnonzero(after), now - reorder)
+        while self.pending and self.pending[0][0] + reorder <= now:
+            _, idx = self.pending.pop(0)
+            out.append(idx)
+        if not out:
+            return np.zeros(0, dtype=np.int64)
+        idx = np.concatenate(out) if len(out) > 1 else out[0]
+        self.suspect[idx] = False
+        return idx[~self.received[idx]]
+
+    def next_due(self, reorder: float) -> float | None:
+        """When `due` next may have packets to give (None: none pending)."""
+        times = [self.pending[0][0] + reorder] if self.pending else []
+        if self.tail is not None:
+            times.append(self.tail[0] + reorder)
+        return min(times) if times else None
+
+    def ask(self, idx: np.ndarray, now: float) -> None:
+        """Packets `idx` were asked for at `now`."""
+        self.any_asked |= bool(idx.size)
+        self.asked[idx] = now
+        self.asks[idx] = np.minimum(self.asks[idx].astype(np.int64) + 1, 255)
+        self.suspect[idx] = False
+
+    def repeat_due(self, missing: np.ndarray, now: float, wait: float) -> np.ndarray:
+        """Of the packet mask `missing`, those never asked for or asked
+        `wait` or more ago (indices)."""
+        return np.flatnonzero(missing & (self.asked + wait <= now))
+
+    def first_repeat(self, missing: np.ndarray, wait: float) -> float:
+        """When the first packet of mask `missing` may be asked for again
+        (-inf: one never asked for)."""
+        return float(self.asked[missing].min(initial=math.inf)) + wait
