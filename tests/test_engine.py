@@ -1094,8 +1094,6 @@ def _next_timer_reference(agg) -> float | None:  # type: ignore[no-untyped-def]
         stream = agg.clock.streams[row]
         if stream.pending:
             times.append(stream.pending[0][0] + agg.timing.reorder)
-        if stream.tail is not None:
-            times.append(stream.tail[0] + agg.timing.reorder)
         wait = agg.clock.repeat_after(row)
         again = agg.last_nack[row] + wait
         if agg.manifest[row]:

@@ -66,9 +66,8 @@ def test_a_retransmission_tells_those_asked_before_it_lost_again() -> None:
     s = PacketStream(np.zeros(8, dtype=bool))
     s.ask(np.array([1, 4]), 0.010)
     s.ask(np.array([2, 6]), 0.012)
-    resent(s, [2], 0.015)  # the second NACK's answer: 1 and 4 (asked before) lost again,
-    # and 6, after it in that answer, once nothing more came
-    assert s.due(0.015 + REORDER, REORDER).tolist() == [1, 4, 6]
+    resent(s, [2], 0.015)  # the second NACK's answer: 1 and 4 (asked before) lost again
+    assert s.due(0.015 + REORDER, REORDER).tolist() == [1, 4]
     # a sender resends nothing still queued there: only those sure to be resent
     s = PacketStream(np.zeros(8, dtype=bool))
     s.ask(np.array([1, 4, 6]), 0.010)
@@ -78,17 +77,17 @@ def test_a_retransmission_tells_those_asked_before_it_lost_again() -> None:
     assert s.due(1.0, REORDER).tolist() == [4]
 
 
-def test_a_burst_of_retransmissions_that_stops_early_lost_its_end() -> None:
+def test_what_has_not_come_tells_nothing() -> None:
+    """A NACK's answer that stops short is no loss yet: behind a congested
+    port its rest may be queued far longer than any window."""
     s = PacketStream(np.zeros(8, dtype=bool))
     s.ask(np.array([1, 3, 5, 7]), 0.010)
     resent(s, [1], 0.014)
     resent(s, [3], 0.0141)
-    assert s.next_due(REORDER) == pytest.approx(0.0161)
-    assert s.due(0.0160, REORDER).size == 0
-    assert s.due(0.0161, REORDER).tolist() == [5, 7]  # nothing came after 3
-    s.ask(np.array([5, 7]), 0.0161)
-    resent(s, [7], 0.02)  # 5 asked before 7 in the same NACK: lost again
-    assert s.due(0.03, REORDER).tolist() == [5]
+    assert s.next_due(REORDER) is None
+    assert s.due(10.0, REORDER).size == 0
+    resent(s, [7], 0.5)  # 5 asked before 7 in the same NACK: lost again
+    assert s.due(0.6, REORDER).tolist() == [5]
 
 
 def test_a_done_behind_the_packets_tells_every_missing_one_lost() -> None:

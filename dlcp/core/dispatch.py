@@ -314,7 +314,7 @@ class Dispatcher:
                 if todo:
                     self.emitter.results(f, h.sender, todo)
             if h.flags & Flags.NEED_MANIFEST:
-                self.emitter.result_done(f, h.sender, copies=1, resent=True)
+                self.emitter.result_done(f, h.sender, copies=1)
             return
         self.check_owner(spec, h)
         c = None if r is None else r.contribution
@@ -338,4 +338,4 @@ class Dispatcher:
             if todo:
                 self.emitter.data(c, h.shard, h.sender, todo, r.gathered)
         if h.flags & Flags.NEED_MANIFEST and not h.count:  # the DONE alone is asked for
-            self.emitter.manifest(c, h.shard, h.sender, copies=1, resent=True)
+            self.emitter.manifest(c, h.shard, h.sender, copies=1)

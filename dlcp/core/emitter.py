@@ -131,16 +131,12 @@ class Emitter:
         )
         self.stats["data_packets_sent" if only is None else "data_retransmits"] += idx.size
 
-    def manifest(
-        self, c: _Contribution, shard: int, owner: int, copies: int, resent: bool = False
-    ) -> None:
+    def manifest(self, c: _Contribution, shard: int, owner: int, copies: int) -> None:
         """The shard's DONE: a bit a packet (droppable or not), in parts of
         `manifest_capacity` packets, each within the job's payload budget
         (one IP packet; one DONE for all of a large shard was IP-fragmented
         past about 11,000 packets, and could not be encoded past 523,544).
-        A part's `offset` is its first packet, `count` its packets. `resent`:
-        sent again in answer to a NACK, flagged RETRANSMIT (the outbox then
-        holds it behind no packets that have left: `Outbox._queue`)."""
+        A part's `offset` is its first packet, `count` its packets."""
         pk = c.layout.shard_packets(shard)
         bits = c.droppable[pk.start : pk.stop]
         per = manifest_capacity(c.layout.payload)
@@ -153,7 +149,7 @@ class Emitter:
                 job=c.spec.job,
                 round=c.round,
                 bucket=c.bucket,
-                flags=Flags.LAST | (Flags.RETRANSMIT if resent else Flags.NONE),
+                flags=Flags.LAST,
                 priority=CONTROL_CLASS,
                 codec=c.layout.codec,
                 shard=shard,
@@ -242,14 +238,13 @@ class Emitter:
         self.out.append(_batch(node, dgs, classes, None, "result"))
         self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
 
-    def result_done(self, f: _Finished, node: int, copies: int, resent: bool = False) -> None:
-        """The shard's result DONE to `node` (`resent`: as `manifest`'s)."""
+    def result_done(self, f: _Finished, node: int, copies: int) -> None:
         header = Header(
             type=PacketType.DONE,
             job=f.spec.job,
             round=f.round,
             bucket=f.bucket,
-            flags=Flags.RESULT_LEG | Flags.LAST | (Flags.RETRANSMIT if resent else Flags.NONE),
+            flags=Flags.RESULT_LEG | Flags.LAST,
             priority=CONTROL_CLASS,
             codec=f.layout.codec,
             shard=f.result.shard,

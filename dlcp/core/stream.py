@@ -58,7 +58,6 @@ class PacketStream:
         "received",
         "rtx_mark",
         "suspect",
-        "tail",
     )
 
     def __init__(
@@ -86,9 +85,6 @@ class PacketStream:
         self.pending: list[tuple[float, np.ndarray]] = []
         self.suspect = np.zeros(n, dtype=bool)
         self.any_asked = False  # whether any packet was ever asked for
-        # when the latest retransmission (`rtx_mark`) came, and the mask of
-        # packets whose asks were sure to be resent then (None: all)
-        self.tail: tuple[float, np.ndarray | None] | None = None
 
     # -- what came ----------------------------------------------------------
     def arrived(
@@ -194,7 +190,6 @@ class PacketStream:
         if mark <= self.rtx_mark or mark[0] == -math.inf:
             return
         self.rtx_mark = mark
-        self.tail = (now, resent)
         t, k = mark
         idx = np.arange(self.asked.size)
         before = (self.asked < t) | ((self.asked == t) & (idx < k))
@@ -213,20 +208,10 @@ class PacketStream:
         """The packets found lost at least `reorder` ago and still missing,
         no longer pending (the caller asks for them or drops them).
 
-        Also, once `reorder` has passed since the last retransmission came
-        with none after it: those its NACK asked for after it. A NACK's
-        answer leaves as one burst, so its end was lost."""
+        Nothing is taken for lost by what has not come (a NACK's answer that
+        stops short, say): behind a congested port the queue is worth far
+        more than any window, and asking again fed a retransmission storm."""
         out: list[np.ndarray] = []
-        if self.tail is not None and self.tail[0] + reorder <= now:
-            resent = self.tail[1]
-            self.tail = None
-            t, k = self.rtx_mark
-            after = (self.asked == t) & ~self.received & ~self.suspect
-            after[: k + 1] = False
-            if resent is not None:
-                after &= resent
-            if after.any():
-                self._found(np.flatnonzero(after), now - reorder)
         while self.pending and self.pending[0][0] + reorder <= now:
             _, idx = self.pending.pop(0)
             out.append(idx)
@@ -237,11 +222,8 @@ class PacketStream:
         return idx[~self.received[idx]]
 
     def next_due(self, reorder: float) -> float | None:
-        """When `due` next may have packets to give (None: none pending)."""
-        times = [self.pending[0][0] + reorder] if self.pending else []
-        if self.tail is not None:
-            times.append(self.tail[0] + reorder)
-        return min(times) if times else None
+        """When `due` next has packets to give (None: none pending)."""
+        return self.pending[0][0] + reorder if self.pending else None
 
     def ask(self, idx: np.ndarray, now: float) -> None:
         """Packets `idx` were asked for at `now`."""

@@ -211,16 +211,16 @@ class Outbox:
             # until they have left, and then travels in the class of the last of
             # them, so neither our queues nor the switch's let it overtake them
             # (the receiver would NACK packets that are merely queued). So does
-            # a DONE sent again (asked for by the receiver) while some are still
-            # here; one sent again after they left goes in its own class (the
-            # control class): in the class of the last, other hosts' packets of
-            # higher classes at the receiver's switch port held it for a leg.
+            # a DONE sent again (asked for by the receiver): a receiver takes
+            # the packets still missing when a DONE comes for lost
+            # (`dlcp.core.stream`), and one in the control class that overtook
+            # its shard's packets queued at a congested switch port had the
+            # whole shard asked for again and again.
             bkey = _barrier_key(datagram)
             if peer.inflight.get(bkey):
                 peer.held.setdefault(bkey, []).append((datagram, cls))
             else:
-                if not datagram[4] & _F_RETRANSMIT:
-                    cls = peer.trail_class.get(bkey, cls)
+                cls = peer.trail_class.get(bkey, cls)
                 peer.queues[FRONT + cls].append(datagram)
             return
         if kind in (_DATA, _RESULT):
