@@ -8,14 +8,19 @@ A first transmission of packet k in class c that arrives therefore says that
 every earlier packet whose class is at least as high as c was sent before it
 and should be in: one that is not was lost, as TCP's RACK (RFC 8985) reads
 a delivery. The receiver does not know a missing packet's class, only the
-lowest it may have (`bound`, e.g. LOWEST_RELIABLE_CLASS: a required gradient
-packet is never in a lower one), so a packet is taken for lost once a later
-one of a class at or below that bound has come.
+lowest it may have (its `bound`: LOWEST_REQUIRED_CLASS, as no required
+gradient packet is in a lower one; the priority policy's lowest class for
+the packet's layer, `PriorityPolicy.lowest`; for a result packet the
+receiver's own class for it), so a packet is taken for lost once a later one
+has come in its bound's class or a lower one (a number at least the bound).
 
 Retransmissions all travel in one class (RETRANSMIT_CLASS), in the order
 their NACKs asked for them: one that arrives says that every packet asked for
 earlier (or earlier in the same NACK) whose retransmission is not in lost
-that too.
+that too. And the sender's DONE, which its outbox holds behind the shard's
+packets, says every packet still missing is lost (`found`). What has not
+come says nothing: behind a congested port a queue is worth far more than
+any window.
 
 A packet so found lost is asked for once `reorder` seconds have passed
 since (paths of other delays, a queue's own reordering), instead of at the
@@ -24,7 +29,7 @@ round's legs no longer end with a NACK round trip per lost packet.
 
 `PacketStream` owns its record of asks and of packets found lost; it reads
 the owner's `received` mask (one sender's row), which the owner fills in
-place, after each store calling `on_first` or `on_retransmits`.
+place, after each store calling `arrived`.
 """
 
 from __future__ import annotations
