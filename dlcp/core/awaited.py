@@ -27,10 +27,6 @@ class Awaited:
     last_arrival: float | None = None
     last_nack: float = -math.inf
     unanswered: int = 0  # NACKs sent to the owner since it last answered one
-    # when the oldest NACK since the owner's last answer went (None: none
-    # waits), and whether one since asked again (no sample then: Karn)
-    waiting_since: float | None = None
-    repeated: bool = False
     # per result packet, the lowest class it may travel in (`PacketStream`)
     bound: np.ndarray | int = LOWEST_REQUIRED_CLASS
     # its asks and the packets found lost by later arrivals
@@ -42,20 +38,14 @@ class Awaited:
     def asked(self, ask: np.ndarray, counted: bool, now: float) -> None:
         """The owner was sent a NACK for packets `ask` (or for its DONE alone,
         `counted` towards the repeat back-off or not) at `now`; the back-off
-        counts as `ShardClock._asked` does."""
-        if self.waiting_since is None:
-            self.waiting_since = now
-        again = not ask.size or bool(self.stream.asks[ask].any())
-        self.repeated |= again
+        counts as `ShardClock._asked` does (`PacketStream.ask`)."""
+        again = self.stream.ask(ask, now)
         if (ask.size and (again or not self.unanswered)) or (not ask.size and counted):
             self.unanswered += 1
-        self.stream.ask(ask, now)
         self.last_nack = now
 
     def answered(self, clock: NackClock | None, now: float) -> None:
-        """A retransmission came: the answer to the NACKs sent since the last,
-        the oldest's time a sample for `clock` unless one asked again (as
-        `ShardClock.answered`)."""
-        if self.waiting_since is not None and not self.repeated and clock is not None:
-            clock.sample(now - self.waiting_since)
-        self.waiting_since, self.repeated, self.unanswered = None, False, 0
+        """A retransmission came: the answer to the NACKs sent since the last
+        (`PacketStream.answered`)."""
+        self.stream.answered(clock, now)
+        self.unanswered = 0

@@ -19,12 +19,14 @@ from dlcp.core.awaited import Awaited
 from dlcp.core.layout import Layout
 from dlcp.core.runs import first_fresh, run_slots, taken
 from dlcp.core.stream import LOWEST_REQUIRED_CLASS
-from dlcp.core.timing import NackClock, Timing, done_wait, reorder_wait, repeat_wait
+from dlcp.core.timing import NackClock, Timing, done_wait, note_late, reorder_wait, repeat_wait
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
 from dlcp.wire.header import Flags
 
 __all__ = ["ResultCollector"]
+
+_RETRANSMIT = int(Flags.RETRANSMIT)
 
 
 @dataclass
@@ -175,7 +177,7 @@ class ResultCollector:
             late = w.stream.arrived(
                 np.array([local]), np.array([priority]), np.array([retransmit]), now
             )
-            self._late(w, late)
+            note_late(self.clocks.get(w.owner), late, self.timing)
         return True
 
     def on_results_many(
@@ -245,7 +247,8 @@ class ResultCollector:
         else:
             classes = np.zeros(take.size, np.uint8) if priority is None else priority[take]
             rtx = None if retransmit is None else retransmit[take]
-            self._late(w, w.stream.arrived(local[take], classes, rtx, now))
+            late = w.stream.arrived(local[take], classes, rtx, now)
+            note_late(self.clocks.get(w.owner), late, self.timing)
         return fresh, bad
 
     def on_result_run(
@@ -310,9 +313,8 @@ class ResultCollector:
             del self.waiting[shard]
         else:
             rtx = (heads["flags"][take] & _RETRANSMIT) != 0
-            self._late(
-                w, w.stream.arrived(local, heads["priority"][take], rtx if rtx.any() else None, now)
-            )
+            late = w.stream.arrived(local, heads["priority"][take], rtx if rtx.any() else None, now)
+            note_late(self.clocks.get(w.owner), late, self.timing)
         return take.size, bad
 
     def on_done(self, *, shard: int, sender: int, now: float) -> None:
@@ -408,12 +410,6 @@ class ResultCollector:
         """How long after a result packet of `w` is found lost it is asked for."""
         return reorder_wait(self.clocks.get(w.owner), self.timing)
 
-    def _late(self, w: Awaited, late: float | None) -> None:
-        """A result packet asked for came after all, `late` after its ask."""
-        clock = self.clocks.get(w.owner)
-        if late is not None and clock is not None:
-            clock.late(late + self._reorder(w), self.timing)
-
     def _repeat_after(self, w: Awaited) -> float:
         """How long after its last NACK for `w` the owner is asked again."""
         return repeat_wait(self.clocks.get(w.owner), self.timing, w.unanswered)
@@ -426,7 +422,7 @@ class ResultCollector:
     def awaits_answer(self, shard: int) -> bool:
         """Whether a NACK for `shard` waits for its answer."""
         w = self.waiting.get(shard)
-        return w is not None and w.waiting_since is not None
+        return w is not None and w.stream.waiting_since is not None
 
     def answered(self, shard: int, now: float) -> None:
         """A retransmitted result packet of `shard` came: the owner's answer
@@ -470,6 +466,3 @@ class ResultCollector:
             f", last NACK {ago(w.last_nack)}"
             for shard, w in sorted(self.waiting.items())
         )
-
-
-_RETRANSMIT = int(Flags.RETRANSMIT)

@@ -58,7 +58,7 @@ from dlcp.core.rounds import OpenRounds
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import LocalError, Reason
 from dlcp.wire.credit import Credit, credit_of, credit_payload
-from dlcp.wire.header import Codec, lane_bytes
+from dlcp.wire.header import MAX_PRIORITY, Codec, lane_bytes
 from dlcp.wire.mac import MacKey, mac_state
 
 __all__ = [
@@ -315,7 +315,10 @@ class Engine:
             scale=scale,
             block_max=per_packet(block_max, 0.0, np.float32),
             kind=kind,
-            class_bounds=None if class_bounds is None else per_packet(class_bounds, 5, np.uint8),
+            # (the fill is for an absent array: a given one is checked, not filled)
+            class_bounds=None
+            if class_bounds is None
+            else per_packet(class_bounds, MAX_PRIORITY, np.uint8),
         )
         if c.classes.max(initial=0) > 7 or (
             c.class_bounds is not None and c.class_bounds.max(initial=0) > 7

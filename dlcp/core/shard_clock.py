@@ -20,7 +20,7 @@ import numpy as np
 
 from dlcp.core.aggtypes import Nack, _Tick
 from dlcp.core.stream import PacketStream
-from dlcp.core.timing import NackClock, Timing, done_wait, reorder_wait, repeat_wait
+from dlcp.core.timing import NackClock, Timing, done_wait, note_late, reorder_wait, repeat_wait
 
 __all__ = ["ShardClock"]
 
@@ -62,10 +62,6 @@ class ShardClock:
         # per sender row, the NACKs sent to it since it last answered one (the
         # first, then those that asked again: `_asked`)
         self.unanswered = [0] * s
-        # per sender row, when the oldest NACK since its last answer went (None:
-        # none waits), and whether one since asked again (no sample then)
-        self.waiting_since: list[float | None] = [None] * s
-        self.repeated = [False] * s
         # the rows found to hold every packet (`received` only ever gains them)
         self._complete_rows: set[int] = set()
         # per sender row, its asks and the packets found lost by later arrivals
@@ -136,19 +132,11 @@ class ShardClock:
 
     def _asked(self, row: int, ask: np.ndarray, now: float) -> None:
         """Sender row `row` was sent a NACK for packets `ask` (or for its DONE
-        alone) at `now`. The first retransmission after it times the sender's
-        answer (`answered`) unless a NACK since the last answer asked again
-        (Karn)."""
-        stream = self.streams[row]
-        if self.waiting_since[row] is None:
-            self.waiting_since[row] = now
-        again = not ask.size or bool(stream.asks[ask].any())
-        self.repeated[row] |= again
-        if again or not self.unanswered[row]:
+        alone) at `now` (`PacketStream.ask`)."""
+        if self.streams[row].ask(ask, now) or not self.unanswered[row]:
             # the back-off counts NACKs that ask again: those for packets newly
             # found lost, one after another, are no sign that the sender is slow
             self.unanswered[row] += 1
-        stream.ask(ask, now)
         self.last_nack[row] = now
 
     def arrived(
@@ -160,9 +148,7 @@ class ShardClock:
         only of packets known to be required (the sender's DONE is in)."""
         resent = ~self.droppable[row] if self.manifest[row] else self._unknown
         late = self.streams[row].arrived(local, classes, rtx, now, resent, self.droppable[row])
-        clock = self.clocks.get(self.senders[row])
-        if late is not None and clock is not None:
-            clock.late(late + self._reorder(row), self.timing)
+        note_late(self.clocks.get(self.senders[row]), late, self.timing)
 
     def _reorder(self, row: int) -> float:
         """How long after a packet of sender row `row` is found lost it is asked for."""
@@ -214,25 +200,15 @@ class ShardClock:
 
     def awaits_answer(self) -> bool:
         """Whether a NACK of this shard waits for its sender's answer."""
-        return any(t is not None for t in self.waiting_since)
+        return any(s.waiting_since is not None for s in self.streams)
 
     def answered(self, sender: int, now: float) -> None:
-        """A retransmission from `sender` came: its answer to the NACKs sent it,
-        the first of them timed where none asked again. A sender answers its
-        NACKs in order (its retransmissions share one queue), so the first
-        retransmission answers the oldest; NACKs for packets newly found lost
-        name packets no other asked for, and are no ambiguity (Karn's rule
-        is for a packet asked for twice)."""
+        """A retransmission from `sender` came: its answer to the NACKs sent it
+        (`PacketStream.answered`)."""
         row = self._row.get(sender)
         if row is None:
             return
-        since = self.waiting_since[row]
-        if since is not None and not self.repeated[row]:
-            clock = self.clocks.get(sender)
-            if clock is not None:
-                clock.sample(now - since)
-        self.waiting_since[row] = None
-        self.repeated[row] = False
+        self.streams[row].answered(self.clocks.get(sender), now)
         self.unanswered[row] = 0
 
     def _to_reach_bound(self, row: int, missing_lanes: int, total: int, bound: float) -> np.ndarray:

@@ -38,6 +38,7 @@ import math
 
 import numpy as np
 
+from dlcp.core.timing import NackClock
 from dlcp.errors import LocalError
 from dlcp.policies.priority import GRADIENT_CLASSES, N_CLASSES
 
@@ -61,8 +62,10 @@ class PacketStream:
         "pending",
         "reach",
         "received",
+        "repeated",
         "rtx_mark",
         "suspect",
+        "waiting_since",
     )
 
     def __init__(
@@ -90,6 +93,10 @@ class PacketStream:
         self.pending: list[tuple[float, np.ndarray]] = []
         self.suspect = np.zeros(n, dtype=bool)
         self.any_asked = False  # whether any packet was ever asked for
+        # when the oldest NACK since the sender's last answer went (None: none
+        # waits), and whether one since asked again (no sample then: `ask`)
+        self.waiting_since: float | None = None
+        self.repeated = False
 
     # -- what came ----------------------------------------------------------
     def arrived(
@@ -230,12 +237,31 @@ class PacketStream:
         """When `due` next has packets to give (None: none pending)."""
         return self.pending[0][0] + reorder if self.pending else None
 
-    def ask(self, idx: np.ndarray, now: float) -> None:
-        """Packets `idx` were asked for at `now`."""
+    def ask(self, idx: np.ndarray, now: float) -> bool:
+        """Packets `idx` were asked for at `now` (none: the DONE alone).
+        Returns whether the NACK asked again: for a packet asked for before,
+        or for the DONE alone. The first retransmission after it times the
+        sender's answer (`answered`) unless a NACK since the last answer asked
+        again (Karn's rule is for a packet asked for twice; NACKs for packets
+        newly found lost are no ambiguity)."""
+        again = not idx.size or bool(self.asks[idx].any())
+        if self.waiting_since is None:
+            self.waiting_since = now
+        self.repeated |= again
         self.any_asked |= bool(idx.size)
         self.asked[idx] = now
         self.asks[idx] = np.minimum(self.asks[idx].astype(np.int64) + 1, 255)
         self.suspect[idx] = False
+        return again
+
+    def answered(self, clock: NackClock | None, now: float) -> None:
+        """A retransmission came: the answer to the NACKs sent since the last.
+        A sender answers its NACKs in order (its retransmissions share one
+        queue), so it answers the oldest: its time is a sample for `clock`
+        unless a NACK since asked again."""
+        if self.waiting_since is not None and not self.repeated and clock is not None:
+            clock.sample(now - self.waiting_since)
+        self.waiting_since, self.repeated = None, False
 
     def repeat_due(self, missing: np.ndarray, now: float, wait: float) -> np.ndarray:
         """Of the packet mask `missing`, those never asked for or asked

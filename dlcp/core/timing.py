@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dlcp.errors import LocalError
 
-__all__ = ["NackClock", "Timing", "done_wait", "reorder_wait", "repeat_wait"]
+__all__ = ["NackClock", "Timing", "done_wait", "note_late", "reorder_wait", "repeat_wait"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,14 @@ def reorder_wait(clock: NackClock | None, timing: Timing) -> float:
     """How long after a packet of a peer is found lost it is NACKed:
     `timing.reorder`, or the reordering seen on the peer's paths if more."""
     return timing.reorder if clock is None else max(timing.reorder, clock.reorder)
+
+
+def note_late(clock: NackClock | None, late: float | None, timing: Timing) -> None:
+    """A packet of the peer asked for as lost came `late` after its ask
+    (None: none did): the window it was asked after was short by that much
+    (`NackClock.late`)."""
+    if late is not None and clock is not None:
+        clock.late(late + reorder_wait(clock, timing), timing)
 
 
 def done_wait(clock: NackClock | None, timing: Timing) -> float:

@@ -115,6 +115,12 @@ class PriorityPolicy(ABC):
         return arr
 
 
+def _band(score: np.ndarray) -> npt.NDArray[np.uint8]:
+    """Scores in [0, 1] cut into the five gradient classes: 1 -> class 1, 0 -> 5."""
+    band = np.floor((1.0 - score) * _N_GRADIENT)
+    return (_FIRST + np.clip(band, 0, _N_GRADIENT - 1)).astype(np.uint8)
+
+
 @register("priority", "layer_magnitude")
 class LayerMagnitudePriority(PriorityPolicy):
     """Front layers and large magnitudes first (DLCP's gradient-aware priority).
@@ -182,15 +188,12 @@ class LayerMagnitudePriority(PriorityPolicy):
         lay = self._check_layers(layers, n_layers, len(dens))
         w = self.layer_weight
         score = w * self.layer_score(lay, int(n_layers)) + (1.0 - w) * self.magnitude_score(dens)
-        band = np.floor((1.0 - score) * _N_GRADIENT)
-        return (_FIRST + np.clip(band, 0, _N_GRADIENT - 1)).astype(np.uint8)
+        return _band(score)
 
     def lowest(self, *, layers: np.ndarray, n_layers: int) -> npt.NDArray[np.uint8]:
         """The class a packet of its layer gets with a magnitude score of 0."""
         lay = self._check_layers(layers, n_layers, len(layers))
-        score = self.layer_weight * self.layer_score(lay, int(n_layers))
-        band = np.floor((1.0 - score) * _N_GRADIENT)
-        return (_FIRST + np.clip(band, 0, _N_GRADIENT - 1)).astype(np.uint8)
+        return _band(self.layer_weight * self.layer_score(lay, int(n_layers)))
 
 
 @register("priority", "flow")
