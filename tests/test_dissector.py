@@ -128,7 +128,7 @@ def test_flag_and_enum_names() -> None:
         if int(f):
             assert FLAG_NAMES[int(f).bit_length() - 1] == f.name
     assert flag_names(int(Flags.DROPPABLE | Flags.LAST)) == ["DROPPABLE", "LAST"]
-    assert flag_names(0xC0) == ["BIT6", "BIT7"]
+    assert flag_names(0xC0) == ["EARLY", "BIT7"]
     pkt = DLCP(type="RESULT", codec="THC4", flags="SUMMED+RETRANSMIT")
     raw = bytes(pkt)
     assert raw[3] == PacketType.RESULT and raw[6] == Codec.THC4

@@ -156,6 +156,28 @@ class ShardAccumulator:
             )
         self.out = out
 
+    def sum_packets(self, packets: np.ndarray) -> None:
+        """The sums of packets `packets` (a mask), every sender's copy of which
+        is in, into `out` before the shard completes (`dlcp.core.early`): the
+        lanes `finish` gives them, in the same order of additions, so that
+        `finish` writing them again changes no bit."""
+        out = self.out
+        if out is None:
+            raise LocalError(f"shard {self.shard}: no sums array to sum packets into")
+        if not self.received[:, packets].all():
+            raise LocalError(f"shard {self.shard}: packets summed before every copy came")
+        if self.summed_row is not None:
+            return  # summed into `out` as they came
+        sdt = self.slots.dtype
+        rows = [self.held.get(r, self.slots[r]) for r in range(self.senders)]
+        for a, b in lane_spans(packets, self.counts):
+            if len(rows) == 1:
+                np.copyto(out[a:b], rows[0][a:b], casting="unsafe")
+                continue
+            np.add(rows[0][a:b], rows[1][a:b], out=out[a:b], dtype=sdt)
+            for r in rows[2:]:
+                np.add(out[a:b], r[a:b], out=out[a:b])
+
     def finish(self) -> np.ndarray:
         """The senders' rows summed (missing packets as zeros), into `out` if
         set; the rows are freed."""
@@ -184,20 +206,19 @@ class ShardAccumulator:
                 row[a:b] = 0
 
     def _sum_rows(self, out: np.ndarray | None, sdt: np.dtype) -> np.ndarray:
+        """Row by row, in sender order (what np.add.reduce(axis=0) computes on
+        the rows; a part of them, `sum_packets`, gets the same bits)."""
         self._zero_missing()
-        if self.held:  # row by row, in sender order: what np.add.reduce(axis=0) computes
-            rows = [self.held.get(r, self.slots[r]) for r in range(self.senders)]
-            if len(rows) == 1:
-                sums = rows[0].astype(sdt, copy=True) if out is None else out
-                if out is not None:
-                    np.copyto(out, rows[0], casting="unsafe")
-            else:  # the first two in one pass, then the others
-                sums = np.add(rows[0], rows[1], out=out, dtype=sdt)
-            for r in rows[2:]:
-                np.add(sums, r, out=sums)
-            self.held = {}
-        elif not self.senders:
-            sums = self.slots[0] if out is None else out
-        else:
-            sums = np.add.reduce(self.slots, axis=0, dtype=sdt, out=out)
+        if not self.senders:
+            return self.slots[0] if out is None else out
+        rows = [self.held.get(r, self.slots[r]) for r in range(self.senders)]
+        if len(rows) == 1:
+            sums = rows[0].astype(sdt, copy=True) if out is None else out
+            if out is not None:
+                np.copyto(out, rows[0], casting="unsafe")
+        else:  # the first two in one pass, then the others
+            sums = np.add(rows[0], rows[1], out=out, dtype=sdt)
+        for r in rows[2:]:
+            np.add(sums, r, out=sums)
+        self.held = {}
         return sums

@@ -16,6 +16,7 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core import accumulator
 from dlcp.core.aggtypes import Nack, ShardResult, _Tick
 from dlcp.core.awaited import Awaited
+from dlcp.core.early import pointers
 from dlcp.core.layout import Layout
 from dlcp.core.runs import first_fresh, run_slots, taken
 from dlcp.core.stream import LOWEST_REQUIRED_CLASS
@@ -27,6 +28,7 @@ from dlcp.wire.header import Flags
 __all__ = ["ResultCollector"]
 
 _RETRANSMIT = int(Flags.RETRANSMIT)
+_EARLY = int(Flags.EARLY)
 
 
 @dataclass
@@ -146,10 +148,14 @@ class ResultCollector:
         codec: int | None = None,
         priority: int = 0,
         retransmit: bool = False,
+        early: bool = False,
+        aux: int = 0,
     ) -> bool:
         """Store one result packet (its lanes of `codec`: the layout's, or its
         narrow sums, `lanes.NARROW`; sent in class `priority`, again in answer
-        to a NACK if `retransmit`); False if it was a duplicate or late."""
+        to a NACK if `retransmit`, before its shard completed if `early`,
+        with `aux` its pointers then, `dlcp.core.early`); False if it was a
+        duplicate or late."""
         w = self.waiting.get(shard)
         if w is None:
             self.duplicates += 1
@@ -175,8 +181,14 @@ class ResultCollector:
             del self.waiting[shard]
         else:
             late = w.stream.arrived(
-                np.array([local]), np.array([priority]), np.array([retransmit]), now
+                np.array([local]),
+                np.array([priority]),
+                np.array([retransmit]),
+                now,
+                silent=np.array([early]),
             )
+            if early:
+                w.stream.pointed(pointers(np.array([aux])).reshape(-1), now)
             note_late(self.clocks.get(w.owner), late, self.timing)
         return True
 
@@ -194,6 +206,8 @@ class ResultCollector:
         codec: int | None = None,
         priority: np.ndarray | None = None,
         retransmit: np.ndarray | None = None,
+        early: np.ndarray | None = None,
+        aux: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Store a run of one owner's result packets of one shard, in order; the
         batch form of `on_result` (`priority` None: classes unknown;
@@ -247,7 +261,10 @@ class ResultCollector:
         else:
             classes = np.zeros(take.size, np.uint8) if priority is None else priority[take]
             rtx = None if retransmit is None else retransmit[take]
-            late = w.stream.arrived(local[take], classes, rtx, now)
+            silent = None if early is None else early[take]
+            late = w.stream.arrived(local[take], classes, rtx, now, silent=silent)
+            if silent is not None and aux is not None and silent.any():
+                w.stream.pointed(pointers(aux[take][silent]).reshape(-1), now)
             note_late(self.clocks.get(w.owner), late, self.timing)
         return fresh, bad
 
@@ -278,6 +295,8 @@ class ResultCollector:
                 codec=codec,
                 priority=heads["priority"],
                 retransmit=(heads["flags"] & _RETRANSMIT) != 0,
+                early=(heads["flags"] & _EARLY) != 0,
+                aux=heads["aux"],
             )
             return int(fresh.sum()), (rejected if rejected.any() else None)
         self.last_stored = -1
@@ -312,8 +331,18 @@ class ResultCollector:
         if w.received.all():
             del self.waiting[shard]
         else:
-            rtx = (heads["flags"][take] & _RETRANSMIT) != 0
-            late = w.stream.arrived(local, heads["priority"][take], rtx if rtx.any() else None, now)
+            flags = heads["flags"][take]
+            rtx = (flags & _RETRANSMIT) != 0
+            early = (flags & _EARLY) != 0
+            late = w.stream.arrived(
+                local,
+                heads["priority"][take],
+                rtx if rtx.any() else None,
+                now,
+                silent=early if early.any() else None,
+            )
+            if early.any():
+                w.stream.pointed(pointers(heads["aux"][take][early]).reshape(-1), now)
             note_late(self.clocks.get(w.owner), late, self.timing)
         return take.size, bad
 

@@ -192,6 +192,8 @@ class Dispatcher:
         self.stats["data_packets_received"] += 1
         if agg.may_complete():
             self.rounds.progress(r, h.shard, now)
+        else:
+            self.rounds.early(r, h.shard, agg)
 
     def _on_manifest(
         self, spec: JobSpec, op: OpKey, h: Header, payload: memoryview, now: float
@@ -245,6 +247,8 @@ class Dispatcher:
             codec=h.codec,
             priority=h.priority,
             retransmit=bool(h.flags & Flags.RETRANSMIT),
+            early=bool(h.flags & Flags.EARLY),
+            aux=h.aux,
         )
         self.stats["result_packets_received" if fresh else "duplicate_packets"] += 1
         self.rounds.check_complete(r, now)
@@ -286,6 +290,20 @@ class Dispatcher:
             return clock.repeat_after(self.timing) / 2
         return self.timing.nack_interval
 
+    def _early_nack(self, spec: JobSpec, op: OpKey, h: Header, idx: np.ndarray, now: float) -> None:
+        """A result NACK for a shard not complete here: its packets sent early
+        (`dlcp.core.early`) go again; the rest is ignored."""
+        r = self.rounds.table.get(op)
+        early = None if r is None else r.early.get(h.shard)
+        sent = [] if early is None else [j for j in idx.tolist() if j in early.datagrams]
+        if early is None or not sent:
+            self.stats["nacks_ignored"] += 1
+            return
+        n = early.agg.layout.shard_result_count(h.shard)
+        todo = self._unsent_lately(spec, early.resent, (h.shard, h.sender), n, np.array(sent), now)
+        if todo:
+            self.emitter.early_resend(spec, op, early, todo, h.sender)
+
     def _on_nack(
         self,
         spec: JobSpec,
@@ -300,7 +318,7 @@ class Dispatcher:
         if result_leg:
             f = None if r is None else r.finished.get(h.shard)
             if f is None:
-                self.stats["nacks_ignored"] += 1
+                self._early_nack(spec, op, h, idx, now)
                 return
             if h.sender in f.deferred:  # its "ready" manifests were lost: it is there
                 assert r is not None

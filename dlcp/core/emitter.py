@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from dlcp.wire.batch import HEADER_DTYPE, encode_batch
 from dlcp.wire.header import LANE_BITS, Codec, Flags, Header, PacketType, encode
 from dlcp.wire.mac import MacKey, mac_state
 from dlcp.wire.slices import Slices
+
+if TYPE_CHECKING:
+    from dlcp.core.early import EarlyResults
 
 __all__ = ["Emitter"]
 
@@ -177,16 +180,19 @@ class Emitter:
         datagrams in `gathered` (the round's list while its collector is open)."""
         if only is None and f.datagrams is not None:  # the same datagrams to another receiver
             assert f.classes_sent is not None
-            self.out.append(_batch(node, f.datagrams, f.classes_sent, None, "result"))
-            self.stats["result_packets_sent"] += len(f.datagrams)
+            self._send_results(f, node, f.datagrams, f.classes_sent)
             return
         lay = f.layout
         shard = f.result.shard
         ranges = lay.shard_result_arrays(shard)
-        pick = slice(None) if only is None else np.asarray(only, dtype=np.int64)
+        pick: slice | np.ndarray = slice(None)
+        if only is not None:
+            pick = np.asarray(only, dtype=np.int64)
+        elif f.early is not None:  # those sent early are not made again
+            pick = np.flatnonzero(~f.early)
         offs = ranges[0][pick]
         counts = ranges[1][pick]
-        if offs.size == 0:
+        if offs.size == 0 and (only is not None or f.early is None):
             return
         local = offs // lay.per_packet - lay.shard_packets(shard).start
         payloads: Sequence[bytes | memoryview]
@@ -205,38 +211,183 @@ class Emitter:
             assert f.datagrams is not None
             codec = lay.codec if f.codec_sent is None else f.codec_sent
             payloads = [_payload_of(f.datagrams[int(j)]) for j in only]
-        h = self._heads(
-            offs.size,
-            type=PacketType.RESULT,
-            flags=int(Flags.RETRANSMIT) if only is not None else 0,
-            codec=codec,
-            job=f.spec.job,
-            round=f.round,
-            bucket=f.bucket,
-            shard=shard,
-            sender=f.spec.me,
-            total=lay.total,
-        )
-        h["offset"] = offs
-        h["count"] = counts
-        h["contributors"] = f.result.contributors[local]
-        h["param"] = f.result.block_max[local]
         # a retransmission in the top gradient class, as data's are: needed now,
         # and all in one queue, so that one that comes says those asked for
         # before it and still missing were lost (`dlcp.core.stream`)
         top = LOWEST_RELIABLE_CLASS if only is None else RETRANSMIT_CLASS
         prio = np.minimum(f.classes[local], top)
-        h["priority"] = prio
-        h["layer"] = f.layers[local]
+        h = self._result_heads(
+            f.spec,
+            (f.spec.job, f.round, f.bucket),
+            lay,
+            shard,
+            offs,
+            counts,
+            flags=int(Flags.RETRANSMIT) if only is not None else 0,
+            codec=codec,
+            contributors=f.result.contributors[local],
+            block_max=f.result.block_max[local],
+            prio=prio,
+            layers=f.layers[local],
+        )
         dgs = encode_batch(h, payloads, self._mac(f.spec), gather=self.gather and only is None)
         classes = _int_list(prio)
         if only is None:
-            f.datagrams, f.classes_sent, f.codec_sent = dgs, classes, codec
-            if self.gather and gathered is not None:  # the sums may be the caller's `out`
+            if self.gather and gathered is not None and dgs:  # the sums may be the caller's `out`
                 gathered.append(dgs)
                 f.gathered = True
+            if isinstance(pick, np.ndarray):  # some went early
+                dgs, classes = self._with_early(f, pick, dgs, classes)
+            f.datagrams, f.classes_sent, f.codec_sent = dgs, classes, codec
+            self._send_results(f, node, dgs, classes)
+            return
         self.out.append(_batch(node, dgs, classes, None, "result"))
-        self.stats["result_packets_sent" if only is None else "result_retransmits"] += offs.size
+        self.stats["result_retransmits"] += offs.size
+
+    @staticmethod
+    def _with_early(
+        f: _Finished, made: np.ndarray, dgs: list[bytes], classes: list[int]
+    ) -> tuple[list[bytes], list[int]]:
+        """Every result datagram of the shard, in order: `dgs` (in `classes`)
+        at result packets `made`, the ones sent early at the others."""
+        assert f.early_datagrams is not None
+        n = f.early.size if f.early is not None else 0
+        out: list = [None] * n
+        cls = [0] * n
+        for i, dg, c in zip(made.tolist(), dgs, classes, strict=True):
+            out[i], cls[i] = dg, c
+        for i, (dg, c) in f.early_datagrams.items():
+            out[i], cls[i] = dg, c
+        return out, cls
+
+    def _send_results(self, f: _Finished, node: int, dgs: list[bytes], classes: list[int]) -> None:
+        """A finished shard's result datagrams to `node`, but those sent early."""
+        if f.early is not None:
+            unsent = np.flatnonzero(~f.early).tolist()
+            dgs, classes = [dgs[i] for i in unsent], [classes[i] for i in unsent]
+        if dgs:
+            self.out.append(_batch(node, dgs, classes, None, "result"))
+        self.stats["result_packets_sent"] += len(dgs)
+
+    def early_results(
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        early: EarlyResults,
+        whole: np.ndarray,
+        nodes: Sequence[int],
+    ) -> tuple[np.ndarray, list[bytes], list[int]]:
+        """The result packets of the whole data packets `whole` (a mask) of
+        `early`'s shard, whose sums its accumulator has made final, to each of
+        `nodes`, flagged EARLY (`dlcp.core.early`). Returns the mask of the
+        shard's result packets they are, their datagrams and classes."""
+        agg = early.agg
+        lay, shard, classes, layers = agg.layout, agg.shard, agg.classes, agg.layers
+        offs_all, counts_all = lay.shard_result_arrays(shard)[:2]
+        first = lay.shard_packets(shard).start
+        pick = whole[offs_all // lay.per_packet - first]
+        offs, counts = offs_all[pick], counts_all[pick]
+        if not offs.size:
+            return pick, [], []
+        local = offs // lay.per_packet - first
+        sums = agg.acc.out
+        assert sums is not None
+        rel = offs - lay.shard_range(shard)[0]
+        codec = lay.codec
+        spans = [sums[a : a + c] for a, c in zip(rel.tolist(), counts.tolist(), strict=True)]
+        wire = lane_ops.summed_wire(codec, np.concatenate(spans))
+        nbytes = counts * (LANE_BITS[codec][1] // 8)
+        starts = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
+        payloads = Slices(wire.data.cast("B"), starts, nbytes)
+        prio = np.minimum(classes[local], LOWEST_RELIABLE_CLASS)
+        h = self._result_heads(
+            spec,
+            op,
+            lay,
+            shard,
+            offs,
+            counts,
+            flags=int(Flags.EARLY),
+            codec=codec,
+            contributors=early.contributors(local),
+            block_max=early.block_max(local),
+            prio=prio,
+            layers=layers[local],
+        )
+        h["aux"] = early.chain(np.flatnonzero(pick), prio, pick.size)
+        dgs = encode_batch(h, payloads, self._mac(spec), gather=False)
+        sent = _int_list(prio)
+        for node in nodes:
+            self.out.append(_batch(node, dgs, sent, None, "result"))
+        self.stats["result_packets_sent"] += offs.size * len(nodes)
+        self.stats["early_results"] += offs.size * len(nodes)
+        return pick, dgs, sent
+
+    def early_resend(
+        self, spec: JobSpec, op: OpKey, early: EarlyResults, idx: list[int], node: int
+    ) -> None:
+        """Result packets `idx` of `early`'s shard, sent early and asked for
+        before the shard completed, to `node` again (their first payloads)."""
+        lay, shard = early.agg.layout, early.agg.shard
+        offs_all, counts_all = lay.shard_result_arrays(shard)[:2]
+        offs, counts = offs_all[idx], counts_all[idx]
+        local = offs // lay.per_packet - lay.shard_packets(shard).start
+        prio = np.minimum(early.agg.classes[local], RETRANSMIT_CLASS)
+        h = self._result_heads(
+            spec,
+            op,
+            lay,
+            shard,
+            offs,
+            counts,
+            flags=int(Flags.RETRANSMIT),
+            codec=lay.codec,
+            contributors=early.contributors(local),
+            block_max=early.block_max(local),
+            prio=prio,
+            layers=early.agg.layers[local],
+        )
+        payloads = [_payload_of(early.datagrams[j][0]) for j in idx]
+        dgs = encode_batch(h, payloads, self._mac(spec), gather=False)
+        self.out.append(_batch(node, dgs, _int_list(prio), None, "result"))
+        self.stats["result_retransmits"] += len(idx)
+
+    def _result_heads(
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        lay: Layout,
+        shard: int,
+        offs: np.ndarray,
+        counts: np.ndarray,
+        *,
+        flags: int,
+        codec: int,
+        contributors: np.ndarray,
+        block_max: np.ndarray,
+        prio: np.ndarray,
+        layers: np.ndarray,
+    ) -> np.ndarray:
+        """The header records of result packets `offs`/`counts` of a shard."""
+        h = self._heads(
+            offs.size,
+            type=PacketType.RESULT,
+            flags=flags,
+            codec=codec,
+            job=spec.job,
+            round=op[1],
+            bucket=op[2],
+            shard=shard,
+            sender=spec.me,
+            total=lay.total,
+        )
+        h["offset"] = offs
+        h["count"] = counts
+        h["contributors"] = contributors
+        h["param"] = block_max
+        h["priority"] = prio
+        h["layer"] = layers
+        return h
 
     def result_done(self, f: _Finished, node: int, copies: int) -> None:
         header = Header(

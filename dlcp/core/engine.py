@@ -79,7 +79,9 @@ __all__ = [
 class Engine:
     """All rounds of all jobs at one node."""
 
-    def __init__(self, *, timing: Timing | None = None, gather: bool = False) -> None:
+    def __init__(
+        self, *, timing: Timing | None = None, gather: bool = False, early_results: int = 0
+    ) -> None:
         self.timing = timing or Timing()
         self.gather = gather
         self.jobs: dict[int, JobSpec] = {}
@@ -97,6 +99,7 @@ class Engine:
             emitter=self.emitter,
             closed=self.closed,
             tally=self.tally,
+            early_batch=early_results,
         )
         self.packets = Dispatcher(
             jobs=self.jobs,

@@ -190,6 +190,8 @@ class Receiver:
             if r.aggs.get(h.shard) is not agg:  # the run closed the shard
                 # what follows its last stored packet met a closed shard: late
                 bad = self._after_close(bad, agg.last_stored + 1, len(payloads), late=True)
+        elif stored:
+            self.rounds.early(r, h.shard, agg)
         return bad
 
     def _result_run(

@@ -351,6 +351,10 @@ class _Finished:
     # an all-gather's receivers not yet known to have submitted the round
     # (their DONE manifest, "ready", has not come): their results wait for it
     deferred: set[int] = field(default_factory=set)
+    # per result packet, whether it went early (`dlcp.core.early`); None: none;
+    # and those datagrams with their classes, by result index
+    early: np.ndarray | None = None
+    early_datagrams: dict[int, tuple[bytes, int]] | None = None
 
 
 def _payload_of(datagram: Any) -> memoryview:

@@ -20,6 +20,7 @@ import enum
 
 from dlcp.core.aggregate import ShardAggregator
 from dlcp.core.collector import ResultCollector
+from dlcp.core.early import EarlyResults
 from dlcp.core.records import ALLREDUCE, JobSpec, OpKey, RoundComplete, _Contribution, _Finished
 from dlcp.errors import LocalError
 
@@ -71,6 +72,7 @@ class Round:
         "collector",
         "collector_seq",
         "contribution",
+        "early",
         "finished",
         "gathered",
         "held",
@@ -92,6 +94,8 @@ class Round:
         # table's order: timers visit every round's shards in that order)
         self.aggs: dict[int, ShardAggregator] = {}
         self.agg_seq: dict[int, int] = {}
+        # of those, the shards whose whole packets' results go early (dlcp.core.early)
+        self.early: dict[int, EarlyResults] = {}
         self.collector_seq = 0
         # summed shards kept until every receiver ACKs or `until`
         self.finished: dict[int, _Finished] = {}

@@ -21,10 +21,12 @@ import numpy as np
 from dlcp.core.aggregate import ShardAggregator
 from dlcp.core.closed import ClosedRounds
 from dlcp.core.collector import ResultCollector
+from dlcp.core.early import EARLY_CODECS, EarlyResults
 from dlcp.core.emitter import Emitter
 from dlcp.core.layout import Layout
 from dlcp.core.records import (
     ALL_GATHER,
+    ALLREDUCE,
     REDUCE_SCATTER,
     Event,
     JobSpec,
@@ -59,8 +61,11 @@ class OpenRounds:
         emitter: Emitter,
         closed: ClosedRounds,
         tally: Tally,
+        early_batch: int = 0,
     ) -> None:
         self.timing = timing
+        # whole packets' results go early, this many at a time (dlcp.core.early; 0: no)
+        self.early_batch = early_batch
         self.clocks = clocks  # the engine's, per job and peer (read only here)
         self.emitter = emitter
         self.closed = closed
@@ -209,10 +214,21 @@ class OpenRounds:
             self.emitter.nack(r.spec, r.op, agg.layout, nack, False)
         if finished:
             self._shard_done(r, shard, agg, now)
+        else:
+            self.early(r, shard, agg)
+
+    def early(self, r: Round, shard: int, agg: ShardAggregator) -> None:
+        """The results of the shard's whole packets, sent before it completes."""
+        if self.early_batch and r.kind == ALLREDUCE and agg.layout.codec in EARLY_CODECS:
+            early = r.early.get(shard) or r.early.setdefault(
+                shard, EarlyResults(agg, self.early_batch)
+            )
+            early.send(self.emitter, r.spec, r.op)
 
     def _shard_done(self, r: Round, shard: int, agg: ShardAggregator, now: float) -> None:
         spec, op = r.spec, r.op
         del r.aggs[shard]
+        early = r.early.pop(shard, None)
         assert agg.result is not None
         receivers = {n for n in spec.contributors if n != spec.me}
         f = _Finished(
@@ -227,6 +243,9 @@ class OpenRounds:
             # may still be waiting for it (it times out after `timeout`)
             until=now + max(self.timing.retain, self.timing.timeout),
             waiting=set(receivers),
+            early=None if early is None else early.results,
+            early_datagrams=None if early is None else early.datagrams,
+            resent={} if early is None else early.resent,
         )
         self.closed.shard_aggregated(spec, op, shard, now)
         self.stats["shards_aggregated"] += 1
@@ -452,6 +471,7 @@ class OpenRounds:
                     self.fail(r, why, now)
                 else:
                     del r.aggs[shard]
+                    r.early.pop(shard, None)
                     self.closed.close_shard(r.spec, op, shard)
                     self.stats["rounds_failed"] += 1
                     self._tidy(r)

@@ -107,24 +107,31 @@ class PacketStream:
         now: float,
         resent: np.ndarray | None = None,
         droppable: np.ndarray | None = None,
+        silent: np.ndarray | None = None,
     ) -> float | None:
         """Packets `local` were stored (in `received` already), sent in
         `classes`; `rtx`: which were retransmissions (None: none); `resent`
-        as `on_retransmits` takes it. Returns how long after its ask the
-        latest first transmission came of a packet asked for (found lost but
-        merely late), None where none was; of the packets of mask
+        as `on_retransmits` takes it; `silent`: first transmissions whose
+        place in the sender's order says nothing of others' (results sent
+        early, `dlcp.core.early`; None: none). Returns how long after its ask
+        the latest first transmission came of a packet asked for (found lost
+        but merely late), None where none was; of the packets of mask
         `droppable` none counts (sent in the lowest class, last, they are
         found lost early when the bound says nothing of them)."""
         first, first_classes = local, classes
         if rtx is not None and rtx.any():
             first, first_classes = local[~rtx], classes[~rtx]
             self.on_retransmits(local[rtx], now, resent)
+            if silent is not None:
+                silent = silent[~rtx]
         late = None
         asked = self.asks[first] > 0
         if droppable is not None:
             asked &= ~droppable[first]
         if asked.any():
             late = now - float(self.asked[first[asked]].min())
+        if silent is not None and silent.any():
+            first, first_classes = first[~silent], first_classes[~silent]
         self.on_first(first, first_classes, now)
         return late
 
@@ -183,6 +190,15 @@ class PacketStream:
         lost = missing & ~self.suspect & (self.asks == 0)
         if lost.any():
             self._found(np.flatnonzero(lost), now)
+
+    def pointed(self, idx: np.ndarray, now: float) -> None:
+        """Packets `idx` were queued before one that came, in its class (an
+        EARLY result's pointers, `dlcp.core.early`; -1: none): those missing,
+        not yet found lost nor asked for, are found lost now."""
+        idx = idx[(idx >= 0) & (idx < self.received.size)]
+        lost = idx[~self.received[idx] & ~self.suspect[idx] & (self.asks[idx] == 0)]
+        if lost.size:
+            self._found(np.unique(lost), now)
 
     def on_retransmits(
         self, local: np.ndarray, now: float, resent: np.ndarray | None = None

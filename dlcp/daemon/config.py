@@ -120,6 +120,11 @@ class Config:
     # 10 ms (25,200 probes a second a daemon instead of 3,200), and a dead
     # path is out of use within 140 ms (3 hosts: unchanged, within 70 ms).
     probe_budget: int = 32
+    # A shard's owner sends the results of its packets whose every sender's
+    # copy is in before the shard completes, this many or more at a time
+    # (dlcp/core/early.py; fp32 and fp16), where [rate] link_rate_bps is
+    # known (a paced link). 0: after the whole shard only.
+    early_results: int = 128
     peers: tuple[PeerConfig, ...] = ()
     # [policies]
     priority: dict[str, Any] = field(default_factory=lambda: {"name": "layer_magnitude"})
@@ -161,6 +166,7 @@ _SECTIONS = {
         "moderation_s",
         "probe_interval_s",
         "probe_budget",
+        "early_results",
         "peers",
     },
     "policies": {"priority", "drop", "balance", "dscp"},
@@ -342,6 +348,12 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
         f"network.probe_budget must be an integer in [0, 1000000], got {budget!r}",
     )
     cfg.probe_budget = budget
+    early = n.get("early_results", cfg.early_results)
+    _need(
+        isinstance(early, int) and not isinstance(early, bool) and 0 <= early <= 1_000_000,
+        f"network.early_results must be an integer in [0, 1000000], got {early!r}",
+    )
+    cfg.early_results = early
     peers = n.get("peers", [])
     _need(isinstance(peers, list), "network.peers must be a list of tables")
     cfg.peers = tuple(_peer(v, f"network.peers[{i}]", cfg.udp_port) for i, v in enumerate(peers))

@@ -27,6 +27,11 @@ ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 _ENGINE: dict[str, tuple[str, str, dict[str, str]]] = {
     "data_packets_sent": ("dlcp_engine_packets_total", "Packets the engine made", {"kind": "data"}),
     "result_packets_sent": ("dlcp_engine_packets_total", "", {"kind": "result"}),
+    "early_results": (
+        "dlcp_early_results_total",
+        "Result packets sent before their shard completed (every copy of their data in)",
+        {},
+    ),
     "data_retransmits": (
         "dlcp_retransmits_total",
         "Packets sent again after a NACK",

@@ -80,7 +80,10 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.id = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.engine = engine = Engine(timing=config.timing, gather=NATIVE_SEND)
+        # early results fill a paced link's idle time (dlcp.core.early); on a
+        # link of unknown rate nothing is paced and the CPU is what is short
+        early = config.early_results if config.rate.link_rate_bps is not None else 0
+        self.engine = engine = Engine(timing=config.timing, gather=NATIVE_SEND, early_results=early)
         self.paths: list[UdpPath] = []
         self.counters: Counter[str] = Counter()
         self.requests: Counter[tuple[str, str]] = Counter()

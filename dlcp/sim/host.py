@@ -102,7 +102,9 @@ class DlcpHost:
         self.on_event = on_event
         self.class_of_tos = {d << 2: c for c, d in enumerate(config.dscp)}
         self.node_of = {address(n, p): n for n in range(n_nodes) for p in range(paths)}
-        self.engine = Engine(timing=config.timing, gather=gather)
+        self.engine = Engine(
+            timing=config.timing, gather=gather, early_results=config.early_results
+        )
         self.engine.add_job(spec)
         self.paths = [_Path(self, p) for p in range(paths)]
         self.outbox = Outbox(

@@ -49,7 +49,7 @@ __all__ = ["DEFAULT_PORT", "DLCP", "FLAG_NAMES", "bind", "flag_names", "seal"]
 
 DEFAULT_PORT = 7400  # dlcp.daemon.config.Config.udp_port (not imported: keeps this light)
 
-# Bit i of the flags byte is FLAG_NAMES[i]; the two unused bits get placeholders
+# Bit i of the flags byte is FLAG_NAMES[i]; the unused bit gets a placeholder
 # (a packet with them set is rejected by the decoder, bad_flags).
 _FLAG_OF_BIT = {int(f): str(f.name) for f in Flags if int(f)}
 FLAG_NAMES: list[str] = [_FLAG_OF_BIT.get(1 << i, f"BIT{i}") for i in range(8)]

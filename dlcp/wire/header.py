@@ -88,6 +88,9 @@ class Flags(enum.IntFlag):
     # it too. On the data leg a NACK without packets asks for it; one with packets
     # (found lost before it came) is answered with the non-droppable ones only
     NEED_MANIFEST = 0x20
+    # RESULT: sent before its shard completed, its every contribution in
+    # (dlcp.core.early); its place in the owner's order says nothing of others'
+    EARLY = 0x40
 
 
 ALL_FLAGS = int(
@@ -97,6 +100,7 @@ ALL_FLAGS = int(
     | Flags.SUMMED
     | Flags.RESULT_LEG
     | Flags.NEED_MANIFEST
+    | Flags.EARLY
 )
 
 
