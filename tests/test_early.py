@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from dlcp.core.accumulator import ShardAccumulator
-from dlcp.core.early import EarlyResults, pointers
+from dlcp.core.early import EarlyResults
 from dlcp.core.engine import Engine, JobSpec
+from dlcp.core.stream import pointers
 from dlcp.core.timing import Timing
 from dlcp.daemon.config import parse
 from dlcp.errors import LocalError

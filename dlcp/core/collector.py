@@ -16,7 +16,6 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core import accumulator
 from dlcp.core.aggtypes import Nack, ShardResult, _Tick
 from dlcp.core.awaited import Awaited
-from dlcp.core.early import pointers
 from dlcp.core.layout import Layout
 from dlcp.core.runs import first_fresh, run_slots, taken
 from dlcp.core.stream import LOWEST_REQUIRED_CLASS
@@ -186,9 +185,8 @@ class ResultCollector:
                 np.array([retransmit]),
                 now,
                 silent=np.array([early]),
+                aux=np.array([aux]),
             )
-            if early:
-                w.stream.pointed(pointers(np.array([aux])).reshape(-1), now)
             note_late(self.clocks.get(w.owner), late, self.timing)
         return True
 
@@ -262,9 +260,14 @@ class ResultCollector:
             classes = np.zeros(take.size, np.uint8) if priority is None else priority[take]
             rtx = None if retransmit is None else retransmit[take]
             silent = None if early is None else early[take]
-            late = w.stream.arrived(local[take], classes, rtx, now, silent=silent)
-            if silent is not None and aux is not None and silent.any():
-                w.stream.pointed(pointers(aux[take][silent]).reshape(-1), now)
+            late = w.stream.arrived(
+                local[take],
+                classes,
+                rtx,
+                now,
+                silent=silent,
+                aux=None if aux is None else aux[take],
+            )
             note_late(self.clocks.get(w.owner), late, self.timing)
         return fresh, bad
 
@@ -340,9 +343,8 @@ class ResultCollector:
                 rtx if rtx.any() else None,
                 now,
                 silent=early if early.any() else None,
+                aux=heads["aux"][take],
             )
-            if early.any():
-                w.stream.pointed(pointers(heads["aux"][take][early]).reshape(-1), now)
             note_late(self.clocks.get(w.owner), late, self.timing)
         return take.size, bad
 

@@ -295,12 +295,15 @@ class Dispatcher:
         (`dlcp.core.early`) go again; the rest is ignored."""
         r = self.rounds.table.get(op)
         early = None if r is None else r.early.get(h.shard)
-        sent = [] if early is None else [j for j in idx.tolist() if j in early.datagrams]
-        if early is None or not sent:
+        if early is None or early.results is None:
             self.stats["nacks_ignored"] += 1
             return
-        n = early.agg.layout.shard_result_count(h.shard)
-        todo = self._unsent_lately(spec, early.resent, (h.shard, h.sender), n, np.array(sent), now)
+        n = _result_count(early.agg.layout, h.shard, idx)
+        sent = idx[early.results[idx]]
+        if not sent.size:
+            self.stats["nacks_ignored"] += 1
+            return
+        todo = self._unsent_lately(spec, early.resent, (h.shard, h.sender), n, sent, now)
         if todo:
             self.emitter.early_resend(spec, op, early, todo, h.sender)
 
@@ -324,9 +327,7 @@ class Dispatcher:
                 assert r is not None
                 self.rounds.ready(r, h.sender)
                 return
-            n = f.layout.shard_result_count(h.shard)
-            if idx.size and idx.max() >= n:
-                raise RemoteError(Reason.BAD_RANGE, f"NACK for result packet {idx.max()} of {n}")
+            n = _result_count(f.layout, h.shard, idx)
             if idx.size:
                 todo = self._unsent_lately(spec, f.resent, (h.shard, h.sender), n, idx, now)
                 if todo:
@@ -357,3 +358,12 @@ class Dispatcher:
                 self.emitter.data(c, h.shard, h.sender, todo, r.gathered)
         if h.flags & Flags.NEED_MANIFEST and not h.count:  # the DONE alone is asked for
             self.emitter.manifest(c, h.shard, h.sender, copies=1)
+
+
+def _result_count(lay: Layout, shard: int, idx: np.ndarray) -> int:
+    """The shard's result packets, which NACK indices `idx` must be below
+    (a RemoteError, BAD_RANGE, if one is not)."""
+    n = lay.shard_result_count(shard)
+    if idx.size and idx.max() >= n:
+        raise RemoteError(Reason.BAD_RANGE, f"NACK for result packet {idx.max()} of {n}")
+    return n

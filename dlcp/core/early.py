@@ -19,7 +19,8 @@ packets queued in index order, and those whose data came last go last), so
 each says which packets went just before it in its class's queue instead:
 `aux` holds the result indices (+1, 0: none) of the two EARLY packets
 queued before it in its class (a peer's send queue and a switch's class
-queue are FIFOs), the lower 16 bits the nearer one (`pointers`, `chain`).
+queue are FIFOs), the lower 16 bits the nearer one (`chain`; read by
+`dlcp.core.stream.pointers`).
 A receiver takes those it lacks for lost, as it takes packets before a
 later one of theirs (`PacketStream.pointed`); two pointers cover a loss of
 two in a row. Shards of 65,535 result packets or more carry none; losses
@@ -41,19 +42,12 @@ from dlcp.wire.header import Codec
 if TYPE_CHECKING:
     from dlcp.core.emitter import Emitter
 
-__all__ = ["EARLY_CODECS", "EarlyResults", "pointers"]
+__all__ = ["EARLY_CODECS", "EarlyResults"]
 
 # codecs whose result lanes are each lane's own sum, packed alone
 EARLY_CODECS = frozenset({int(Codec.FP32), int(Codec.FP16)})
 _CLASSES = 8
 _NONE = 0xFFFF  # result indices from here on do not fit a pointer
-
-
-def pointers(aux: np.ndarray) -> np.ndarray:
-    """The result indices an EARLY packet's `aux` points at: (n, 2), the
-    nearer one first; -1 where there is none."""
-    a = np.asarray(aux, dtype=np.int64)
-    return np.stack(((a & 0xFFFF) - 1, (a >> 16) - 1), axis=-1)
 
 
 class EarlyResults:

@@ -192,7 +192,10 @@ class Emitter:
             pick = np.flatnonzero(~f.early)
         offs = ranges[0][pick]
         counts = ranges[1][pick]
-        if offs.size == 0 and (only is not None or f.early is None):
+        if offs.size == 0:
+            if only is None and f.early is not None:  # all went early: kept for NACKs
+                f.datagrams, f.classes_sent = self._with_early(f, offs, [], [])
+                f.codec_sent = lay.codec
             return
         local = offs // lay.per_packet - lay.shard_packets(shard).start
         payloads: Sequence[bytes | memoryview]
@@ -250,8 +253,8 @@ class Emitter:
     ) -> tuple[list[bytes], list[int]]:
         """Every result datagram of the shard, in order: `dgs` (in `classes`)
         at result packets `made`, the ones sent early at the others."""
-        assert f.early_datagrams is not None
-        n = f.early.size if f.early is not None else 0
+        assert f.early is not None and f.early_datagrams is not None
+        n = f.early.size
         out: list = [None] * n
         cls = [0] * n
         for i, dg, c in zip(made.tolist(), dgs, classes, strict=True):
@@ -282,14 +285,12 @@ class Emitter:
         `nodes`, flagged EARLY (`dlcp.core.early`). Returns the mask of the
         shard's result packets they are, their datagrams and classes."""
         agg = early.agg
-        lay, shard, classes, layers = agg.layout, agg.shard, agg.classes, agg.layers
+        lay, shard = agg.layout, agg.shard
         offs_all, counts_all = lay.shard_result_arrays(shard)[:2]
-        first = lay.shard_packets(shard).start
-        pick = whole[offs_all // lay.per_packet - first]
+        pick = whole[offs_all // lay.per_packet - lay.shard_packets(shard).start]
         offs, counts = offs_all[pick], counts_all[pick]
         if not offs.size:
             return pick, [], []
-        local = offs // lay.per_packet - first
         sums = agg.acc.out
         assert sums is not None
         rel = offs - lay.shard_range(shard)[0]
@@ -299,21 +300,10 @@ class Emitter:
         nbytes = counts * (LANE_BITS[codec][1] // 8)
         starts = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
         payloads = Slices(wire.data.cast("B"), starts, nbytes)
-        prio = np.minimum(classes[local], LOWEST_RELIABLE_CLASS)
-        h = self._result_heads(
-            spec,
-            op,
-            lay,
-            shard,
-            offs,
-            counts,
-            flags=int(Flags.EARLY),
-            codec=codec,
-            contributors=early.contributors(local),
-            block_max=early.block_max(local),
-            prio=prio,
-            layers=layers[local],
+        h = self._early_heads(
+            spec, op, early, offs, counts, int(Flags.EARLY), LOWEST_RELIABLE_CLASS
         )
+        prio = h["priority"]
         h["aux"] = early.chain(np.flatnonzero(pick), prio, pick.size)
         dgs = encode_batch(h, payloads, self._mac(spec), gather=False)
         sent = _int_list(prio)
@@ -328,29 +318,43 @@ class Emitter:
     ) -> None:
         """Result packets `idx` of `early`'s shard, sent early and asked for
         before the shard completed, to `node` again (their first payloads)."""
-        lay, shard = early.agg.layout, early.agg.shard
-        offs_all, counts_all = lay.shard_result_arrays(shard)[:2]
-        offs, counts = offs_all[idx], counts_all[idx]
-        local = offs // lay.per_packet - lay.shard_packets(shard).start
-        prio = np.minimum(early.agg.classes[local], RETRANSMIT_CLASS)
-        h = self._result_heads(
-            spec,
-            op,
-            lay,
-            shard,
-            offs,
-            counts,
-            flags=int(Flags.RETRANSMIT),
-            codec=lay.codec,
-            contributors=early.contributors(local),
-            block_max=early.block_max(local),
-            prio=prio,
-            layers=early.agg.layers[local],
+        offs_all, counts_all = early.agg.layout.shard_result_arrays(early.agg.shard)[:2]
+        h = self._early_heads(
+            spec, op, early, offs_all[idx], counts_all[idx], int(Flags.RETRANSMIT), RETRANSMIT_CLASS
         )
         payloads = [_payload_of(early.datagrams[j][0]) for j in idx]
         dgs = encode_batch(h, payloads, self._mac(spec), gather=False)
-        self.out.append(_batch(node, dgs, _int_list(prio), None, "result"))
+        self.out.append(_batch(node, dgs, _int_list(h["priority"]), None, "result"))
         self.stats["result_retransmits"] += len(idx)
+
+    def _early_heads(
+        self,
+        spec: JobSpec,
+        op: OpKey,
+        early: EarlyResults,
+        offs: np.ndarray,
+        counts: np.ndarray,
+        flags: int,
+        top: int,
+    ) -> np.ndarray:
+        """The header records of result packets `offs`/`counts` of `early`'s
+        shard, whole (every contribution in), in their classes up to `top`."""
+        agg = early.agg
+        local = offs // agg.layout.per_packet - agg.layout.shard_packets(agg.shard).start
+        return self._result_heads(
+            spec,
+            op,
+            agg.layout,
+            agg.shard,
+            offs,
+            counts,
+            flags=flags,
+            codec=agg.layout.codec,
+            contributors=early.contributors(local),
+            block_max=early.block_max(local),
+            prio=np.minimum(agg.classes[local], top),
+            layers=agg.layers[local],
+        )
 
     def _result_heads(
         self,

@@ -50,6 +50,13 @@ LOWEST_REQUIRED_CLASS = GRADIENT_CLASSES[-1]
 _CLASSES = N_CLASSES
 
 
+def pointers(aux: np.ndarray) -> np.ndarray:
+    """The result indices an EARLY packet's `aux` points at (`dlcp.core.early`):
+    (n, 2), the nearer one first; -1 where there is none."""
+    a = np.asarray(aux, dtype=np.int64)
+    return np.stack(((a & 0xFFFF) - 1, (a >> 16) - 1), axis=-1)
+
+
 class PacketStream:
     """Asks and found losses of one sender's packets of one shard."""
 
@@ -108,16 +115,22 @@ class PacketStream:
         resent: np.ndarray | None = None,
         droppable: np.ndarray | None = None,
         silent: np.ndarray | None = None,
+        aux: np.ndarray | None = None,
     ) -> float | None:
         """Packets `local` were stored (in `received` already), sent in
         `classes`; `rtx`: which were retransmissions (None: none); `resent`
         as `on_retransmits` takes it; `silent`: first transmissions whose
         place in the sender's order says nothing of others' (results sent
-        early, `dlcp.core.early`; None: none). Returns how long after its ask
+        early, `dlcp.core.early`; None: none), and `aux` each packet's header
+        field, whose pointers the silent ones carry (`pointed`). Returns how
+        long after its ask
         the latest first transmission came of a packet asked for (found lost
         but merely late), None where none was; of the packets of mask
         `droppable` none counts (sent in the lowest class, last, they are
         found lost early when the bound says nothing of them)."""
+        pointed = None
+        if silent is not None and aux is not None and silent.any():
+            pointed = pointers(aux[silent]).reshape(-1)
         first, first_classes = local, classes
         if rtx is not None and rtx.any():
             first, first_classes = local[~rtx], classes[~rtx]
@@ -133,6 +146,8 @@ class PacketStream:
         if silent is not None and silent.any():
             first, first_classes = first[~silent], first_classes[~silent]
         self.on_first(first, first_classes, now)
+        if pointed is not None:
+            self.pointed(pointed, now)
         return late
 
     def on_first(self, local: np.ndarray, classes: np.ndarray, now: float) -> None:
