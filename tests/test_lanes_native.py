@@ -12,6 +12,7 @@ import pytest
 
 from dlcp.codecs import lanes
 from dlcp.codecs import lanes_native as ln
+from dlcp.core.accumulator import ShardAccumulator
 from dlcp.errors import Reason, RemoteError
 from dlcp.wire import Codec
 from dlcp.wire.batch import Payloads, picked
@@ -75,6 +76,47 @@ def test_store_lanes_is_store_many(codec: int, summed: bool) -> None:
         if native:
             got = out
     assert got.tobytes() == out.tobytes() and got[90:191].tolist() == [3] * 101
+
+
+@pytest.mark.parametrize(("codec", "summed"), KINDS)
+def test_the_own_shard_is_held_as_numpy_assigns_it(codec: int, summed: bool) -> None:
+    """A node's own lanes of a shard (`ShardAccumulator.hold`, the start of
+    every round it owns a shard of) end in its row as `unpack` and numpy's
+    assignment put them, every bit pattern; lanes already in the sums' dtype
+    are held by reference, not copied; a short payload is BAD_LENGTH."""
+    n = 1 << 16 if codec == Codec.FP16 else 1001
+    rng = np.random.default_rng(int(codec) * 2 + summed + 7)
+    payload = _payload(codec, summed, n, rng)
+    if codec == Codec.FP16:  # every half, NaNs and infinities among them
+        payload = np.arange(n, dtype="<u2").tobytes()
+    acc = ShardAccumulator(
+        shard=0,
+        codec=codec,
+        lanes=n,
+        received=np.zeros((2, 1), bool),
+        counts=np.array([n], np.int64),
+    )
+    acc.hold(1, summed, memoryview(payload))
+    want = np.empty(n, lanes.sum_dtype(codec))
+    want[:] = lanes.unpack(codec, payload, n, summed)
+    got = acc.held.get(1, acc.slots[1])
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    with pytest.raises(RemoteError) as err:
+        acc.hold(0, summed, memoryview(payload)[:-1])
+    assert err.value.reason == Reason.BAD_LENGTH
+
+
+def test_fp32_own_lanes_are_held_by_reference() -> None:
+    lanes32 = np.arange(10, dtype=np.float32)
+    acc = ShardAccumulator(
+        shard=0,
+        codec=Codec.FP32,
+        lanes=10,
+        received=np.zeros((2, 1), bool),
+        counts=np.array([10], np.int64),
+    )
+    acc.hold(0, False, memoryview(lanes32).cast("B"))
+    assert np.shares_memory(acc.held[0], lanes32)
 
 
 def test_every_non_native_store_still_goes_through_python() -> None:

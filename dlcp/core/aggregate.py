@@ -351,7 +351,7 @@ class ShardAggregator:
         self._adopt_scale(scale)
         if self.received[row].any():
             raise RemoteError(Reason.BAD_RANGE, f"node {sender} already sent to this shard")
-        self.acc.hold(row, lane_ops.unpack(self.layout.codec, lanes, self.lanes, summed))
+        self.acc.hold(row, summed, lanes)
         self.received[row] = True
         self.n_received += self.n_packets
         self.weight[row] = weight
