@@ -116,10 +116,16 @@ def test_two_buckets_in_flight_at_once(ranks: list[Rank]) -> None:
 def test_fp16_and_thc_lanes(ranks: list[Rank]) -> None:
     rng = np.random.default_rng(2)
     h = [rng.standard_normal(4096).astype(np.float16) for _ in ranks]
+    in_place = [r.client.status()["counters"].get("results_in_place", 0) for r in ranks]
     for res in allreduce(ranks, h, codec="fp16"):
         assert res.sums.dtype == np.float16
         expected = sum(x.astype(np.float32) for x in h).astype(np.float16)  # f32 sums
         np.testing.assert_array_equal(res.sums, expected)
+    # a mapped segment gets fp16's halves cast straight into it, a named one by pwritev
+    sealed = isinstance(ranks[0].seg, SealedSegment)
+    for r, before in zip(ranks, in_place, strict=True):
+        now = r.client.status()["counters"].get("results_in_place", 0)
+        assert now - before == (1 if sealed else 0)
     q = [rng.integers(0, 256, 8192, dtype=np.uint8) for _ in ranks]
     for res in allreduce(ranks, q, codec="thc8"):
         np.testing.assert_array_equal(res.sums, sum(x.astype(np.uint16) for x in q))

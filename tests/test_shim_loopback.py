@@ -124,6 +124,59 @@ def test_one_rank_without_its_daemon_sends_every_rank_to_the_fallback(
         assert "rank 1" in res["stats"]["last_error"]
 
 
+def _late_failure_worker(
+    rank: int, world: int, sockets: list[str], fail_at: int, steps: int
+) -> dict[str, Any]:
+    """Rank 2 takes its round for failed after its reply came, in step
+    `fail_at` (as a reply over the loss bound would be), while ranks 0 and 1
+    have theirs: they decode ahead of the agreement, which says the step
+    failed, so every rank must send its untouched gradients over Gloo."""
+    from dlcp.shim.stepstate import StepBuckets
+
+    ends = [0]
+    wait = StepBuckets.wait
+
+    def forced(self: StepBuckets, deadline: float, timeout_s: float) -> None:
+        wait(self, deadline, timeout_s)  # the step's end: every reply is in
+        ends[0] += 1
+        if rank == 2 and ends[0] == fail_at + 1:
+            next(iter(self)).error = "forced: this rank's round failed after its reply"
+
+    StepBuckets.wait = forced  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = dlcp.init(codec="fp32", socket=sockets[rank], retry_steps=1)
+    model = nn.parallel.DistributedDataParallel(make_model(), **DDP)
+    model.register_comm_hook(state, dlcp.hook)
+    grads = train_steps(model, rank, steps)
+    return {
+        "grads": grads,
+        "ref": reference_grads(rank, steps, **DDP),
+        "stats": state.stats(),
+        "ahead": len(state._parts.finisher._scratch),
+    }
+
+
+def test_a_step_failed_on_another_rank_falls_back_with_the_untouched_gradients(
+    trio: list[Daemon],
+) -> None:
+    """The ranks whose rounds succeeded decoded their buckets while the
+    agreement ran, into tensors of their own: the fallback of a step another
+    rank failed still sends the gradients as backward left them (a decode
+    into the bucket would have averaged the mean with rank 2's own gradient)."""
+    sockets = [d.socket for d in trio]
+    results = spawn(_late_failure_worker, 3, trio[0].config.parent, sockets=sockets,
+                    fail_at=2, steps=5)  # fmt: skip
+    for rank, res in enumerate(results):
+        assert res["stats"]["failures"] == 1
+        assert res["stats"]["fallbacks"] >= 1
+        if rank < 2:
+            assert res["ahead"] > 0  # the ranks that had their rounds decoded ahead
+        _assert_grads_close(res)
+        step2 = zip(res["grads"][2], res["ref"][2], strict=True)
+        assert all(torch.equal(g, w) for g, w in step2)  # the fallback is the default hook
+
+
 def _daemon_dies_worker(
     rank: int,
     world: int,

@@ -107,14 +107,24 @@ def _halves_in_c() -> bool:
 _HALVES_IN_C = _halves_in_c()
 
 
-def to_halves(values: np.ndarray) -> np.ndarray:
+def to_halves(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """`np.ascontiguousarray(values, dtype="<f2")`; one C pass (F16C) for
     contiguous float32 where `_HALVES_IN_C`: the fp16 codec's sums cast for
-    result packets and for the ranks' out, 4 ns a lane in numpy here."""
+    result packets and for the ranks' out, 4 ns a lane in numpy here.
+    `out`: a contiguous fp16 array of `values`' size the halves are written
+    into (a rank's mapped segment, not a copy made first), and returned."""
     v = np.asarray(values)
+    if out is not None and (out.dtype != np.dtype("<f2") or out.size != v.size):
+        raise ValueError(f"out of {out.size} {out.dtype}, not {v.size} float16")
+    if out is not None and not out.flags.c_contiguous:
+        raise ValueError("out must be contiguous")
     native = _bulk is not None and _HALVES_IN_C
     if not native or v.dtype != np.float32 or not v.flags.c_contiguous or not v.size:
-        return np.ascontiguousarray(v, dtype="<f2")
-    out = np.empty(v.shape, dtype="<f2")
+        if out is None:
+            return np.ascontiguousarray(v, dtype="<f2")
+        out.reshape(-1)[:] = v.reshape(-1)
+        return out
+    if out is None:
+        out = np.empty(v.shape, dtype="<f2")
     _bulk.to_halves(v.reshape(-1), out.reshape(-1))
     return out

@@ -42,6 +42,7 @@ import os
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -118,11 +119,22 @@ class Hedge:
     def max_(self, t: torch.Tensor) -> torch.Tensor:
         """The element-wise max of CPU float32 `t` over all ranks; the same
         bytes on every rank (see the module's docstring)."""
+        return self.start(t)()
+
+    def start(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`max_` begun: every group's op issued now; the function returned
+        waits for the first to complete and gives its maxima. Call it once,
+        before the next agreement starts."""
         began = time.perf_counter()
         if len(self._groups) == 1:
-            out = pg.global_max(t, self._groups[0])
-            self._record(0, time.perf_counter() - began)
-            return out
+            result = pg.global_max_start(t, self._groups[0])
+
+            def one() -> torch.Tensor:
+                out = result()
+                self._record(0, time.perf_counter() - began)
+                return out
+
+            return one
         self._prune()
         done: queue.SimpleQueue[int] = queue.SimpleQueue()
         issued: list[tuple[Any, torch.Tensor]] = []
@@ -131,23 +143,27 @@ class Hedge:
             work = pg.all_reduce_async(mine, group, dist.ReduceOp.MAX)
             issued.append((work, mine))
             work.get_future().add_done_callback(lambda _f, i=i: done.put(i))
-        winner, first_error = -1, None
-        for _ in issued:
-            i = done.get()
-            try:
-                issued[i][0].wait()
-            except Exception as exc:  # passed over: another group may still answer
-                first_error = first_error or exc
-                continue
-            winner = i
-            break
-        # the others keep their buffers until they complete (Gloo writes into them)
-        self._inflight += [w for j, w in enumerate(issued) if j != winner]
-        if winner < 0:
-            assert first_error is not None
-            raise first_error
-        self._record(winner, time.perf_counter() - began)
-        return issued[winner][1]
+
+        def first() -> torch.Tensor:
+            winner, first_error = -1, None
+            for _ in issued:
+                i = done.get()
+                try:
+                    issued[i][0].wait()
+                except Exception as exc:  # passed over: another group may still answer
+                    first_error = first_error or exc
+                    continue
+                winner = i
+                break
+            # the others keep their buffers until they complete (Gloo writes into them)
+            self._inflight += [w for j, w in enumerate(issued) if j != winner]
+            if winner < 0:
+                assert first_error is not None
+                raise first_error
+            self._record(winner, time.perf_counter() - began)
+            return issued[winner][1]
+
+        return first
 
     def _prune(self) -> None:
         self._inflight = [w for w in self._inflight if not w[0].is_completed()]

@@ -9,6 +9,7 @@ the first to complete taken.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -18,10 +19,12 @@ __all__ = [
     "DirectGroup",
     "Group",
     "agree",
+    "agree_start",
     "all_reduce_async",
     "average",
     "fallback_all_reduce",
     "global_max",
+    "global_max_start",
     "group_rank",
     "group_size",
     "on_cpu",
@@ -89,6 +92,10 @@ class MaxReducer(Protocol):
         or `t` itself); every rank gets the same bytes."""
         ...
 
+    def start(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`max_` begun; the function returned waits and gives its answer."""
+        ...
+
 
 def on_cpu(group: Group) -> bool:
     """Whether `group`'s collectives take CPU tensors (Gloo's do, NCCL's not)."""
@@ -106,23 +113,47 @@ def agree(
     """One all-reduce (MAX) of [failed, *maxima]: whether any rank failed, and the
     element-wise maxima over all ranks (float32, CPU). Every rank gets identical
     answers; every rank must pass maxima of the same length."""
+    return agree_start(failed, maxima, group)()
+
+
+def agree_start(
+    failed: bool, maxima: torch.Tensor | None, group: Group | MaxReducer
+) -> Callable[[], tuple[bool, torch.Tensor]]:
+    """`agree` begun: its all-reduce issued now; the function returned waits
+    for it and gives `agree`'s answer. Call it once, before the next
+    collective on `group` starts (its work between the two overlaps the
+    all-reduce: the step's decoding, `dlcp.shim.stepend`)."""
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32)
     parts = [flag] if maxima is None else [flag, maxima.reshape(-1).to("cpu", torch.float32)]
     t = torch.cat(parts)
     if group is None or isinstance(group, DirectGroup | dist.ProcessGroup):
-        t = t.to(_device(group))
-        _all_reduce(t, group, dist.ReduceOp.MAX)
-        out = t.cpu()
+        result = global_max_start(t, group)
     else:
-        out = group.max_(t)
-    return bool(out[0] > 0.0), out[1:]
+        result = group.start(t)
+
+    def answer() -> tuple[bool, torch.Tensor]:
+        out = result()
+        return bool(out[0] > 0.0), out[1:]
+
+    return answer
 
 
 def global_max(values: torch.Tensor, group: Group) -> torch.Tensor:
     """The element-wise max of `values` over all ranks (float32, CPU)."""
+    return global_max_start(values, group)()
+
+
+def global_max_start(values: torch.Tensor, group: Group) -> Callable[[], torch.Tensor]:
+    """`global_max` begun: the all-reduce issued now; the function returned
+    waits for it and gives the maxima."""
     t = values.reshape(-1).to(_device(group), torch.float32, copy=True)
-    _all_reduce(t, group, dist.ReduceOp.MAX)
-    return t.cpu()
+    work = _all_reduce(t, group, dist.ReduceOp.MAX, async_op=True)
+
+    def result() -> torch.Tensor:
+        work.wait()
+        return t.cpu()
+
+    return result
 
 
 def average(values: torch.Tensor, group: Group) -> torch.Tensor:
