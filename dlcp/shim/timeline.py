@@ -24,7 +24,9 @@ Phases of one bucket (seconds):
   step's agreement (every
   rank's outcome, one small all-reduce that waits for the slowest rank) and
   the decoding of the buckets before it;
-- decode: the out region averaged into the bucket;
+- decode: the out region averaged into the bucket; a bucket decoded while
+  the agreement is in flight (`StepFinisher`), from that decode's start to
+  the agreement's answer (its wait for the slowest rank is then here);
 - complete: the future completed (DDP's callbacks run inline);
 - total: handed over to completed.
 
