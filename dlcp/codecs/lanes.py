@@ -36,6 +36,7 @@ __all__ = [
     "WIDE",
     "add_runs",
     "can_add_runs",
+    "narrow_bytes",
     "narrow_sums",
     "pack",
     "store_many",
@@ -324,7 +325,7 @@ def narrow_sums(
     bits = LANE_BITS[narrow][1]
     if not _fits(narrow, sums) or ((offsets * bits) % 8).any() or ((counts * bits) % 8).any():
         return None
-    return narrow, _narrow_bytes(narrow, np.asarray(sums).reshape(-1))
+    return narrow, narrow_bytes(narrow, np.asarray(sums).reshape(-1))
 
 
 def _fits(codec: int, sums: np.ndarray) -> bool:
@@ -337,11 +338,12 @@ def _pack_narrow(codec: int, values: np.ndarray) -> np.ndarray:
     v = np.asarray(values).reshape(-1)
     if not _fits(codec, v):
         raise ValueError(f"a sum does not fit {LANE_BITS[codec][1]} bits")
-    return _narrow_bytes(codec, v)
+    return narrow_bytes(codec, v)
 
 
-def _narrow_bytes(codec: int, v: np.ndarray) -> np.ndarray:
-    """`_pack_narrow` of sums known to fit."""
+def narrow_bytes(codec: int, v: np.ndarray) -> np.ndarray:
+    """`codec`'s narrow lanes (uint8 bytes, LSB first) of uint16 sums known to
+    fit them."""
     if codec == Codec.THC4_SUM8:
         return v.astype(np.uint8)
     n = v.size

@@ -25,8 +25,15 @@ A receiver takes those it lacks for lost, as it takes packets before a
 later one of theirs (`PacketStream.pointed`); two pointers cover a loss of
 two in a row. Shards of 65,535 result packets or more carry none; losses
 there are found by the packets that follow at the shard's end, or by the
-DONE. Codecs whose result lanes are a shard-wide choice (THC's narrow sums)
-or bits (sketch's UNION) are not sent early.
+DONE.
+
+THC's results go in its narrow sums (`lanes.narrow_sums`: 10 bits for three
+hosts' thc8, not 16) where that is the shard's one codec by construction
+(`early_codec`): every sum its contributions can make fits, and every result
+packet starts and ends on a byte; so the packets sent early and those sent
+when the shard completes carry the same codec, and a NACK's answer the one
+first sent. Elsewhere THC's narrow form is a choice over the whole shard's
+sums and the sketch's UNION lanes are bits: those go at the end.
 """
 
 from __future__ import annotations
@@ -35,19 +42,38 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dlcp.codecs.lanes import NARROW
 from dlcp.core.aggregate import ShardAggregator
 from dlcp.core.records import JobSpec, OpKey
-from dlcp.wire.header import Codec
+from dlcp.wire.header import LANE_BITS, Codec
 
 if TYPE_CHECKING:
     from dlcp.core.emitter import Emitter
 
-__all__ = ["EARLY_CODECS", "EarlyResults"]
+__all__ = ["EARLY_CODECS", "EarlyResults", "early_codec"]
 
-# codecs whose result lanes are each lane's own sum, packed alone
-EARLY_CODECS = frozenset({int(Codec.FP32), int(Codec.FP16)})
+# codecs whose results may go early: each lane's own sum, packed alone (THC's
+# where `early_codec` says so)
+EARLY_CODECS = frozenset({int(Codec.FP32), int(Codec.FP16), int(Codec.THC8), int(Codec.THC4)})
 _CLASSES = 8
 _NONE = 0xFFFF  # result indices from here on do not fit a pointer
+
+
+def early_codec(agg: ShardAggregator) -> int | None:
+    """The codec of a shard's results sent early, None where none can go:
+    fp32's and fp16's own; THC's narrow sums where every sum of the shard's
+    contributions (each lane at most its codec's top, times its sender's
+    weight) fits them, so that `lanes.narrow_sums` gives the rest of the
+    shard the same codec when it completes (THC's buckets are whole blocks
+    of 1024 lanes: every result packet's narrow lanes are whole bytes)."""
+    lay = agg.layout
+    codec = int(lay.codec)
+    narrow = NARROW.get(codec)
+    if narrow is None:
+        return codec if codec in EARLY_CODECS else None
+    bits = LANE_BITS[narrow][1]
+    top = (1 << LANE_BITS[codec][0]) - 1
+    return None if int(agg.weight.sum()) * top >> bits else narrow
 
 
 class EarlyResults:
@@ -58,6 +84,10 @@ class EarlyResults:
             raise ValueError(f"early results go in batches of 1 or more packets, not {batch}")
         self.agg = agg
         self.batch = batch
+        # `early_codec`, once every sender's weight is known (a packet of each
+        # in: none is whole before); None: nothing goes early
+        self.codec: int | None = None
+        self._decided = False
         self.sent = np.zeros(agg.n_packets, dtype=bool)  # per data packet of the shard
         self._seen = 0  # the aggregator's packet count at the last look
         self._ready = 0  # packets whole and not sent at the last look
@@ -95,7 +125,11 @@ class EarlyResults:
         """The results of the packets newly whole (`take`), if enough, to the
         job's other contributors."""
         nodes = [n for n in spec.contributors if n != spec.me]
-        whole = self.take() if nodes else None
+        if not self._decided:
+            if not nodes or not self.agg.received.any(axis=1).all():
+                return
+            self.codec, self._decided = early_codec(self.agg), True
+        whole = self.take() if nodes and self.codec is not None else None
         if whole is None:
             return
         pick, dgs, classes = emitter.early_results(spec, op, self, whole, nodes)

@@ -36,6 +36,7 @@ from dlcp.core.records import (
     manifest_capacity,
     nack_capacity,
 )
+from dlcp.errors import LocalError
 from dlcp.wire.batch import HEADER_DTYPE, encode_batch
 from dlcp.wire.header import LANE_BITS, Codec, Flags, Header, PacketType, encode
 from dlcp.wire.mac import MacKey, mac_state
@@ -195,7 +196,6 @@ class Emitter:
         if offs.size == 0:
             if only is None and f.early is not None:  # all went early: kept for NACKs
                 f.datagrams, f.classes_sent = self._with_early(f, offs, [], [])
-                f.codec_sent = lay.codec
             return
         local = offs // lay.per_packet - lay.shard_packets(shard).start
         payloads: Sequence[bytes | memoryview]
@@ -207,6 +207,8 @@ class Emitter:
                 codec, wire = narrow
             else:
                 wire = lane_ops.summed_wire(codec, f.result.sums)
+            if f.codec_sent is not None and codec != f.codec_sent:  # see `early_codec`
+                raise LocalError(f"shard {shard}: results in codec {codec} after {f.codec_sent}")
             view = wire.data.cast("B")  # no copy where the sums are wire lanes already
             bits = LANE_BITS[codec][1]  # 1-bit and 10-bit lanes start on packet bytes
             payloads = Slices(view, rel * bits // 8, (counts * bits + 7) // 8)
@@ -294,10 +296,14 @@ class Emitter:
         sums = agg.acc.out
         assert sums is not None
         rel = offs - lay.shard_range(shard)[0]
-        codec = lay.codec
+        codec = early.codec
+        assert codec is not None
         spans = [sums[a : a + c] for a, c in zip(rel.tolist(), counts.tolist(), strict=True)]
-        wire = lane_ops.summed_wire(codec, np.concatenate(spans))
-        nbytes = counts * (LANE_BITS[codec][1] // 8)
+        if codec == lay.codec:
+            wire = lane_ops.summed_wire(codec, np.concatenate(spans))
+        else:  # THC's narrow sums, every one fits (`early_codec`)
+            wire = lane_ops.narrow_bytes(codec, np.concatenate(spans))
+        nbytes = counts * LANE_BITS[codec][1] // 8
         starts = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
         payloads = Slices(wire.data.cast("B"), starts, nbytes)
         h = self._early_heads(
@@ -349,7 +355,7 @@ class Emitter:
             offs,
             counts,
             flags=flags,
-            codec=agg.layout.codec,
+            codec=agg.layout.codec if early.codec is None else early.codec,
             contributors=early.contributors(local),
             block_max=early.block_max(local),
             prio=np.minimum(agg.classes[local], top),

@@ -220,10 +220,9 @@ class OpenRounds:
     def early(self, r: Round, shard: int, agg: ShardAggregator) -> None:
         """The results of the shard's whole packets, sent before it completes."""
         if self.early_batch and r.kind == ALLREDUCE and agg.layout.codec in EARLY_CODECS:
-            early = r.early.get(shard) or r.early.setdefault(
-                shard, EarlyResults(agg, self.early_batch)
-            )
-            early.send(self.emitter, r.spec, r.op)
+            if shard not in r.early:
+                r.early[shard] = EarlyResults(agg, self.early_batch)
+            r.early[shard].send(self.emitter, r.spec, r.op)
 
     def _shard_done(self, r: Round, shard: int, agg: ShardAggregator, now: float) -> None:
         spec, op = r.spec, r.op
@@ -244,6 +243,7 @@ class OpenRounds:
             until=now + max(self.timing.retain, self.timing.timeout),
             waiting=set(receivers),
             early=None if early is None else early.results,
+            codec_sent=None if early is None or early.results is None else early.codec,
             early_datagrams=None if early is None else early.datagrams,
             resent={} if early is None else early.resent,
         )
