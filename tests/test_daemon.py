@@ -231,6 +231,9 @@ def test_bad_requests_get_error_replies_and_the_daemon_keeps_serving(
         assert err("join", job=-1, key="00" * 32, hosts=[]) == "bad_request"
         assert err("join", job=1, key="zz", hosts=hosts_of(trio), me=1) == "bad_request"
         assert err("join", job=1, key="00" * 32, hosts=hosts_of(trio), me=0) == "conflict"
+        assert err("join", job=1, key="00" * 32, hosts=hosts_of(trio), me=1, ranks=2) == (
+            "bad_request"  # fewer ranks than the job's hosts
+        )
         assert err("submit", job=JOB) == "unknown_job"
         r = Rank(d, f"dlcp-bad{os.getpid()}", 4096)
         try:

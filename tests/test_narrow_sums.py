@@ -8,11 +8,15 @@ import numpy as np
 import pytest
 
 from dlcp.codecs import lanes
-from dlcp.core.engine import Engine, JobSpec, RoundComplete
-from dlcp.errors import Reason
+from dlcp.core.engine import Engine, JobSpec, RoundComplete, Send
+from dlcp.core.layout import Layout
+from dlcp.core.timing import Timing
+from dlcp.errors import LocalError, Reason
 from dlcp.wire import Codec, Flags, PacketType
 from dlcp.wire.header import Header, encode, header_of_valid, lane_bytes
 from dlcp.wire.mac import mac_state
+from tests.netsim import Network
+from tests.test_engine import completions
 
 KEY = b"n" * 32
 JOB = 5
@@ -128,3 +132,85 @@ def test_narrow_runs_check_each_payloads_length_not_just_their_total() -> None:
         with pytest.raises(RemoteError, match="bad_length"):
             payloads = [b"\x01", b"\x02" * 4]
             lanes.store_runs(dest, Codec.THC8_SUM10, True, starts, counts, payloads, native=native)
+
+
+def test_a_narrow_layout_cuts_one_result_packet_a_data_packet() -> None:
+    wide = Layout(total=8192, codec=Codec.THC8, shards=2)
+    narrow = Layout(total=8192, codec=Codec.THC8, shards=2, narrow=True)
+    assert (wide.result_split, narrow.result_split) == (2, 1)  # 1024 10-bit lanes: 1280 bytes
+    thc4 = [Layout(total=8192, codec=Codec.THC4, shards=2, narrow=n) for n in (False, True)]
+    assert [lay.result_split for lay in thc4] == [3, 2]  # 2048 lanes: 4096 and 2048 bytes
+    with pytest.raises(LocalError, match="no narrow sums"):
+        Layout(total=8192, codec=Codec.FP32, shards=2, narrow=True)
+    spec = JobSpec.transpose(JOB, KEY, 0, 3, ranks=4)
+    assert spec.layout(8192, Codec.THC8).narrow and not spec.layout(8192, Codec.FP16).narrow
+    assert not JobSpec.transpose(JOB, KEY, 0, 3, ranks=5).layout(8192, Codec.THC8).narrow
+    assert not JobSpec.transpose(JOB, KEY, 0, 3).layout(8192, Codec.THC8).narrow  # not known
+    with pytest.raises(LocalError, match="2 ranks for 3 contributors"):
+        JobSpec.transpose(JOB, KEY, 0, 3, ranks=2)
+
+
+def _lossy_round(
+    ranks: int, values: list[np.ndarray], weights: list[int] | None = None
+) -> tuple[list[RoundComplete], list[tuple[int, int]]]:
+    """A transpose thc8 round among len(values) engines of a job of `ranks`
+    ranks, 5 % loss; the (codec, count) of every result packet sent."""
+    hosts = len(values)
+    engines = {}
+    for me in range(hosts):
+        e = Engine(timing=Timing(), early_results=4)
+        e.add_job(JobSpec.transpose(JOB, KEY, me, hosts, ranks=ranks))
+        engines[me] = e
+    results: list[tuple[int, int]] = []
+
+    def note(src: int, s: Send) -> bool:
+        h = header_of_valid(s.datagram)
+        if h.type == PacketType.RESULT:
+            results.append((int(h.codec), h.count))
+        return False
+
+    net = Network(engines, seed=3, loss=0.05, drop=note)
+    for me, v in enumerate(values):
+        w = 1 if weights is None else weights[me]
+        lanes_ = v.astype("<u2").tobytes() if w > 1 else v.astype(np.uint8).tobytes()
+        engines[me].submit(
+            job=JOB, round=0, bucket=0, codec=Codec.THC8, total=v.size, lanes=lanes_,
+            summed=w > 1, weight=w, scale=1.0, now=0.0,
+        )  # fmt: skip
+    net.run(until=30.0)
+    done = completions(net)
+    return [done[n] for n in range(hosts)], results
+
+
+@pytest.mark.parametrize("hosts", [2, 3, 4])
+def test_a_job_whose_ranks_fit_the_narrow_sums_sends_half_the_result_packets(hosts: int) -> None:
+    rng = np.random.default_rng(hosts)
+    values = [rng.integers(0, 256, 64 * 1024).astype(np.uint16) for _ in range(hosts)]
+    values[0][:3000] = 255
+    for v in values[1:]:
+        v[:3000] = 255  # the largest sums there are
+    want = np.sum(values, axis=0)
+    wide, wide_sent = _lossy_round(0, values)
+    narrow, narrow_sent = _lossy_round(hosts, values)
+    for a, b in zip(wide, narrow, strict=True):
+        np.testing.assert_array_equal(a.sums, want)
+        np.testing.assert_array_equal(b.sums, want)
+    assert {c for c, _ in narrow_sent} == {Codec.THC8_SUM10}
+    assert {n for _, n in narrow_sent} == {1024}  # a whole data packet's lanes
+    assert {n for _, n in wide_sent} == {512}
+    assert len(narrow_sent) < 0.6 * len(wide_sent)
+
+
+def test_sums_past_a_narrow_layout_s_lanes_are_cut_to_their_top() -> None:
+    # a sender claims 4 contributions in a job of 2 ranks: its own lanes sum
+    # past what the job's ranks can make, and the narrow result packets have
+    # no room for them; the round still completes, those lanes at 1023 on
+    # every host, the shard's owner too (its own copy is cut as it is sent)
+    a = np.full(4096, 255, np.uint16)
+    b = np.full(4096, 1000, np.uint16)
+    b[:100] = 3
+    done, sent = _lossy_round(2, [a, b], weights=[1, 4])
+    want = np.minimum(a + b, 1023)
+    for ev in done:
+        np.testing.assert_array_equal(ev.sums, want)
+    assert {c for c, _ in sent} == {Codec.THC8_SUM10}

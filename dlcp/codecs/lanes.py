@@ -28,7 +28,7 @@ from dlcp.codecs.lanes_native import native_kind, to_halves
 from dlcp.codecs.rangefloat import UNIT_VALUES, quantize_unit
 from dlcp.errors import Reason, RemoteError
 from dlcp.wire.batch import Payloads, _bulk
-from dlcp.wire.header import LANE_BITS, RESULT_ONLY_CODECS, Codec, lane_bytes
+from dlcp.wire.header import LANE_BITS, NARROW_SUMS, RESULT_ONLY_CODECS, Codec, lane_bytes
 
 __all__ = [
     "MAX_CONTRIBUTORS",
@@ -81,7 +81,7 @@ _WIRE_DATA: dict[int, np.dtype] = {
 # fit (`narrow_sums`) carry the narrow codec, its lanes packed LSB first;
 # everywhere else (aggregators' slots, collectors' sums, the shim's out) they
 # are uint16 as THC8's and THC4's summed lanes
-NARROW: dict[int, int] = {Codec.THC8: Codec.THC8_SUM10, Codec.THC4: Codec.THC4_SUM8}
+NARROW: dict[int, int] = NARROW_SUMS
 WIDE: dict[int, int] = {v: k for k, v in NARROW.items()}
 assert frozenset(WIDE) == RESULT_ONLY_CODECS  # the wire's name for the same codecs
 _THC4_DATA = frozenset({Codec.THC4, Codec.THC4_SUM8})

@@ -33,7 +33,7 @@ from dlcp.core.shard_clock import ShardClock
 from dlcp.core.timing import NackClock, Timing
 from dlcp.errors import LocalError, Reason, RemoteError
 from dlcp.wire.batch import _bulk
-from dlcp.wire.header import MAX_PRIORITY, Codec, Flags
+from dlcp.wire.header import MAX_PRIORITY, Codec, Flags, narrow_top
 
 __all__ = ["Nack", "RunRejected", "ShardAggregator", "ShardResult"]
 
@@ -482,6 +482,8 @@ class ShardAggregator:
 
     def _finish(self) -> None:
         sums = self.acc.finish()
+        if self.layout.narrow:  # only narrow sums go: cut, here too, what a sender's weight
+            np.minimum(sums, narrow_top(self.layout.codec), out=sums)  # put past them
         contributors = (self.received * self.weight[:, None]).sum(axis=0)
         self.result = ShardResult(
             shard=self.shard,

@@ -154,9 +154,7 @@ class Dispatcher:
                 raise RemoteError(Reason.MISMATCH, "bucket size or codec differs between senders")
             return agg.layout
         try:
-            return Layout(
-                total=h.total, codec=h.codec, shards=len(spec.owners), payload=spec.payload
-            )
+            return spec.layout(h.total, h.codec)
         except LocalError as exc:
             raise RemoteError(Reason.BAD_RANGE, str(exc)) from exc
 

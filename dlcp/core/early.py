@@ -45,7 +45,7 @@ import numpy as np
 from dlcp.codecs.lanes import NARROW
 from dlcp.core.aggregate import ShardAggregator
 from dlcp.core.records import JobSpec, OpKey
-from dlcp.wire.header import LANE_BITS, Codec
+from dlcp.wire.header import Codec, narrow_fits
 
 if TYPE_CHECKING:
     from dlcp.core.emitter import Emitter
@@ -66,14 +66,10 @@ def early_codec(agg: ShardAggregator) -> int | None:
     weight) fits them, so that `lanes.narrow_sums` gives the rest of the
     shard the same codec when it completes (THC's buckets are whole blocks
     of 1024 lanes: every result packet's narrow lanes are whole bytes)."""
-    lay = agg.layout
-    codec = int(lay.codec)
-    narrow = NARROW.get(codec)
-    if narrow is None:
+    codec = int(agg.layout.codec)
+    if codec not in NARROW:
         return codec if codec in EARLY_CODECS else None
-    bits = LANE_BITS[narrow][1]
-    top = (1 << LANE_BITS[codec][0]) - 1
-    return None if int(agg.weight.sum()) * top >> bits else narrow
+    return NARROW[codec] if narrow_fits(codec, int(agg.weight.sum())) else None
 
 
 class EarlyResults:

@@ -36,7 +36,6 @@ from dlcp.core.closed import ClosedRounds
 from dlcp.core.collector import ResultCollector
 from dlcp.core.dispatch import Dispatcher
 from dlcp.core.emitter import Emitter
-from dlcp.core.layout import Layout
 from dlcp.core.receiver import Receiver
 from dlcp.core.records import (
     ALL_GATHER,
@@ -286,7 +285,7 @@ class Engine:
             raise LocalError(f"round kind {kind!r}; valid: {', '.join(ROUND_KINDS)}")
         if kind != ALLREDUCE and sorted(set(spec.owners)) != sorted(spec.contributors):
             raise LocalError(f"a {kind} round needs every contributor to own shards (transpose)")
-        layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        layout = spec.layout(total, codec)
         view = memoryview(np.ascontiguousarray(lanes)).cast("B")  # type: ignore[arg-type]
         if len(view) != lane_bytes(codec, total, summed):
             raise LocalError(

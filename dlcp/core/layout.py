@@ -5,7 +5,9 @@ A bucket of `total` lanes (encoded elements) is cut into data packets of
 of whole packets, so every host can compute, from the header fields alone,
 which packets it should receive. Result lanes may be wider than data lanes
 (THC sums are 16 bit), so each data packet's result is sent as `result_split`
-result packets that still fit in the payload budget.
+result packets that still fit in the payload budget; where THC's results always
+go in its narrow sums (`narrow`: 10 bits for thc8, the job's ranks cannot sum
+past them) one result packet holds a whole data packet's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from functools import cached_property
 import numpy as np
 
 from dlcp.errors import LocalError
-from dlcp.wire.header import LANE_BITS, MAX_PAYLOAD, RESULT_ONLY_CODECS, Codec
+from dlcp.wire.header import LANE_BITS, MAX_PAYLOAD, NARROW_SUMS, RESULT_ONLY_CODECS, Codec
 
 __all__ = ["DEFAULT_PAYLOAD", "Layout", "lanes_per_packet"]
 
@@ -52,6 +54,9 @@ class Layout:
     codec: Codec
     shards: int
     payload: int = DEFAULT_PAYLOAD
+    # THC's results always in its narrow sums (every sum the job's ranks can
+    # make fits them: `JobSpec.layout`), so a result packet is cut for those
+    narrow: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.total <= _MAX_TOTAL:
@@ -59,6 +64,8 @@ class Layout:
         if not 0 < self.shards <= _MAX_SHARDS:
             raise LocalError(f"{self.shards} shards (header field is u16)")
         _ = self.per_packet  # checks the codec and payload budget now, not at first use
+        if self.narrow and self.codec not in NARROW_SUMS:
+            raise LocalError(f"{Codec(self.codec).name} has no narrow sums")
         if self.codec in _BLOCK_CODECS and self.total % self.per_packet:
             raise LocalError(
                 f"{self.codec.name} bucket of {self.total} lanes is not a multiple of "
@@ -102,7 +109,8 @@ class Layout:
     def result_split(self) -> int:
         """Result packets per data packet (summed lanes may be wider)."""
         # split by whole summed lanes, so every ceil(per_packet / split) run fits
-        fit = self.payload * 8 // LANE_BITS[self.codec][1]
+        sums = NARROW_SUMS[self.codec] if self.narrow else self.codec
+        fit = self.payload * 8 // LANE_BITS[sums][1]
         return -(-self.per_packet // fit)
 
     def result_ranges(self, i: int) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ from dlcp.codecs import lanes as lane_ops
 from dlcp.core.aggregate import ShardResult
 from dlcp.core.layout import DEFAULT_PAYLOAD, Layout
 from dlcp.errors import LocalError, Reason
-from dlcp.wire.header import HEADER_SIZE, Flags
+from dlcp.wire.header import HEADER_SIZE, Codec, Flags, narrow_fits
 from dlcp.wire.mac import MAC_ALGORITHMS
 
 __all__ = [
@@ -113,6 +113,7 @@ class JobSpec:
     payload: int = DEFAULT_PAYLOAD
     window: int = 256  # rounds behind the newest that are still accepted
     mac: str = "blake2b"  # the packet MAC function (dlcp/wire/mac.py), the same at every node
+    ranks: int = 0  # the job's ranks, every contribution a lane can sum (0: not known)
 
     @classmethod
     def transpose(cls, job: int, key: bytes, me: int, hosts: int, **kw: Any) -> JobSpec:
@@ -157,6 +158,17 @@ class JobSpec:
         owners = tuple(aggregators[s % len(aggregators)] for s in range(n))
         return cls(job=job, key=key, me=me, contributors=tuple(contributors), owners=owners, **kw)
 
+    def layout(self, total: int, codec: int) -> Layout:
+        """A bucket's layout in this job; THC's results in whole data packets
+        of its narrow sums where no sum of the job's ranks can pass them."""
+        return Layout(
+            total=total,
+            codec=Codec(codec),
+            shards=len(self.owners),
+            payload=self.payload,
+            narrow=narrow_fits(codec, self.ranks),
+        )
+
     def __post_init__(self) -> None:
         if not self.contributors or not self.owners:
             raise LocalError(f"job {self.job}: no contributors or no owners")
@@ -166,6 +178,10 @@ class JobSpec:
             raise LocalError(f"job {self.job}: node {self.me} is not a member")
         if len(self.contributors) > lane_ops.MAX_CONTRIBUTORS:
             raise LocalError(f"job {self.job}: more than {lane_ops.MAX_CONTRIBUTORS} contributors")
+        if self.ranks and not len(self.contributors) <= self.ranks <= lane_ops.MAX_CONTRIBUTORS:
+            raise LocalError(
+                f"job {self.job}: {self.ranks} ranks for {len(self.contributors)} contributors"
+            )
         if len(self.key) < 16:
             raise LocalError(f"job {self.job}: MAC key shorter than 16 bytes")
         if self.mac not in MAC_ALGORITHMS:

@@ -41,8 +41,8 @@ from dlcp.codecs.sketch import (
     union_from_bitmap,
 )
 from dlcp.codecs.thc import ThcCodec
-from dlcp.wire.header import LANE_BITS, lane_bytes
 from dlcp.wire.header import Codec as WireCodec
+from dlcp.wire.header import lane_bytes, narrow_fits
 
 __all__ = ["Pipeline", "ShardContext", "pipeline_for"]
 
@@ -146,11 +146,7 @@ class LanePipeline(Pipeline):
         where every possible sum fits (the daemons send a shard's sums so when
         they all fit: `lanes.narrow_sums`), else the codec's summed lanes."""
         wire = self.codec.wire
-        narrow = lanes.NARROW.get(wire)
-        if narrow is None or contributors < 1:
-            return wire
-        top = (1 << LANE_BITS[wire][0]) - 1
-        return narrow if contributors * top < 1 << LANE_BITS[narrow][1] else wire
+        return lanes.NARROW[wire] if narrow_fits(wire, contributors) else wire
 
     def aggregate(self, phase: int, payloads: Sequence[Buffer], numel: int) -> bytes:
         wire = self.codec.wire

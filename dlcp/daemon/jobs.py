@@ -61,7 +61,16 @@ class JobState:
 
     def signature(self) -> tuple[object, ...]:
         s = self.spec
-        return (s.key, s.me, s.contributors, s.owners, s.payload, self.hosts, self.local_ranks)
+        return (
+            s.key,
+            s.me,
+            s.contributors,
+            s.owners,
+            s.payload,
+            s.ranks,
+            self.hosts,
+            self.local_ranks,
+        )
 
     def describe(self) -> dict[str, Any]:
         s = self.spec
@@ -73,6 +82,7 @@ class JobState:
             "contributors": list(s.contributors),
             "owners": list(s.owners),
             "local_ranks": self.local_ranks,
+            "ranks": s.ranks,
             "clients": len(self.clients),
             "rounds_completed": self.rounds_completed,
             "rounds_failed": self.rounds_failed,

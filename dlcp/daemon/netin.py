@@ -313,7 +313,9 @@ class NetworkIn:
         if h.count:  # a NACK that only asks for the DONE names no lost packet
             self.outbox.on_loss(peer, h.count, now)
         spec = job.spec
-        self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
+        self.outbox.on_nack(
+            peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now, ranks=spec.ranks
+        )
 
     def on_control(self, peer: Peer, job: JobState, dg: Any, now: float) -> None:
         """An accepted CONTROL packet from `peer` of `job`: a credit to the

@@ -458,10 +458,11 @@ class Outbox:
         shards: int,
         payload: int,
         now: float,
+        ranks: int = 0,
     ) -> None:
         """Charge the losses an accepted NACK names to the paths they went on
         (`pathloss.charge_nack`)."""
-        charge_nack(peer, nack, datagram, shards=shards, payload=payload, now=now)
+        charge_nack(peer, nack, datagram, shards=shards, payload=payload, now=now, ranks=ranks)
 
     def queued(self) -> int:
         return sum(p.queued for p in self.peers.values())

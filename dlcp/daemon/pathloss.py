@@ -14,7 +14,7 @@ from dlcp.core.layout import Layout
 from dlcp.daemon.packet_keys import _DATA, _F_RESULT_LEG, _RESULT
 from dlcp.daemon.peer import SHARDS_TRACKED, Peer
 from dlcp.errors import LocalError
-from dlcp.wire.header import HEADER_SIZE, Header
+from dlcp.wire.header import HEADER_SIZE, Header, narrow_fits
 
 __all__ = ["TRACKED_PER_GENERATION", "charge", "charge_nack", "show_rates", "track"]
 
@@ -47,12 +47,13 @@ def charge_nack(
     shards: int,
     payload: int,
     now: float,
+    ranks: int = 0,
 ) -> None:
     """Tell the peer's balancer which paths lost the packets an accepted NACK names.
 
     `datagram` is the NACK as received (its payload lists shard-local packet
-    indices, u32 big endian); `shards` and `payload` are the job's, for the
-    bucket's layout. Each named packet is
+    indices, u32 big endian); `shards`, `payload` and `ranks` are the job's,
+    for the bucket's layout (`JobSpec.layout`). Each named packet is
     looked up by (job, round, bucket, shard, offset, type) among the
     packets recently sent to this peer and charged to the path it took;
     the entry is forgotten, so a repeated NACK does not count it twice.
@@ -70,7 +71,8 @@ def charge_nack(
         charge(peer, 0, n, now)
         return
     try:
-        layout = Layout(nack.total, nack.codec, shards, payload)
+        narrow = narrow_fits(nack.codec, ranks)
+        layout = Layout(nack.total, nack.codec, shards, payload, narrow)
         idx = np.frombuffer(datagram, ">u4", n, HEADER_SIZE).astype(np.int64)
     except (LocalError, ValueError):
         return

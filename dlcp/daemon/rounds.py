@@ -22,7 +22,6 @@ import numpy as np
 from dlcp.codecs import lanes as lane_ops
 from dlcp.codecs.lanes_native import to_halves
 from dlcp.core.engine import Engine, JobSpec, RoundComplete, RoundFailed
-from dlcp.core.layout import Layout
 from dlcp.core.records import ALLREDUCE
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, JobState, LocalPart, LocalRound, OpKey
@@ -149,7 +148,7 @@ class RoundLifecycle:
         """All local ranks are in: sum them and hand the contribution to the engine."""
         codec = Codec(lr.codec)
         spec = job.spec
-        layout = Layout(total=lr.total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        layout = spec.layout(lr.total, codec)
         parts = lr.parts
         out = None
         if len(parts) == 1:
@@ -256,6 +255,7 @@ class RoundLifecycle:
         local_ranks: int,
         mode: str,
         payload: int,
+        ranks: int = 0,
         aggregators: tuple[int, ...] = (),
         contributors: tuple[int, ...] = (),
         shards: int | None = None,
@@ -273,29 +273,20 @@ class RoundLifecycle:
                 f"hosts[{me}] {list(mine.addresses)}:{mine.udp_port} is not this daemon "
                 f"({list(self.config.addresses)}:{self.config.udp_port})",
             )
+        kw: dict[str, Any] = {"payload": payload, "mac": self.config.mac, "ranks": ranks}
         if mode == "transpose":
-            spec = JobSpec.transpose(job, key, me, H, payload=payload, mac=self.config.mac)
+            spec = JobSpec.transpose(job, key, me, H, **kw)
         elif mode == "switch" and not aggregators and not contributors:
             # the last host is an aggregator in the switch (e.g. the testbed's
             # --switch-aggregator), not a host with a port of its own
             if H < 2:
                 raise bad_request("a switch job needs hosts and the switch's aggregator last")
-            spec = JobSpec.switch(job, key, me, H, payload=payload, mac=self.config.mac)
+            spec = JobSpec.switch(job, key, me, H, **kw)
         elif mode in ("ps", "switch"):
             # the hosts that do not aggregate contribute, unless named
             contr = contributors or tuple(i for i in range(H) if i not in aggregators)
             try:
-                spec = JobSpec.ps(
-                    job,
-                    key,
-                    me,
-                    H,
-                    aggregators,
-                    contr,
-                    shards,
-                    payload=payload,
-                    mac=self.config.mac,
-                )
+                spec = JobSpec.ps(job, key, me, H, aggregators, contr, shards, **kw)
             except LocalError as exc:
                 raise bad_request(str(exc)) from None
         else:

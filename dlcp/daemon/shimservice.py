@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dlcp import ipc
+from dlcp.codecs.lanes import MAX_CONTRIBUTORS
 from dlcp.core.buffers import SpareBuffers
 from dlcp.core.engine import Engine
-from dlcp.core.layout import Layout
 from dlcp.core.records import ALL_GATHER, ALLREDUCE, ROUND_KINDS
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import HostAddr, LocalPart, parse_hosts
@@ -307,6 +307,7 @@ class ShimService:
             hosts = tuple(table[i] for i in range(len(table)))
             me = cfg.host_index
         local = int_field(req, "local_ranks", 1, 256) if "local_ranks" in req else 1
+        ranks = int_field(req, "ranks", 1, MAX_CONTRIBUTORS) if "ranks" in req else 0
         mode = req.get("mode", "transpose")
         payload = int_field(req, "payload", 64, 65443) if "payload" in req else self.config.payload
         aggs_raw, contr_raw = req.get("aggregators", ()), req.get("contributors", ())
@@ -322,6 +323,7 @@ class ShimService:
             hosts=hosts,
             me=me,
             local_ranks=local,
+            ranks=ranks,
             mode=str(mode),
             payload=payload,
             aggregators=aggs,
@@ -389,7 +391,7 @@ class ShimService:
             raise bad_request(_UNION_BOUND)
         spec = job.spec
         kind = self._round_kind(req, job, bound)
-        layout = Layout(total=total, codec=codec, shards=len(spec.owners), payload=spec.payload)
+        layout = spec.layout(total, codec)
         n = layout.packets
         d_off, d_len = seg.region(req.get("data"), "data")
         if d_len != lane_bytes(codec, total, False):

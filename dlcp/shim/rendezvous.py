@@ -94,6 +94,7 @@ class Membership:
             "hosts": self.job_hosts,
             "me": me,
             "local_ranks": self.local_ranks if me == self.me else 1,
+            "ranks": len(self.host_of_rank),  # the job's every contribution
             "mode": mode,
             "payload": self.payload,
         }

@@ -213,9 +213,11 @@ class DlcpHost:
                 h = header_of_valid(dg)
                 if h.count:
                     self.outbox.on_loss(peer, h.count, now)
+                spec = self.spec
                 self.outbox.on_nack(
-                    peer, h, dg, shards=len(self.spec.owners), payload=self.spec.payload, now=now
-                )
+                    peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now,
+                    ranks=spec.ranks,
+                )  # fmt: skip
             elif kind == _CONTROL:
                 probe = probe_of(dg[HEADER_SIZE:])
                 if probe is not None:

@@ -138,6 +138,25 @@ LANE_BITS: dict[int, tuple[int, int]] = {
 }
 
 
+# THC's sums in the bits they need (`dlcp.codecs.lanes.narrow_sums`)
+NARROW_SUMS: dict[int, int] = {Codec.THC8: Codec.THC8_SUM10, Codec.THC4: Codec.THC4_SUM8}
+
+
+def narrow_fits(codec: int, contributions: int) -> bool:
+    """Whether every sum of `contributions` lanes of `codec` (each at most its
+    top, 255 for THC8) fits the codec's narrow sums: thc8 up to 4, thc4 up to
+    17."""
+    narrow = NARROW_SUMS.get(codec)
+    if narrow is None or contributions < 1:
+        return False
+    return contributions * ((1 << LANE_BITS[codec][0]) - 1) < 1 << LANE_BITS[narrow][1]
+
+
+def narrow_top(codec: int) -> int:
+    """The largest of `codec`'s narrow sums (1023 for THC8)."""
+    return (1 << LANE_BITS[NARROW_SUMS[codec]][1]) - 1
+
+
 def lane_bytes(codec: int, count: int, summed: bool) -> int:
     """Payload bytes of `count` lanes of `codec`."""
     bits = LANE_BITS[codec][1 if summed else 0]
