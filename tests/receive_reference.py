@@ -199,7 +199,10 @@ def reference_receive(self: Any, path: Any) -> None:
             if h.count:  # changed: a NACK asking only for the DONE counted as one lost packet
                 self.outbox.on_loss(peer, h.count, now)
             spec = job.spec
-            self.outbox.on_nack(peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now)
+            self.outbox.on_nack(
+                peer, h, dg, shards=len(spec.owners), payload=spec.payload, now=now,
+                ranks=spec.ranks,
+            )  # fmt: skip
         elif kind in _ACKING:
             acked[peer] = acked.get(peer, 0) + len(dg)
     for peer, nbytes in acked.items():  # once per peer and batch

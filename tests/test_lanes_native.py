@@ -275,10 +275,10 @@ def test_pack_u10_is_the_numpy_packing(n: int, monkeypatch: pytest.MonkeyPatch) 
     rng = np.random.default_rng(n)
     for top in (1 << 10, 1 << 16):
         v = rng.integers(0, top, n).astype(np.uint16)
-        got = lanes._narrow_bytes(Codec.THC8_SUM10, v)
+        got = lanes.narrow_bytes(Codec.THC8_SUM10, v)
         with monkeypatch.context() as m:
             m.setattr(lanes, "_bulk", None)
-            want = lanes._narrow_bytes(Codec.THC8_SUM10, v)
+            want = lanes.narrow_bytes(Codec.THC8_SUM10, v)
         assert got.tobytes() == want.tobytes()
     c = lanes._bulk
     with pytest.raises(ValueError):

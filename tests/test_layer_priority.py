@@ -15,6 +15,7 @@ import torch
 
 from dlcp.codecs import get_codec
 from dlcp.core.layout import Layout
+from dlcp.core.records import JobSpec
 from dlcp.daemon.config import Config
 from dlcp.daemon.jobs import LocalPart, LocalRound
 from dlcp.daemon.rounds import RoundLifecycle
@@ -65,7 +66,9 @@ def _classes(layers: list[int], n_layers: int | None) -> np.ndarray:
     )
     lr = LocalRound(1, 0, 0, int(Codec.FP32), total, 0.0, 0.0, expected=1, started=0.0)
     lr.parts.append(part)
-    job = SimpleNamespace(spec=SimpleNamespace(owners=(0,), payload=PAYLOAD))
+    job = SimpleNamespace(
+        spec=JobSpec(job=1, key=b"k" * 32, me=0, contributors=(0,), owners=(0,), payload=PAYLOAD)
+    )
     rounds._start_round(lr, job)  # type: ignore[arg-type]
     return np.asarray(submitted[0]["classes"])
 

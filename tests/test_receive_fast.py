@@ -316,6 +316,7 @@ class _Spec:
     job = 1
     owners = (0, 1, 2)
     payload = 1000
+    ranks = 0
 
 
 class _Job:

@@ -45,7 +45,7 @@
  *   THC8's sums (uint16 lanes, src) as THC8_SUM10's 10-bit lanes, LSB first,
  *   into dest ((n * 10 + 7) / 8 bytes): each four lanes a 40-bit word
  *   v0 | v1 << 10 | v2 << 20 | v3 << 30 (the last four padded with zeros)
- *   in five little-endian bytes, as `dlcp.codecs.lanes._narrow_bytes` makes
+ *   in five little-endian bytes, as `dlcp.codecs.lanes.narrow_bytes` makes
  *   them in numpy (also for values that do not fit, which its callers refuse
  *   first). ValueError where the lengths do not agree.
  *
