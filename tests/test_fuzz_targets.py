@@ -31,6 +31,7 @@ NOT_FUZZED = {
     ("_bulk", "to_halves"): "casts an owner's own float sums to fp16 result lanes",
     ("_bulk", "pack_u10"): "packs an owner's own thc8 sums into 10-bit result lanes",
     ("_thc", "rotate"): "the rank's own float32 gradients, in its own process: no input bytes",
+    ("_thc", "encode"): "the rank's own float32 gradients, in its own process: no input bytes",
     ("_thc", "quantize"): "the rank's own float32 gradients, in its own process: no input bytes",
     ("_thc", "unrotate"): "the rank's own float32 gradients, in its own process: no input bytes",
     ("_thc", "dequantize"): "the rank's own decode of its daemon's sums, sizes checked in Python",

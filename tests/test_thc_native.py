@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlcp.codecs import hadamard, thc
+from dlcp.codecs import hadamard, thc, thc_noise
 from dlcp.codecs.base import CodecState
 from dlcp.codecs.thc import ThcCodec
 from dlcp.errors import LocalError
@@ -86,6 +86,52 @@ def test_encode_in_c_is_torchs_encode(bits: int, scale: str, numel: int) -> None
         assert states[0].saturated == states[1].saturated
     if scale == "scalar":
         assert states[0].saturated > 0  # the clamp was exercised
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel", [8192, 5000, 1])
+def test_the_one_pass_encode_is_the_c_passes(bits: int, numel: int) -> None:
+    """Given its scales the encode is one C pass a block at a time
+    (`_thc.encode`): the lanes, maxima, saturations and residual of the C
+    passes over the whole bucket, step after step."""
+    fused, passes = ThcCodec(bits), ThcCodec(bits)
+    passes.fused = False
+    blocks = -(-numel // 1024)
+    g = torch.Generator().manual_seed(numel)
+    states = (CodecState(), CodecState())
+    for step in range(3):
+        x = torch.randn(numel, generator=g) * (step + 1)
+        sc = (torch.rand(blocks, generator=g) * 2.0, 1.5, torch.rand(blocks, generator=g))[step]
+        got = [
+            codec.encode(
+                x, per_packet=1024, seed=3, scale=sc, state=st,
+                generator=torch.Generator().manual_seed(step),
+            )
+            for codec, st in zip((fused, passes), states, strict=True)
+        ]  # fmt: skip
+        assert _bits(got[0].lanes) == _bits(got[1].lanes)
+        assert _bits(got[0].block_max) == _bits(got[1].block_max)
+        assert got[0].saturated == got[1].saturated
+        assert got[0].saturated > 0 or numel == 1  # the clamp exercised (not by one value)
+        assert _bits(states[0].residual) == _bits(states[1].residual)  # type: ignore[arg-type]
+
+
+def test_the_one_pass_encode_refuses_non_finite_values_and_keeps_the_residual() -> None:
+    codec, state = ThcCodec(8), CodecState()
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    codec.encode(x, per_packet=1024, seed=1, scale=2.0, state=state)
+    kept = state.residual.clone()  # type: ignore[union-attr]
+    x[1000] = float("nan")
+    with pytest.raises(LocalError, match="non-finite"):
+        codec.encode(x, per_packet=1024, seed=1, scale=2.0, state=state)
+    assert state.rounds == 1 and torch.equal(state.residual, kept)  # type: ignore[arg-type]
+    with pytest.raises(LocalError, match="finite and >= 0"):
+        codec.encode(x, per_packet=1024, seed=1, scale=torch.tensor([1.0, -1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="scales for"):
+        thc._native_thc.encode(
+            x.numpy(), None, np.ones(1024, np.float32), np.ones(3, np.float32), 1, 255, 8,
+            np.empty(4096, np.uint8), None, np.empty(4, np.float32),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -173,11 +219,11 @@ def test_the_noise_in_c_is_numpys_hash(key: int) -> None:
     assert c is not None
     got = np.empty(100_003, np.float32)
     c.uniforms(got, key)
-    assert got.tobytes() == thc.noise_of(key, got.size).tobytes()
+    assert got.tobytes() == thc_noise.noise_of(key, got.size).tobytes()
 
 
 def test_the_noise_is_uniform_and_private_to_its_key() -> None:
-    a, b = thc.noise_of(1, 400_000), thc.noise_of(2, 400_000)
+    a, b = thc_noise.noise_of(1, 400_000), thc_noise.noise_of(2, 400_000)
     assert float(a.min()) >= 0.0 and float(a.max()) < 1.0
     assert abs(float(a.mean()) - 0.5) < 0.003 and abs(float(a.var()) - 1 / 12) < 0.001
     assert abs(float(np.corrcoef(a, b)[0, 1])) < 0.01  # other keys, unrelated noise

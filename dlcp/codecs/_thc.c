@@ -156,7 +156,7 @@ done:
 
 /* The rounding noise of value i: 24 bits of a keyed hash of i as a float in
  * [0, 1): two rounds of the lowbias32 mix (Wellons), the key added before
- * the first and xored before the second. dlcp.codecs.thc._uniform_ is its
+ * the first and xored before the second. dlcp.codecs.thc_noise._uniform_ is its
  * numpy form. */
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
@@ -407,8 +407,133 @@ done:
     return ret;
 }
 
+/* encode(v, residual, signs, scales, key, levels, bits, lanes, residual_out,
+ *        block_max) -> saturated.
+ *
+ * The whole encode of a bucket given its scales, a block at a time while the
+ * block is in the L1 cache: a = v + residual (v alone where residual is None;
+ * zeros past len(v) in the last block) rotated as `rotate` does, its max |a|
+ * into block_max, rounded to levels as `quantize` does (one scale, or one a
+ * block), and, where residual_out is given (len(v) values), the residual's
+ * rotated form rotated back into it as `unrotate` does: the same float32
+ * operations in the same order as those passes over the whole bucket, so
+ * the same lanes, maxima and residual bit for bit, with one pass over
+ * memory instead of four. Returns how many rotated values exceeded their
+ * scale; a NaN leaves its block's max NaN (the caller refuses the encode). */
+static PyObject *encode(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer v, r = {0}, d, sc, out, ro = {0}, m;
+    PyObject *r_obj, *ro_obj;
+    unsigned long long key;
+    int levels, bits;
+    if (!PyArg_ParseTuple(args, "y*Oy*y*Kiiw*Ow*", &v, &r_obj, &d, &sc, &key, &levels, &bits,
+                          &out, &ro_obj, &m))
+        return NULL;
+    PyObject *ret = NULL;
+    float *blk = NULL;
+    int have_r = r_obj != Py_None, have_ro = ro_obj != Py_None;
+    if (have_r && PyObject_GetBuffer(r_obj, &r, PyBUF_SIMPLE) < 0) {
+        have_r = 0;
+        goto done;
+    }
+    if (have_ro && PyObject_GetBuffer(ro_obj, &ro, PyBUF_WRITABLE) < 0) {
+        have_ro = 0;
+        goto done;
+    }
+    if (!want(&v, 4, "v") || !want(&d, 4, "signs") || !want(&sc, 4, "scales") ||
+        !want(&m, 4, "block_max"))
+        goto done;
+    Py_ssize_t numel = v.len / 4, B = d.len / 4, blocks = m.len / 4, ns = sc.len / 4;
+    if (!is_block(B) || blocks != (numel + B - 1) / B) {
+        PyErr_Format(PyExc_ValueError, "%zd values are not %zd blocks of %zd (a power of two)",
+                     numel, blocks, B);
+        goto done;
+    }
+    if ((have_r && r.len != v.len) || (have_ro && ro.len != v.len)) {
+        PyErr_SetString(PyExc_ValueError, "residual and residual_out hold len(v) values");
+        goto done;
+    }
+    if (bits != 8 && bits != 4) {
+        PyErr_Format(PyExc_ValueError, "THC lanes are 8 or 4 bits, not %d", bits);
+        goto done;
+    }
+    if (levels != (1 << bits) - 1) {
+        PyErr_Format(PyExc_ValueError, "%d levels for %d bits", levels, bits);
+        goto done;
+    }
+    if (ns != 1 && ns != blocks) {
+        PyErr_Format(PyExc_ValueError, "%zd scales for %zd blocks", ns, blocks);
+        goto done;
+    }
+    Py_ssize_t n = blocks * B;
+    if (n > (Py_ssize_t)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%zd values: the noise counts to 2**32", n);
+        goto done;
+    }
+    Py_ssize_t need = bits == 8 ? n : (n + 1) / 2;
+    if (out.len < need) {
+        PyErr_Format(PyExc_ValueError, "lanes of %zd bytes for %zd values of %d bits", out.len,
+                     n, bits);
+        goto done;
+    }
+    /* the block, then its levels where they are not the lanes (4 bits) */
+    if (!(blk = PyMem_Malloc((size_t)B * (sizeof(float) + 1)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const float *vv = (const float *)v.buf, *rv = have_r ? (const float *)r.buf : NULL;
+    float *rov = have_ro ? (float *)ro.buf : NULL, *mx = (float *)m.buf;
+    const float *sg = (const float *)d.buf, *sv = (const float *)sc.buf;
+    uint8_t *lanes = (uint8_t *)out.buf, *tmp = (uint8_t *)(blk + B);
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    float L = (float)levels, inv = inv_sqrt(B);
+    long long saturated = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        Py_ssize_t lo = b * B, k = numel - lo < B ? numel - lo : B;
+        if (rv)
+            for (Py_ssize_t j = 0; j < k; j++) blk[j] = vv[lo + j] + rv[lo + j];
+        else
+            memcpy(blk, vv + lo, (size_t)k * sizeof(float));
+        for (Py_ssize_t j = k; j < B; j++) blk[j] = 0.0f;
+        fwht_block(blk, sg, B, inv);
+        mx[b] = abs_max(blk, B);
+        uint8_t *q = bits == 8 ? lanes + lo : tmp;
+        saturated += quantize_block(blk, (uint32_t)lo, k0, k1, B, sv[ns == 1 ? 0 : b], L, q,
+                                    rov != NULL);
+        if (bits == 4) {
+            for (Py_ssize_t j = 0; j < B; j++) {
+                Py_ssize_t i = lo + j;
+                if (i & 1)
+                    lanes[i >> 1] |= (uint8_t)(q[j] << 4);
+                else
+                    lanes[i >> 1] = q[j];
+            }
+        }
+        if (rov) {
+            fwht_block(blk, NULL, B, inv);
+            for (Py_ssize_t j = 0; j < k; j++) rov[lo + j] = blk[j] * sg[j];
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    ret = PyLong_FromLongLong(saturated);
+done:
+    PyMem_Free(blk);
+    PyBuffer_Release(&v);
+    if (have_r) PyBuffer_Release(&r);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&sc);
+    PyBuffer_Release(&out);
+    if (have_ro) PyBuffer_Release(&ro);
+    PyBuffer_Release(&m);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"rotate", rotate, METH_VARARGS, "rotate(a, signs, block_max): blocks rotated in place"},
+    {"encode", encode, METH_VARARGS,
+     "encode(v, residual, signs, scales, key, levels, bits, lanes, residual_out, block_max) "
+     "-> saturated: the encode in one pass"},
     {"quantize", quantize, METH_VARARGS,
      "quantize(y, scales, key, levels, bits, lanes, keep) -> saturated"},
     {"uniforms", uniforms, METH_VARARGS, "uniforms(out, key): the rounding noise"},

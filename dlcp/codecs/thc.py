@@ -36,9 +36,7 @@ identical errors, which no longer average out across workers.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -53,15 +51,9 @@ from dlcp.codecs.base import (
     lanes_out,
 )
 from dlcp.codecs.hadamard import check_block, fwht_, signs
+from dlcp.codecs.thc_noise import _native_thc, _noise_key, _shared_dither, _uniform_
 from dlcp.errors import LocalError
 from dlcp.wire.header import Codec as WireCodec
-
-try:  # THC's passes a block at a time (dlcp/codecs/_thc.c); off with DLCP_NATIVE_THC=0
-    from dlcp.codecs import _thc as _native_thc
-except ImportError:  # pragma: no cover - the extension is optional
-    _native_thc = None
-if os.environ.get("DLCP_NATIVE_THC", "1") == "0":
-    _native_thc = None
 
 __all__ = ["ThcCodec"]
 
@@ -70,15 +62,6 @@ __all__ = ["ThcCodec"]
 _TINY = 1e-30
 
 _WIRE = {8: WireCodec.THC8, 4: WireCodec.THC4}
-_DITHER_SALT = 0x9E3779B97F4A7C15
-
-
-@lru_cache(maxsize=2)
-def _shared_dither(seed: int, n: int, device: torch.device) -> torch.Tensor:
-    """n uniforms in [0, 1) from `seed`, the same on every device (drawn on the CPU)."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed((seed + _DITHER_SALT) % 2**64)
-    return torch.rand(n, generator=gen).to(device)
 
 
 @dataclass(frozen=True)
@@ -88,54 +71,6 @@ class _Scratch:
     a: torch.Tensor
     b: torch.Tensor
     c: torch.Tensor
-
-
-_MIX1, _MIX2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
-
-
-def _mix32(x: np.ndarray) -> np.ndarray:
-    """The lowbias32 mix (Wellons) of uint32 `x`, in place."""
-    x ^= x >> np.uint32(16)
-    x *= _MIX1
-    x ^= x >> np.uint32(15)
-    x *= _MIX2
-    x ^= x >> np.uint32(16)
-    return x
-
-
-def _noise_key(generator: torch.Generator | None) -> int:
-    """The 64-bit key of one encode's rounding noise: one draw of `generator`
-    (default: torch's global one)."""
-    return int(torch.randint(0, 2**62, (1,), generator=generator))
-
-
-def noise_of(key: int, n: int) -> np.ndarray:
-    """The rounding noise of the values 0..n-1 under `key`: uniforms in [0, 1)
-    of 24 bits, each a keyed hash of its place (two rounds of lowbias32, the
-    key's low half added before the first, its high half xored before the
-    second). What `_thc.quantize` computes per value (numpy's form of it)."""
-    i = np.arange(n, dtype=np.uint32)
-    i += np.uint32(key & 0xFFFFFFFF)
-    h = _mix32(_mix32(i) ^ np.uint32(key >> 32))
-    return (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
-
-
-def _uniform_(u: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Fill `u` with uniforms in [0, 1), independent per call, from `generator`.
-
-    On a CPU the keyed hash of each value's place (`noise_of`, in C by
-    `_thc.uniforms` where built), keyed by one draw of `generator`: the same
-    noise `_thc.quantize` makes without writing it, and 24-bit float32
-    uniforms as torch's are; the rounding stays unbiased and private to the
-    worker. CUDA tensors draw on their device."""
-    if u.device.type != "cpu" or not u.is_contiguous():
-        return u.uniform_(0.0, 1.0, generator=generator)
-    key = _noise_key(generator)
-    if _native_thc is not None:
-        _native_thc.uniforms(u.numpy().reshape(-1), key)
-    else:
-        u.numpy().reshape(-1)[:] = noise_of(key, u.numel())
-    return u
 
 
 def _out_scale(scale: Scale | None, gmax: float) -> Scale:
@@ -168,6 +103,8 @@ class ThcCodec(Codec):
         # the rotation, rounding and decode in C on a CPU (the butterflies'
         # bits; False: torch's passes, whose CPU transform is a matmul)
         self.native = _native_thc is not None and rotate and not dither
+        # given its scales, the whole encode in one C pass (`_thc.encode`)
+        self.fused = self.native
 
     def n_lanes(self, numel: int, per_packet: int) -> int:
         check_block(per_packet)
@@ -247,6 +184,8 @@ class ThcCodec(Codec):
         numel = v.numel()
         blocks = -(-numel // per_packet)
         n = blocks * per_packet
+        if self.fused and scale is not None and v.device.type == "cpu":
+            return self._encode_fused(v, blocks, per_packet, seed, scale, out, state, generator)
         work = self._scratch(v.device, n)
         # the padded blocks, with the residual added, into `a`
         a = work.a[:n]
@@ -354,6 +293,60 @@ class ThcCodec(Codec):
         if state is not None:
             residual = state.spare_for(v)
             _native_thc.unrotate(flat.numpy(), d.numpy(), residual.numpy())
+            state.keep(residual)
+            state.rounds += 1
+            state.saturated += saturated
+        return Encoded(
+            lanes=lanes,
+            n_lanes=n,
+            scale=_out_scale(scale, gmax),
+            block_max=block_max,
+            saturated=saturated,
+        )
+
+    def _encode_fused(
+        self,
+        v: torch.Tensor,
+        blocks: int,
+        per_packet: int,
+        seed: int,
+        scale: Scale,
+        out: torch.Tensor | None,
+        state: CodecState | None,
+        generator: torch.Generator | None,
+    ) -> Encoded:
+        """`_encode` with its scales given, in one C pass a block at a time
+        (`_thc.encode`): the lanes, maxima and residual of its passes, bit
+        for bit, without the bucket-sized scratch tensors between them."""
+        s, bad = self._scale(scale, blocks, v.device)
+        if bad is not None and bool(bad):
+            raise LocalError("per-packet THC scales must be finite and >= 0")
+        r = None if state is None else state.residual
+        if r is not None and r.shape != v.shape:
+            raise LocalError(
+                f"error-feedback state holds {r.numel()} values, bucket has {v.numel()}"
+            )
+        n = blocks * per_packet
+        nbytes = n if self.bits == 8 else (n + 1) // 2
+        lanes = torch.empty(nbytes, dtype=torch.uint8) if out is None else lanes_out(out, nbytes)
+        block_max = torch.empty(blocks, dtype=torch.float32)
+        residual = None if state is None else state.spare_for(v)
+        saturated = _native_thc.encode(
+            v.contiguous().numpy(),
+            None if r is None else r.contiguous().numpy(),
+            signs(seed, per_packet).numpy(),
+            s.reshape(-1).contiguous().numpy(),
+            _noise_key(generator),
+            self.levels,
+            self.bits,
+            lanes.numpy(),
+            None if residual is None else residual.numpy(),
+            block_max.numpy(),
+        )
+        gmax = float(block_max.max()) if blocks else 0.0
+        if not math.isfinite(gmax):
+            raise LocalError(f"{self.name} cannot encode non-finite gradient values")
+        if state is not None and residual is not None:
             state.keep(residual)
             state.rounds += 1
             state.saturated += saturated
