@@ -114,6 +114,55 @@ DLCP_CLONES static float abs_max(const float *restrict x, Py_ssize_t n) {
     return out;
 }
 
+/* The first k values of D H blk / sqrt(B) into out: the inverse rotation of
+ * one block, blk overwritten (`unrotate`, `dequantize` and `encode`). */
+static void unrotate_block(float *blk, const float *sg, Py_ssize_t B, float inv, float *out,
+                           Py_ssize_t k) {
+    fwht_block(blk, NULL, B, inv);
+    for (Py_ssize_t j = 0; j < k; j++) out[j] = blk[j] * sg[j];
+}
+
+/* The levels q of values lo..lo+B-1 as 4-bit lanes, two a byte low nibble
+ * first (`quantize` and `encode`). */
+static void pack_nibbles(uint8_t *lanes, const uint8_t *q, Py_ssize_t lo, Py_ssize_t B) {
+    for (Py_ssize_t j = 0; j < B; j++) {
+        Py_ssize_t i = lo + j;
+        if (i & 1)
+            lanes[i >> 1] |= (uint8_t)(q[j] << 4);
+        else
+            lanes[i >> 1] = q[j];
+    }
+}
+
+/* Whether `bits` and `levels` are THC's (8 or 4 bits, 2**bits - 1 levels);
+ * a ValueError set where not. */
+static int lanes_ok(int bits, int levels) {
+    if (bits != 8 && bits != 4) {
+        PyErr_Format(PyExc_ValueError, "THC lanes are 8 or 4 bits, not %d", bits);
+        return 0;
+    }
+    if (levels != (1 << bits) - 1) {
+        PyErr_Format(PyExc_ValueError, "%d levels for %d bits", levels, bits);
+        return 0;
+    }
+    return 1;
+}
+
+/* Whether n values' noise and their `bits`-bit lanes fit (n below 2**32,
+ * `len` bytes of lanes); a ValueError set where not. */
+static int room_ok(Py_ssize_t n, int bits, Py_ssize_t len) {
+    if (n > (Py_ssize_t)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%zd values: the noise counts to 2**32", n);
+        return 0;
+    }
+    if (len < (bits == 8 ? n : (n + 1) / 2)) {
+        PyErr_Format(PyExc_ValueError, "lanes of %zd bytes for %zd values of %d bits", len, n,
+                     bits);
+        return 0;
+    }
+    return 1;
+}
+
 /* rotate(a, signs, block_max): a (blocks x B float32, B = len(signs))
  * becomes H(D a)/sqrt(B) block by block; block_max[b] = max |a| of block b
  * after the rotation (NaN where the block holds a NaN, as torch's amax). */
@@ -245,28 +294,12 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     if (!want(&y, 4, "y") || !want(&sc, 4, "scales")) goto done;
     Py_ssize_t n = y.len / 4, ns = sc.len / 4;
-    if (bits != 8 && bits != 4) {
-        PyErr_Format(PyExc_ValueError, "THC lanes are 8 or 4 bits, not %d", bits);
-        goto done;
-    }
-    if (levels != (1 << bits) - 1) {
-        PyErr_Format(PyExc_ValueError, "%d levels for %d bits", levels, bits);
-        goto done;
-    }
+    if (!lanes_ok(bits, levels)) goto done;
     if (ns < 1 || n % ns) {
         PyErr_Format(PyExc_ValueError, "%zd scales for %zd values", ns, n);
         goto done;
     }
-    if (n > (Py_ssize_t)UINT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%zd values: the noise counts to 2**32", n);
-        goto done;
-    }
-    Py_ssize_t need = bits == 8 ? n : (n + 1) / 2;
-    if (out.len < need) {
-        PyErr_Format(PyExc_ValueError, "lanes of %zd bytes for %zd values of %d bits", out.len,
-                     n, bits);
-        goto done;
-    }
+    if (!room_ok(n, bits, out.len)) goto done;
     Py_ssize_t B = n / ns;
     float *yv = (float *)y.buf;
     const float *sv = (const float *)sc.buf;
@@ -284,15 +317,7 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
         Py_ssize_t lo = b * B;
         uint8_t *q = bits == 8 ? lanes + lo : tmp;
         saturated += quantize_block(yv + lo, (uint32_t)lo, k0, k1, B, sv[b], L, q, keep);
-        if (bits == 4) {
-            for (Py_ssize_t j = 0; j < B; j++) {
-                Py_ssize_t i = lo + j;
-                if (i & 1)
-                    lanes[i >> 1] |= (uint8_t)(q[j] << 4);
-                else
-                    lanes[i >> 1] = q[j];
-            }
-        }
+        if (bits == 4) pack_nibbles(lanes, q, lo, B);
     }
     Py_END_ALLOW_THREADS;
     PyMem_Free(tmp);
@@ -327,12 +352,8 @@ static PyObject *unrotate(PyObject *self, PyObject *args) {
     const float *sg = (const float *)d.buf;
     float inv = inv_sqrt(B);
     Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t lo = 0; lo < numel; lo += B) {
-        float *blk = yv + lo;
-        fwht_block(blk, NULL, B, inv);
-        Py_ssize_t k = numel - lo < B ? numel - lo : B;
-        for (Py_ssize_t j = 0; j < k; j++) ov[lo + j] = blk[j] * sg[j];
-    }
+    for (Py_ssize_t lo = 0; lo < numel; lo += B)
+        unrotate_block(yv + lo, sg, B, inv, ov + lo, numel - lo < B ? numel - lo : B);
     Py_END_ALLOW_THREADS;
     ret = Py_None;
     Py_INCREF(ret);
@@ -391,9 +412,8 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
             v = v - s;
             blk[j] = none ? 0.0f : v;
         }
-        fwht_block(blk, NULL, B, inv);
-        Py_ssize_t lo = b * B, k = numel - lo < B ? numel - lo : B;
-        for (Py_ssize_t j = 0; j < k; j++) ov[lo + j] = blk[j] * sg[j];
+        Py_ssize_t lo = b * B;
+        unrotate_block(blk, sg, B, inv, ov + lo, numel - lo < B ? numel - lo : B);
     }
     Py_END_ALLOW_THREADS;
     ret = Py_None;
@@ -453,29 +473,12 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "residual and residual_out hold len(v) values");
         goto done;
     }
-    if (bits != 8 && bits != 4) {
-        PyErr_Format(PyExc_ValueError, "THC lanes are 8 or 4 bits, not %d", bits);
-        goto done;
-    }
-    if (levels != (1 << bits) - 1) {
-        PyErr_Format(PyExc_ValueError, "%d levels for %d bits", levels, bits);
-        goto done;
-    }
+    if (!lanes_ok(bits, levels)) goto done;
     if (ns != 1 && ns != blocks) {
         PyErr_Format(PyExc_ValueError, "%zd scales for %zd blocks", ns, blocks);
         goto done;
     }
-    Py_ssize_t n = blocks * B;
-    if (n > (Py_ssize_t)UINT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%zd values: the noise counts to 2**32", n);
-        goto done;
-    }
-    Py_ssize_t need = bits == 8 ? n : (n + 1) / 2;
-    if (out.len < need) {
-        PyErr_Format(PyExc_ValueError, "lanes of %zd bytes for %zd values of %d bits", out.len,
-                     n, bits);
-        goto done;
-    }
+    if (!room_ok(blocks * B, bits, out.len)) goto done;
     /* the block, then its levels where they are not the lanes (4 bits) */
     if (!(blk = PyMem_Malloc((size_t)B * (sizeof(float) + 1)))) {
         PyErr_NoMemory();
@@ -501,19 +504,8 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         uint8_t *q = bits == 8 ? lanes + lo : tmp;
         saturated += quantize_block(blk, (uint32_t)lo, k0, k1, B, sv[ns == 1 ? 0 : b], L, q,
                                     rov != NULL);
-        if (bits == 4) {
-            for (Py_ssize_t j = 0; j < B; j++) {
-                Py_ssize_t i = lo + j;
-                if (i & 1)
-                    lanes[i >> 1] |= (uint8_t)(q[j] << 4);
-                else
-                    lanes[i >> 1] = q[j];
-            }
-        }
-        if (rov) {
-            fwht_block(blk, NULL, B, inv);
-            for (Py_ssize_t j = 0; j < k; j++) rov[lo + j] = blk[j] * sg[j];
-        }
+        if (bits == 4) pack_nibbles(lanes, q, lo, B);
+        if (rov) unrotate_block(blk, sg, B, inv, rov + lo, k);
     }
     Py_END_ALLOW_THREADS;
     ret = PyLong_FromLongLong(saturated);

@@ -82,6 +82,13 @@ def _out_scale(scale: Scale | None, gmax: float) -> Scale:
     return float(np.float32(float(scale)))
 
 
+def _keep(state: CodecState, residual: torch.Tensor, saturated: int) -> None:
+    """An encode's new residual made the state's, and the encode counted."""
+    state.keep(residual)
+    state.rounds += 1
+    state.saturated += saturated
+
+
 class ThcCodec(Codec):
     """THC with `bits` (8 or 4) per lane.
 
@@ -247,9 +254,7 @@ class ThcCodec(Codec):
             y.sub_(own)
             residual = state.spare_for(v)
             self._unrotated_into(y, u, seed, residual)  # (u is free again; t holds q)
-            state.keep(residual)
-            state.rounds += 1
-            state.saturated += saturated
+            _keep(state, residual, saturated)
         lanes = self._pack(q, out)
         return Encoded(
             lanes=lanes,
@@ -277,8 +282,7 @@ class ThcCodec(Codec):
         butterfly transform's `y`."""
         n = y.numel()
         key = _noise_key(generator)
-        nbytes = n if self.bits == 8 else (n + 1) // 2
-        lanes = torch.empty(nbytes, dtype=torch.uint8) if out is None else lanes_out(out, nbytes)
+        lanes = self._lanes(n, out)
         scales = s.reshape(-1).contiguous()
         flat = y.reshape(-1)
         saturated = _native_thc.quantize(
@@ -293,9 +297,7 @@ class ThcCodec(Codec):
         if state is not None:
             residual = state.spare_for(v)
             _native_thc.unrotate(flat.numpy(), d.numpy(), residual.numpy())
-            state.keep(residual)
-            state.rounds += 1
-            state.saturated += saturated
+            _keep(state, residual, saturated)
         return Encoded(
             lanes=lanes,
             n_lanes=n,
@@ -327,8 +329,7 @@ class ThcCodec(Codec):
                 f"error-feedback state holds {r.numel()} values, bucket has {v.numel()}"
             )
         n = blocks * per_packet
-        nbytes = n if self.bits == 8 else (n + 1) // 2
-        lanes = torch.empty(nbytes, dtype=torch.uint8) if out is None else lanes_out(out, nbytes)
+        lanes = self._lanes(n, out)
         block_max = torch.empty(blocks, dtype=torch.float32)
         residual = None if state is None else state.spare_for(v)
         saturated = _native_thc.encode(
@@ -347,9 +348,7 @@ class ThcCodec(Codec):
         if not math.isfinite(gmax):
             raise LocalError(f"{self.name} cannot encode non-finite gradient values")
         if state is not None and residual is not None:
-            state.keep(residual)
-            state.rounds += 1
-            state.saturated += saturated
+            _keep(state, residual, saturated)
         return Encoded(
             lanes=lanes,
             n_lanes=n,
@@ -357,6 +356,11 @@ class ThcCodec(Codec):
             block_max=block_max,
             saturated=saturated,
         )
+
+    def _lanes(self, n: int, out: torch.Tensor | None) -> torch.Tensor:
+        """Where the C passes write n values' lanes: `out`'s first bytes, or new."""
+        nbytes = n if self.bits == 8 else (n + 1) // 2
+        return torch.empty(nbytes, dtype=torch.uint8) if out is None else lanes_out(out, nbytes)
 
     def _pack(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The integer levels `q` as lanes: a byte each (thc8), two a byte low

@@ -80,10 +80,11 @@ class EarlyResults:
             raise ValueError(f"early results go in batches of 1 or more packets, not {batch}")
         self.agg = agg
         self.batch = batch
-        # `early_codec`, once every sender's weight is known (a packet of each
-        # in: none is whole before); None: nothing goes early
-        self.codec: int | None = None
-        self._decided = False
+        # `early_codec`: at once where it does not depend on the senders'
+        # weights, else once every sender's is known (a packet of each in:
+        # none is whole before); None: nothing goes early
+        self._decided = int(agg.layout.codec) not in NARROW
+        self.codec = early_codec(agg) if self._decided else None
         self.sent = np.zeros(agg.n_packets, dtype=bool)  # per data packet of the shard
         self._seen = 0  # the aggregator's packet count at the last look
         self._ready = 0  # packets whole and not sent at the last look
