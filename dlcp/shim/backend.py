@@ -34,7 +34,16 @@ The daemon's rounds are blocking in the shim, so `async_op=True` work runs on
 one thread of the group, in the order it was issued (every rank issues the
 same order); `Work.wait()` and `get_future()` behave as Gloo's. The shim's
 own agreement runs on a second Gloo group, so it never interleaves with the
-delegated collectives issued from the caller's thread.
+delegated collectives issued from the caller's thread. A one-leg collective's
+work completes as soon as this rank's round is in, while the ranks'
+agreement (did any rank's round fail?) is still in flight on the worker
+(`StepFinisher.finish_early`): FSDP issues its next collective only once
+this one is done, and no longer waits for the agreement too. That is safe
+because each rank's result of one leg comes from its own round alone: a
+reduce-scatter's shard only its rank holds, an all-gather exact. If another
+rank's round failed, every rank all-reduces the collective's input over the
+process group, the failed rank takes its result from that, the others'
+stand, and every rank detaches, before the next collective starts.
 
 A one-leg collective moves half an all-reduce's bytes, as Gloo's do.
 """
@@ -42,6 +51,7 @@ A one-leg collective moves half an all-reduce's bytes, as Gloo's do.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -62,6 +72,7 @@ from dlcp.wire.header import Codec
 __all__ = ["BACKEND", "DlcpProcessGroup", "groups", "options", "register", "set_options"]
 
 BACKEND = "dlcp"
+log = logging.getLogger(__name__)
 _SUM_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # gathered through fp32 sums
 _options: dict[str, Any] = {}
@@ -101,6 +112,9 @@ _work_from_future: Callable[[torch.futures.Future[Any]], dist.Work] = (
 )
 
 
+_Job = Callable[[Callable[[Any], None]], Any]  # called with `done` (`_Worker`)
+
+
 def _done(result: Any) -> dist.Work:
     fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(result)
@@ -108,26 +122,44 @@ def _done(result: Any) -> dist.Work:
 
 
 class _Worker:
-    """One thread running the group's dlcp collectives in issue order."""
+    """One thread running the group's dlcp collectives in issue order.
+
+    A job is called with `done`: it may hand its work's result over with
+    `done(result)` before it returns (a one-leg collective once its round is
+    in, while the ranks' agreement is still in flight: `deliver` in
+    `DlcpState.all_reduce`); the next job starts when it returns."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future[Any]] | None]
+        self._jobs: queue.SimpleQueue[tuple[_Job, torch.futures.Future[Any]] | None]
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="dlcp-collectives", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any]) -> dist.Work:
+    def submit(self, fn: _Job) -> dist.Work:
         fut: torch.futures.Future[Any] = torch.futures.Future()
         self._jobs.put((fn, fut))
         return _work_from_future(fut)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:
+            self._one(*job)
+
+    @staticmethod
+    def _one(fn: _Job, fut: torch.futures.Future[Any]) -> None:
+        handed: list[bool] = []
+
+        def done(result: Any) -> None:
+            if not handed:
+                handed.append(True)
+                fut.set_result(result)
+
+        try:
+            done(fn(done))
+        except BaseException as exc:
+            if not handed:
                 fut.set_exception(exc)
+            else:  # its result stands; what broke after (the agreement) is the next's
+                log.warning("dlcp: after a collective's result was handed over: %s", exc)
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -224,7 +256,7 @@ class DlcpProcessGroup(_ProcessGroup):
         per = lanes_per_packet(Codec.FP32, link.membership.payload)
         return -(-n // per) * per
 
-    def _dlcp(self, fn: Callable[[], Any]) -> dist.Work:
+    def _dlcp(self, fn: _Job) -> dist.Work:
         return self._worker.submit(fn)
 
     # -- all-reduce -------------------------------------------------------------------
@@ -234,7 +266,7 @@ class DlcpProcessGroup(_ProcessGroup):
             return self._gloo.allreduce(list(tensors), _allreduce_opts(op))
         average = op == dist.ReduceOp.AVG
 
-        def run() -> list[torch.Tensor]:
+        def run(_: Any) -> list[torch.Tensor]:
             for t in tensors:
                 self._reduce_in_place(t, average)
             return list(tensors)
@@ -270,17 +302,21 @@ class DlcpProcessGroup(_ProcessGroup):
             )
         average = op == dist.ReduceOp.AVG
 
-        def run() -> torch.Tensor:
+        def run(done: Callable[[Any], None]) -> torch.Tensor:
             n = output.numel()
             if n and self._one_leg(self.state.codec):
                 m = self._padded(n)
                 buf = torch.zeros(self._size * m, dtype=torch.float32)
                 buf.view(self._size, m)[:, :n] = input.detach().reshape(self._size, n)
-                self.state.all_reduce(buf, average=False, codec="fp32", kind="reduce_scatter")
-                mine = buf[self._rank * m : self._rank * m + n]
-                if average:
-                    mine.div_(self._size)
-                output.detach().copy_(mine.view_as(output))
+
+                def deliver(sums: torch.Tensor) -> None:
+                    mine = sums[self._rank * m : self._rank * m + n]
+                    if average:
+                        mine.div_(self._size)
+                    output.detach().copy_(mine.view_as(output))
+                    done(output)
+
+                self._one_leg_round(buf, "reduce_scatter", deliver)
                 return output
             buf = input.detach().reshape(-1).to(torch.float32, copy=True)
             self._reduce_in_place(buf, average)
@@ -307,7 +343,7 @@ class DlcpProcessGroup(_ProcessGroup):
                 f"ranks' inputs of {input.numel()}"
             )
 
-        def run() -> torch.Tensor:
+        def run(done: Callable[[Any], None]) -> torch.Tensor:
             n = input.numel()
             one_leg = n > 0 and self._one_leg("fp32")
             m = self._padded(n) if one_leg else n
@@ -316,13 +352,36 @@ class DlcpProcessGroup(_ProcessGroup):
             # alone; a full all-reduce (and the Gloo fallback of either) sums
             # it with the zeros, exact in fp32, none lost
             buf.view(self._size, m)[self._rank, :n] = input.detach().reshape(-1)
+
+            def deliver(sums: torch.Tensor) -> None:
+                output.detach().copy_(sums.view(self._size, m)[:, :n].reshape(output.shape))
+                done(output)
+
             with self._exact():
-                kind = "all_gather" if one_leg else "allreduce"
-                self.state.all_reduce(buf, average=False, codec="fp32", kind=kind)
-            output.detach().copy_(buf.view(self._size, m)[:, :n].reshape(output.shape))
+                if one_leg:
+                    self._one_leg_round(buf, "all_gather", deliver)
+                else:
+                    self.state.all_reduce(buf, average=False, codec="fp32")
+                    deliver(buf)
             return output
 
         return self._dlcp(run)
+
+    def _one_leg_round(
+        self, buf: torch.Tensor, kind: str, deliver: Callable[[torch.Tensor], None]
+    ) -> None:
+        """One leg of an fp32 round over `buf`; `deliver` gets the sums once:
+        as soon as this rank's round is in (before the ranks agree), or
+        where the state took another path (detached, the fallback) after."""
+        delivered: list[bool] = []
+
+        def once(sums: torch.Tensor) -> None:
+            delivered.append(True)
+            deliver(sums)
+
+        self.state.all_reduce(buf, average=False, codec="fp32", kind=kind, deliver=once)
+        if not delivered:
+            deliver(buf)
 
     def allgather_into_tensor_coalesced(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
@@ -341,7 +400,7 @@ class DlcpProcessGroup(_ProcessGroup):
     def _after_dlcp(self) -> None:
         """Wait for the dlcp collectives issued before a delegated one: a caller
         that reads their tensors after, say, a barrier sees them done."""
-        self._worker.submit(lambda: None).wait()
+        self._worker.submit(lambda _: None).wait()
 
     def barrier(self, opts: Any = None) -> dist.Work:
         self._after_dlcp()

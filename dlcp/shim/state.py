@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -398,6 +398,7 @@ class DlcpState:
         key: object | None = None,
         average: bool = True,
         kind: str = "allreduce",
+        deliver: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Average `tensor` over the ranks in place (blocking); returns it.
 
@@ -408,6 +409,10 @@ class DlcpState:
         "all_gather" (the backend's, `dlcp.shim.backend`): one leg of a round,
         where only the rank's own shard of the sum, or every rank's own
         shard, is the result (the fallback's sum is the whole tensor's).
+        `deliver` (one leg of fp32, not strict): called with the round's sums
+        (or the fallback's) as soon as this rank's round is in, before the
+        ranks' agreement answers (`StepFinisher.finish_early`); `tensor` is
+        then left as it was. Where it is not called `tensor` has the result.
         """
         name = codec or self.codec
         if not average and name not in ("fp32", "fp16"):
@@ -442,6 +447,9 @@ class DlcpState:
             kind=kind,
         )
         p.average = average
+        if deliver is not None and kind != "allreduce" and name == "fp32" and not self.strict:
+            finisher.finish_early(deliver)
+            return tensor
         if auto is not None:
             self._parts.auto.handed(p)
         finisher.finish()

@@ -11,6 +11,7 @@ with the state); it works on the collaborators it is given.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -111,6 +112,62 @@ class StepFinisher:
             self._timeline.end_step(time.perf_counter() - began)
             self.end_step()
 
+    def finish_early(self, deliver: Callable[[torch.Tensor], None]) -> None:
+        """The step's one bucket, an exact fp32 leg whose result each rank reads
+        from its own round alone (the backend's reduce-scatter, whose shard
+        only its rank holds, and all-gather, exact: `dlcp.shim.backend`), with
+        `deliver` called with the round's sums as soon as this rank's round is
+        in, before the ranks' agreement answers (2-3 ms a collective of
+        FSDP's, whose next one waits for this one). The agreement still runs
+        before anything else of the shim's: if another rank's round failed,
+        every rank detaches and all-reduces the bucket's input over the
+        process group (the failed rank's result, `deliver`ed then; this
+        rank's already delivered result stands: the same sums, from its own
+        round). Not for `strict` (its error must reach the caller)."""
+        step, s = self._step, self._settings
+        began = time.perf_counter()
+        try:
+            step.wait(time.monotonic() + s.round_timeout_s, s.round_timeout_s)
+            local = step.first_error()
+            (p,) = list(step)
+            answer = pg.agree_start(local is not None, None, self._attachment.agreement)
+            into = self._scratch_for(-1, p.buffer)
+            dec: Decoded | None = None
+            if local is None:
+                assert p.sub is not None
+                plan, region = p.sub.plan, p.sub.region
+                try:
+                    dec = decode_round(
+                        plan, region, p.buffer.device, self._staging, into, average=p.average
+                    )
+                except Exception:  # raised again after the agreement, as `finish` does
+                    dec = None
+                else:
+                    deliver(dec.mean)
+            failed, maxima = answer()
+            if failed:
+                self._step_failed([p], local or "another rank could not use dlcp in this step")
+                if dec is None:
+                    deliver(p.buffer)  # the process group's sums
+            else:
+                _, mean = self.bucket_done(p, maxima, 0, into, dec)
+                if dec is None:
+                    deliver(mean)
+        finally:
+            step.take()
+            self._auto.step_over()
+            self._attachment.reserve_for_next_step()
+            self._timeline.end_step(time.perf_counter() - began)
+            self.end_step()
+
+    def _scratch_for(self, bucket: int, buf: torch.Tensor) -> torch.Tensor:
+        """A tensor like `buf` kept for bucket `bucket` from step to step."""
+        key = (bucket, buf.numel())
+        into = self._scratch.get(key)
+        if into is None or into.dtype != buf.dtype:
+            into = self._scratch[key] = torch.empty_like(buf)
+        return into
+
     def end_step(self) -> None:
         """Count the step; while detached, see whether to reattach."""
         self.round += 1
@@ -130,10 +187,7 @@ class StepFinisher:
             buf = p.buffer
             if p.future is None or p.sub is None or p.reply is None or buf.device.type != "cpu":
                 continue
-            key = (p.bucket, buf.numel())
-            into = self._scratch.get(key)
-            if into is None or into.dtype != buf.dtype:
-                into = self._scratch[key] = torch.empty_like(buf)
+            into = self._scratch_for(p.bucket, buf)
             if p.times is not None:
                 p.times.decoding = time.perf_counter()
             try:
