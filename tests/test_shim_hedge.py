@@ -228,3 +228,51 @@ def test_the_hook_agrees_through_the_hedge_and_falls_back_as_before(
         agreements = stats["agreements"]
         assert agreements["ways"] == int(ways)
         assert agreements["count"] == steps and sum(agreements["wins"]) == steps
+
+
+# -- the groups' TCP connections marked into the control class -------------------
+
+
+def _marked_worker(rank: int, world: int, dscp: str) -> dict[str, Any]:
+    import os
+
+    from dlcp.shim import sockmark
+
+    os.environ[sockmark.DSCP_ENV] = dscp
+    store = dist.distributed_c10d._get_default_store()
+    before = sockmark.inet_stream_fds()  # the process group's and the store's
+    hedge = Hedge.make(None, store, "test/marked", ways=2)
+    new = sockmark.inet_stream_fds() - before
+    answer = pg.agree(rank == 1, torch.tensor([float(rank)]), hedge)
+    return {
+        "new": sorted(sockmark.tos_of(fd) for fd in new),
+        "old": sorted(sockmark.tos_of(fd) for fd in before),
+        "stats": hedge.describe(),
+        "answer": (answer[0], answer[1].tolist()),
+    }
+
+
+@pytest.mark.parametrize("dscp", ["", "0"])
+def test_the_hedges_own_connections_are_marked_into_the_control_class(
+    tmp_path: Path, dscp: str
+) -> None:
+    results = spawn(_marked_worker, 3, tmp_path, dscp=dscp)
+    want = 48 << 2 if dscp == "" else 0  # CS6, class 0's DSCP; "0": as Gloo made them
+    for res in results:
+        # two groups of three ranks: at least two connections each
+        assert len(res["new"]) >= 4
+        assert set(res["new"]) == {want}
+        assert res["stats"]["marked"] == (len(res["new"]) if want else 0)
+        assert set(res["old"]) == {0}  # the user's process group is left alone
+        assert res["answer"] == (True, [2.0])
+
+
+def test_a_bad_dscp_in_the_environment_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlcp.errors import LocalError
+    from dlcp.shim import sockmark
+
+    monkeypatch.setenv(sockmark.DSCP_ENV, "cs9")
+    with pytest.raises(LocalError, match="bad DSCP 'cs9'"):
+        sockmark.dscp_from_env()
+    monkeypatch.setenv(sockmark.DSCP_ENV, "af41")
+    assert sockmark.dscp_from_env() == 34

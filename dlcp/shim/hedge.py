@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlcp.shim import pg
+from dlcp.shim import pg, sockmark
 from dlcp.shim.rendezvous import Store
 
 __all__ = ["DEFAULT_WAYS", "HEDGE_ENV", "SLOW_S", "Hedge"]
@@ -80,6 +80,8 @@ class Hedge:
         self.max_s = 0.0
         self.wins = [0] * len(groups)
         self.recent: deque[float] = deque(maxlen=512)
+        self.marked = 0  # TCP connections of the groups marked (`make`)
+        self.dscp = 0  # their DSCP
 
     @classmethod
     def make(
@@ -90,21 +92,30 @@ class Hedge:
         *,
         ways: int | None = None,
         timeout: timedelta | None = None,
+        dscp: int | None = None,
     ) -> Hedge:
         """Collective over `group`'s ranks (through `store`, keys under
         `prefix`): `ways` new Gloo groups of those ranks, or `group` alone when
-        `ways` is 1, the group has one rank or its tensors live on CUDA."""
+        `ways` is 1, the group has one rank or its tensors live on CUDA. The
+        new groups' TCP connections are marked `dscp` (default: the control
+        class's, or DLCP_AGREE_DSCP: `dlcp.shim.sockmark`)."""
         n = ways_from_env() if ways is None else max(1, ways)
+        dscp = sockmark.dscp_from_env() if dscp is None else dscp
         size = pg.group_size(group)
         if n < 2 or size < 2 or not pg.on_cpu(group):
             return cls([group])
         rank = pg.group_rank(group)
         wait = dist.default_pg_timeout if timeout is None else timeout
         made: list[pg.Group] = []
+        before = sockmark.inet_stream_fds() if dscp else set()
         for i in range(n):
             sub = dist.PrefixStore(f"{prefix}/{i}", store)  # type: ignore[arg-type]
             made.append(pg.DirectGroup(dist.ProcessGroupGloo(sub, rank, size, wait), rank, size))
-        return cls(made)
+        hedge = cls(made)
+        if dscp:
+            hedge.marked = sockmark.mark(sockmark.inet_stream_fds() - before, dscp)
+            hedge.dscp = dscp
+        return hedge
 
     @property
     def ways(self) -> int:
@@ -189,4 +200,6 @@ class Hedge:
             "slow": self.slow,
             "slow_s": SLOW_S,
             "wins": list(self.wins),
+            "marked": self.marked,
+            "dscp": self.dscp,
         }
