@@ -188,3 +188,29 @@ def test_bench_ddp_smoke(tmp_path: Path) -> None:
         assert tl["steps"] == 2 and tl["buckets"] >= 2
         assert tl["phases"]["daemon"] is not None and tl["phases"]["total"] > 0
     assert dlcp["segment_grows"] == 0  # sized from the model at init
+
+
+def _sync_worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from dlcp.bench.ddp_worker import _sync_group
+    from dlcp.shim import sockmark
+
+    before = sockmark.inet_stream_fds()  # the process group's and the store's
+    group = _sync_group()
+    new = sockmark.inet_stream_fds() - before
+    dist.barrier(group=group)
+    return {
+        "new": sorted(sockmark.tos_of(fd) for fd in new),
+        "old": sorted(sockmark.tos_of(fd) for fd in before),
+    }
+
+
+def test_the_steps_barrier_runs_on_a_group_marked_into_the_control_class(tmp_path: Path) -> None:
+    # on the process group, unmarked, it queued behind a congested port's
+    # background: the ranks started their steps hundreds of ms apart
+    from tests.test_shim import spawn
+
+    for res in spawn(_sync_worker, 3, tmp_path):
+        assert len(res["new"]) >= 2 and set(res["new"]) == {48 << 2}
+        assert set(res["old"]) == {0}  # the backends' own group is left as it was

@@ -15,6 +15,14 @@ With both (`--backend dlcp,gloo`) each rank holds one such model per backend
 A step is forward, backward (all-reduce included) and an SGD update; its time
 is measured on every rank (the orchestrator takes the slowest rank's).
 
+The steps start together: a barrier after each, on a Gloo group of the
+worker's own (`_sync_group`) whose TCP is marked into the control class
+for every backend alike. On the process group it rode with the backend's
+traffic: Gloo's marked with -prio, dlcp's not, and behind a congested
+port's best-effort queue (100 Mbit/s, 117 ms of background) the ranks left
+the barrier up to hundreds of milliseconds apart, which dlcp's rounds, and
+not gloo-prio's, then waited out inside the timed step.
+
 Protocol: "ready" {params, width} -> (go) -> "step" events (rank 0) ->
 "result" {runs: {backend: {step_times_s, cpu_s, stats}}}; for dlcp, stats are
 the shim's counters, its timeline and the daemon's counters.
@@ -172,12 +180,26 @@ class _Trainer:
             self.state.timeline.clear()
 
 
+def _sync_group() -> Any:
+    """A new Gloo group of every rank for the bench's own barriers, its TCP
+    connections marked into the control class (`dlcp.shim.sockmark`)."""
+    import torch.distributed as dist
+
+    from dlcp.shim import sockmark
+
+    before = sockmark.inet_stream_fds()
+    group = dist.new_group(backend="gloo")
+    sockmark.mark(sockmark.inet_stream_fds() - before, sockmark.CONTROL_DSCP)
+    return group
+
+
 def run(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from dlcp.bench.train_worker import init_group, leave_group
 
     init_group(a)
+    sync = _sync_group()
     width = mlp_width(a.params, a.layers)
     trainers = [_Trainer(a, b) for b in a.backend.split(",")]
     params = sum(p.numel() for p in trainers[0].model.parameters())
@@ -210,7 +232,7 @@ def run(a: argparse.Namespace) -> None:
     for i in range(a.steps):
         for t in trainers:  # alternated: both see the same machine, step by step
             t.times.append(t.step(xb, yb))
-            dist.barrier()  # steps start together: a step's time is not a neighbour's wait
+            dist.barrier(group=sync)  # steps start together: no step times a neighbour's wait
         if a.rank == 0:
             emit("step", step=i + 1, t=time.perf_counter() - t0)
     results: dict[str, Any] = {}

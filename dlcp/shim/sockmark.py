@@ -22,6 +22,7 @@ name: cs6, af41, ...); 0 leaves the sockets as Gloo made them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterable
@@ -86,10 +87,8 @@ def inet_stream_fds() -> set[int]:
 def _set_tos(s: socket.socket, tos: int) -> None:
     if s.family == socket.AF_INET6:
         s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, tos)
-        try:  # a dual-stack socket's IPv4 packets
+        with contextlib.suppress(OSError):  # a dual-stack socket's IPv4 packets
             s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
-        except OSError:
-            pass
     else:
         s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
 
