@@ -6,7 +6,7 @@
 # Usage: sudo bash bench/run_screen.sh [OUT] [PART...]
 #   PART: ddp, cpu, demo, train (default: these four), and fsdp, overlap (the
 #   targets of the torch.distributed backend and of overlap mode, about 8
-#   minutes more)
+#   minutes more), congested (DDP steps beside background traffic, 1 minute)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/screen}
@@ -72,8 +72,14 @@ for part in $PARTS; do
             --overlap on --backends dlcp,dlcp-nooverlap,gloo,gloo-fp16 --no-progress \
             --json "$OUT/overlap-cnn.json"
         ;;
+    congested)
+        # DDP steps behind background TCP and UDP, against Gloo in the top class
+        run ddp-congested-fp32 $DLCP bench ddp --hosts 3 --rate 100mbit --scenario congested \
+            --grad-size 0.67MB --steps 40 --codec fp32 --backends dlcp,gloo-prio --no-progress \
+            --json "$OUT/ddp-congested-fp32.json"
+        ;;
     *)
-        echo "unknown part $part (ddp, cpu, demo, train, fsdp, overlap)" >&2
+        echo "unknown part $part (ddp, cpu, demo, train, fsdp, overlap, congested)" >&2
         exit 2
         ;;
     esac
