@@ -32,8 +32,11 @@ off: the process group alone, as before). Measured (FSDP gpt, 3 hosts,
 agreements over 0.1 s a rank and their total seconds were 68-102 and
 21-31 s with one group, 11-19 and 5.4-7.6 s with two, 4-6 and 3.5-4.7 s
 with three, 2-7 and 3.5-4.5 s with four: three is where it stops paying.
-A group whose tensors live on CUDA (NCCL) is not hedged. `describe` counts
-the agreements and their time.
+A group whose tensors live on CUDA (NCCL) is not hedged. The hedge's own
+groups' TCP connections are marked into the control class (CS6,
+`dlcp.shim.sockmark`): unmarked, a congested port's best-effort queue held
+them as long as any lost segment's timeout. `describe` counts the
+agreements and their time, and the connections marked.
 """
 
 from __future__ import annotations
