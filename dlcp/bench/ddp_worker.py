@@ -187,9 +187,7 @@ def _sync_group() -> Any:
 
     from dlcp.shim import sockmark
 
-    before = sockmark.inet_stream_fds()
-    group = dist.new_group(backend="gloo")
-    sockmark.mark(sockmark.inet_stream_fds() - before, sockmark.CONTROL_DSCP)
+    group, _ = sockmark.mark_new(lambda: dist.new_group(backend="gloo"), sockmark.CONTROL_DSCP)
     return group
 
 

@@ -109,15 +109,18 @@ class Hedge:
             return cls([group])
         rank = pg.group_rank(group)
         wait = dist.default_pg_timeout if timeout is None else timeout
-        made: list[pg.Group] = []
-        before = sockmark.inet_stream_fds() if dscp else set()
-        for i in range(n):
-            sub = dist.PrefixStore(f"{prefix}/{i}", store)  # type: ignore[arg-type]
-            made.append(pg.DirectGroup(dist.ProcessGroupGloo(sub, rank, size, wait), rank, size))
+
+        def groups() -> list[pg.Group]:
+            made: list[pg.Group] = []
+            for i in range(n):
+                sub = dist.PrefixStore(f"{prefix}/{i}", store)  # type: ignore[arg-type]
+                gloo = dist.ProcessGroupGloo(sub, rank, size, wait)
+                made.append(pg.DirectGroup(gloo, rank, size))
+            return made
+
+        made, marked = sockmark.mark_new(groups, dscp)
         hedge = cls(made)
-        if dscp:
-            hedge.marked = sockmark.mark(sockmark.inet_stream_fds() - before, dscp)
-            hedge.dscp = dscp
+        hedge.marked, hedge.dscp = marked, dscp
         return hedge
 
     @property

@@ -25,12 +25,23 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from dlcp.policies import DEFAULT_DSCP
 from dlcp.tc.plan import parse_dscp
 
-__all__ = ["CONTROL_DSCP", "DSCP_ENV", "dscp_from_env", "inet_stream_fds", "mark", "tos_of"]
+__all__ = [
+    "CONTROL_DSCP",
+    "DSCP_ENV",
+    "dscp_from_env",
+    "inet_stream_fds",
+    "mark",
+    "mark_new",
+    "tos_of",
+]
+
+T = TypeVar("T")
 
 DSCP_ENV = "DLCP_AGREE_DSCP"
 CONTROL_DSCP = DEFAULT_DSCP[0]  # class 0: control (CS6)
@@ -71,16 +82,25 @@ def _open(fd: int) -> socket.socket | None:
         return None
 
 
+def _tcp(fd: int) -> socket.socket | None:
+    """`_open(fd)` where `fd` is a TCP socket (IPv4 or IPv6), else None."""
+    s = _open(fd)
+    if s is not None and (
+        s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6)
+    ):
+        s.close()
+        return None
+    return s
+
+
 def inet_stream_fds() -> set[int]:
     """The process's open TCP (IPv4 and IPv6 stream) socket descriptors."""
     out = set()
     for fd in _socket_fds():
-        s = _open(fd)
-        if s is None:
-            continue
-        with s:
-            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
-                out.add(fd)
+        s = _tcp(fd)
+        if s is not None:
+            s.close()
+            out.add(fd)
     return out
 
 
@@ -98,12 +118,10 @@ def mark(fds: Iterable[int], dscp: int) -> int:
     many were marked (descriptors closed meanwhile, or not TCP, are skipped)."""
     tos, marked = dscp << 2, 0
     for fd in fds:
-        s = _open(fd)
+        s = _tcp(fd)
         if s is None:
             continue
         with s:
-            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
             try:
                 _set_tos(s, tos)
             except OSError:
@@ -112,17 +130,23 @@ def mark(fds: Iterable[int], dscp: int) -> int:
     return marked
 
 
+def mark_new(make: Callable[[], T], dscp: int) -> tuple[T, int]:
+    """`make()`'s result, with the TCP connections it opened marked `dscp`
+    (none with 0), and how many were."""
+    if not dscp:
+        return make(), 0
+    before = inet_stream_fds()
+    made = make()
+    return made, mark(inet_stream_fds() - before, dscp)
+
+
 def tos_of(fd: int) -> int | None:
     """The TOS byte (IPv6: traffic class) TCP socket `fd` sends with; None if
     `fd` is not one."""
-    s = _open(fd)
+    s = _tcp(fd)
     if s is None:
         return None
     with s:
-        if s.type != socket.SOCK_STREAM:
-            return None
         if s.family == socket.AF_INET6:
             return int(s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS))
-        if s.family == socket.AF_INET:
-            return int(s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS))
-        return None
+        return int(s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS))
