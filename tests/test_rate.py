@@ -494,3 +494,15 @@ def test_losses_cut_the_rate_only_with_loss_backoff() -> None:
         cut.on_loss(50, now=i * 0.05, loss_rate=0.5)
     assert kept.rate_bps == pytest.approx(1e8) and kept.lost_packets == 1000
     assert cut.rate_bps <= 1e8 / 16
+
+
+@pytest.mark.parametrize("key", ["delay_target", "delay-target"])
+def test_the_daemon_refuses_a_delay_target_it_could_not_act_on(key: str) -> None:
+    """The controller's delay rule needs RTT samples of the data's classes,
+    which dlcpd never takes: its config refuses the setting rather than
+    ignoring it; the rest of [rate] still parses."""
+    from dlcp.daemon.config import parse
+
+    with pytest.raises(LocalError, match="delay_target is not supported"):
+        parse({"rate": {key: 0.5e-3}})
+    assert parse({"rate": {"beta": 0.7}}).rate.beta == 0.7
