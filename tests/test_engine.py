@@ -1160,3 +1160,34 @@ def test_a_shards_next_timer_is_the_whole_masks_answer(seed: int) -> None:
         assert got == want, (seed, _step)
         seen.add((bool(agg.manifest.all()), bool(arrived.all()), agg.done_at is not None))
     assert seen
+
+
+def test_an_owner_whose_own_contribution_is_late_asks_only_the_others() -> None:
+    """Host 1 owns shard 1; hosts 0 and 2 submit and their data reaches it long
+    before host 1's own rank submits. Its shard's clock NACKs the senders
+    whose DONE is missing, and this node is one of them until its local part
+    comes (`on_local`), never from the network: the NACK to itself went out
+    (a batch for node 1 from node 1, which the simulator's pump and
+    tests/switchsim.py looked up among the peers and failed on)."""
+    engines = cluster(3)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(30_000).astype(np.float32) for _ in range(3)]
+    now = 0.0
+    for me in (0, 2):
+        engines[me].submit(
+            job=JOB, round=0, bucket=0, codec=Codec.FP32, total=xs[me].size,
+            lanes=xs[me].tobytes(), now=now,
+        )  # fmt: skip
+    to_owner = [s.datagram for me in (0, 2) for s in engines[me].datagrams_to_send() if s.node == 1]
+    assert to_owner
+    owner = engines[1]
+    for dg in to_owner:
+        assert owner.receive(dg, now, src=None) is not None
+    asked: list[int] = []
+    for _ in range(400):  # 4 s of the owner's timers, its rank still away
+        now += 0.01
+        t = owner.get_timer()
+        if t is not None and t <= now:
+            owner.handle_timer(now)
+        asked += [s.node for s in owner.datagrams_to_send()]
+    assert 1 not in asked

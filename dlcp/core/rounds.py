@@ -211,7 +211,10 @@ class OpenRounds:
                 agg.sum_into(sums)  # the owner's sums go straight where they are collected
         nacks, finished = agg.poll(now)
         for nack in nacks:
-            self.emitter.nack(r.spec, r.op, agg.layout, nack, False)
+            # This node's own part comes from its ranks (`on_local`), never from
+            # the network: while it is late, nothing to ask for (as below).
+            if nack.node != r.spec.me:
+                self.emitter.nack(r.spec, r.op, agg.layout, nack, False)
         if finished:
             self._shard_done(r, shard, agg, now)
         else:
