@@ -111,4 +111,5 @@ class RingRun:
             "fast_retransmits": sum(f.fast_retransmits for f in self.flows),
             "timeouts": sum(f.timeouts for f in self.flows),
             "tail_probes": sum(f.probes for f in self.flows),
+            "rack_marked": sum(f.sb.marked for f in self.flows),
         }

@@ -1,0 +1,175 @@
+"""The TCP model's SACK scoreboard, RACK, PRR, TLP and CUBIC with HyStart
+(dlcp/sim/tcp.py, tcp_sack.py, tcp_cubic.py), in virtual time: scripted
+losses of chosen segments and what the sender does about them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from dlcp.sim.events import EventLoop
+from dlcp.sim.fabric import Fabric, Topology
+from dlcp.sim.tcp import MIN_RTO, MSS, TcpFlow, deliver
+from dlcp.sim.tcp_cubic import BETA
+from dlcp.sim.tcp_sack import Reassembly, Scoreboard
+
+Drop = Callable[[int, int], bool]  # (segment index, its nth transmission from 1) -> lose it
+
+
+def _flow(
+    drop: Drop, *, rate_bps: float = 100e6, queue: int = 1000
+) -> tuple[EventLoop, Fabric, TcpFlow, list[tuple[int, float]]]:
+    """A flow over one switch whose sender's data segments are lost where
+    `drop` says (ACKs are never lost)."""
+    loop = EventLoop()
+    fabric = Fabric(loop, Topology(rate_bps=rate_bps, delay_s=25e-6, queue_packets=queue))
+    for _ in range(2):
+        fabric.add_endpoint(0, deliver)
+    got: list[tuple[int, float]] = []
+    flow = TcpFlow(fabric, 0, 1, cls=6, spine=0, on_data=lambda n: got.append((n, loop.now)))
+    send = fabric.send
+    sent: Counter[int] = Counter()
+
+    def lossy(src: int, dst: int, cls: int, wire: int, data: Any, spine: int = 0) -> None:
+        if data[1] == 0:
+            k = data[2] // MSS
+            sent[k] += 1
+            if drop(k, sent[k]):
+                return
+        send(src, dst, cls, wire, data, spine)
+
+    fabric.send = lossy  # type: ignore[method-assign]
+    return loop, fabric, flow, got
+
+
+def test_many_holes_in_one_window_recover_in_one_episode_without_a_timeout() -> None:
+    # seven segments of one window lost: the scoreboard sends each once, no RTO
+    holes = {40, 43, 44, 50, 61, 62, 70}
+    loop, _, flow, got = _flow(lambda k, n: k in holes and n == 1)
+    flow.write(300 * MSS)
+    loop.run(10.0)
+    assert sum(n for n, _ in got) == 300 * MSS
+    assert flow.timeouts == 0 and flow.fast_retransmits == 1
+    assert flow.retransmits == len(holes) and flow.sb.marked == len(holes)
+    assert got[-1][1] < MIN_RTO
+
+
+def test_a_lost_retransmission_is_resent_by_rack_before_the_rto() -> None:
+    # segment 20 is lost, and its first retransmission too: RACK finds that
+    # from the later segments' SACKs, not the 200 ms timer
+    loop, _, flow, got = _flow(lambda k, n: k == 20 and n <= 2)
+    flow.write(200 * MSS)
+    loop.run(10.0)
+    assert sum(n for n, _ in got) == 200 * MSS
+    assert flow.timeouts == 0 and flow.retransmits == 2
+    assert got[-1][1] < MIN_RTO
+
+
+def test_a_lost_tail_is_found_by_the_probe_not_the_rto() -> None:
+    # the last segment of a write is lost: no ACK follows it, the probe goes
+    loop, _, flow, got = _flow(lambda k, n: k == 29 and n == 1)
+    flow.write(30 * MSS)
+    loop.run(10.0)
+    assert sum(n for n, _ in got) == 30 * MSS
+    assert flow.probes == 1 and flow.timeouts == 0
+    assert got[-1][1] < MIN_RTO
+
+
+def test_prr_ends_recovery_at_the_cubic_cut_of_the_window() -> None:
+    entered: list[float] = []  # the window as recovery began
+    left: list[float] = []  # ... and as it ended
+    loop, _, flow, _ = _flow(lambda k, n: k == 300 and n == 1)
+    enter, on_ack = flow._enter_recovery, flow._on_ack
+
+    def spy_enter() -> None:
+        entered.append(flow.cwnd)
+        enter()
+
+    def spy_ack(*args: Any) -> None:
+        before = flow.state
+        on_ack(*args)
+        if before != flow.state == 0:
+            left.append(flow.cwnd)
+
+    flow._enter_recovery = spy_enter  # type: ignore[method-assign]
+    flow._on_ack = spy_ack  # type: ignore[method-assign]
+    flow.write(600 * MSS)
+    loop.run(10.0)
+    assert flow.fast_retransmits == 1 and flow.timeouts == 0
+    assert len(entered) == len(left) == 1 and entered[0] > 10
+    # ssthresh is the cut; recovery hands over at it (the same ACK then grows it a little)
+    assert flow.cc.ssthresh == pytest.approx(entered[0] * BETA)
+    assert left[0] == pytest.approx(entered[0] * BETA, rel=0.01)
+
+
+def test_hystart_leaves_slow_start_before_the_queue_overflows() -> None:
+    # a long transfer into a 200 Mbit/s port with the tc plan's 1000 packets:
+    # Reno's slow start doubled past the queue; HyStart stops it on the way
+    loop, fabric, flow, got = _flow(lambda k, n: False, rate_bps=200e6)
+    flow.write(20_000 * MSS)
+    loop.run(10.0)
+    assert sum(n for n, _ in got) == 20_000 * MSS
+    assert flow.cc.found and flow.cc.ssthresh < 1000
+    assert sum(fabric.down[1].drops) == 0 and flow.retransmits == 0
+
+
+def test_without_hystart_slow_start_overflows_the_queue() -> None:
+    # the same transfer into a short queue with HyStart kept off: drops
+    loop, fabric, flow, got = _flow(lambda k, n: False, rate_bps=200e6, queue=100)
+    flow.cc.found = True  # as if HyStart had fired and reset: it stays off
+    flow.write(3000 * MSS)
+    loop.run(10.0)
+    assert sum(n for n, _ in got) == 3000 * MSS
+    assert sum(fabric.down[1].drops) > 0 and flow.retransmits > 0
+
+
+@pytest.mark.parametrize(
+    ("segments", "blocks", "nxt"),
+    [
+        ([(0, 10)], [(-1, -1)], 10),
+        ([(0, 10), (20, 30), (40, 50)], [(-1, -1), (20, 30), (40, 50)], 10),
+        ([(20, 30), (30, 40), (10, 20)], [(20, 30), (20, 40), (10, 40)], 0),
+        ([(20, 30), (40, 50), (30, 40)], [(20, 30), (40, 50), (20, 50)], 0),
+        ([(20, 30), (0, 20)], [(20, 30), (-1, -1)], 30),
+        ([(20, 30), (20, 30), (0, 5)], [(20, 30), (20, 30), (-1, -1)], 5),
+        ([(0, 10), (0, 10)], [(-1, -1), (-1, -1)], 10),
+    ],
+)
+def test_reassembly_reports_the_block_holding_each_arrival(
+    segments: list[tuple[int, int]], blocks: list[tuple[int, int]], nxt: int
+) -> None:
+    r = Reassembly()
+    assert [r.add(a, b) for a, b in segments] == blocks
+    assert r.nxt == nxt
+
+
+def test_rack_marks_what_was_sent_before_a_delivered_cell_once_its_window_passes() -> None:
+    sb = Scoreboard()
+    for k in range(5):
+        sb.sent(k, 0.001 * k)
+    # cell 3 (sent at 3 ms) is SACKed at 4 ms, a round trip of 1 ms
+    assert sb.sack(3, 3 * MSS, 4 * MSS, 10 * MSS) == 1
+    sb.delivered(3, 0.003, 0.004)
+    # cells 0..2 were sent before it: due at their send + 1 ms + the window
+    assert sb.detect(0.004, 0.0015) == pytest.approx(0.0045)  # cell 2 waits
+    assert sorted(sb.lost) == [0, 1] and 4 in sb.flight
+    assert sb.detect(0.0046, 0.0015) is None  # cell 4 was sent after cell 3
+    assert sorted(sb.lost) == [0, 1, 2] and sb.pipe == 1
+    assert [sb.next_lost(), sb.next_lost(), sb.next_lost(), sb.next_lost()] == [0, 1, 2, None]
+
+
+def test_sack_marks_the_block_around_the_arrival_and_not_a_partly_held_cell() -> None:
+    sb = Scoreboard()
+    for k in range(8):
+        sb.sent(k, 0.0)
+    # cells 3..5 held (the ACKs of 3 and 4 were lost): the ACK of 5 marks all three
+    assert sb.sack(5, 3 * MSS, 6 * MSS, 8 * MSS) == 3
+    assert sb.sacked == {3, 4, 5} and sb.pipe == 5
+    # a block from inside cell 6 does not make cell 6 held
+    assert sb.sack(7, 6 * MSS + 100, 8 * MSS, 8 * MSS) == 1
+    assert sb.sacked == {3, 4, 5, 7}
+    # the cumulative ACK of 0..5 delivers the three not SACKed
+    assert sb.ack_to(6, False) == 3 and sb.sacked == {7} and list(sb.flight) == [6]
