@@ -142,6 +142,18 @@ def test_same_seed_same_run_another_seed_another() -> None:
     assert [x["random_losses"] for x in a] != [x["random_losses"] for x in c]
 
 
+def test_backends_in_processes_of_their_own_give_the_same_records() -> None:
+    """`simulate(..., processes=2)`: each backend spawned in a process, the
+    records in the backends' order, key for key those of one after the other."""
+    loss = Scenario("loss", loss_pct=5)
+    s = Settings(hosts=3, rate_bps=100e6, size_bytes=200_000, iters=2, warmup=0, scenario=loss)
+    one = simulate(s, ["dlcp", "ring"])
+    both = simulate(s, ["dlcp", "ring"], processes=2)
+    for x, y in zip(one, both, strict=True):
+        x.pop("wall_s"), y.pop("wall_s")
+        assert x == y
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ def register(sub: Any) -> None:
     p.add_argument("--json", type=Path, help="write the records here")
     p.add_argument("--plot", type=Path, help="write a plot of round times (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--processes", type=int, default=None,
+                   help="backends run at once, a process each (default: one a CPU)")  # fmt: skip
     p.set_defaults(func=main)
 
 
@@ -80,17 +83,26 @@ def settings_of(a: argparse.Namespace) -> tuple[Any, list[str]]:
     return s, backends
 
 
+class _Progress:
+    """Each round's end on stderr: one line a backend, or with backends run
+    at once a line a round (a module's class: it goes to their processes)."""
+
+    def __init__(self, lines: bool) -> None:
+        self.lines = lines
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        start = "" if self.lines else "\r"
+        end = "\n" if self.lines or done == total else ""
+        print(f"{start}{name}: round {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
 def main(a: argparse.Namespace) -> int:
     from dlcp.sim.run import simulate
 
     s, backends = settings_of(a)
-
-    def progress(name: str, done: int, total: int) -> None:
-        if not a.quiet:
-            print(f"\r{name}: round {done}/{total}", end="" if done < total else "\n",
-                  file=sys.stderr, flush=True)  # fmt: skip
-
-    recs = simulate(s, backends, progress)
+    processes = max(1, a.processes if a.processes is not None else (os.cpu_count() or 1))
+    progress = None if a.quiet else _Progress(lines=processes > 1 and len(backends) > 1)
+    recs = simulate(s, backends, progress, processes=processes)
     for r in recs:
         print(
             f"{r['backend']:<5} {r['mode']:<9} {r['scenario']:<10} hosts {r['hosts']:<4} "

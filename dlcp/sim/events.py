@@ -19,15 +19,23 @@ class TooManyEvents(RuntimeError):
 
 
 class EventLoop:
-    """A heap of `(t, seq, fn, args)`; `run` calls them in order."""
+    """A heap of `(t, seq, fn, args)`; `run` calls them in order.
 
-    __slots__ = ("_heap", "_seq", "events", "max_events", "now")
+    One heap entry may stand for a run of events due at once, one after the
+    other (`Port.offer_many`: a batch of frames off an unshaped NIC): its
+    handler counts each after the first against `left`, the events still
+    allowed before `run` next asks `done()`, and where none is left pushes
+    what remains back under its own `(t, seq)`. So `events` counts, and
+    `run` stops after, the same events as with one heap entry each."""
+
+    __slots__ = ("_heap", "_seq", "events", "left", "max_events", "now")
 
     def __init__(self, max_events: int = 10**9) -> None:
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         self.now = 0.0
         self.events = 0
+        self.left = 0  # events this chunk of `run` may still handle
         self.max_events = max_events
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
@@ -39,17 +47,31 @@ class EventLoop:
         packet's times are now plus what it takes): no clamp, no varargs."""
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
+    def push_seq(self, t: float, fn: Callable[..., None], args: tuple[Any, ...], seq: int) -> None:
+        """`push` under a `seq` already drawn (`next_seq`): what is left of a
+        run of events, back in the heap where it was."""
+        heapq.heappush(self._heap, (t, seq, fn, args))
+
+    def next_seq(self) -> int:
+        """A sequence number, as `push` draws one, for an entry pushed later."""
+        return next(self._seq)
+
     def run(self, until: float, done: Callable[[], bool] | None = None, check: int = 4096) -> None:
         """Handle events until none is left, `until` is passed, or `done()`
         (asked every `check` events)."""
         heap, pop = self._heap, heapq.heappop
         while heap and heap[0][0] <= until:
-            n = 0
-            while n < check and heap and heap[0][0] <= until:  # a chunk, then the checks
-                t, _, fn, args = pop(heap)
+            left = check
+            while left > 0 and heap:  # a chunk, then the checks
+                t, seq, fn, args = pop(heap)
+                if t > until:  # (back where it was: its key is unique)
+                    heapq.heappush(heap, (t, seq, fn, args))
+                    break
                 self.now = t
+                self.left = left - 1
                 fn(*args)
-                n += 1
+                left = self.left
+            n = check - left
             self.events += n
             if self.events > self.max_events:
                 raise TooManyEvents(f"more than {self.max_events} events by t={self.now:.6f} s")

@@ -147,9 +147,14 @@ class Fabric:
         self, src: int, dst: int, cls: int, frames: Sequence[bytes], overhead: int, spine: int = 0
     ) -> None:
         """`send` of each of `frames` in order (wire bytes: its length plus
-        `overhead`), the route looked up once: a host's batch of datagrams."""
+        `overhead`), the route looked up once: a host's batch of datagrams,
+        one heap entry for all of them off an unshaped NIC."""
         route = self.route(src, dst, spine)
-        offer = route[0].offer
+        first = route[0]
+        if first.rate_bps is None and len(frames) > 1:
+            first.offer_many([Packet(cls, len(b) + overhead, src, dst, route, b) for b in frames])
+            return
+        offer = first.offer
         for b in frames:
             offer(Packet(cls, len(b) + overhead, src, dst, route, b))
 

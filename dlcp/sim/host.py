@@ -57,8 +57,9 @@ class _Backlog(dict[Peer, None]):
     """An insertion-ordered stand-in for `Outbox.backlog` (a set of peers hashed
     by id): flushed in the same order every run, so a seed fixes the run."""
 
-    def add(self, peer: Peer) -> None:
-        self[peer] = None
+    # `self[peer] = None` in one C call (the outbox adds a peer a push):
+    # a peer already in keeps its place, as there
+    add = dict.setdefault
 
     def discard(self, peer: Peer) -> None:
         self.pop(peer, None)
@@ -135,7 +136,7 @@ class DlcpHost:
         job = JobState(spec=spec, hosts=hosts, local_ranks=1, mode=mode, peers=self.peers)
         size_windows([job], 0, config.rate)  # each peer's pacing cap, as the daemon's
         self.moderation = config.moderation_s
-        self.inbox: list[tuple[int, bytes]] = []
+        self.inbox: list[tuple[int, bytes]] = []  # (src, datagram): `Packet.data` is bytes here
         self.polling = False
         self.poll_at: float | None = None
         self.wake_pending = False
@@ -145,7 +146,7 @@ class DlcpHost:
 
     # -- the network in ---------------------------------------------------------
     def on_packet(self, pkt: Packet) -> None:
-        self.inbox.append((pkt.src, cast(bytes, pkt.data)))
+        self.inbox.append((pkt.src, pkt.data))
         if not self.polling and not self.wake_pending:
             self.wake_pending = True
             self.loop.at(self.loop.now, self._on_readable)

@@ -44,6 +44,7 @@ class Port:
 
     __slots__ = (
         "_arrive_cb",
+        "_arrive_many_cb",
         "_serve_cb",
         "busy",
         "busy_s",
@@ -97,6 +98,7 @@ class Port:
         self.sent_packets = 0
         self.busy_s = 0.0
         self._arrive_cb = self._arrive  # (bound once: one a packet costs an allocation)
+        self._arrive_many_cb = self._arrive_many
         self._serve_cb = self._serve
 
     def offer(self, pkt: Packet) -> None:
@@ -135,31 +137,67 @@ class Port:
             self.busy = True
             loop.push(self.free_at if self.free_at > now else now, self._serve_cb, ())
 
-    def _start(self, pkt: Packet) -> None:
-        """Put `pkt` on the wire now; the port is busy until its last bit is out."""
-        assert self.rate_bps is not None
+    def _serve(self) -> None:
+        """The wire is free: the first packet of the highest class waiting goes
+        on it; another serve when its last bit is out, while packets wait."""
+        self.busy = False
+        if not self.queued:
+            return
+        for q in self.queues:
+            if q:
+                pkt = q.popleft()
+                break
+        self.queued -= 1
         loop = self.loop
+        assert self.rate_bps is not None
         tx = pkt.wire * 8 / self.rate_bps
         self.busy_s += tx
         self.sent_bytes += pkt.wire
         self.sent_packets += 1
         self.free_at = done = loop.now + tx
         loop.push(done + self.delay, self._arrive_cb, (pkt,))
-
-    def _serve(self) -> None:
-        """The wire is free: the first packet of the highest class waiting;
-        another serve when its last bit is out, while packets wait."""
-        self.busy = False
-        if not self.queued:
-            return
-        for q in self.queues:
-            if q:
-                self.queued -= 1
-                self._start(q.popleft())
-                break
         if self.queued:
             self.busy = True
-            self.loop.push(self.free_at, self._serve_cb, ())
+            loop.push(done, self._serve_cb, ())
+
+    def offer_many(self, pkts: list[Packet]) -> None:
+        """`offer` of each of `pkts`, all of one class, at an unshaped port
+        (`rate_bps` None): their arrivals at the far end, all due at once
+        and one after the other, as one heap entry (`_arrive_many`)."""
+        assert self.rate_bps is None
+        if self.down:
+            self.drops[pkts[0].cls] += len(pkts)
+            return
+        self.sent_packets += len(pkts)
+        for pkt in pkts:
+            self.sent_bytes += pkt.wire
+        loop = self.loop
+        seq = loop.next_seq()
+        loop.push_seq(loop.now + self.delay, self._arrive_many_cb, (pkts, 0, seq), seq)
+
+    def _arrive_many(self, pkts: list[Packet], i: int, seq: int) -> None:
+        """`_arrive` of `pkts[i:]` in order, each an event of `loop.left`; the
+        rest back in the heap under `seq` when the loop's chunk is spent."""
+        loop, loss, rng = self.loop, self.loss, self.rng
+        n = len(pkts)
+        while True:  # (`_arrive` of each, inline)
+            pkt = pkts[i]
+            if loss and rng.random() < loss:
+                self.lost += 1
+            else:
+                pkt.hop = hop = pkt.hop + 1
+                route = pkt.route
+                if hop < len(route):
+                    route[hop].offer(pkt)
+                else:
+                    self.deliver(pkt)
+            i += 1
+            if i == n:
+                return
+            if loop.left <= 0:
+                loop.push_seq(loop.now, self._arrive_many_cb, (pkts, i, seq), seq)
+                return
+            loop.left -= 1
 
     def _arrive(self, pkt: Packet) -> None:
         if self.loss and self.rng.random() < self.loss:
