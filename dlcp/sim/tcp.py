@@ -2,26 +2,32 @@
 of Linux's TCP as decides an all-reduce's tail.
 
 Kept: CUBIC with HyStart from 10 segments (dlcp/sim/tcp_cubic.py); a SACK
-scoreboard (dlcp/sim/tcp_sack.py): each ACK carries the block holding the
-segment that made it (RFC 2018's first block), and the sender keeps every
-segment's state, sends while the pipe (the segments in flight, RFC 6675's)
-is under the window, retransmissions of the lost first, lowest first; RACK
-loss detection (RFC 8985: a segment sent before one delivered is lost once
-that one's round trip plus a reorder window has passed since it was sent,
-a quarter of the least RTT, none in recovery or from 3 SACKed segments on,
-with its timer), so a lost retransmission goes again before the RTO; fast
-recovery with PRR (RFC 6937 with its slow-start reduction bound, in Linux's
-integers), one window cut an episode; a tail-loss probe (TLP: out of recovery, with data out and no
-ACK for max(2 SRTT, 10 ms) a new segment or the last one goes, so a lost
+scoreboard (dlcp/sim/tcp_sack.py): every arrival is ACKed at once, and the
+ACK carries up to 3 SACK blocks as Linux's with timestamps (RFC 2018: the
+block holding the segment that made it first, then the most recently
+reported others; an in-order arrival's ACK repeats those still held; a
+duplicate's, 2, its D-SACK taking a slot), so what a lost ACK said comes
+again in the next; the sender keeps every segment's state, sends while the
+pipe (the segments in flight, RFC 6675's) is under the window,
+retransmissions of the lost first, lowest first; RACK loss detection (RFC
+8985: a segment sent before one delivered is lost once that one's round trip
+plus a reorder window has passed since it was sent, a quarter of the least
+RTT, none in recovery or from 3 SACKed segments on, with its timer), so a
+lost retransmission goes again before the RTO; fast recovery with PRR (RFC
+6937 with its slow-start reduction bound, in Linux's integers), one window
+cut an episode; a tail-loss probe (TLP: out of recovery, with data out and
+no ACK for max(2 SRTT, 10 ms) a new segment or the last one goes, so a lost
 tail is found by SACK and RACK rather than the RTO); the retransmission
 timer from smoothed RTT and its variance as Linux's (SRTT + max(4 RTTVAR,
-200 ms)), exponential backoff, every segment in flight marked lost after a
-timeout (the SACKed kept) and slow start again; an RTT sample from every ACK
-of new data (timestamps); congestion window growth only while the window
-limits the flow. Left out: the second and third SACK blocks, D-SACK and
-undoing spurious cuts (F-RTO, Eifel), the window's restart after idle,
-delayed ACKs, receive-window limits (the receiver's buffer never fills),
-pacing, ECN/DCTCP, the CPU.
+200 ms)), restarted by each ACK of new data and by the head's
+retransmission, exponential backoff, every segment in flight marked lost
+after a timeout (the SACKed kept) and slow start again; an RTT sample from
+every ACK of new data (timestamps); congestion window growth only while the
+window limits the flow. Left out: D-SACK's use (the block is not sent: it
+only undoes spurious cuts and widens RACK's reorder window, neither
+modelled), undoing spurious cuts (F-RTO, Eifel), the window's restart after
+idle, delayed ACKs, receive-window limits (the receiver's buffer never
+fills), pacing, ECN/DCTCP, the CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["MIN_RTO", "MSS", "TcpFlow"]
 
 HEADERS = 66  # Ethernet 14, IP 20, TCP 20 + 12 of timestamps
+SACK_OPTION = 4  # and on an ACK with SACK blocks, 8 bytes each (two NOPs, kind, length)
 MIN_RTO = 0.2
 TLP_MIN = 0.01
 INIT_RTO = 1.0
@@ -200,7 +207,7 @@ class TcpFlow:
         sndcnt = max(sndcnt, 0 if self.prr_out else 1)
         self.cc.cwnd = float(pipe + sndcnt)
 
-    def _on_ack(self, ack: int, ts: float, seq: int, a: int, b: int) -> None:
+    def _on_ack(self, ack: int, ts: float, seq: int, blocks: tuple[tuple[int, int], ...]) -> None:
         now = self.loop.now
         sb, cc = self.sb, self.cc
         advanced = ack > self.una
@@ -217,8 +224,8 @@ class TcpFlow:
             sb.min_rtt = min(sb.min_rtt, rtt)
             delivered += sb.ack_to(ack // MSS, ack >= self.nxt)
             self.una = ack
-        if a >= 0:
-            delivered += sb.sack(seq // MSS, a, b, self.written)
+        if blocks:
+            delivered += sb.sack(blocks, self.written)
         if delivered or advanced:
             sb.delivered(seq // MSS, ts, now)
         self._detect()
@@ -267,10 +274,12 @@ class TcpFlow:
     def _on_segment(self, seq: int, end: int, ts: float) -> None:
         rcv = self.rcv
         before = rcv.nxt
-        a, b = rcv.add(seq, end)
+        rcv.add(seq, end)
+        blocks = rcv.blocks()  # every arrival is ACKed at once, in order or not
         self.fabric.send(
-            self.dst, self.src, self.cls, HEADERS, (self, 1, rcv.nxt, ts, seq, a, b), self.spine
-        )
+            self.dst, self.src, self.cls, HEADERS + SACK_OPTION * bool(blocks) + 8 * len(blocks),
+            (self, 1, rcv.nxt, ts, seq, blocks), self.spine,
+        )  # fmt: skip
         if rcv.nxt > before:
             self.on_data(rcv.nxt - before)
 
@@ -281,4 +290,4 @@ def deliver(pkt: Packet) -> None:
     if d[1] == 0:
         d[0]._on_segment(d[2], d[3], d[4])
     else:
-        d[0]._on_ack(d[2], d[3], d[4], d[5], d[6])
+        d[0]._on_ack(d[2], d[3], d[4], d[5])

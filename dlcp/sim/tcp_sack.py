@@ -1,5 +1,6 @@
-"""SACK for the TCP model: the receiver's out-of-order blocks and the sender's
-scoreboard with RACK's loss detection (RFC 8985).
+"""SACK for the TCP model: the receiver's out-of-order blocks and the SACK
+blocks its ACKs carry (RFC 2018, up to 3 as Linux's with timestamps), and the
+sender's scoreboard with RACK's loss detection (RFC 8985).
 
 The sender counts in cells: `MSS` bytes on the sequence grid (a write that
 ends inside a cell sends it in two pieces, both the same cell). A cell is
@@ -16,35 +17,44 @@ import heapq
 from bisect import bisect_left
 from collections import OrderedDict
 
-__all__ = ["MSS", "Reassembly", "Scoreboard"]
+__all__ = ["ACK_SACKS", "MSS", "Reassembly", "Scoreboard"]
 
 MSS = 1448  # payload of a 1514-byte frame with timestamps
+NUM_SACKS = 4  # blocks the receiver remembers (Linux's TCP_NUM_SACKS)
+ACK_SACKS = 3  # blocks an ACK carries: the option space that timestamps leave
 
 
 class Reassembly:
-    """The receiver: `nxt`, the next byte due in order, and the blocks held
-    beyond it (sorted, disjoint, not touching)."""
+    """The receiver: `nxt`, the next byte due in order, the blocks held beyond
+    it (sorted, disjoint, not touching), and the SACK blocks to report (RFC
+    2018, as Linux keeps them: up to `NUM_SACKS`, the most recently changed
+    first)."""
 
-    __slots__ = ("ends", "nxt", "starts")
+    __slots__ = ("dup", "ends", "nxt", "recent", "starts")
 
     def __init__(self) -> None:
         self.nxt = 0
         self.starts: list[int] = []
         self.ends: list[int] = []
+        self.recent: list[tuple[int, int]] = []  # held blocks, the latest first
+        self.dup = False  # the last arrival held nothing new (a D-SACK goes)
 
-    def add(self, seq: int, end: int) -> tuple[int, int]:
-        """Take bytes [seq, end); the SACK block that now holds them (RFC
-        2018's first block), or (-1, -1) when they came in order or were old."""
+    def add(self, seq: int, end: int) -> None:
+        """Take bytes [seq, end): the block that now holds them goes to the
+        front of `recent`, and blocks now in order leave it."""
         starts, ends = self.starts, self.ends
-        if end <= self.nxt:
-            return -1, -1
+        self.dup = end <= self.nxt
+        if self.dup:
+            return
         if seq <= self.nxt:
             self.nxt = end
             while starts and starts[0] <= self.nxt:  # what was held now joins on
                 if ends[0] > self.nxt:
                     self.nxt = ends[0]
                 del starts[0], ends[0]
-            return -1, -1
+            if self.recent:
+                self.recent = [r for r in self.recent if r[0] > self.nxt]
+            return
         i = bisect_left(starts, seq)
         lo = i - 1 if i > 0 and ends[i - 1] >= seq else i
         hi = i
@@ -53,18 +63,30 @@ class Reassembly:
         if lo == hi:
             starts.insert(lo, seq)
             ends.insert(lo, end)
-            return seq, end
-        a, b = min(seq, starts[lo]), max(end, ends[hi - 1])
-        starts[lo:hi], ends[lo:hi] = [a], [b]
-        return a, b
+            a, b = seq, end
+        else:
+            a, b = min(seq, starts[lo]), max(end, ends[hi - 1])
+            self.dup = a == starts[lo] and b == ends[lo] and hi - lo == 1
+            starts[lo:hi], ends[lo:hi] = [a], [b]
+        recent = [r for r in self.recent if not a <= r[0] < b]
+        recent.insert(0, (a, b))
+        del recent[NUM_SACKS:]
+        self.recent = recent
+
+    def blocks(self) -> tuple[tuple[int, int], ...]:
+        """The SACK blocks of the ACK of the last arrival: the first holds it
+        (when held out of order), then the most recently reported others; a
+        duplicate's ACK gives the first of its `ACK_SACKS` slots to a D-SACK
+        block, which the sender does not use and so is not sent."""
+        return tuple(self.recent[: ACK_SACKS - 1 if self.dup else ACK_SACKS])
 
 
 class Scoreboard:
     """The sender's outstanding cells from `una_k` on, and RACK's state."""
 
     __slots__ = (
-        "flight", "lost", "lost_heap", "marked", "min_rtt", "rack_k", "rack_rtt",
-        "rack_ts", "sacked", "una_k",
+        "cache", "flight", "lost", "lost_heap", "marked", "min_rtt", "rack_k",
+        "rack_rtt", "rack_ts", "sacked", "una_k",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -78,6 +100,7 @@ class Scoreboard:
         self.rack_rtt = 0.0  # ... and its round trip
         self.min_rtt = float("inf")
         self.marked = 0  # cells RACK marked lost
+        self.cache: list[tuple[int, int]] = []  # cells whole in the last ACK's blocks
 
     @property
     def pipe(self) -> int:
@@ -125,21 +148,38 @@ class Scoreboard:
             lost.clear()
         return n
 
-    def sack(self, k0: int, a: int, b: int, written: int) -> int:
-        """The block [a, b) of bytes is held and the arrival that made it was in
-        cell `k0`: mark the block's whole cells from `k0` outward, stopping at
-        one already SACKed (those beyond were marked by earlier ACKs); how many
-        were newly SACKed."""
+    def sack(self, blocks: tuple[tuple[int, int], ...], written: int) -> int:
+        """An ACK's SACK blocks (bytes): mark their cells held, a cell sent in
+        part when its written bytes are; how many were newly SACKed. Cells
+        whole in the last ACK's blocks are skipped (Linux's SACK cache: a
+        receiver's blocks only grow), so an ACK costs what it tells anew."""
         n = 0
-        for k, step in ((k0, -1), (k0 + 1, 1)):
-            while k >= self.una_k and a <= k * MSS < b and min(k * MSS + MSS, written) <= b:
-                if k in self.sacked:
-                    break
-                self.sacked.add(k)
-                self.flight.pop(k, None)
-                self.lost.discard(k)
+        cache: list[tuple[int, int]] = []
+        old = sorted(self.cache)
+        for a, b in blocks:
+            lo, full = max(-(-a // MSS), self.una_k), b // MSS
+            k = lo
+            for clo, chi in old:
+                if chi > k and clo < full:
+                    n += self._mark(k, min(clo, full))
+                    k = max(k, chi)
+            n += self._mark(k, full)
+            if full * MSS < written <= b and full >= lo:  # the partial last cell
+                n += self._mark(full, full + 1)
+            if full > lo:
+                cache.append((lo, full))
+        self.cache = cache
+        return n
+
+    def _mark(self, lo: int, hi: int) -> int:
+        n = 0
+        sacked, flight, lost = self.sacked, self.flight, self.lost
+        for k in range(lo, hi):
+            if k not in sacked:
+                sacked.add(k)
+                flight.pop(k, None)
+                lost.discard(k)
                 n += 1
-                k += step
         return n
 
     def delivered(self, k: int, ts: float, now: float) -> None:
