@@ -6,8 +6,7 @@ stalls, results when it is summed), completes, holds and fails rounds (each
 through the phase table, `dlcp.core.round.TRANSITIONS`), and runs the timers
 (`get_timer`, `handle_timer`). Its datagrams are made by an `Emitter`; what
 is remembered after a round ends goes to `ClosedRounds`. Its own state: the
-rounds, the events for the caller, and the datagrams of rounds settled since
-`drop_settled`.
+rounds, the events for the caller, the datagrams settled since `drop_settled`.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from dlcp.core.aggregate import ShardAggregator
+from dlcp.core.aggtypes import Nack
 from dlcp.core.closed import ClosedRounds
 from dlcp.core.collector import ResultCollector
 from dlcp.core.early import EARLY_CODECS, EarlyResults
@@ -45,9 +45,7 @@ from dlcp.wire.mac import detach_gathered
 
 __all__ = ["OpenRounds"]
 
-# rounds whose settled datagrams wait for `drop_settled` at most (the oldest
-# are freed first when more end without a call)
-_SETTLED_MAX = 4
+_SETTLED_MAX = 4  # rounds' settled datagrams kept for `drop_settled` (the oldest freed first)
 
 
 class OpenRounds:
@@ -210,11 +208,7 @@ class OpenRounds:
             if sums.dtype == acc.slots.dtype:
                 agg.sum_into(sums)  # the owner's sums go straight where they are collected
         nacks, finished = agg.poll(now)
-        for nack in nacks:
-            # This node's own part comes from its ranks (`on_local`), never from
-            # the network: while it is late, nothing to ask for (as below).
-            if nack.node != r.spec.me:
-                self.emitter.nack(r.spec, r.op, agg.layout, nack, False)
+        self._ask(r, agg.layout, nacks, False)
         if finished:
             self._shard_done(r, shard, agg, now)
         else:
@@ -271,12 +265,14 @@ class OpenRounds:
             self._tidy(r)
 
     def poll_collector(self, r: Round, col: ResultCollector, now: float) -> None:
-        for nack in col.poll(now):
-            # This node's own shard reaches the collector from the aggregator
-            # here (`on_local`), never from the network: nothing to ask for.
-            if nack.node != r.spec.me:
-                self.emitter.nack(r.spec, r.op, col.layout, nack, True)
+        self._ask(r, col.layout, col.poll(now), True)
         self.check_complete(r, now)
+
+    def _ask(self, r: Round, lay: Layout, nacks: Sequence[Nack], result: bool) -> None:
+        """`nacks` out, none to this node: its own part and shard are `on_local`'s."""
+        for nack in nacks:
+            if nack.node != r.spec.me:
+                self.emitter.nack(r.spec, r.op, lay, nack, result)
 
     def ready(self, r: Round, node: int) -> None:
         """An all-gather's receiver `node` has submitted the round (its DONE
