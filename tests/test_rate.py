@@ -377,29 +377,6 @@ def test_pacer_catch_up_only_while_late_and_settle_drops_it() -> None:
         pacer.catch_up(-1.0, 0.02)
 
 
-def test_an_idle_pacer_earns_no_more_than_it_was_left_with() -> None:
-    """`settle(now, keep)` (the outbox's, as a path's queue empties) holds an
-    idle pacer at `keep` bytes however long it stays idle, so that the H - 1
-    senders that start the next round towards one port at once each send at
-    most `keep`; it failed before, when the tokens refilled to the whole burst
-    in the gap between rounds. Its next reservation ends the cap."""
-    pacer = Pacer(rate_bps=8e6, burst_bytes=1000, burst_seconds=0.004)  # 1 MB/s, 4 ms burst
-    assert pacer.burst_bytes == pytest.approx(4000)
-    pacer.consume(4000, 0.0)
-    pacer.settle(0.002, keep=1000)  # idle with 2000 earned: kept at 1000
-    assert pacer.tokens(0.002) == pytest.approx(1000)
-    assert pacer.tokens(0.050) == pytest.approx(1000)  # 48 ms idle: still 1000
-    assert pacer.budget(0.060)[1] == pytest.approx(1000)
-    pacer.retune(16e6, 0.0, 0.070)  # a new rate does not lift it either
-    assert pacer.tokens(0.070) == pytest.approx(1000)
-    assert pacer.consume(1000, 0.070) == 0.0  # sending again ...
-    assert pacer.tokens(0.080) == pytest.approx(8000)  # ... earns up to the whole burst
-    pacer.settle(0.080)  # without keep: the burst, no idle cap
-    assert pacer.tokens(0.200) == pytest.approx(8000)
-    with pytest.raises(LocalError):
-        pacer.settle(0.2, keep=-1.0)
-
-
 def test_pacer_follows_controller() -> None:
     """The daemon's loop: the controller's rate drives the pacer."""
     rc = RateController(RateConfig(link_rate_bps=1e9, initial_rate_bps=100e6))

@@ -355,8 +355,6 @@ class Pacer:
         # bytes that may go at once from the start: a full burst unless told
         self._tokens = self.burst_bytes if tokens is None else min(tokens, self.burst_bytes)
         self._updated = now
-        # `settle`'s `keep`: the most an idle pacer earns, until its next reservation
-        self._idle_cap = math.inf
 
     def _burst_for(self, rate_bps: float) -> float:
         return max(self._min_burst, rate_bps * self._burst_seconds / 8.0)
@@ -417,16 +415,10 @@ class Pacer:
 
     def settle(self, now: float, keep: float | None = None) -> None:
         """Nothing waits any more: tokens beyond the burst (a catch-up's) are
-        dropped, or beyond `keep` bytes where that is less; with `keep`, the
-        idle pacer also earns no more than `keep` until its next reservation
-        (`consume`), however long it stays idle: the burst of a path that
-        starts again, where every sender of a round starts at once."""
+        dropped, or beyond `keep` bytes where that is less."""
         self._refill(now)
         cap = self.burst_bytes if keep is None else min(self.burst_bytes, keep)
         self._tokens = min(self._tokens, cap)
-        if keep is not None:
-            _positive("keep", keep, allow_zero=True)
-            self._idle_cap = keep
 
     def tokens(self, now: float) -> float:
         """Bytes that may go at `now` without waiting (negative: debt)."""
@@ -449,7 +441,6 @@ class Pacer:
             raise LocalError(f"cannot pace {nbytes} bytes")
         if now - self._updated > 0:
             self._refill(now)
-        self._idle_cap = math.inf  # sending again: the whole burst from now on
         self._tokens -= nbytes
         debt = -self._tokens
         return (debt if debt > 0.0 else 0.0) * 8.0 / self._rate
@@ -462,8 +453,7 @@ class Pacer:
         if elapsed > 0:  # a clock that steps back earns nothing
             # min() and max() written out in this module's per-send paths:
             # they are called several times a batch (same results, NaN too)
-            burst = self.burst_bytes if self.burst_bytes < self._idle_cap else self._idle_cap
-            cap = burst + (elapsed if elapsed < late else late) * self._rate / 8.0
+            cap = self.burst_bytes + (elapsed if elapsed < late else late) * self._rate / 8.0
             if self._tokens < cap:
                 tokens = self._tokens + elapsed * self._rate / 8.0
                 self._tokens = tokens if tokens < cap else cap
