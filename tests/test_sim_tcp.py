@@ -52,13 +52,18 @@ def _flow(
     return loop, fabric, flow, got
 
 
+def _send_all(loop: EventLoop, flow: TcpFlow, got: list[tuple[int, float]], segments: int) -> None:
+    """`segments` written and the run to its end: every byte came out."""
+    flow.write(segments * MSS)
+    loop.run(10.0)
+    assert sum(n for n, _ in got) == segments * MSS
+
+
 def test_many_holes_in_one_window_recover_in_one_episode_without_a_timeout() -> None:
     # seven segments of one window lost: the scoreboard sends each once, no RTO
     holes = {40, 43, 44, 50, 61, 62, 70}
     loop, _, flow, got = _flow(lambda k, n: k in holes and n == 1)
-    flow.write(300 * MSS)
-    loop.run(10.0)
-    assert sum(n for n, _ in got) == 300 * MSS
+    _send_all(loop, flow, got, 300)
     assert flow.timeouts == 0 and flow.fast_retransmits == 1
     assert flow.retransmits == len(holes) and flow.sb.marked == len(holes)
     assert got[-1][1] < MIN_RTO
@@ -68,9 +73,7 @@ def test_a_lost_retransmission_is_resent_by_rack_before_the_rto() -> None:
     # segment 20 is lost, and its first retransmission too: RACK finds that
     # from the later segments' SACKs, not the 200 ms timer
     loop, _, flow, got = _flow(lambda k, n: k == 20 and n <= 2)
-    flow.write(200 * MSS)
-    loop.run(10.0)
-    assert sum(n for n, _ in got) == 200 * MSS
+    _send_all(loop, flow, got, 200)
     assert flow.timeouts == 0 and flow.retransmits == 2
     assert got[-1][1] < MIN_RTO
 
@@ -85,9 +88,7 @@ def test_lost_acks_sack_blocks_come_again_in_the_next_ack(
     loop, _, flow, got = _flow(
         lambda k, n: k in holes and n == 1, drop_ack=lambda k, n: k in acks_lost and n == 1
     )
-    flow.write(200 * MSS)
-    loop.run(10.0)
-    assert sum(n for n, _ in got) == 200 * MSS
+    _send_all(loop, flow, got, 200)
     assert flow.timeouts == 0 and flow.fast_retransmits == 1
     assert flow.retransmits == len(holes) and flow.sb.marked == len(holes)
     assert got[-1][1] < MIN_RTO
@@ -100,9 +101,7 @@ def test_an_in_order_arrivals_ack_repeats_the_blocks_beyond() -> None:
     loop, _, flow, got = _flow(
         lambda k, n: k in (40, 50) and n == 1, drop_ack=lambda k, n: 50 < k < 70 and n == 1
     )
-    flow.write(200 * MSS)
-    loop.run(10.0)
-    assert sum(n for n, _ in got) == 200 * MSS
+    _send_all(loop, flow, got, 200)
     assert flow.timeouts == 0 and flow.retransmits == flow.sb.marked == 2
     assert got[-1][1] < MIN_RTO
 
@@ -110,9 +109,7 @@ def test_an_in_order_arrivals_ack_repeats_the_blocks_beyond() -> None:
 def test_a_lost_tail_is_found_by_the_probe_not_the_rto() -> None:
     # the last segment of a write is lost: no ACK follows it, the probe goes
     loop, _, flow, got = _flow(lambda k, n: k == 29 and n == 1)
-    flow.write(30 * MSS)
-    loop.run(10.0)
-    assert sum(n for n, _ in got) == 30 * MSS
+    _send_all(loop, flow, got, 30)
     assert flow.probes == 1 and flow.timeouts == 0
     assert got[-1][1] < MIN_RTO
 
@@ -148,9 +145,7 @@ def test_hystart_leaves_slow_start_before_the_queue_overflows() -> None:
     # a long transfer into a 200 Mbit/s port with the tc plan's 1000 packets:
     # Reno's slow start doubled past the queue; HyStart stops it on the way
     loop, fabric, flow, got = _flow(lambda k, n: False, rate_bps=200e6)
-    flow.write(20_000 * MSS)
-    loop.run(10.0)
-    assert sum(n for n, _ in got) == 20_000 * MSS
+    _send_all(loop, flow, got, 20_000)
     assert flow.cc.found and flow.cc.ssthresh < 1000
     assert sum(fabric.down[1].drops) == 0 and flow.retransmits == 0
 
@@ -159,9 +154,7 @@ def test_without_hystart_slow_start_overflows_the_queue() -> None:
     # the same transfer into a short queue with HyStart kept off: drops
     loop, fabric, flow, got = _flow(lambda k, n: False, rate_bps=200e6, queue=100)
     flow.cc.found = True  # as if HyStart had fired and reset: it stays off
-    flow.write(3000 * MSS)
-    loop.run(10.0)
-    assert sum(n for n, _ in got) == 3000 * MSS
+    _send_all(loop, flow, got, 3000)
     assert sum(fabric.down[1].drops) > 0 and flow.retransmits > 0
 
 
