@@ -366,16 +366,16 @@ def parse(data: dict[str, Any], path: str | None = None) -> Config:
     if "pacing" in r:
         _need(isinstance(r["pacing"], bool), "rate.pacing must be true or false")
         cfg.pacing = r.pop("pacing")
+    cfg.rate = RateConfig.from_dict({**RATE_DEFAULTS, **r})
     # The controller's delay rule needs RTT samples of the data's own classes;
     # the daemon takes none (its acknowledgements carry no timestamps and its
     # probes ride the control class, ahead of any queued data), so the setting
     # would be silently ignored.
     _need(
-        r.get("delay_target", r.get("delay-target")) is None,
+        cfg.rate.delay_target is None,
         "rate.delay_target is not supported by dlcpd: it takes no RTT samples of its "
         "data classes (probes ride the control class), so delay would never cut a rate",
     )
-    cfg.rate = RateConfig.from_dict({**RATE_DEFAULTS, **r})
     known = set(Timing.__dataclass_fields__)
     unknown = set(t) - known
     _need(not unknown, f"[timing]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
