@@ -178,19 +178,10 @@ class Port:
     def _arrive_many(self, pkts: list[Packet], i: int, seq: int) -> None:
         """`_arrive` of `pkts[i:]` in order, each an event of `loop.left`; the
         rest back in the heap under `seq` when the loop's chunk is spent."""
-        loop, loss, rng = self.loop, self.loss, self.rng
+        loop, arrive = self.loop, self._arrive
         n = len(pkts)
-        while True:  # (`_arrive` of each, inline)
-            pkt = pkts[i]
-            if loss and rng.random() < loss:
-                self.lost += 1
-            else:
-                pkt.hop = hop = pkt.hop + 1
-                route = pkt.route
-                if hop < len(route):
-                    route[hop].offer(pkt)
-                else:
-                    self.deliver(pkt)
+        while True:
+            arrive(pkts[i])
             i += 1
             if i == n:
                 return
